@@ -1,0 +1,187 @@
+"""Every metric the collector exports, declared once.
+
+Dashboards, rules and tests import these names instead of retyping strings.
+Each metric carries vLLM's own labels, `model_name` and `engine` (the DP
+rank), plus the extra labels listed with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+PREFIX = "vllm_runbook_"
+BASE_LABELS = ("model_name", "engine")
+
+MetricType = Literal["counter", "gauge", "histogram"]
+
+# schedule() on a busy engine takes tens of µs to a few ms; 1 s means trouble.
+SCHEDULE_SECONDS_BUCKETS = (
+    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005,
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str  # full exposition name without the `_total` suffix of counters
+    type: MetricType
+    help: str
+    extra_labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = field(default=())
+    gpu_only: bool = False  # series exist only where NVML finds a GPU
+
+    @property
+    def series_name(self) -> str:
+        """The name a PromQL query uses (counters gain `_total`)."""
+        return self.name + "_total" if self.type == "counter" else self.name
+
+
+def _spec(name: str, type_: MetricType, help_: str, **kw: object) -> MetricSpec:
+    return MetricSpec(PREFIX + name, type_, help_, **kw)  # type: ignore[arg-type]
+
+
+COLLECTOR_UP = _spec(
+    "collector_up",
+    "gauge",
+    "1 while the collector hook works; 0 after it failed and disabled itself (the engine keeps serving).",
+)
+ENGINE_START_TIME = _spec(
+    "engine_start_time_seconds",
+    "gauge",
+    "Unix time at which the scheduler (and so the engine) started.",
+)
+PREFIX_CACHE_QUERIES = _spec(
+    "prefix_cache_queries", "counter", "Tokens looked up in the prefix cache at admission."
+)
+PREFIX_CACHE_HITS = _spec(
+    "prefix_cache_hits", "counter", "Tokens found in the prefix cache at admission."
+)
+KV_HIT_RATIO = _spec(
+    "kv_hit_ratio",
+    "gauge",
+    "Prefix cache hits / queries over the sliding window (VLLM_RUNBOOK_WINDOW_SECONDS, default 60 s).",
+)
+BLOCK_FRAGMENTATION = _spec(
+    "block_fragmentation_ratio",
+    "gauge",
+    "After the latest step: 1 - sum(num_computed_tokens) / sum(blocks held x block_size) over running requests; 0 when none run.",
+)
+PADDING_RATIO = _spec(
+    "padding_ratio",
+    "gauge",
+    "sum(padded - unpadded) / sum(padded) tokens executed over the sliding window (cudagraph padding; 0 on CPU/eager).",
+)
+LENGTH_PADDING_RATIO = _spec(
+    "length_padding_ratio",
+    "gauge",
+    "Latest step: 1 - sum(len) / (n x max len) over the scheduled requests' context lengths (padding a static batcher would need).",
+)
+SCHEDULE_SECONDS = _spec(
+    "schedule_seconds",
+    "histogram",
+    "Wall time of one scheduler.schedule() call.",
+    buckets=SCHEDULE_SECONDS_BUCKETS,
+)
+STEPS = _spec("steps", "counter", "Scheduler steps (schedule() calls).")
+SCHEDULED_TOKENS = _spec(
+    "scheduled_tokens", "counter", "Tokens scheduled over all steps (prefill and decode)."
+)
+TOKEN_BUDGET = _spec(
+    "token_budget",
+    "counter",
+    "Token budget offered over all steps (effective max_num_batched_tokens per step); rate(scheduled)/rate(budget) is the budget fill.",
+)
+STEP_TOKENS = _spec("step_tokens", "gauge", "Tokens scheduled in the latest step.")
+BUDGET_FILL = _spec(
+    "budget_fill_ratio", "gauge", "Latest step: scheduled tokens / effective token budget."
+)
+PADDED_TOKENS = _spec(
+    "padded_tokens",
+    "counter",
+    "Tokens executed including padding (cudagraph sizes); equals unpadded where nothing is padded.",
+)
+UNPADDED_TOKENS = _spec("unpadded_tokens", "counter", "Tokens executed without padding.")
+REQUESTS_RUNNING = _spec("num_requests_running", "gauge", "Requests in the running queue.")
+REQUESTS_WAITING = _spec(
+    "num_requests_waiting", "gauge", "Requests waiting to be scheduled (including preempted ones)."
+)
+PREEMPTIONS = _spec(
+    "preemptions", "counter", "Requests preempted (KV blocks freed, request sent back to waiting)."
+)
+KV_BLOCKS_USED = _spec(
+    "kv_blocks_used",
+    "gauge",
+    "KV cache blocks held by requests (excludes the null block and free cached blocks).",
+)
+KV_BLOCKS_FREE = _spec(
+    "kv_blocks_free", "gauge", "KV cache blocks free (including evictable prefix-cached blocks)."
+)
+KV_CACHE_USAGE = _spec(
+    "kv_cache_usage_ratio",
+    "gauge",
+    "KV blocks used / usable blocks (vLLM's own definition, available without stats logging).",
+)
+MAX_NUM_BATCHED_TOKENS = _spec(
+    "max_num_batched_tokens", "gauge", "Effective token budget per step now."
+)
+MAX_NUM_SEQS = _spec("max_num_seqs", "gauge", "Effective admission limit (running sequences) now.")
+STARTUP_MAX_NUM_BATCHED_TOKENS = _spec(
+    "startup_max_num_batched_tokens",
+    "gauge",
+    "Token budget the engine started with (the ceiling for any runtime change).",
+)
+STARTUP_MAX_NUM_SEQS = _spec(
+    "startup_max_num_seqs",
+    "gauge",
+    "max_num_seqs the engine started with (the ceiling for any runtime change).",
+)
+SCHEDULER_POLICY = _spec(
+    "scheduler_policy",
+    "gauge",
+    "1 for the active scheduling policy, 0 for the others.",
+    extra_labels=("policy",),
+)
+NVML_UP = _spec(
+    "nvml_up",
+    "gauge",
+    "1 when NVML answered at the latest poll; 0 where there is no NVIDIA driver (no GPU series then).",
+)
+GPU_MEMORY_USED = _spec(
+    "gpu_memory_used_bytes",
+    "gauge",
+    "GPU memory in use (NVML), per GPU.",
+    extra_labels=("gpu",),
+    gpu_only=True,
+)
+GPU_MEMORY_TOTAL = _spec(
+    "gpu_memory_total_bytes",
+    "gauge",
+    "GPU memory in total (NVML), per GPU.",
+    extra_labels=("gpu",),
+    gpu_only=True,
+)
+GPU_UTILIZATION = _spec("gpu_utilization_ratio", "gauge", "GPU compute utilisation over NVML's last sample period, 0..1, per GPU.", extra_labels=("gpu",), gpu_only=True)  # fmt: skip
+
+ALL_METRICS: tuple[MetricSpec, ...] = tuple(
+    v for v in globals().values() if isinstance(v, MetricSpec)
+)
+METRICS_BY_NAME = {m.name: m for m in ALL_METRICS}
+
+POLICIES = ("fcfs", "priority")
+
+
+def build(spec: MetricSpec, registry: CollectorRegistry) -> Counter | Gauge | Histogram:
+    """Create the prometheus_client object for `spec` on `registry`.
+
+    Gauges use multiprocess_mode="mostrecent" so that, when vLLM runs with
+    PROMETHEUS_MULTIPROC_DIR, its own /metrics shows the latest value.
+    """
+    labels = BASE_LABELS + spec.extra_labels
+    if spec.type == "counter":
+        return Counter(spec.name, spec.help, labels, registry=registry)
+    if spec.type == "histogram":
+        return Histogram(spec.name, spec.help, labels, registry=registry, buckets=spec.buckets)
+    return Gauge(spec.name, spec.help, labels, registry=registry, multiprocess_mode="mostrecent")

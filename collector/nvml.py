@@ -1,0 +1,121 @@
+"""GPU memory and utilisation per GPU from NVML (pynvml, from nvidia-ml-py).
+
+Where there is no NVIDIA driver the poller sets `vllm_runbook_nvml_up 0` and
+exports no GPU series: absence is not an error. The NVML module is passed in,
+so tests use a fake.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from types import ModuleType
+from typing import Any
+
+from prometheus_client import Gauge
+
+logger = logging.getLogger("vllm_runbook.collector")
+
+
+def load_pynvml() -> ModuleType | None:
+    try:
+        import pynvml
+
+        return pynvml
+    except Exception:  # not installed, or a broken install: no GPU series
+        return None
+
+
+def visible_gpu_indices(device_count: int, env: str | None) -> list[int]:
+    """NVML indices of the GPUs this process may use (CUDA_VISIBLE_DEVICES)."""
+    if env is None or env.strip() == "":
+        return list(range(device_count)) if env is None else []
+    indices = []
+    for item in env.split(","):
+        item = item.strip()
+        if item.isdigit() and int(item) < device_count:
+            indices.append(int(item))
+        # UUIDs/MIG names: NVML can resolve them, done in NvmlPoller.
+    return indices
+
+
+class NvmlPoller:
+    """Polls NVML on a daemon thread every `interval` seconds into gauges."""
+
+    def __init__(
+        self,
+        nvml: Any,
+        up: Gauge,
+        memory_used: Gauge,
+        memory_total: Gauge,
+        utilization: Gauge,
+        base_labels: tuple[str, str],
+        interval: float = 5.0,
+    ) -> None:
+        self.nvml = nvml
+        self.up = up
+        self.memory_used = memory_used
+        self.memory_total = memory_total
+        self.utilization = utilization
+        self.base_labels = base_labels
+        self.interval = interval
+        self.handles: list[tuple[str, Any]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._warned = False
+
+    def init(self) -> bool:
+        """Initialise NVML; False (and nvml_up 0) when there is no driver."""
+        up = self.up.labels(*self.base_labels)
+        if self.nvml is None:
+            up.set(0)
+            return False
+        try:
+            self.nvml.nvmlInit()
+            count = self.nvml.nvmlDeviceGetCount()
+            env = os.environ.get("CUDA_VISIBLE_DEVICES")
+            handles = []
+            for index in visible_gpu_indices(count, env):
+                handles.append((str(index), self.nvml.nvmlDeviceGetHandleByIndex(index)))
+            if env and not handles:  # UUIDs or MIG names
+                for ident in env.split(","):
+                    h = self.nvml.nvmlDeviceGetHandleByUUID(ident.strip())
+                    handles.append((str(self.nvml.nvmlDeviceGetIndex(h)), h))
+            self.handles = handles
+        except Exception as exc:
+            logger.info("vllm-runbook: NVML unavailable (%s); no GPU metrics", exc)
+            up.set(0)
+            return False
+        return self.poll()
+
+    def poll(self) -> bool:
+        up = self.up.labels(*self.base_labels)
+        try:
+            for gpu, handle in self.handles:
+                mem = self.nvml.nvmlDeviceGetMemoryInfo(handle)
+                util = self.nvml.nvmlDeviceGetUtilizationRates(handle)
+                labels = (*self.base_labels, gpu)
+                self.memory_used.labels(*labels).set(mem.used)
+                self.memory_total.labels(*labels).set(mem.total)
+                self.utilization.labels(*labels).set(util.gpu / 100.0)
+        except Exception as exc:
+            if not self._warned:
+                logger.warning("vllm-runbook: NVML poll failed (%s); nvml_up=0", exc)
+                self._warned = True
+            up.set(0)
+            return False
+        up.set(1)
+        return True
+
+    def start(self) -> None:
+        if self._thread is None and self.init():
+            self._thread = threading.Thread(target=self._run, name="vllm-runbook-nvml", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.poll()
+
+    def stop(self) -> None:
+        self._stop.set()

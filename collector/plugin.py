@@ -1,0 +1,49 @@
+"""vLLM general plugin: hooks the collector into every engine by itself.
+
+Registered under the `vllm.general_plugins` entry point group, so vLLM calls
+`register()` in every process; in the EngineCore it runs before the scheduler
+is built (EngineCore.__init__). We wrap `SchedulerConfig.get_scheduler_cls`
+so the class vLLM picks (Scheduler, AsyncScheduler, or a user's) comes back
+with the hook mixed in. Where the user already chose our class with
+`--scheduler-cls collector.scheduler.RunbookScheduler`, nothing changes.
+
+Disable with `VLLM_PLUGINS=` (an empty allow-list) or by naming only other
+plugins there.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+logger = logging.getLogger("vllm_runbook.collector")
+
+_registered = False
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    try:
+        import vllm
+        from vllm.config.scheduler import SchedulerConfig
+
+        from collector.hook import check_vllm_version, with_collector
+
+        check_vllm_version(getattr(vllm, "__version__", "unknown"))
+        original = SchedulerConfig.get_scheduler_cls
+
+        @functools.wraps(original)
+        def get_scheduler_cls(self: SchedulerConfig) -> type:
+            scheduler_cls = original(self)
+            try:
+                return with_collector(scheduler_cls)
+            except Exception:
+                logger.exception("vllm-runbook: cannot hook %s; running without", scheduler_cls)
+                return scheduler_cls
+
+        SchedulerConfig.get_scheduler_cls = get_scheduler_cls  # type: ignore[method-assign]
+        _registered = True
+    except Exception:  # never stop vLLM from starting
+        logger.exception("vllm-runbook: plugin registration failed; engine runs without it")
