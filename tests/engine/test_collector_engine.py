@@ -1,0 +1,160 @@
+"""Exact metric oracles on a real vLLM CPU engine, stepped by hand."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from collector import metrics as M
+from tests.engines import InProcessEngine, http_get
+
+pytestmark = pytest.mark.engine
+
+
+def test_hook_is_mixed_into_vllms_scheduler(engine: InProcessEngine) -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from collector.hook import RunbookSchedulerMixin
+
+    assert isinstance(engine.scheduler, RunbookSchedulerMixin)
+    assert isinstance(engine.scheduler, Scheduler)
+    assert engine.value(M.COLLECTOR_UP.name) == 1
+
+
+def test_fragmentation_and_length_padding_after_the_prefill_step(engine: InProcessEngine) -> None:
+    # Distinct offsets: no prefix-cache hits, every token is computed.
+    for i, n in enumerate((40, 70, 100)):
+        engine.add(f"frag-{i}", n, max_tokens=3, offset=1000 + 150 * i)
+    engine.step()
+    # Blocks held: ceil(40/32)+ceil(70/32)+ceil(100/32) = 2+3+4 = 9 → 288 slots.
+    assert engine.value(M.BLOCK_FRAGMENTATION.name) == pytest.approx(1 - 210 / 288, abs=1e-12)
+    assert engine.value(M.LENGTH_PADDING_RATIO.name) == pytest.approx(1 - 210 / 300, abs=1e-12)
+    assert engine.value(M.STEP_TOKENS.name) == 210
+    assert engine.value(M.BUDGET_FILL.name) == pytest.approx(210 / 512)
+    assert engine.value(M.REQUESTS_RUNNING.name) == 3
+    assert engine.value(M.KV_BLOCKS_USED.name) == 9
+    assert engine.value(M.KV_BLOCKS_FREE.name) == 255 - 9
+    engine.run_until_done()
+    # Nothing runs any more: fragmentation is defined as 0, and the queue
+    # gauges follow the finished requests even though no step comes after.
+    assert engine.value(M.BLOCK_FRAGMENTATION.name) == 0
+    assert engine.value(M.REQUESTS_RUNNING.name) == 0
+    assert engine.value(M.KV_BLOCKS_USED.name) == 0
+
+
+def test_decode_steps_track_the_growing_context(engine: InProcessEngine) -> None:
+    engine.add("dec-0", 32, max_tokens=3, offset=3000)
+    engine.step()  # prefill: 32 computed tokens in exactly 1 block
+    assert engine.value(M.BLOCK_FRAGMENTATION.name) == 0
+    engine.step()  # first decode: 33 tokens need a second block
+    assert engine.value(M.BLOCK_FRAGMENTATION.name) == pytest.approx(1 - 33 / 64)
+    assert engine.value(M.STEP_TOKENS.name) == 1
+    engine.run_until_done()
+
+
+def test_padding_ratio_is_zero_on_cpu(engine: InProcessEngine) -> None:
+    engine.add("pad-0", 50, max_tokens=5, offset=4000)
+    engine.run_until_done()
+    assert engine.collector.capture_sizes == []  # eager CPU: nothing captured
+    padded = engine.value(M.PADDED_TOKENS.series_name)
+    assert padded is not None and padded > 0
+    assert padded == engine.value(M.UNPADDED_TOKENS.series_name)
+    assert engine.value(M.PADDING_RATIO.name) == 0
+
+
+def test_knob_gauges_equal_the_startup_values(engine: InProcessEngine) -> None:
+    assert engine.value(M.MAX_NUM_BATCHED_TOKENS.name) == 512
+    assert engine.value(M.STARTUP_MAX_NUM_BATCHED_TOKENS.name) == 512
+    assert engine.scheduler.max_num_scheduled_tokens == 512
+    assert engine.value(M.MAX_NUM_SEQS.name) == 64
+    assert engine.value(M.STARTUP_MAX_NUM_SEQS.name) == 64
+    assert engine.value(M.SCHEDULER_POLICY.name, policy="fcfs") == 1
+    assert engine.value(M.SCHEDULER_POLICY.name, policy="priority") == 0
+
+
+def test_step_counters_are_consistent(engine: InProcessEngine) -> None:
+    steps = engine.value(M.STEPS.series_name)
+    assert steps is not None and steps > 0
+    assert engine.value(M.SCHEDULE_SECONDS.name + "_count") == steps
+    assert engine.value(M.TOKEN_BUDGET.series_name) == 512 * steps
+
+
+def test_endpoint_serves_every_metric(engine: InProcessEngine) -> None:
+    server = engine.collector.server
+    assert server is not None and server.host == "127.0.0.1"
+    status, text = http_get(server.url + "/metrics")
+    assert status == 200
+    names = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+    for spec in M.ALL_METRICS:
+        wanted = spec.name + "_count" if spec.type == "histogram" else spec.series_name
+        if spec.gpu_only:
+            assert wanted not in names, "no GPU here: GPU series must be absent"
+        else:
+            assert wanted in names, wanted
+    # No NVIDIA driver on this machine: nvml_up 0 and no error.
+    assert engine.value(M.NVML_UP.name) == 0
+    assert http_get(server.url + "/nope")[0] == 404
+
+
+# -- prefix cache: a fresh engine, so the window holds only this workload --
+
+
+@pytest.fixture(scope="module")
+def fresh_engine(tiny_model: Path) -> Iterator[InProcessEngine]:
+    eng = InProcessEngine.start(tiny_model)
+    yield eng
+    eng.close()
+
+
+def test_prefix_cache_hit_ratio_without_stats_logging(fresh_engine: InProcessEngine) -> None:
+    assert fresh_engine.scheduler.log_stats is False  # offline LLM: stats logging off
+    assert math.isnan(fresh_engine.value(M.KV_HIT_RATIO.name))  # no lookups yet
+    for i in range(2):  # the same 100-token prompt, one after the other
+        fresh_engine.add(f"hit-{i}", 100, max_tokens=2, offset=7)
+        fresh_engine.run_until_done()
+    # vLLM caches full blocks only and must compute the last token:
+    # the second lookup finds 3 blocks of 32 = 96 tokens.
+    assert fresh_engine.value(M.PREFIX_CACHE_QUERIES.series_name) == 200
+    assert fresh_engine.value(M.PREFIX_CACHE_HITS.series_name) == 96
+    assert fresh_engine.value(M.KV_HIT_RATIO.name) == pytest.approx(0.48)
+
+
+# -- preemption under a small KV cache --
+
+
+@pytest.fixture(scope="module")
+def small_kv_engine(tiny_model: Path) -> Iterator[InProcessEngine]:
+    # 32 blocks (31 usable) of 32 tokens: 992 tokens of KV for 16 requests
+    # that each grow to 300 tokens.
+    eng = InProcessEngine.start(
+        tiny_model, num_gpu_blocks_override=32, max_num_seqs=16, max_model_len=512
+    )
+    yield eng
+    eng.close()
+
+
+def test_preemptions_equal_the_schedulers_own_count(small_kv_engine: InProcessEngine) -> None:
+    scheduler = small_kv_engine.scheduler
+    preempted: list[str] = []
+    original = scheduler._preempt_request
+
+    def counting_preempt(request, *args, **kwargs):  # type: ignore[no-untyped-def]
+        preempted.append(request.request_id)
+        return original(request, *args, **kwargs)
+
+    scheduler._preempt_request = counting_preempt
+    try:
+        for i in range(16):
+            small_kv_engine.add(f"long-{i}", 200, max_tokens=100, offset=20 * i)
+        finished = small_kv_engine.run_until_done()
+    finally:
+        del scheduler._preempt_request
+    assert len(finished) == 16
+    assert len(preempted) > 0, "the workload must really preempt"
+    assert small_kv_engine.value(M.PREEMPTIONS.series_name) == len(preempted)
+    assert small_kv_engine.value(M.KV_BLOCKS_USED.name) == 0
+    assert small_kv_engine.value(M.KV_BLOCKS_FREE.name) == 31

