@@ -18,11 +18,14 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from itertools import accumulate, repeat
+from operator import attrgetter
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from collector import metrics as M
+from collector.exporter import MultiprocessMirror, Sample, StatsExporter, close_quietly
 from collector.nvml import NvmlPoller, load_pynvml
 from collector.server import AgentServer
 from collector.window import SlidingWindowRatio
@@ -64,8 +67,10 @@ def check_vllm_version(version: str) -> bool:
         logger.warning(
             "vllm-runbook: vLLM %s is outside the tested range %d.%d-%d.%d; "
             "the collector will disable itself if the scheduler differs",
-            version, *low, *high,
-        )  # fmt: skip
+            version,
+            *low,
+            *high,
+        )
         return False
     return True
 
@@ -79,7 +84,12 @@ def predicted_padded_tokens(num_tokens: int, capture_sizes: list[int]) -> int:
 
 
 class EngineCollector:
-    """Owns one engine's metrics, windows, endpoint and NVML poller."""
+    """Owns one engine's statistics, windows, endpoint and NVML poller.
+
+    The per-step methods only update plain attributes; `samples()` turns them
+    (plus the scheduler's live queue, KV and knob state) into Prometheus
+    samples when someone scrapes.
+    """
 
     def __init__(
         self,
@@ -90,6 +100,7 @@ class EngineCollector:
     ) -> None:
         self.settings = settings or CollectorSettings.from_env()
         self.registry = registry or CollectorRegistry(auto_describe=True)
+        self.scheduler = scheduler
         self.enabled = True
         self.error: str | None = None
         self.start_time = time.time()
@@ -100,9 +111,6 @@ class EngineCollector:
         self.dp_rank = int(vllm_config.parallel_config.data_parallel_rank or 0)
         self.labels = (self.model_name, str(self.dp_rank))
         self.block_size = int(scheduler.block_size)
-
-        self.metrics = {spec.name: M.build(spec, self.registry) for spec in M.ALL_METRICS}
-        self._bind_children()
 
         # KV blocks: the first KV cache group (full attention for decoder LLMs).
         kv_manager = scheduler.kv_cache_manager
@@ -122,88 +130,62 @@ class EngineCollector:
             sorted(compilation.cudagraph_capture_sizes or []) if cudagraphs_on else []
         )
 
+        self.startup_max_num_batched_tokens = int(scheduler.max_num_scheduled_tokens)
+        self.startup_max_num_seqs = int(scheduler.max_num_active_reqs)
+
+        # Plain per-step statistics (written by the engine thread only).
+        self.steps = 0
+        self.scheduled_tokens = 0
+        self.token_budget = 0
+        self.step_tokens = 0
+        self.budget_fill = 0.0
+        self.preemptions = 0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.padded_tokens = 0
+        self.unpadded_tokens = 0
+        self.fragmentation = 0.0
+        self.length_padding = 0.0
+        self._schedule_bounds = M.SCHEDULE_SECONDS.buckets
+        self.schedule_counts = [0] * (len(self._schedule_bounds) + 1)  # last: +Inf
+        self.schedule_seconds_sum = 0.0
         self.hit_window = SlidingWindowRatio(self.settings.window_seconds)
         self.padding_window = SlidingWindowRatio(self.settings.window_seconds)
 
-        self.startup_max_num_batched_tokens = int(scheduler.max_num_scheduled_tokens)
-        self.startup_max_num_seqs = int(scheduler.max_num_active_reqs)
-        self._known_knobs: tuple[Any, ...] = ()
-        self._set_static(scheduler)
         self._wrap_prefix_cache_stats(kv_manager)
+        self.registry.register(StatsExporter(self.samples, self.labels))
+        nvml_gauges = {spec.name: M.build(spec, self.registry) for spec in M.NVML_METRICS}
+
+        self.mirror: MultiprocessMirror | None = None
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            self.mirror = MultiprocessMirror(self.samples, self.labels).start()
 
         self.server: AgentServer | None = None
         if self.settings.port is not None:
             port = self.settings.port + self.dp_rank if self.settings.port else 0
             try:
-                self.server = AgentServer(
-                    self.settings.host, port, self.registry, before_scrape=self.refresh_windows
-                ).start()
+                self.server = AgentServer(self.settings.host, port, self.registry).start()
                 logger.info(
                     "vllm-runbook: agent for engine %d on %s", self.dp_rank, self.server.url
                 )
             except OSError as exc:
                 logger.warning(
                     "vllm-runbook: cannot serve on %s:%d (%s); set VLLM_RUNBOOK_PORT",
-                    self.settings.host, port, exc,
-                )  # fmt: skip
+                    self.settings.host,
+                    port,
+                    exc,
+                )
 
         self.nvml = NvmlPoller(
             load_pynvml() if nvml == "auto" else nvml,
-            self.metrics[M.NVML_UP.name],
-            self.metrics[M.GPU_MEMORY_USED.name],
-            self.metrics[M.GPU_MEMORY_TOTAL.name],
-            self.metrics[M.GPU_UTILIZATION.name],
+            nvml_gauges[M.NVML_UP.name],
+            nvml_gauges[M.GPU_MEMORY_USED.name],
+            nvml_gauges[M.GPU_MEMORY_TOTAL.name],
+            nvml_gauges[M.GPU_UTILIZATION.name],
             self.labels,
             self.settings.nvml_interval,
         )
         self.nvml.start()
-
-    # -- setup ---------------------------------------------------------------
-
-    def _bind_children(self) -> None:
-        m, lv = self.metrics, self.labels
-        child = lambda spec: m[spec.name].labels(*lv)  # noqa: E731
-        self.c_up = child(M.COLLECTOR_UP)
-        self.c_queries = child(M.PREFIX_CACHE_QUERIES)
-        self.c_hits = child(M.PREFIX_CACHE_HITS)
-        self.c_hit_ratio = child(M.KV_HIT_RATIO)
-        self.c_fragmentation = child(M.BLOCK_FRAGMENTATION)
-        self.c_padding = child(M.PADDING_RATIO)
-        self.c_length_padding = child(M.LENGTH_PADDING_RATIO)
-        self.c_schedule_seconds = child(M.SCHEDULE_SECONDS)
-        self.c_steps = child(M.STEPS)
-        self.c_scheduled_tokens = child(M.SCHEDULED_TOKENS)
-        self.c_token_budget = child(M.TOKEN_BUDGET)
-        self.c_step_tokens = child(M.STEP_TOKENS)
-        self.c_budget_fill = child(M.BUDGET_FILL)
-        self.c_padded = child(M.PADDED_TOKENS)
-        self.c_unpadded = child(M.UNPADDED_TOKENS)
-        self.c_running = child(M.REQUESTS_RUNNING)
-        self.c_waiting = child(M.REQUESTS_WAITING)
-        self.c_preemptions = child(M.PREEMPTIONS)
-        self.c_blocks_used = child(M.KV_BLOCKS_USED)
-        self.c_blocks_free = child(M.KV_BLOCKS_FREE)
-        self.c_kv_usage = child(M.KV_CACHE_USAGE)
-        self.c_max_tokens = child(M.MAX_NUM_BATCHED_TOKENS)
-        self.c_max_seqs = child(M.MAX_NUM_SEQS)
-
-    def _set_static(self, scheduler: Any) -> None:
-        lv = self.labels
-        self.c_up.set(1)
-        self.metrics[M.ENGINE_START_TIME.name].labels(*lv).set(self.start_time)
-        self.metrics[M.STARTUP_MAX_NUM_BATCHED_TOKENS.name].labels(*lv).set(
-            self.startup_max_num_batched_tokens
-        )
-        self.metrics[M.STARTUP_MAX_NUM_SEQS.name].labels(*lv).set(self.startup_max_num_seqs)
-        self.c_hit_ratio.set(math.nan)  # no lookups yet: undefined, not "0 % hits"
-        self.c_padding.set(0)
-        for gauge in (self.c_fragmentation, self.c_length_padding, self.c_step_tokens):
-            gauge.set(0)
-        # Touch counters so every series exists from the start.
-        for counter in (self.c_queries, self.c_hits, self.c_preemptions, self.c_steps):
-            counter.inc(0)
-        self.update_knobs(scheduler)
-        self.update_queues(scheduler)
 
     def _wrap_prefix_cache_stats(self, kv_manager: Any) -> None:
         """Count prefix-cache lookups at admission, whatever vLLM's log_stats."""
@@ -222,97 +204,104 @@ class EngineCollector:
 
         kv_manager.record_prefix_cache_stats = record_prefix_cache_stats
 
-    # -- per-step ------------------------------------------------------------
+    # -- per step (engine thread): plain arithmetic only ---------------------
 
     def on_prefix_lookup(self, num_tokens: int, num_hits: int) -> None:
-        self.c_queries.inc(num_tokens)
-        self.c_hits.inc(num_hits)
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hits
         self.hit_window.add(num_hits, num_tokens)
-        self.c_hit_ratio.set(self.hit_window.ratio(math.nan))
 
     def on_schedule(self, scheduler: Any, output: Any, elapsed: float) -> None:
         """After schedule(): `request.num_computed_tokens` includes this step."""
-        self.c_schedule_seconds.observe(elapsed)
+        self.schedule_counts[bisect.bisect_left(self._schedule_bounds, elapsed)] += 1
+        self.schedule_seconds_sum += elapsed
         tokens = output.total_num_scheduled_tokens
         budget = scheduler.max_num_scheduled_tokens
-        self.c_steps.inc()
-        self.c_scheduled_tokens.inc(tokens)
-        self.c_token_budget.inc(budget)
-        self.c_step_tokens.set(tokens)
-        self.c_budget_fill.set(tokens / budget if budget else 0.0)
-        preempted = len(output.preempted_req_ids)
-        if preempted:
-            self.c_preemptions.inc(preempted)
+        self.steps += 1
+        self.scheduled_tokens += tokens
+        self.token_budget += budget
+        self.step_tokens = tokens
+        self.budget_fill = tokens / budget if budget else 0.0
+        self.preemptions += len(output.preempted_req_ids)
 
+        running = scheduler.running
+        if not running:
+            self.fragmentation = self.length_padding = 0.0
+            return
+        # C-level map/sum instead of a Python loop: this runs every step over
+        # every running request (see benchmarks/collector_overhead.py).
+        lengths = list(map(_num_computed_tokens, running))
+        ids = list(map(_request_id, running))
+        blocks = map(self._req_to_blocks.get, ids, repeat((), len(ids)))
+        held = sum(map(_count_real_blocks if self._blocks_have_nulls else len, blocks))
+        computed = sum(lengths)
+        self.fragmentation = 1.0 - computed / (held * self.block_size) if held else 0.0
         scheduled = output.num_scheduled_tokens
-        req_to_blocks = self._req_to_blocks
-        nulls = self._blocks_have_nulls
-        computed = held = n = total_len = max_len = 0
-        for request in scheduler.running:
-            length = request.num_computed_tokens
-            computed += length
-            blocks = req_to_blocks.get(request.request_id)
-            if blocks:
-                held += sum(1 for b in blocks if not b.is_null) if nulls else len(blocks)
-            if request.request_id in scheduled:
-                n += 1
-                total_len += length
-                if length > max_len:
-                    max_len = length
-        self.c_fragmentation.set(1.0 - computed / (held * self.block_size) if held else 0.0)
-        self.c_length_padding.set(1.0 - total_len / (n * max_len) if max_len else 0.0)
-        self.update_queues(scheduler)
-        if (scheduler.max_num_scheduled_tokens, scheduler.max_num_active_reqs,
-                scheduler.policy) != self._known_knobs:  # fmt: skip
-            self.update_knobs(scheduler)
+        if len(scheduled) != len(running):  # scheduled ⊆ running after schedule()
+            lengths = [n for n, i in zip(lengths, ids, strict=True) if i in scheduled]
+            computed = sum(lengths)
+        max_len = max(lengths, default=0)
+        self.length_padding = 1.0 - computed / (len(lengths) * max_len) if max_len else 0.0
 
     def on_update(self, scheduler: Any, scheduler_output: Any, runner_output: Any) -> None:
-        """After update_from_output(): padding of the executed batch, and the
-        queues once finished requests have left (an idle engine steps no more)."""
-        stat = getattr(runner_output, "cudagraph_stats", None)
+        """After update_from_output(): padding of the batch just executed."""
+        stat = runner_output.cudagraph_stats
         if stat is not None:
             unpadded, padded = stat.num_unpadded_tokens, stat.num_padded_tokens
         else:
             unpadded = scheduler_output.total_num_scheduled_tokens
             padded = predicted_padded_tokens(unpadded, self.capture_sizes)
         if padded:
-            self.c_padded.inc(padded)
-            self.c_unpadded.inc(unpadded)
+            self.padded_tokens += padded
+            self.unpadded_tokens += unpadded
             self.padding_window.add(padded - unpadded, padded)
-            self.c_padding.set(self.padding_window.ratio())
-        self.update_queues(scheduler)
         if not scheduler.running:
-            self.c_fragmentation.set(0.0)
+            self.fragmentation = 0.0
 
-    def update_queues(self, scheduler: Any) -> None:
-        self.c_running.set(len(scheduler.running))
-        self.c_waiting.set(len(scheduler.waiting) + len(scheduler.kv_holding_waiting))
+    # -- at scrape time (HTTP thread) ----------------------------------------
+
+    def samples(self) -> list[Sample]:
+        """Every non-NVML metric now. Reads the scheduler's ints and list
+        lengths from another thread: single attribute reads, no iteration."""
+        sched = self.scheduler
         pool = self.block_pool
         usable = pool.num_gpu_blocks - 1  # one block is vLLM's null block
         free = pool.get_num_free_blocks()
-        self.c_blocks_free.set(free)
-        self.c_blocks_used.set(usable - free)
-        self.c_kv_usage.set((usable - free) / usable if usable else 0.0)
-
-    def update_knobs(self, scheduler: Any) -> None:
-        policy = scheduler.policy
-        self._known_knobs = (
-            scheduler.max_num_scheduled_tokens,
-            scheduler.max_num_active_reqs,
-            policy,
-        )
-        self.c_max_tokens.set(scheduler.max_num_scheduled_tokens)
-        self.c_max_seqs.set(scheduler.max_num_active_reqs)
-        active = getattr(policy, "value", str(policy))
-        gauge = self.metrics[M.SCHEDULER_POLICY.name]
-        for name in M.POLICIES:
-            gauge.labels(*self.labels, name).set(1 if name == active else 0)
-
-    def refresh_windows(self) -> None:
-        """Slide the windows at scrape time, so an idle engine's ratios age out."""
-        if self.enabled:
-            self.c_hit_ratio.set(self.hit_window.ratio(math.nan))
-            self.c_padding.set(self.padding_window.ratio())
+        policy = getattr(sched.policy, "value", str(sched.policy))
+        cumulative = list(accumulate(self.schedule_counts))
+        return [
+            Sample(M.COLLECTOR_UP, 1.0 if self.enabled else 0.0),
+            Sample(M.ENGINE_START_TIME, self.start_time),
+            Sample(M.PREFIX_CACHE_QUERIES, self.prefix_queries),
+            Sample(M.PREFIX_CACHE_HITS, self.prefix_hits),
+            # No lookups in the window: undefined (NaN), not "0 % hits".
+            Sample(M.KV_HIT_RATIO, self.hit_window.ratio(math.nan)),
+            Sample(M.BLOCK_FRAGMENTATION, self.fragmentation),
+            Sample(M.PADDING_RATIO, self.padding_window.ratio()),
+            Sample(M.LENGTH_PADDING_RATIO, self.length_padding),
+            Sample(M.SCHEDULE_SECONDS, self.schedule_seconds_sum, buckets=tuple(cumulative)),
+            Sample(M.STEPS, self.steps),
+            Sample(M.SCHEDULED_TOKENS, self.scheduled_tokens),
+            Sample(M.TOKEN_BUDGET, self.token_budget),
+            Sample(M.STEP_TOKENS, self.step_tokens),
+            Sample(M.BUDGET_FILL, self.budget_fill),
+            Sample(M.PADDED_TOKENS, self.padded_tokens),
+            Sample(M.UNPADDED_TOKENS, self.unpadded_tokens),
+            Sample(M.REQUESTS_RUNNING, len(sched.running)),
+            Sample(M.REQUESTS_WAITING, len(sched.waiting) + len(sched.kv_holding_waiting)),
+            Sample(M.PREEMPTIONS, self.preemptions),
+            Sample(M.KV_BLOCKS_USED, usable - free),
+            Sample(M.KV_BLOCKS_FREE, free),
+            Sample(M.KV_CACHE_USAGE, (usable - free) / usable if usable else 0.0),
+            Sample(M.MAX_NUM_BATCHED_TOKENS, sched.max_num_scheduled_tokens),
+            Sample(M.MAX_NUM_SEQS, sched.max_num_active_reqs),
+            Sample(M.STARTUP_MAX_NUM_BATCHED_TOKENS, self.startup_max_num_batched_tokens),
+            Sample(M.STARTUP_MAX_NUM_SEQS, self.startup_max_num_seqs),
+            *(
+                Sample(M.SCHEDULER_POLICY, 1.0 if name == policy else 0.0, (name,))
+                for name in M.POLICIES
+            ),
+        ]
 
     # -- failure -------------------------------------------------------------
 
@@ -322,20 +311,25 @@ class EngineCollector:
             return
         self.enabled = False
         self.error = f"{type(exc).__name__}: {exc}"
-        try:
-            self.c_up.set(0)
-        finally:
-            logger.error(
-                "vllm-runbook: collector disabled for engine %d after an error; "
-                "the engine keeps serving without it",
-                self.dp_rank,
-                exc_info=exc,
-            )
+        logger.error(
+            "vllm-runbook: collector disabled for engine %d after an error; "
+            "the engine keeps serving without it",
+            self.dp_rank,
+            exc_info=exc,
+        )
 
     def close(self) -> None:
-        self.nvml.stop()
+        close_quietly(self.nvml, self.mirror)
         if self.server is not None:
             self.server.close()
+
+
+_num_computed_tokens = attrgetter("num_computed_tokens")
+_request_id = attrgetter("request_id")
+
+
+def _count_real_blocks(blocks: list[Any]) -> int:
+    return sum(1 for b in blocks if not b.is_null)
 
 
 class RunbookSchedulerMixin:

@@ -19,9 +19,22 @@ MetricType = Literal["counter", "gauge", "histogram"]
 
 # schedule() on a busy engine takes tens of µs to a few ms; 1 s means trouble.
 SCHEDULE_SECONDS_BUCKETS = (
-    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005,
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
-)  # fmt: skip
+    0.00001,
+    0.000025,
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    1.0,
+)
 
 
 @dataclass(frozen=True)
@@ -163,11 +176,20 @@ GPU_MEMORY_TOTAL = _spec(
     extra_labels=("gpu",),
     gpu_only=True,
 )
-GPU_UTILIZATION = _spec("gpu_utilization_ratio", "gauge", "GPU compute utilisation over NVML's last sample period, 0..1, per GPU.", extra_labels=("gpu",), gpu_only=True)  # fmt: skip
+GPU_UTILIZATION = _spec(
+    "gpu_utilization_ratio",
+    "gauge",
+    "GPU compute utilisation over NVML's last sample period, 0..1, per GPU.",
+    extra_labels=("gpu",),
+    gpu_only=True,
+)
 
 ALL_METRICS: tuple[MetricSpec, ...] = tuple(
     v for v in globals().values() if isinstance(v, MetricSpec)
 )
+# Written by the NVML poller thread into real gauges; everything else is
+# produced at scrape time from the hook's plain counters.
+NVML_METRICS = (NVML_UP, GPU_MEMORY_USED, GPU_MEMORY_TOTAL, GPU_UTILIZATION)
 METRICS_BY_NAME = {m.name: m for m in ALL_METRICS}
 
 POLICIES = ("fcfs", "priority")

@@ -16,12 +16,12 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_RUNBOOK_PORT", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from collections.abc import Iterator  # noqa: E402
-from pathlib import Path  # noqa: E402
+from collections.abc import Iterator
+from pathlib import Path
 
-import pytest  # noqa: E402
+import pytest
 
-from tests.engines import InProcessEngine  # noqa: E402
+from tests.engines import InProcessEngine
 
 
 @pytest.fixture(scope="session")

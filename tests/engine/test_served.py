@@ -36,7 +36,7 @@ def test_served_engine_exports_every_metric_on_both_endpoints(
     multiproc.mkdir()
     env = {"PROMETHEUS_MULTIPROC_DIR": str(multiproc)}
     with ServedEngine.run(tiny_model, tmp_path / "serve.log", env=env) as served:
-        for i in range(2):  # the same prompt twice: one prefix-cache hit
+        for _ in range(2):  # the same prompt twice: one prefix-cache hit
             out = served.complete(100, max_tokens=4, offset=11)
             assert out["usage"]["completion_tokens"] == 4
 

@@ -100,12 +100,17 @@ def test_metric_catalog_is_consistent() -> None:
     assert len(names) == len(set(names))
     assert all(n.startswith("vllm_runbook_") for n in names)
     for required in (
-        "vllm_runbook_prefix_cache_queries_total", "vllm_runbook_prefix_cache_hits_total",
-        "vllm_runbook_kv_hit_ratio", "vllm_runbook_block_fragmentation_ratio",
-        "vllm_runbook_padding_ratio", "vllm_runbook_length_padding_ratio",
-        "vllm_runbook_schedule_seconds", "vllm_runbook_max_num_batched_tokens",
-        "vllm_runbook_max_num_seqs", "vllm_runbook_scheduler_policy",
-    ):  # fmt: skip
+        "vllm_runbook_prefix_cache_queries_total",
+        "vllm_runbook_prefix_cache_hits_total",
+        "vllm_runbook_kv_hit_ratio",
+        "vllm_runbook_block_fragmentation_ratio",
+        "vllm_runbook_padding_ratio",
+        "vllm_runbook_length_padding_ratio",
+        "vllm_runbook_schedule_seconds",
+        "vllm_runbook_max_num_batched_tokens",
+        "vllm_runbook_max_num_seqs",
+        "vllm_runbook_scheduler_policy",
+    ):
         assert any(m.series_name == required for m in M.ALL_METRICS), required
     registry = CollectorRegistry()
     for spec in M.ALL_METRICS:
@@ -139,10 +144,18 @@ class FakeNvml:
 
 def _poller(nvml: object) -> tuple[NvmlPoller, CollectorRegistry]:
     reg = CollectorRegistry()
-    g = {s.name: M.build(s, reg) for s in (M.NVML_UP, M.GPU_MEMORY_USED, M.GPU_MEMORY_TOTAL,
-                                            M.GPU_UTILIZATION)}  # fmt: skip
-    poller = NvmlPoller(nvml, g[M.NVML_UP.name], g[M.GPU_MEMORY_USED.name],
-                        g[M.GPU_MEMORY_TOTAL.name], g[M.GPU_UTILIZATION.name], ("m", "0"))  # fmt: skip
+    g = {
+        s.name: M.build(s, reg)
+        for s in (M.NVML_UP, M.GPU_MEMORY_USED, M.GPU_MEMORY_TOTAL, M.GPU_UTILIZATION)
+    }
+    poller = NvmlPoller(
+        nvml,
+        g[M.NVML_UP.name],
+        g[M.GPU_MEMORY_USED.name],
+        g[M.GPU_MEMORY_TOTAL.name],
+        g[M.GPU_UTILIZATION.name],
+        ("m", "0"),
+    )
     return poller, reg
 
 
