@@ -16,6 +16,7 @@ import bisect
 import logging
 import math
 import os
+import secrets
 import time
 from dataclasses import dataclass
 from itertools import accumulate, repeat
@@ -25,6 +26,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from collector import metrics as M
+from collector.agent import install_routes
+from collector.auth import TokenError, configured_token, generate_token, is_loopback
+from collector.control import EngineControl
 from collector.exporter import MultiprocessMirror, Sample, StatsExporter, close_quietly
 from collector.nvml import NvmlPoller, load_pynvml
 from collector.server import AgentServer
@@ -151,6 +155,8 @@ class EngineCollector:
         self.schedule_seconds_sum = 0.0
         self.hit_window = SlidingWindowRatio(self.settings.window_seconds)
         self.padding_window = SlidingWindowRatio(self.settings.window_seconds)
+        self.preemption_window = SlidingWindowRatio(self.settings.window_seconds)
+        self.control = EngineControl(scheduler, lambda: self.steps)
 
         self._wrap_prefix_cache_stats(kv_manager)
         self.registry.register(StatsExporter(self.samples, self.labels))
@@ -161,20 +167,9 @@ class EngineCollector:
             self.mirror = MultiprocessMirror(self.samples, self.labels).start()
 
         self.server: AgentServer | None = None
+        self.token_path: str | None = None
         if self.settings.port is not None:
-            port = self.settings.port + self.dp_rank if self.settings.port else 0
-            try:
-                self.server = AgentServer(self.settings.host, port, self.registry).start()
-                logger.info(
-                    "vllm-runbook: agent for engine %d on %s", self.dp_rank, self.server.url
-                )
-            except OSError as exc:
-                logger.warning(
-                    "vllm-runbook: cannot serve on %s:%d (%s); set VLLM_RUNBOOK_PORT",
-                    self.settings.host,
-                    port,
-                    exc,
-                )
+            self.server = self._start_server()
 
         self.nvml = NvmlPoller(
             load_pynvml() if nvml == "auto" else nvml,
@@ -186,6 +181,72 @@ class EngineCollector:
             self.settings.nvml_interval,
         )
         self.nvml.start()
+
+    def _start_server(self) -> AgentServer | None:
+        host = self.settings.host
+        port = self.settings.port + self.dp_rank if self.settings.port else 0
+        try:
+            token = configured_token()
+        except TokenError as exc:
+            logger.error("vllm-runbook: agent not started: %s", exc)
+            return None
+        if token is None and not is_loopback(host):
+            logger.error(
+                "vllm-runbook: agent not started: binding to %s (not loopback) needs "
+                "VLLM_RUNBOOK_TOKEN or VLLM_RUNBOOK_TOKEN_FILE",
+                host,
+            )
+            return None
+        try:
+            server = AgentServer(host, port, self.registry)
+        except OSError as exc:
+            logger.warning(
+                "vllm-runbook: cannot serve on %s:%d (%s); set VLLM_RUNBOOK_PORT", host, port, exc
+            )
+            return None
+        if token is None:
+            try:
+                token, path = generate_token(server.port)
+                self.token_path = str(path)
+            except (OSError, TokenError) as exc:
+                # Without a stored token nobody can write: serve reads only.
+                logger.warning("vllm-runbook: cannot store the agent token (%s); "
+                               "set VLLM_RUNBOOK_TOKEN to enable control", exc)  # fmt: skip
+                token = secrets.token_urlsafe(32)
+        install_routes(server, self, token)
+        logger.info("vllm-runbook: engine %d agent at %s", self.dp_rank, server.url)
+        return server.start()
+
+    def engine_idle(self) -> bool:
+        """No request anywhere in the scheduler: nothing will call schedule()."""
+        return not self.scheduler.has_requests()
+
+    def state(self) -> dict[str, Any]:
+        stats: dict[str, Any] = {}
+        for s in self.samples():
+            if s.spec.type == "histogram" or s.spec.extra_labels:
+                continue
+            key = s.spec.name.removeprefix(M.PREFIX)
+            key = key + "_total" if s.spec.type == "counter" else key
+            stats[key] = None if math.isnan(s.value) else s.value
+        preempted, _ = self.preemption_window.sums()
+        stats["preemptions_per_minute"] = preempted * 60.0 / self.settings.window_seconds
+        bounds = self.control.bounds()
+        return {
+            "engine": {
+                "model_name": self.model_name,
+                "engine": str(self.dp_rank),
+                "pid": os.getpid(),
+                "started_at": self.start_time,
+                "step": self.steps,
+                "vllm_version": _vllm_version(),
+            },
+            "collector_up": self.enabled,
+            "knobs": self.control.knobs(),
+            "startup": dict(self.control.startup),
+            "bounds": {knob: b.as_dict() for knob, b in bounds.items()},
+            "stats": stats,
+        }
 
     def _wrap_prefix_cache_stats(self, kv_manager: Any) -> None:
         """Count prefix-cache lookups at admission, whatever vLLM's log_stats."""
@@ -222,7 +283,10 @@ class EngineCollector:
         self.token_budget += budget
         self.step_tokens = tokens
         self.budget_fill = tokens / budget if budget else 0.0
-        self.preemptions += len(output.preempted_req_ids)
+        preempted = len(output.preempted_req_ids)
+        if preempted:
+            self.preemptions += preempted
+            self.preemption_window.add(preempted, 0)
 
         running = scheduler.running
         if not running:
@@ -328,6 +392,12 @@ _num_computed_tokens = attrgetter("num_computed_tokens")
 _request_id = attrgetter("request_id")
 
 
+def _vllm_version() -> str:
+    import vllm
+
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
 def _count_real_blocks(blocks: list[Any]) -> int:
     return sum(1 for b in blocks if not b.is_null)
 
@@ -349,9 +419,16 @@ class RunbookSchedulerMixin:
         runbook = self._runbook
         if runbook is None or not runbook.enabled:
             return super().schedule(*args, **kwargs)  # type: ignore[misc]
-        start = time.perf_counter()
-        output = super().schedule(*args, **kwargs)  # type: ignore[misc]
-        elapsed = time.perf_counter() - start
+        control = runbook.control
+        with control.lock:
+            if control.pending:  # knob changes land between steps only
+                try:
+                    control.drain()
+                except Exception as exc:
+                    runbook.disable(exc)
+            start = time.perf_counter()
+            output = super().schedule(*args, **kwargs)  # type: ignore[misc]
+            elapsed = time.perf_counter() - start
         try:
             runbook.on_schedule(self, output, elapsed)
         except Exception as exc:
@@ -359,14 +436,31 @@ class RunbookSchedulerMixin:
         return output
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
-        result = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
         runbook = self._runbook
-        if runbook is not None and runbook.enabled:
-            try:
-                runbook.on_update(self, scheduler_output, model_runner_output)
-            except Exception as exc:
-                runbook.disable(exc)
+        if runbook is None or not runbook.enabled:
+            return super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        with runbook.control.lock:
+            result = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        try:
+            runbook.on_update(self, scheduler_output, model_runner_output)
+        except Exception as exc:
+            runbook.disable(exc)
         return result
+
+    # The queues a policy switch rebuilds are also touched here.
+    def add_request(self, *args: Any, **kwargs: Any) -> Any:
+        runbook = self._runbook
+        if runbook is None:
+            return super().add_request(*args, **kwargs)  # type: ignore[misc]
+        with runbook.control.lock:
+            return super().add_request(*args, **kwargs)  # type: ignore[misc]
+
+    def finish_requests(self, *args: Any, **kwargs: Any) -> Any:
+        runbook = self._runbook
+        if runbook is None:
+            return super().finish_requests(*args, **kwargs)  # type: ignore[misc]
+        with runbook.control.lock:
+            return super().finish_requests(*args, **kwargs)  # type: ignore[misc]
 
     def shutdown(self) -> None:
         try:

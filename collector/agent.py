@@ -1,0 +1,64 @@
+"""The agent's control routes, beside /metrics on the same endpoint.
+
+    GET  /v1/state     effective and startup knobs, bounds, live stats (JSON)
+    POST /v1/knobs     {"max_num_batched_tokens"|"scale_max_num_batched_tokens",
+                        "max_num_seqs", "policy", "clamp", "dry_run"}  (bearer token)
+    POST /v1/restore   {"dry_run"}: every knob back to its startup value (bearer token)
+
+Answers: 200 with before/after and the step from which the change applies;
+400 malformed; 401 missing or wrong token; 422 out of bounds (the message
+names the bound and why); 503 collector disabled; 504 the engine did not
+reach a step boundary in time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import TYPE_CHECKING, Any
+
+from collector.auth import check_bearer
+from collector.control import ControlError, parse_command
+from collector.server import AgentServer, Request, Response
+
+if TYPE_CHECKING:
+    from collector.hook import EngineCollector
+
+logger = logging.getLogger("vllm_runbook.collector")
+
+
+def install_routes(server: AgentServer, collector: EngineCollector, token: str) -> None:
+    def state(request: Request) -> Response:
+        return Response.json(200, collector.state())
+
+    def write(restore: bool) -> Any:
+        def handler(request: Request) -> Response:
+            if not check_bearer(request.headers.get("authorization"), token):
+                return Response(
+                    401,
+                    b'{"error": "missing or wrong bearer token"}\n',
+                    headers={"WWW-Authenticate": 'Bearer realm="vllm-runbook"'},
+                )
+            if not collector.enabled:
+                return Response.json(503, {"error": f"collector disabled: {collector.error}"})
+            try:
+                command = parse_command(request.json(), restore=restore)
+                result = collector.control.submit(command, idle=collector.engine_idle)
+            except json.JSONDecodeError as exc:
+                return Response.json(400, {"error": f"request body is not JSON: {exc.msg}"})
+            except ControlError as exc:
+                return Response.json(exc.status, {"error": str(exc), **exc.details})
+            if result["changes"] and not result["dry_run"]:
+                logger.info(
+                    "vllm-runbook: engine %d knobs changed from step %d: %s",
+                    collector.dp_rank,
+                    result["effective_from_step"],
+                    ", ".join(f"{c['knob']} {c['before']}→{c['after']}" for c in result["changes"]),
+                )
+            return Response.json(200, result)
+
+        return handler
+
+    server.routes[("GET", "/v1/state")] = state
+    server.routes[("POST", "/v1/knobs")] = write(restore=False)
+    server.routes[("POST", "/v1/restore")] = write(restore=True)

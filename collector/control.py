@@ -1,0 +1,316 @@
+"""Live engine control: change the token budget, the admission limit and the
+scheduling policy of a running scheduler, safely.
+
+Rules (see DESIGN.md):
+- never above the startup value (model-runner buffers, cudagraph sizes and
+  compile ranges were sized from it);
+- floors: the budget stays ≥ max_model_len without chunked prefill, ≥ the
+  largest multimodal item when mm chunking is off, above the speculative
+  draft slots, ≥ the admission limit (every admitted sequence can decode in
+  one step), and ≥ 1; max_num_seqs ≥ 1;
+- mutate only between schedule() calls: commands are queued and applied in
+  arrival order by whoever holds the scheduler lock first — the engine thread
+  at the start of schedule(), or the HTTP thread when the engine is idle.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any
+
+KNOBS = ("max_num_batched_tokens", "max_num_seqs", "policy")
+POLICIES = ("fcfs", "priority")
+
+
+class ControlError(Exception):
+    """A command the agent refuses; `status` is the HTTP status to answer."""
+
+    status = 400
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.details = details
+
+
+class BoundsError(ControlError):
+    status = 422
+
+
+class EngineBusyError(ControlError):
+    status = 504
+
+
+@dataclass(frozen=True)
+class Bound:
+    minimum: int
+    maximum: int
+    min_reason: str
+    max_reason: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "min": self.minimum,
+            "max": self.maximum,
+            "min_reason": self.min_reason,
+            "max_reason": self.max_reason,
+        }
+
+
+@dataclass
+class Command:
+    """A validated change request. `values` maps knob → requested value."""
+
+    values: dict[str, Any]
+    clamp: bool = False
+    dry_run: bool = False
+    restore: bool = False
+    seq: int = 0
+    future: Future[dict[str, Any]] = field(default_factory=Future)
+
+
+def parse_command(body: Any, restore: bool = False) -> Command:
+    """Validate a JSON body into a Command (types only; bounds at apply time)."""
+    if not isinstance(body, dict):
+        raise ControlError("request body must be a JSON object")
+    unknown = set(body) - {*KNOBS, "scale_max_num_batched_tokens", "clamp", "dry_run"}
+    if unknown:
+        raise ControlError(f"unknown field(s): {', '.join(sorted(unknown))}")
+    values: dict[str, Any] = {}
+    for knob in ("max_num_batched_tokens", "max_num_seqs"):
+        if body.get(knob) is not None:
+            value = body[knob]
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ControlError(f"{knob} must be an integer, got {value!r}")
+            values[knob] = value
+    scale = body.get("scale_max_num_batched_tokens")
+    if scale is not None:
+        if "max_num_batched_tokens" in values:
+            raise ControlError("give max_num_batched_tokens or its scale, not both")
+        if not isinstance(scale, int | float) or isinstance(scale, bool) or not 0 < scale <= 1:
+            raise ControlError(f"scale_max_num_batched_tokens must be in (0, 1], got {scale!r}")
+        values["scale_max_num_batched_tokens"] = float(scale)
+    if body.get("policy") is not None:
+        if body["policy"] not in POLICIES:
+            raise ControlError(
+                f"policy must be one of {', '.join(POLICIES)}, got {body['policy']!r}"
+            )
+        values["policy"] = body["policy"]
+    for flag in ("clamp", "dry_run"):
+        if not isinstance(body.get(flag, False), bool):
+            raise ControlError(f"{flag} must be true or false")
+    if not values and not restore:
+        raise ControlError(f"nothing to change: give one of {', '.join(KNOBS)}")
+    return Command(values, bool(body.get("clamp")), bool(body.get("dry_run")), restore)
+
+
+class EngineControl:
+    """Applies Commands to one scheduler. Owned by the EngineCollector."""
+
+    def __init__(self, scheduler: Any, current_step: Callable[[], int]) -> None:
+        self.scheduler = scheduler
+        self.current_step = current_step
+        # The scheduler lock: held by the engine thread around schedule(),
+        # update_from_output(), add_request() and finish_requests(), and by
+        # whoever applies commands.
+        self.lock = threading.RLock()
+        self.pending: deque[Command] = deque()
+        self._seq = itertools.count(1)
+        self._queue_lock = threading.Lock()
+        # Own copy of scheduler_config: a runtime change must not leak into
+        # the process-wide VllmConfig other components read.
+        scheduler.scheduler_config = copy.copy(scheduler.scheduler_config)
+        self.startup = self.knobs()
+        config = scheduler.scheduler_config
+        self.chunked_prefill = bool(config.enable_chunked_prefill)
+        self.max_model_len = int(scheduler.max_model_len)
+        spec = scheduler.vllm_config.speculative_config
+        self.draft_slots = int(spec.max_num_new_slots_for_drafting) if spec is not None else 0
+        mm_chunking_off = bool(getattr(config, "disable_chunked_mm_input", False))
+        encoder_tokens = int(getattr(scheduler, "max_num_encoder_input_tokens", 0) or 0)
+        self.mm_item_floor = encoder_tokens if mm_chunking_off else 0
+
+    # -- reads ---------------------------------------------------------------
+
+    def knobs(self) -> dict[str, Any]:
+        s = self.scheduler
+        return {
+            "max_num_batched_tokens": int(s.max_num_scheduled_tokens),
+            "max_num_seqs": int(s.max_num_active_reqs),
+            "policy": getattr(s.policy, "value", str(s.policy)),
+        }
+
+    def bounds(self, max_num_seqs: int | None = None) -> dict[str, Bound]:
+        """Bounds now; the budget's floor depends on the admission limit
+        (`max_num_seqs`, the effective one unless a change is being checked)."""
+        seqs = self.knobs()["max_num_seqs"] if max_num_seqs is None else max_num_seqs
+        floors = [(1, "at least 1 token per step")]
+        if not self.chunked_prefill:
+            floors.append(
+                (self.max_model_len, f"chunked prefill is off: a prompt of max_model_len "
+                 f"({self.max_model_len}) must fit in one step")
+            )  # fmt: skip
+        if self.mm_item_floor:
+            floors.append((self.mm_item_floor, "multimodal chunking is off: the largest "
+                           "multimodal item must fit in one step"))  # fmt: skip
+        if self.draft_slots:
+            floors.append((self.draft_slots + 1, f"must exceed the {self.draft_slots} "
+                           "speculative draft slots"))  # fmt: skip
+        floors.append((seqs, f"every admitted sequence (max_num_seqs={seqs}) must be able "
+                       "to decode in one step; lower max_num_seqs first"))  # fmt: skip
+        floor, why = max(floors, key=lambda f: f[0])
+        startup = self.startup
+        above = "raising above the startup value is unsafe (buffers and graphs were sized from it)"
+        return {
+            "max_num_batched_tokens": Bound(floor, startup["max_num_batched_tokens"], why, above),
+            "max_num_seqs": Bound(1, startup["max_num_seqs"], "at least 1 sequence", above),
+        }
+
+    # -- commands ------------------------------------------------------------
+
+    def submit(self, command: Command, wait_s: float = 30.0, idle: Callable[[], bool] | None = None
+               ) -> dict[str, Any]:  # fmt: skip
+        """Queue `command`; apply it now if the engine is idle, else wait for
+        the engine thread to apply it before its next step."""
+        with self._queue_lock:
+            command.seq = next(self._seq)
+            self.pending.append(command)
+        deadline = time.monotonic() + wait_s
+        while True:
+            # An idle engine calls schedule() no more: apply it ourselves.
+            # Re-checked while waiting, in case the engine goes idle meanwhile.
+            if idle is None or idle():
+                self.drain()
+            try:
+                return command.future.result(timeout=0.05)
+            except FutureTimeout:
+                if time.monotonic() >= deadline:
+                    break
+        if command.future.cancel():
+            raise EngineBusyError(f"engine did not reach a step boundary in {wait_s:.0f} s")
+        return command.future.result()  # applied just now after all
+
+    def drain(self) -> None:
+        """Apply every queued command, in order. Engine thread: at the start
+        of schedule(); HTTP thread: when the engine is idle."""
+        if not self.pending:
+            return
+        with self.lock:
+            while True:
+                with self._queue_lock:
+                    if not self.pending:
+                        return
+                    command = self.pending.popleft()
+                if not command.future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    command.future.set_result(self._apply(command))
+                except BaseException as exc:
+                    command.future.set_exception(exc)
+
+    def _target(self, command: Command) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The knob values after `command`, checked against the bounds."""
+        before = self.knobs()
+        if command.restore:
+            return dict(self.startup), []
+        target = dict(before)
+        values = dict(command.values)
+        if "scale_max_num_batched_tokens" in values:
+            scale = values.pop("scale_max_num_batched_tokens")
+            values["max_num_batched_tokens"] = max(1, int(before["max_num_batched_tokens"] * scale))
+        target.update(values)
+        clamped = []
+        seq_bound = self.bounds()["max_num_seqs"]
+        target["max_num_seqs"], note = self._check("max_num_seqs", target["max_num_seqs"],
+                                                   seq_bound, command.clamp, values)  # fmt: skip
+        if note:
+            clamped.append(note)
+        tok_bound = self.bounds(target["max_num_seqs"])["max_num_batched_tokens"]
+        target["max_num_batched_tokens"], note = self._check(
+            "max_num_batched_tokens", target["max_num_batched_tokens"], tok_bound,
+            command.clamp, values,
+        )  # fmt: skip
+        if note:
+            clamped.append(note)
+        return target, clamped
+
+    @staticmethod
+    def _check(knob: str, value: int, bound: Bound, clamp: bool, requested: dict[str, Any]
+               ) -> tuple[int, dict[str, Any] | None]:  # fmt: skip
+        if bound.minimum <= value <= bound.maximum:
+            return value, None
+        high = value > bound.maximum
+        limit = bound.maximum if high else bound.minimum
+        if not clamp:
+            # A knob the caller did not touch can only leave its bounds
+            # through another knob (the budget floor follows max_num_seqs).
+            via = "" if knob in requested else " (implied by the other change)"
+            raise BoundsError(
+                f"{knob}={value}{via} is {'above' if high else 'below'} "
+                f"{'the maximum' if high else 'the minimum'} {limit}: "
+                f"{bound.max_reason if high else bound.min_reason}",
+                knob=knob, value=value, bound=limit,
+            )  # fmt: skip
+        return limit, {"knob": knob, "requested": value, "applied": limit}
+
+    def _apply(self, command: Command) -> dict[str, Any]:
+        before = self.knobs()
+        target, clamped = self._target(command)
+        changes = [
+            {"knob": k, "before": before[k], "after": target[k]}
+            for k in KNOBS
+            if target[k] != before[k]
+        ]
+        result = {
+            "seq": command.seq,
+            "dry_run": command.dry_run,
+            "changes": changes,
+            "clamped": clamped,
+            "before": before,
+            "after": target if not command.dry_run else before,
+            # The first step scheduled with the new values.
+            "effective_from_step": self.current_step() + 1,
+        }
+        if command.dry_run:
+            result["would_be"] = target
+            return result
+        s = self.scheduler
+        if target["max_num_batched_tokens"] != before["max_num_batched_tokens"]:
+            # Both fields: schedule() reads the copy made at init and, every
+            # step, the config's max_num_batched_tokens.
+            s.max_num_scheduled_tokens = target["max_num_batched_tokens"]
+            s.scheduler_config.max_num_batched_tokens = target["max_num_batched_tokens"]
+        if target["max_num_seqs"] != before["max_num_seqs"]:
+            # The admission limit: running requests above it drain, none is
+            # preempted. max_num_running_reqs (model-runner slots) stays.
+            s.max_num_active_reqs = target["max_num_seqs"]
+        if target["policy"] != before["policy"]:
+            self._switch_policy(target["policy"])
+        result["after"] = self.knobs()
+        return result
+
+    def _switch_policy(self, policy_name: str) -> None:
+        from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
+
+        s = self.scheduler
+        policy = SchedulingPolicy(policy_name)
+        for attr in ("waiting", "kv_holding_waiting"):
+            old = getattr(s, attr)
+            requests = list(old._heap) if hasattr(old, "_heap") else list(old)
+            if policy == SchedulingPolicy.FCFS:
+                # FCFS is arrival order (preempted requests keep their
+                # original arrival time, so they stay ahead).
+                requests.sort(key=lambda r: (r.arrival_time, r.request_id))
+            queue = create_request_queue(policy)
+            for request in requests:
+                queue.add_request(request)
+            setattr(s, attr, queue)
+        s.policy = policy
+        s.scheduler_config.policy = policy_name

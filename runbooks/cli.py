@@ -1,0 +1,274 @@
+"""The `runbook` command line.
+
+Exit codes: 0 ok; 2 usage or bounds error; 3 engine unreachable or
+authentication failed; 1 anything else. Errors are one line on stderr,
+never a traceback for a user mistake.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from runbooks.client import CommandRefused, EngineClient, EngineClientError
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_ENGINE = 0, 1, 2, 3
+
+
+class UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # one line, exit 2
+        raise UsageError(message)
+
+
+# -- engines -----------------------------------------------------------------
+
+
+def read_engines_file(path: str) -> list[str]:
+    """One URL per line (# comments), or the config's YAML `engines:` list."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise UsageError(f"cannot read engines file {path}: {exc.strerror}") from None
+    if path.endswith((".yaml", ".yml")):
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}" if mark else path
+            raise UsageError(f"{where}: invalid YAML") from None
+        engines = data.get("engines") if isinstance(data, dict) else data
+        if not isinstance(engines, list):
+            raise UsageError(f"{path}: expected an `engines:` list")
+        urls = []
+        for i, e in enumerate(engines):
+            url = e.get("agent") if isinstance(e, dict) else e
+            if not isinstance(url, str):
+                raise UsageError(f"{path}: engines[{i}] has no `agent` URL")
+            urls.append(url)
+        return urls
+    return [s for line in text.splitlines() if (s := line.split("#", 1)[0].strip())]
+
+
+def engine_urls(args: argparse.Namespace) -> list[str]:
+    urls = list(args.engine or [])
+    if args.engines_file:
+        urls += read_engines_file(args.engines_file)
+    if not urls:
+        raise UsageError("give --engine URL (repeatable) or --engines-file FILE")
+    return urls
+
+
+# -- formatting ----------------------------------------------------------------
+
+
+def _fmt(value: Any, kind: str = "") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    if kind == "pct":
+        return f"{100 * value:.1f}%"
+    if isinstance(value, float):
+        return f"{value:.3g}" if kind != "int" else f"{value:.0f}"
+    return str(value)
+
+
+STATUS_SIGNALS = [
+    ("kv hit ratio (window)", "kv_hit_ratio", "pct"),
+    ("block fragmentation", "block_fragmentation_ratio", "pct"),
+    ("padding ratio", "padding_ratio", "pct"),
+    ("length padding", "length_padding_ratio", "pct"),
+    ("KV cache usage", "kv_cache_usage_ratio", "pct"),
+    ("KV blocks used / free", None, ""),
+    ("requests running", "num_requests_running", "int"),
+    ("requests waiting", "num_requests_waiting", "int"),
+    ("preemptions / min", "preemptions_per_minute", ""),
+    ("preemptions total", "preemptions_total", "int"),
+    ("budget fill (last step)", "budget_fill_ratio", "pct"),
+]
+
+
+def format_status(url: str, state: dict[str, Any]) -> str:
+    e, knobs, startup = state["engine"], state["knobs"], state["startup"]
+    bounds, stats = state["bounds"], state["stats"]
+    up = "up" if state["collector_up"] else "DISABLED"
+    lines = [
+        f"engine {url}  model {e['model_name']}  dp rank {e['engine']}  "
+        f"step {e['step']}  vLLM {e['vllm_version']}  collector {up}",
+        f"  {'knob':<24} {'effective':>10} {'startup':>10}  allowed",
+    ]
+    for knob in ("max_num_batched_tokens", "max_num_seqs", "policy"):
+        b = bounds.get(knob)
+        allowed = f"{b['min']}..{b['max']}" if b else "fcfs | priority"
+        mark = " *" if knobs[knob] != startup[knob] else ""
+        lines.append(f"  {knob:<24} {knobs[knob]!s:>10} {startup[knob]!s:>10}  {allowed}{mark}")
+    lines.append(f"  {'signal':<24} {'value':>10}")
+    for label, key, kind in STATUS_SIGNALS:
+        if key is None:
+            value = (
+                f"{_fmt(stats['kv_blocks_used'], 'int')} / {_fmt(stats['kv_blocks_free'], 'int')}"
+            )
+        else:
+            value = _fmt(stats.get(key), kind)
+        lines.append(f"  {label:<24} {value:>10}")
+    if any(knobs[k] != startup[k] for k in knobs):
+        lines.append("  * changed at runtime; `runbook restore --engine URL` restores")
+    return "\n".join(lines)
+
+
+def format_change(url: str, result: dict[str, Any]) -> str:
+    verb = "would change" if result["dry_run"] else "changed"
+    if not result["changes"]:
+        return f"{url}: nothing to change"
+    parts = [f"{c['knob']} {c['before']} → {c['after']}" for c in result["changes"]]
+    step = "" if result["dry_run"] else f" (from step {result['effective_from_step']})"
+    text = f"{url}: {verb} {', '.join(parts)}{step}"
+    for c in result.get("clamped", []):
+        text += f"\n  clamped {c['knob']}: asked {c['requested']}, applied {c['applied']}"
+    return text
+
+
+# -- commands --------------------------------------------------------------------
+
+
+def parse_assignments(items: Sequence[str]) -> dict[str, Any]:
+    """`max_num_batched_tokens=256`, `max_num_batched_tokens=x0.5`, `policy=fcfs`."""
+    values: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key, raw = key.strip(), raw.strip()
+        if not sep or not raw:
+            raise UsageError(f"expected KNOB=VALUE, got {item!r}")
+        if key == "policy":
+            values["policy"] = raw
+        elif key in ("max_num_batched_tokens", "max_num_seqs"):
+            if key == "max_num_batched_tokens" and raw.startswith("x"):
+                try:
+                    values["scale_max_num_batched_tokens"] = float(raw[1:])
+                except ValueError:
+                    raise UsageError(f"bad scale {raw!r}: use e.g. x0.5") from None
+                continue
+            try:
+                values[key] = int(raw)
+            except ValueError:
+                raise UsageError(f"{key} must be an integer, got {raw!r}") from None
+        else:
+            raise UsageError(f"unknown knob {key!r}: max_num_batched_tokens, max_num_seqs, policy")
+    if not values:
+        raise UsageError("nothing to set: give KNOB=VALUE")
+    return values
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    states = []
+    for url in engine_urls(args):
+        client = EngineClient(url, args.token)
+        states.append((client.url, client.state()))
+    if args.json:
+        print(json.dumps([{"url": u, **s} for u, s in states], indent=2, sort_keys=True))
+    else:
+        print("\n\n".join(format_status(u, s) for u, s in states))
+    return EXIT_OK
+
+
+def _each_engine(args: argparse.Namespace, action: Any) -> int:
+    code, results = EXIT_OK, []
+    for url in engine_urls(args):
+        try:
+            client = EngineClient(url, args.token)
+            result = action(client)
+        except EngineClientError as exc:
+            print(f"runbook: error: {exc}", file=sys.stderr)
+            code = max(code, exc.exit_code)
+            continue
+        results.append({"url": client.url, **result})
+        if not args.json:
+            print(format_change(client.url, result))
+    if args.json:
+        print(json.dumps(results, indent=2, sort_keys=True))
+    return code
+
+
+def cmd_set(args: argparse.Namespace) -> int:
+    values = parse_assignments(args.assignments)
+    return _each_engine(
+        args, lambda c: c.set_knobs(clamp=args.clamp, dry_run=args.dry_run, **values)
+    )
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    return _each_engine(args, lambda c: c.restore(dry_run=args.dry_run))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="runbook", description="vLLM observability and runbook automation")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    def engine_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--engine",
+            action="append",
+            metavar="URL",
+            help="engine agent URL (repeatable), e.g. http://127.0.0.1:9360",
+        )
+        p.add_argument(
+            "--engines-file",
+            metavar="FILE",
+            help="file of engine URLs (one per line) or the YAML config",
+        )
+        p.add_argument("--token", help="agent token (default: VLLM_RUNBOOK_TOKEN, or the "
+                       "token a local agent stored)")  # fmt: skip
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = sub.add_parser("status", help="knobs and key signals of engines")
+    engine_args(p)
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("set", help="change knobs on live engines (experts)")
+    engine_args(p)
+    p.add_argument(
+        "assignments",
+        nargs="+",
+        metavar="KNOB=VALUE",
+        help="max_num_batched_tokens=N|xF, max_num_seqs=N, policy=fcfs|priority",
+    )
+    p.add_argument("--dry-run", action="store_true", help="show the change, apply nothing")
+    p.add_argument("--clamp", action="store_true", help="clamp out-of-bounds values instead "
+                   "of refusing them")  # fmt: skip
+    p.set_defaults(func=cmd_set)
+
+    p = sub.add_parser("restore", help="restore every knob to its startup value")
+    engine_args(p)
+    p.add_argument("--dry-run", action="store_true")
+    p.set_defaults(func=cmd_restore)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return int(args.func(args))
+    except UsageError as exc:
+        print(f"runbook: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except CommandRefused as exc:
+        print(f"runbook: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except EngineClientError as exc:
+        print(f"runbook: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
