@@ -27,6 +27,7 @@ def alembic_config(url: str | None = None) -> Any:
     from alembic.config import Config
 
     config = Config()
+    config.set_main_option("path_separator", "os")
     config.set_main_option("script_location", str(MIGRATIONS_DIR))
     config.set_main_option("version_locations", str(VERSIONS_DIR))
     # ConfigParser interpolation would eat a '%' in a password.
