@@ -159,8 +159,7 @@ class RevertPolicy(_Strict):
     @classmethod
     def _increasing_to_one(cls, fractions: tuple[float, ...]) -> tuple[float, ...]:
         if fractions and (
-            any(b <= a for a, b in itertools.pairwise(fractions))
-            or fractions[-1] != 1.0
+            any(b <= a for a, b in itertools.pairwise(fractions)) or fractions[-1] != 1.0
         ):
             raise ValueError("stepwise fractions must increase strictly and end at 1.0")
         return fractions

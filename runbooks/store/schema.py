@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from runbooks.store.database import display_url, make_engine, resolve_url, translated_errors
-from runbooks.store.errors import StoreUnavailable
+from runbooks.store.errors import StoreError, StoreUnavailable
 
 MIGRATIONS_DIR: Final = Path(__file__).resolve().parent / "migrations"
 VERSIONS_DIR: Final = MIGRATIONS_DIR / "versions"
@@ -42,12 +42,17 @@ def upgrade(url: str | None = None, revision: str = "head") -> str | None:
     PostgreSQL the migration runs under an advisory lock.
     """
     from alembic.runtime.migration import MigrationContext
+    from alembic.util import CommandError
 
     from alembic import command
 
     resolved = resolve_url(url)
     with translated_errors(resolved):
-        command.upgrade(alembic_config(resolved), revision)
+        try:
+            command.upgrade(alembic_config(resolved), revision)
+        except CommandError as e:
+            # e.g. the database was migrated by a newer release than this one.
+            raise StoreError(f"cannot upgrade {display_url(resolved)}: {e}") from None
         engine = make_engine(resolved)
         try:
             with engine.connect() as connection:
