@@ -379,8 +379,8 @@ class Store:
         self,
         execution_id: int,
         new_status: str,
-        *,
         error: str | None = None,
+        *,
         reason: str | None = None,
     ) -> ExecutionRecord:
         """Move an execution along its state machine; illegal moves raise.
@@ -470,6 +470,8 @@ class Store:
 
     def count_runs_since(self, runbook: str, engine: str, since: datetime) -> int:
         """Real runs started at or after `since` (for max runs per hour)."""
+        if since.tzinfo is None:
+            raise ValueError("since must be timezone-aware")
         query = self._real_runs(runbook, engine).where(Execution.started_at >= since)
         with self.session() as s:
             return s.scalar(select(func.count()).select_from(query.subquery())) or 0
