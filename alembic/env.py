@@ -1,0 +1,12 @@
+"""Alembic environment for developers (`alembic -c alembic.ini ...`).
+
+The version scripts live in `runbooks/store/migrations/versions/` so that an
+installed package can migrate its own database (`runbook db upgrade`);
+alembic.ini points `version_locations` there and this file runs the same
+environment code as the packaged one.
+"""
+
+from alembic import context
+from runbooks.store.schema import run_migrations
+
+run_migrations(context)

@@ -1,0 +1,311 @@
+"""CLI pieces for the journal and the catalog: `db upgrade`, `history`, `list`, `show`.
+
+`runbooks.cli` owns the `runbook` command and mounts these with
+`add_subcommands(subparsers)`; each handler takes the parsed namespace and
+returns an exit code. Errors are one line on stderr, never a traceback:
+
+    0  ok
+    1  store error that is not an outage (e.g. database at an unknown revision)
+    2  usage error (bad argument, unknown runbook or execution id)
+    3  invalid runbook catalog (each problem as file:line: runbook NAME: message)
+    4  store unavailable (down, locked, or not migrated: run `runbook db upgrade`)
+
+Human output is aligned tables; `--json` output is stable for scripts (keys
+are only ever added).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Final, TextIO
+
+from runbooks.render import format_table, format_value, render_report
+from runbooks.spec import Catalog, CatalogError, Runbook, load_catalog
+from runbooks.store import (
+    ExecutionNotFound,
+    Store,
+    StoreError,
+    StoreUnavailable,
+    display_url,
+    head_revision,
+    resolve_url,
+    upgrade,
+)
+
+EXIT_OK: Final = 0
+EXIT_STORE_ERROR: Final = 1
+EXIT_USAGE: Final = 2
+EXIT_CATALOG: Final = 3
+EXIT_STORE_UNAVAILABLE: Final = 4
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _fail(code: int, message: str, stream: TextIO | None = None) -> int:
+    print(f"runbook: {message}", file=stream or sys.stderr)
+    return code
+
+
+def _guarded(handler: Handler) -> Handler:
+    """Map the store's and the catalog's errors to exit codes and one stderr line."""
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return handler(args)
+        except StoreUnavailable as e:
+            return _fail(EXIT_STORE_UNAVAILABLE, str(e))
+        except ExecutionNotFound as e:
+            return _fail(EXIT_USAGE, str(e))
+        except StoreError as e:
+            return _fail(EXIT_STORE_ERROR, str(e))
+        except CatalogError as e:
+            return _fail(EXIT_CATALOG, f"invalid runbook catalog:\n{e}")
+
+    run.__name__ = handler.__name__
+    run.__doc__ = handler.__doc__
+    return run
+
+
+def _add_db_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--db",
+        metavar="URL",
+        help="database URL (default: $RUNBOOK_DB_URL, else a SQLite file in the data directory)",
+    )
+
+
+def _add_catalog_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--catalog",
+        metavar="DIR",
+        type=Path,
+        action="append",
+        help="load runbooks from DIR instead of the shipped catalog (repeatable)",
+    )
+
+
+def add_subcommands(subparsers: Any) -> None:
+    """Mount `db`, `history`, `list` and `show` on the `runbook` command's subparsers."""
+    db = subparsers.add_parser("db", help="manage the journal database")
+    db_commands = db.add_subparsers(dest="db_command", metavar="COMMAND", required=True)
+    db_upgrade = db_commands.add_parser("upgrade", help="create or migrate the schema to head")
+    _add_db_option(db_upgrade)
+    db_upgrade.set_defaults(func=cmd_db_upgrade)
+
+    history = subparsers.add_parser("history", help="past executions, newest first")
+    history.add_argument("id", nargs="?", type=int, help="show one execution in full")
+    history.add_argument("--engine", metavar="URL", help="only executions on this engine")
+    history.add_argument("--runbook", metavar="NAME", help="only executions of this runbook")
+    history.add_argument("--limit", type=_positive_int, default=20, help="at most N (default 20)")
+    history.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_db_option(history)
+    history.set_defaults(func=cmd_history)
+
+    list_parser = subparsers.add_parser("list", help="the runbook catalog")
+    list_parser.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_catalog_option(list_parser)
+    list_parser.set_defaults(func=cmd_list)
+
+    show = subparsers.add_parser("show", help="one runbook: triggers, checks, steps, guardrails")
+    show.add_argument("name", help="runbook name (see `runbook list`)")
+    show.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_catalog_option(show)
+    show.set_defaults(func=cmd_show)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, ensure_ascii=False))
+
+
+# --- db upgrade ------------------------------------------------------------------
+
+
+@_guarded
+def cmd_db_upgrade(args: argparse.Namespace) -> int:
+    """Create or migrate the journal schema to the newest revision."""
+    url = resolve_url(args.db)
+    revision = upgrade(url)
+    print(f"{display_url(url)}: at revision {revision} (head {head_revision()})")
+    return EXIT_OK
+
+
+# --- history ---------------------------------------------------------------------
+
+
+def _when(value: datetime | None) -> str:
+    return "-" if value is None else value.strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+@_guarded
+def cmd_history(args: argparse.Namespace) -> int:
+    """Executions from the journal; with an id, that execution's full report."""
+    store = Store(args.db)
+    try:
+        if args.id is not None:
+            record = store.get_execution(args.id)
+            if args.json:
+                _print_json({"execution": record.to_dict()})
+            else:
+                sys.stdout.write(render_report(record))
+            return EXIT_OK
+        records = store.list_executions(args.engine, runbook=args.runbook, limit=args.limit)
+    finally:
+        store.close()
+    if args.json:
+        _print_json({"executions": [r.to_dict() for r in records]})
+        return EXIT_OK
+    if not records:
+        print("no executions recorded")
+        return EXIT_OK
+    rows = [
+        (
+            r.id,
+            r.runbook,
+            r.engine,
+            r.display_status + (" (dry run)" if r.dry_run else ""),
+            r.trigger,
+            r.who,
+            _when(r.started_at or r.created_at),
+            f"{sum(s.status == 'applied' for s in r.steps)}/{len(r.steps)}",
+            r.error or r.reason or "",
+        )
+        for r in records
+    ]
+    headers = ["ID", "RUNBOOK", "ENGINE", "STATUS", "TRIGGER", "WHO", "STARTED", "APPLIED", "NOTE"]
+    print(format_table(rows, headers))
+    return EXIT_OK
+
+
+# --- catalog ---------------------------------------------------------------------
+
+
+def _catalog(args: argparse.Namespace) -> Catalog:
+    return load_catalog(args.catalog)
+
+
+def _runbook_json(runbook: Runbook, catalog: Catalog) -> dict[str, Any]:
+    data = runbook.model_dump(mode="json")
+    data["source"] = str(catalog.sources[runbook.name])
+    return data
+
+
+@_guarded
+def cmd_list(args: argparse.Namespace) -> int:
+    """The catalog: one line per runbook."""
+    catalog = _catalog(args)
+    if args.json:
+        _print_json({"runbooks": [_runbook_json(r, catalog) for r in catalog.values()]})
+        return EXIT_OK
+    rows = [
+        (
+            r.name,
+            ", ".join(r.triggers) or "(manual)",
+            " → ".join(s.action for s in r.steps),
+            "yes" if r.guardrails.requires_approval else "no",
+        )
+        for r in catalog.values()
+    ]
+    print(format_table(rows, ["NAME", "TRIGGERS", "STEPS", "APPROVAL"]))
+    return EXIT_OK
+
+
+@_guarded
+def cmd_show(args: argparse.Namespace) -> int:
+    """One runbook: what it checks, what it changes, how it verifies and reverts."""
+    catalog = _catalog(args)
+    runbook = catalog.get(args.name)
+    if runbook is None:
+        known = ", ".join(catalog) or "none"
+        return _fail(EXIT_USAGE, f"unknown runbook {args.name!r} (known: {known})")
+    if args.json:
+        _print_json({"runbook": _runbook_json(runbook, catalog)})
+        return EXIT_OK
+    print(_describe(runbook))
+    return EXIT_OK
+
+
+def _describe(runbook: Runbook) -> str:
+    lines = [f"{runbook.name}: {runbook.description}", ""]
+    lines.append(f"Triggers: {', '.join(runbook.triggers) or '(manual only)'}")
+    lines += ["", "Checks"]
+    check_rows = [(c.name, c.signal, c.description) for c in runbook.checks]
+    lines.append(_indent(format_table(check_rows, ["check", "signal", "description"])))
+    lines += ["", "Steps"]
+    step_rows = [
+        (
+            i,
+            s.action,
+            ", ".join(f"{k}={format_value(v)}" for k, v in s.params.items()) or "-",
+            _condition(s.when),
+            s.description or "",
+        )
+        for i, s in enumerate(runbook.steps, 1)
+    ]
+    lines.append(_indent(format_table(step_rows, ["#", "action", "params", "when", "description"])))
+    lines += ["", "Verification"]
+    v = runbook.verification
+    if v is None:
+        lines.append("  none (advice / diagnostics only)")
+    else:
+        lines.append(f"  {v.signal} must {v.direction} within {v.deadline_seconds} s")
+        if v.rollback_if_worse:
+            lines.append(f"  roll back if worse: {', '.join(v.rollback_if_worse)}")
+    r, g = runbook.revert, runbook.guardrails
+    lines += ["", "Revert"]
+    lines.append(f"  on resolve: {format_value(r.on_resolve)}")
+    if r.stepwise:
+        stages = " → ".join(f"{f:.0%}" for f in r.stepwise)
+        lines.append(f"  stepwise: {stages}, each after {r.healthy_period_seconds} s healthy")
+    lines += ["", "Guardrails"]
+    lines.append(
+        f"  cooldown {g.cooldown_seconds} s, at most {g.max_runs_per_hour} runs/hour, "
+        f"at most {g.max_concurrent_engines} engine(s) at once, "
+        f"approval {'required' if g.requires_approval else 'not required'}"
+    )
+    return "\n".join(lines)
+
+
+def _condition(when: Any) -> str:
+    if when is None:
+        return "always"
+    op, bound = (">", when.above) if when.above is not None else ("<", when.below)
+    wait = f" after {when.after_seconds} s" if when.after_seconds else ""
+    return f"{when.signal} {op} {format_value(bound)}{wait}"
+
+
+def _indent(text: str) -> str:
+    return "\n".join(f"  {line}" for line in text.splitlines())
+
+
+# --- standalone entry (tests, and until runbooks.cli mounts these) -----------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="runbook")
+    add_subcommands(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler: Handler = args.func
+    return handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""Human reports and notification texts, rendered from Jinja2 templates.
+
+Templates live in `runbooks/templates/*.j2` and are rendered in a
+`SandboxedEnvironment`: alert labels and annotations come from whoever can
+post to Alertmanager, and notification templates may later come from the
+operator's config. The context holds only plain data (dicts, lists, strings,
+numbers: `ExecutionRecord.to_dict()` and stringified labels), never live
+objects, so there is nothing behind an attribute to reach; the sandbox
+refuses private and dunder attributes on top of that. Values are inserted as
+text and never evaluated, so `{{ ''.__class__ }}` in a label stays literal.
+Autoescape is off: the output is plain text, not HTML.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+from jinja2 import FileSystemLoader, StrictUndefined
+from jinja2.sandbox import SandboxedEnvironment
+
+from runbooks.store import ExecutionRecord
+
+TEMPLATES_DIR: Final = Path(__file__).resolve().parent / "templates"
+REPORT_TEMPLATE: Final = "report.txt.j2"
+NOTIFICATION_TEMPLATE: Final = "notification.txt.j2"
+
+
+def format_value(value: Any) -> str:
+    """Compact, stable text for a knob or signal value."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, Mapping | list):
+        return json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return str(value)
+
+
+def format_table(rows: Iterable[Sequence[Any]], headers: Sequence[str]) -> str:
+    """Left-aligned columns, two spaces apart, no trailing blanks."""
+    cells = [[str(h) for h in headers], *[[format_value(c) for c in row] for row in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
+    ]
+    return "\n".join(lines)
+
+
+def format_change(before: Mapping[str, Any] | None, after: Mapping[str, Any] | None) -> str:
+    """`knob: before → after` for every knob either side mentions."""
+    before, after = before or {}, after or {}
+    keys = list(before) + [k for k in after if k not in before]
+    if not keys:
+        return "-"
+    return ", ".join(
+        f"{k}: {format_value(before.get(k))} → {format_value(after.get(k))}" for k in keys
+    )
+
+
+def make_environment(loader_dir: Path = TEMPLATES_DIR) -> SandboxedEnvironment:
+    env = SandboxedEnvironment(
+        loader=FileSystemLoader(str(loader_dir)),
+        autoescape=False,
+        undefined=StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+    env.filters["value"] = format_value
+    env.filters["table"] = format_table
+    env.filters["change"] = format_change
+    return env
+
+
+_ENV: SandboxedEnvironment | None = None
+
+
+def _environment() -> SandboxedEnvironment:
+    global _ENV
+    if _ENV is None:
+        _ENV = make_environment()
+    return _ENV
+
+
+def untrusted_text(mapping: Mapping[Any, Any] | None) -> dict[str, str]:
+    """Alert labels/annotations as plain str → str (no objects reach a template)."""
+    return {str(k): str(v) for k, v in (mapping or {}).items()}
+
+
+def _context(execution: ExecutionRecord | Mapping[str, Any]) -> dict[str, Any]:
+    data = execution.to_dict() if isinstance(execution, ExecutionRecord) else dict(execution)
+    checks = data.get("checks") or {}
+    data["check_rows"] = [
+        (
+            name,
+            (c or {}).get("value"),
+            (c or {}).get("signal", ""),
+            (c or {}).get("description", ""),
+        )
+        if isinstance(c, Mapping)
+        else (name, c, "", "")
+        for name, c in checks.items()
+    ]
+    data["step_rows"] = [
+        (s["ordinal"], s["action"], s["status"], format_change(s["before"], s["after"]), s["error"])
+        for s in data.get("steps") or []
+    ]
+    return data
+
+
+def render_report(execution: ExecutionRecord | Mapping[str, Any]) -> str:
+    """The human report of one execution: checks, before → after per step, verification."""
+    return _environment().get_template(REPORT_TEMPLATE).render(e=_context(execution))
+
+
+def render_notification(
+    execution: ExecutionRecord | Mapping[str, Any],
+    *,
+    alert_name: str | None = None,
+    labels: Mapping[Any, Any] | None = None,
+    annotations: Mapping[Any, Any] | None = None,
+) -> str:
+    """A short text for chat/pager about an execution and the alert behind it."""
+    return (
+        _environment()
+        .get_template(NOTIFICATION_TEMPLATE)
+        .render(
+            e=_context(execution),
+            alert_name=None if alert_name is None else str(alert_name),
+            labels=untrusted_text(labels),
+            annotations=untrusted_text(annotations),
+        )
+    )
+
+
+def render_string(source: str, **context: Any) -> str:
+    """Render an operator-supplied template string in the same sandbox."""
+    return _environment().from_string(source).render(**context)

@@ -1,0 +1,413 @@
+"""Runbook definitions: the pydantic models and the YAML catalog loader.
+
+A runbook is data: the alerts that trigger it, the checks shown before
+acting, typed steps (actions from `runbooks.actions`), the verification that
+must succeed, the revert policy and the guardrails. The shipped catalog lives
+in `runbooks/catalog/*.yaml`, one runbook per file.
+
+Loading is strict (unknown keys, unknown actions, bad parameters, duplicate
+keys and duplicate names all fail) and every error names the file, the line
+and the runbook, e.g.
+`runbooks/catalog/oom-pressure.yaml:14: runbook oom-pressure: unknown action 'halve'`:
+the YAML node marks are kept beside the data so a pydantic error location
+maps back to the line it came from.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Final, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from runbooks.actions import ActionRegistry, UnknownAction, declared_registry
+
+CATALOG_DIR: Final = Path(__file__).resolve().parent / "catalog"
+
+# Alert names of DESIGN.md's anomaly table (the rules catalog generates them).
+KNOWN_ALERTS: Final = frozenset(
+    {
+        "VllmKVCacheHitRatioLow",
+        "VllmKVFragmentationSuspected",
+        "VllmBatchTooLarge",
+        "VllmOOMPressure",
+        "VllmLatencySpike",
+        "VllmThroughputDrop",
+        "VllmPaddingHigh",
+        "VllmBatchUtilizationLow",
+        "VllmBlockFragmentationHigh",
+        "VllmGPUMemoryLeak",
+        "VllmGPUComputeSkew",
+        "VllmGPUMemoryImbalance",
+        "VllmInsufficientWarmup",
+        "VllmHotPathBacklog",
+        "VllmOOMRateHigh",
+        "VllmErrorRateHigh",
+    }
+)
+
+# The signals a check, condition or verification may read. The executor
+# computes each from the engine's agent (collector metrics) or vLLM's own
+# /metrics; this table is the contract between the catalog and it.
+KNOWN_SIGNALS: Final[Mapping[str, str]] = {
+    "kv_cache_usage_ratio": "KV blocks used / usable blocks",
+    "kv_blocks_free": "free KV blocks in the block pool",
+    "kv_capacity_seqs": (
+        "sequences the KV cache holds at the running requests' current average footprint "
+        "(usable blocks / average blocks per running request)"
+    ),
+    "preemptions_per_minute": "requests preempted per minute (rate of the preemptions counter)",
+    "max_sequence_tokens": "longest context (prompt + generated) among running requests",
+    "num_requests_running": "requests in the running queue",
+    "num_requests_waiting": "requests waiting to be scheduled (queue depth)",
+    "max_num_batched_tokens": "effective token budget per step",
+    "max_num_seqs": "effective admission limit",
+    "scheduler_policy": "active scheduling policy (fcfs | priority)",
+    "budget_fill_ratio": "scheduled tokens / token budget",
+    "p99_latency_seconds": "P99 end-to-end request latency",
+    "waiting_seconds_p99": "P99 time requests spend waiting before their first schedule",
+    "throughput_tokens_per_second": "generated + prefilled tokens per second",
+    "schedule_seconds_p99": "P99 wall time of scheduler.schedule()",
+    "block_fragmentation_ratio": "1 - computed tokens / (blocks held x block_size)",
+    "kv_hit_ratio": "prefix-cache hits / queries over the window",
+    "gpu_utilization_ratio": "GPU compute utilisation per GPU (NVML)",
+    "gpu_memory_used_bytes": "GPU memory in use per GPU (NVML)",
+    "error_rate": "failed requests / requests",
+    "oom_rate": "out-of-memory failures / requests",
+    "engine_uptime_seconds": "seconds since the engine started",
+}
+
+Name = Annotated[str, Field(pattern=r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$", max_length=64)]
+Identifier = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]*$", max_length=64)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _known_signal(value: str) -> str:
+    if value not in KNOWN_SIGNALS:
+        raise ValueError(f"unknown signal {value!r} (known: {', '.join(sorted(KNOWN_SIGNALS))})")
+    return value
+
+
+class Check(_Strict):
+    """A diagnostic gathered and shown before any step runs."""
+
+    name: Identifier
+    description: str
+    signal: str
+
+    _signal = field_validator("signal")(_known_signal)
+
+
+class Condition(_Strict):
+    """Run a step only if a signal is still above/below a threshold after a wait."""
+
+    signal: str
+    above: float | None = None
+    below: float | None = None
+    after_seconds: Annotated[int, Field(ge=0)] = 0
+
+    _signal = field_validator("signal")(_known_signal)
+
+    @model_validator(mode="after")
+    def _one_bound(self) -> Condition:
+        if (self.above is None) == (self.below is None):
+            raise ValueError("a condition needs exactly one of 'above' or 'below'")
+        return self
+
+
+class StepSpec(_Strict):
+    """One action with its parameters (validated against the action registry at load)."""
+
+    action: Identifier
+    params: dict[str, Any] = Field(default_factory=dict)
+    when: Condition | None = None
+    description: str | None = None
+
+
+class Verification(_Strict):
+    signal: str
+    direction: Literal["decrease", "increase"]
+    deadline_seconds: Annotated[int, Field(gt=0)]
+    # Circuit breaker: if any of these got worse after acting, roll back.
+    rollback_if_worse: tuple[str, ...] = ()
+
+    _signal = field_validator("signal")(_known_signal)
+
+    @field_validator("rollback_if_worse")
+    @classmethod
+    def _known_signals(cls, values: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(_known_signal(v) for v in values)
+
+
+class RevertPolicy(_Strict):
+    # Revert when the triggering alert resolves.
+    on_resolve: bool = False
+    # Restore in stages: fractions of the way back to the before-values,
+    # e.g. [0.5, 1.0] = halfway, then all the way, each after a healthy period.
+    stepwise: tuple[Annotated[float, Field(gt=0, le=1)], ...] = ()
+    healthy_period_seconds: Annotated[int, Field(ge=0)] = 0
+
+    @field_validator("stepwise")
+    @classmethod
+    def _increasing_to_one(cls, fractions: tuple[float, ...]) -> tuple[float, ...]:
+        if fractions and (
+            any(b <= a for a, b in itertools.pairwise(fractions)) or fractions[-1] != 1.0
+        ):
+            raise ValueError("stepwise fractions must increase strictly and end at 1.0")
+        return fractions
+
+
+class Guardrails(_Strict):
+    cooldown_seconds: Annotated[int, Field(ge=0)] = 300
+    max_runs_per_hour: Annotated[int, Field(ge=1)] = 3
+    requires_approval: bool = False
+    max_concurrent_engines: Annotated[int, Field(ge=1)] = 1
+
+
+class Runbook(_Strict):
+    name: Name
+    description: str
+    triggers: tuple[str, ...] = ()
+    checks: tuple[Check, ...] = ()
+    steps: Annotated[tuple[StepSpec, ...], Field(min_length=1)]
+    verification: Verification | None = None
+    revert: RevertPolicy = RevertPolicy()
+    guardrails: Guardrails = Guardrails()
+
+    @field_validator("triggers")
+    @classmethod
+    def _known_alerts(cls, triggers: tuple[str, ...]) -> tuple[str, ...]:
+        for alert in triggers:
+            if alert not in KNOWN_ALERTS:
+                raise ValueError(f"unknown alert {alert!r}")
+        return triggers
+
+    @field_validator("checks")
+    @classmethod
+    def _unique_checks(cls, checks: tuple[Check, ...]) -> tuple[Check, ...]:
+        names = [c.name for c in checks]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"duplicate check name(s): {', '.join(duplicates)}")
+        return checks
+
+
+# --- loading -------------------------------------------------------------------
+
+Path_ = tuple[str | int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CatalogProblem:
+    file: str
+    line: int | None
+    runbook: str | None
+    message: str
+
+    def __str__(self) -> str:
+        where = self.file if self.line is None else f"{self.file}:{self.line}"
+        who = f" runbook {self.runbook}:" if self.runbook else ""
+        return f"{where}:{who} {self.message}"
+
+
+class CatalogError(Exception):
+    """One or more runbook files are invalid; str() lists them, one per line."""
+
+    def __init__(self, problems: Iterable[CatalogProblem]) -> None:
+        self.problems = tuple(problems)
+        super().__init__("\n".join(str(p) for p in self.problems))
+
+
+def _display(path: Path) -> str:
+    # Relative to the working directory when inside it: short and clickable.
+    try:
+        return os.path.relpath(path)
+    except ValueError:
+        return str(path)
+
+
+class _MarkedLoader:
+    """YAML → plain data, remembering the line of every key and item."""
+
+    def __init__(self, text: str) -> None:
+        self._loader = yaml.SafeLoader(text)
+        self.lines: dict[Path_, int] = {}
+
+    def load(self) -> Any:
+        try:
+            node = self._loader.get_single_node()
+        finally:
+            self._loader.dispose()
+        if node is None:
+            return None
+        return self._build(node, ())
+
+    def _build(self, node: yaml.Node, path: Path_) -> Any:
+        self.lines.setdefault(path, node.start_mark.line + 1)
+        if isinstance(node, yaml.MappingNode):
+            result: dict[Any, Any] = {}
+            for key_node, value_node in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    raise _NodeError(key_node, "merge keys (<<) are not supported")
+                key = self._loader.construct_object(key_node, deep=True)
+                if not isinstance(key, str | int):
+                    raise _NodeError(key_node, f"mapping key {key!r} must be a string")
+                if key in result:
+                    raise _NodeError(key_node, f"duplicate key {key!r}")
+                self.lines[(*path, key)] = key_node.start_mark.line + 1
+                result[key] = self._build(value_node, (*path, key))
+            return result
+        if isinstance(node, yaml.SequenceNode):
+            return [self._build(item, (*path, i)) for i, item in enumerate(node.value)]
+        return self._loader.construct_object(node, deep=True)
+
+    def line_of(self, path: Path_) -> int | None:
+        # A missing field has no line of its own: report its parent's.
+        for end in range(len(path), -1, -1):
+            if path[:end] in self.lines:
+                return self.lines[path[:end]]
+        return None
+
+
+class _NodeError(Exception):
+    def __init__(self, node: yaml.Node, message: str) -> None:
+        super().__init__(message)
+        self.line = node.start_mark.line + 1
+        self.message = message
+
+
+def _format_loc(loc: Path_) -> str:
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text
+
+
+def load_runbook_file(
+    path: Path, registry: ActionRegistry | None = None
+) -> tuple[Runbook | None, list[CatalogProblem]]:
+    """Parse and validate one runbook file; returns (runbook or None, problems)."""
+    registry = registry if registry is not None else declared_registry()
+    shown = _display(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        return None, [CatalogProblem(shown, None, None, f"cannot read: {e}")]
+    marked = _MarkedLoader(text)
+    try:
+        data = marked.load()
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        line = None if mark is None else mark.line + 1
+        return None, [CatalogProblem(shown, line, None, f"invalid YAML: {e.problem or e}")]
+    except yaml.YAMLError as e:
+        return None, [CatalogProblem(shown, None, None, f"invalid YAML: {e}")]
+    except _NodeError as e:
+        return None, [CatalogProblem(shown, e.line, None, e.message)]
+    if not isinstance(data, dict):
+        return None, [CatalogProblem(shown, 1, None, "a runbook file must be a mapping")]
+    name = data.get("name") if isinstance(data.get("name"), str) else path.stem
+
+    problems: list[CatalogProblem] = []
+
+    def problem(loc: Path_, message: str) -> None:
+        problems.append(CatalogProblem(shown, marked.line_of(loc), name, message))
+
+    try:
+        runbook: Runbook | None = Runbook.model_validate(data)
+    except ValidationError as e:
+        runbook = None
+        for error in e.errors():
+            loc = tuple(error["loc"])
+            where = _format_loc(loc)
+            problem(loc, f"{where}: {error['msg']}" if where else error["msg"])
+    # Actions are checked even when other fields failed, so one run shows all.
+    steps = data.get("steps")
+    for i, step in enumerate(steps if isinstance(steps, list) else []):
+        if not isinstance(step, dict) or not isinstance(step.get("action"), str):
+            continue
+        try:
+            registry.validate(step["action"], step.get("params") or {})
+        except UnknownAction as e:
+            problem(("steps", i, "action"), str(e))
+        except ValidationError as e:
+            for error in e.errors():
+                loc = ("steps", i, "params", *error["loc"])
+                problem(loc, f"action {step['action']}: {_format_loc(loc)}: {error['msg']}")
+    return (runbook if not problems else None), problems
+
+
+class Catalog(Mapping[str, Runbook]):
+    """Runbooks by name, with the file each came from."""
+
+    def __init__(self, runbooks: Mapping[str, Runbook], sources: Mapping[str, Path]) -> None:
+        self._runbooks = dict(sorted(runbooks.items()))
+        self.sources = dict(sources)
+
+    def __getitem__(self, name: str) -> Runbook:
+        return self._runbooks[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._runbooks)
+
+    def __len__(self) -> int:
+        return len(self._runbooks)
+
+    def for_alert(self, alert: str) -> list[Runbook]:
+        return [r for r in self._runbooks.values() if alert in r.triggers]
+
+
+def load_catalog(
+    directories: Iterable[Path] | None = None, registry: ActionRegistry | None = None
+) -> Catalog:
+    """Load every `*.yaml` / `*.yml` runbook under the directories (default: the shipped one).
+
+    Raises CatalogError listing every problem in every file.
+    """
+    registry = registry if registry is not None else declared_registry()
+    runbooks: dict[str, Runbook] = {}
+    sources: dict[str, Path] = {}
+    lines: dict[str, int] = {}
+    problems: list[CatalogProblem] = []
+    for directory in directories if directories is not None else [CATALOG_DIR]:
+        if not directory.is_dir():
+            problems.append(CatalogProblem(_display(directory), None, None, "not a directory"))
+            continue
+        files = sorted(p for p in directory.iterdir() if p.suffix in {".yaml", ".yml"})
+        for path in files:
+            runbook, file_problems = load_runbook_file(path, registry)
+            problems.extend(file_problems)
+            if runbook is None:
+                continue
+            if runbook.name in runbooks:
+                first = sources[runbook.name]
+                problems.append(
+                    CatalogProblem(
+                        _display(path),
+                        _name_line(path),
+                        runbook.name,
+                        f"duplicate runbook name (first defined in "
+                        f"{_display(first)}:{lines[runbook.name]})",
+                    )
+                )
+                continue
+            runbooks[runbook.name] = runbook
+            sources[runbook.name] = path
+            lines[runbook.name] = _name_line(path) or 1
+    if problems:
+        raise CatalogError(problems)
+    return Catalog(runbooks, sources)
+
+
+def _name_line(path: Path) -> int | None:
+    loader = _MarkedLoader(path.read_text(encoding="utf-8"))
+    loader.load()
+    return loader.lines.get(("name",))

@@ -1,0 +1,62 @@
+"""The runbook store: journal of executions, incidents, webhook events, leases.
+
+from runbooks.store import Store, upgrade
+upgrade(url)                  # once, or on service start
+store = Store(url)            # url: explicit > $RUNBOOK_DB_URL > SQLite in the data dir
+"""
+
+from __future__ import annotations
+
+from runbooks.store.database import ENV_VAR, default_sqlite_path, display_url, resolve_url
+from runbooks.store.errors import (
+    ExecutionNotFound,
+    IllegalTransition,
+    SchemaMissing,
+    StoreError,
+    StoreUnavailable,
+)
+from runbooks.store.journal import ExecutionRecord, StepRecord, Store, process_alive
+from runbooks.store.models import (
+    ACTIVE_STATUSES,
+    EXECUTION_STATUSES,
+    EXECUTION_TRANSITIONS,
+    FINAL_STATUSES,
+    Base,
+    Execution,
+    Incident,
+    Lease,
+    Step,
+    WebhookEvent,
+    episode_key,
+)
+from runbooks.store.schema import current_revision, head_revision, upgrade
+
+__all__ = [
+    "ACTIVE_STATUSES",
+    "ENV_VAR",
+    "EXECUTION_STATUSES",
+    "EXECUTION_TRANSITIONS",
+    "FINAL_STATUSES",
+    "Base",
+    "Execution",
+    "ExecutionNotFound",
+    "ExecutionRecord",
+    "IllegalTransition",
+    "Incident",
+    "Lease",
+    "SchemaMissing",
+    "Step",
+    "StepRecord",
+    "Store",
+    "StoreError",
+    "StoreUnavailable",
+    "WebhookEvent",
+    "current_revision",
+    "default_sqlite_path",
+    "display_url",
+    "episode_key",
+    "head_revision",
+    "process_alive",
+    "resolve_url",
+    "upgrade",
+]

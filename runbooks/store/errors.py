@@ -1,0 +1,44 @@
+"""The store's exception tree, drawn once.
+
+    StoreError
+    ├── StoreUnavailable        the database cannot be reached, opened or locked
+    │   └── SchemaMissing       reachable, but `runbook db upgrade` has not run
+    ├── IllegalTransition       a status change the execution state machine forbids
+    └── ExecutionNotFound       no execution with that id (also a LookupError)
+
+Callers map the branch, not the driver: the CLI exits 4 on StoreUnavailable,
+the service answers 5xx so Alertmanager retries. No SQLAlchemy or driver
+exception leaves the store's public API.
+"""
+
+from __future__ import annotations
+
+
+class StoreError(Exception):
+    """Base of every error the store raises on purpose."""
+
+
+class StoreUnavailable(StoreError):
+    """The database cannot be reached, opened or locked right now (retryable)."""
+
+
+class SchemaMissing(StoreUnavailable):
+    """The database answers but has no (or an old) runbook schema."""
+
+
+class IllegalTransition(StoreError):
+    """An execution was asked to move to a status its current one cannot reach."""
+
+    def __init__(self, execution_id: int, current: str, requested: str) -> None:
+        super().__init__(f"execution {execution_id}: cannot go from {current!r} to {requested!r}")
+        self.execution_id = execution_id
+        self.current = current
+        self.requested = requested
+
+
+class ExecutionNotFound(StoreError, LookupError):
+    """No execution with the requested id."""
+
+    def __init__(self, execution_id: int) -> None:
+        super().__init__(f"no execution with id {execution_id}")
+        self.execution_id = execution_id

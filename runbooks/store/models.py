@@ -1,0 +1,300 @@
+"""Tables of the runbook journal and the service's durable state.
+
+The schema is owned by Alembic (`runbooks/store/migrations/versions/`); these
+models are its single source (`target_metadata = Base.metadata`), so a model
+change without a migration fails `alembic check`.
+
+Design points:
+- Timestamps are stored as naive UTC and handed back timezone-aware
+  (`UTCDateTime`): SQLite has no time zones, and one convention for both
+  dialects keeps comparisons (cooldown, leases) exact.
+- Uniqueness that must hold across processes and replicas lives in the
+  database, as unique constraints on computed non-null keys: `episode_key`
+  for alert-triggered executions (NULL for CLI runs, and NULLs never collide)
+  and `open_key` for open incidents. A NULL-able composite unique constraint
+  would let (runbook, engine, NULL, NULL) duplicates through.
+- Statuses are strings with CHECK constraints; the legal moves between them
+  are `EXECUTION_TRANSITIONS`, enforced by the store in code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import UTC, datetime
+from typing import Any, Final
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    Dialect,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+    event,
+)
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.types import TypeDecorator
+
+NAMING_CONVENTION: Final = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+# --- execution state machine -------------------------------------------------
+
+PENDING, RUNNING, VERIFYING = "pending", "running", "verifying"
+SUCCEEDED, FAILED, ROLLED_BACK, REVERTED = "succeeded", "failed", "rolled_back", "reverted"
+# A guardrail said no (cooldown, max runs, blast radius, no approval): recorded
+# so the operator sees it, but it is not a run and counts for no guardrail.
+REFUSED = "refused"
+
+EXECUTION_STATUSES: Final = (
+    PENDING, RUNNING, VERIFYING, SUCCEEDED, FAILED, ROLLED_BACK, REVERTED, REFUSED,
+)  # fmt: skip
+ACTIVE_STATUSES: Final = frozenset({PENDING, RUNNING, VERIFYING})
+FINAL_STATUSES: Final = frozenset(EXECUTION_STATUSES) - ACTIVE_STATUSES
+
+EXECUTION_TRANSITIONS: Final[dict[str, frozenset[str]]] = {
+    PENDING: frozenset({RUNNING, FAILED, REFUSED}),
+    # running → succeeded: runbooks without verification (advice, diagnostics).
+    # running → rolled_back: a step failed and the applied ones were undone.
+    RUNNING: frozenset({VERIFYING, SUCCEEDED, FAILED, ROLLED_BACK}),
+    VERIFYING: frozenset({SUCCEEDED, FAILED, ROLLED_BACK}),
+    # Reverting restores the recorded before-values: after success (alert
+    # resolved, `runbook revert`) or after a failure that left changes behind
+    # (an interrupted run).
+    SUCCEEDED: frozenset({REVERTED}),
+    FAILED: frozenset({REVERTED}),
+    ROLLED_BACK: frozenset(),
+    REVERTED: frozenset(),
+    REFUSED: frozenset(),
+}
+
+TRIGGER_SOURCES: Final = ("cli", "alert", "rule")
+
+# --- step statuses -------------------------------------------------------------
+
+STEP_PLANNED = "planned"  # dry-run: what would change, nothing applied
+STEP_SKIPPED = "skipped"  # its condition did not hold
+STEP_APPLYING = "applying"  # before-values recorded, action running (committed first)
+STEP_APPLIED = "applied"
+STEP_FAILED = "failed"
+STEP_INTERRUPTED = "interrupted"  # the process died while applying: effect unknown
+STEP_REVERTED = "reverted"
+STEP_STATUSES: Final = (
+    STEP_PLANNED, STEP_SKIPPED, STEP_APPLYING, STEP_APPLIED, STEP_FAILED,
+    STEP_INTERRUPTED, STEP_REVERTED,
+)  # fmt: skip
+
+INCIDENT_STATES: Final = ("pending", "firing", "resolved")
+INTERRUPTED_REASON: Final = "interrupted"
+
+
+def _in(column: str, values: tuple[str, ...]) -> str:
+    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+
+
+def _key(*parts: object) -> str:
+    # JSON keeps the parts apart whatever characters they hold; sha256 keeps
+    # the indexed column short whatever the engine URL's length.
+    return hashlib.sha256(json.dumps(parts, separators=(",", ":")).encode()).hexdigest()
+
+
+def episode_key(runbook: str, engine: str, fingerprint: str, starts_at: datetime) -> str:
+    """The identity of one alert episode for one runbook on one engine.
+
+    Alertmanager redelivers and HA peers duplicate; all of those carry the same
+    (fingerprint, startsAt), so they map to one key and one execution.
+    """
+    if starts_at.tzinfo is None:
+        raise ValueError("starts_at must be timezone-aware")
+    return _key(runbook, engine, fingerprint, starts_at.astimezone(UTC).isoformat())
+
+
+def incident_open_key(alert: str, engine: str) -> str:
+    return _key(alert, engine)
+
+
+# --- types ---------------------------------------------------------------------
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Aware datetimes in, naive UTC in the database, aware UTC out."""
+
+    impl = DateTime
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r}: pass an aware (UTC) datetime")
+        return value.astimezone(UTC).replace(tzinfo=None)
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        return None if value is None else value.replace(tzinfo=UTC)
+
+
+JsonDocument = JSON().with_variant(postgresql.JSONB(), "postgresql")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+# --- tables --------------------------------------------------------------------
+
+
+class Execution(Base):
+    """One run of one runbook against one engine (or one refusal to run)."""
+
+    __tablename__ = "executions"
+    __table_args__ = (
+        CheckConstraint(_in("status", EXECUTION_STATUSES), name="status"),
+        CheckConstraint(_in("trigger", TRIGGER_SOURCES), name="trigger"),
+        # Alert runs must carry their episode; others must not claim one.
+        CheckConstraint(
+            "(trigger = 'alert') = (episode_key IS NOT NULL)", name="episode_key_iff_alert"
+        ),
+        UniqueConstraint("episode_key"),
+        Index("ix_executions_runbook_engine_started", "runbook", "engine", "started_at"),
+        Index("ix_executions_engine_id", "engine", "id"),
+        Index("ix_executions_status", "status"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    runbook: Mapped[str] = mapped_column(String(64))
+    engine: Mapped[str] = mapped_column(String(512))
+    trigger: Mapped[str] = mapped_column(String(8))
+    who: Mapped[str] = mapped_column(String(256))
+    alert_fingerprint: Mapped[str | None] = mapped_column(String(64))
+    alert_starts_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    episode_key: Mapped[str | None] = mapped_column(String(64))
+    dry_run: Mapped[bool] = mapped_column(Boolean, default=False)
+    status: Mapped[str] = mapped_column(String(16), default=PENDING)
+    reason: Mapped[str | None] = mapped_column(Text)
+    error: Mapped[str | None] = mapped_column(Text)
+    # Results of the runbook's checks and of its verification, as shown to the
+    # operator; kept so a report can be rendered again from the journal alone.
+    checks: Mapped[dict[str, Any] | None] = mapped_column(JsonDocument)
+    verification: Mapped[dict[str, Any] | None] = mapped_column(JsonDocument)
+    reverts_id: Mapped[int | None] = mapped_column(ForeignKey("executions.id"))
+    # Who is running it: lets a later process tell a live run from a dead one.
+    hostname: Mapped[str | None] = mapped_column(String(255))
+    pid: Mapped[int | None] = mapped_column(Integer)
+    # Process start time (Linux clock ticks since boot) guards against pid reuse.
+    pid_start: Mapped[int | None] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
+
+    steps: Mapped[list[Step]] = relationship(
+        back_populates="execution", order_by="Step.ordinal", cascade="all, delete-orphan"
+    )
+
+
+class Step(Base):
+    """One action of an execution, with the knob values before and after it."""
+
+    __tablename__ = "steps"
+    __table_args__ = (
+        CheckConstraint(_in("status", STEP_STATUSES), name="status"),
+        UniqueConstraint("execution_id", "ordinal"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    execution_id: Mapped[int] = mapped_column(
+        ForeignKey("executions.id", ondelete="CASCADE"), index=True
+    )
+    ordinal: Mapped[int] = mapped_column(Integer)
+    action: Mapped[str] = mapped_column(String(64))
+    params: Mapped[dict[str, Any]] = mapped_column(JsonDocument, default=dict)
+    before: Mapped[dict[str, Any] | None] = mapped_column(JsonDocument)
+    after: Mapped[dict[str, Any] | None] = mapped_column(JsonDocument)
+    status: Mapped[str] = mapped_column(String(16))
+    error: Mapped[str | None] = mapped_column(Text)
+    # The engine's scheduler step at which the change took effect.
+    applied_at_step: Mapped[int | None] = mapped_column(BigInteger)
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+    execution: Mapped[Execution] = relationship(back_populates="steps")
+
+
+class Incident(Base):
+    """A rule finding on one engine, from first seen to resolved."""
+
+    __tablename__ = "incidents"
+    __table_args__ = (
+        CheckConstraint(_in("state", INCIDENT_STATES), name="state"),
+        CheckConstraint("(state = 'resolved') = (open_key IS NULL)", name="open_key_iff_open"),
+        UniqueConstraint("open_key"),
+        Index("ix_incidents_engine_alert", "engine", "alert"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    alert: Mapped[str] = mapped_column(String(128))
+    engine: Mapped[str] = mapped_column(String(512))
+    severity: Mapped[str] = mapped_column(String(16))
+    state: Mapped[str] = mapped_column(String(16))
+    value: Mapped[float | None] = mapped_column(Float)
+    first_seen: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    last_seen: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    resolved_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    labels: Mapped[dict[str, str]] = mapped_column(JsonDocument, default=dict)
+    # sha of (alert, engine) while open, NULL once resolved: at most one open
+    # incident per (alert, engine), any number of resolved ones.
+    open_key: Mapped[str | None] = mapped_column(String(64))
+
+
+@event.listens_for(Incident, "before_insert")
+@event.listens_for(Incident, "before_update")
+def _sync_incident_open_key(_mapper: Any, _connection: Any, incident: Incident) -> None:
+    # Derived at flush time so no caller can forget it.
+    if incident.state not in INCIDENT_STATES:
+        raise ValueError(f"incident state {incident.state!r} not in {INCIDENT_STATES}")
+    incident.open_key = (
+        None if incident.state == "resolved" else incident_open_key(incident.alert, incident.engine)
+    )
+
+
+class WebhookEvent(Base):
+    """One Alertmanager delivery, stored before it is acknowledged."""
+
+    __tablename__ = "webhook_events"
+    __table_args__ = (Index("ix_webhook_events_processed_id", "processed", "id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    received_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    group_key: Mapped[str] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(16))
+    payload: Mapped[dict[str, Any]] = mapped_column(JsonDocument)
+    processed: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+class Lease(Base):
+    """A named, expiring lock held by one replica (leader election)."""
+
+    __tablename__ = "leases"
+
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(255))
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime)

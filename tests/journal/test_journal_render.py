@@ -1,0 +1,96 @@
+"""Reports and notifications: exact text, and the sandbox holding against untrusted input."""
+
+from __future__ import annotations
+
+import pytest
+from jinja2.exceptions import SecurityError
+
+from runbooks.render import format_table, render_notification, render_report, render_string
+from runbooks.store import Store
+
+
+@pytest.fixture
+def finished(sqlite_url: str):  # type: ignore[no-untyped-def]
+    store = Store(sqlite_url)
+    record, _ = store.create_execution("oom-pressure", "llama-0", trigger="cli", who="alice")
+    store.transition(record.id, "running")
+    store.record_checks(
+        record.id,
+        {
+            "kv_usage": {"value": 0.97, "signal": "kv_cache_usage_ratio", "description": "KV"},
+            "kv_capacity": {"value": 12, "signal": "kv_capacity_seqs", "description": "seqs"},
+        },
+    )
+    step = store.add_step(
+        record.id,
+        "scale_max_num_batched_tokens",
+        {"factor": 0.5},
+        before={"max_num_batched_tokens": 512},
+    )
+    store.finish_step(step.id, "applied", after={"max_num_batched_tokens": 256})
+    store.transition(record.id, "verifying")
+    store.record_verification(
+        record.id,
+        {
+            "signal": "preemptions_per_minute",
+            "direction": "decrease",
+            "deadline_seconds": 120,
+            "before": 37.0,
+            "after": 0.0,
+            "outcome": "passed",
+        },
+    )
+    result = store.transition(record.id, "succeeded")
+    store.close()
+    return result
+
+
+def test_report_shows_checks_before_after_and_verification(finished) -> None:  # type: ignore[no-untyped-def]
+    lines = render_report(finished).splitlines()
+    assert lines[0] == "Execution #1: oom-pressure on llama-0: succeeded"
+    assert lines[1] == "Triggered by cli (alice)"
+    assert lines[lines.index("Checks") + 1 :][:3] == [
+        "  check        value  signal                description",
+        "  kv_usage     0.97   kv_cache_usage_ratio  KV",
+        "  kv_capacity  12     kv_capacity_seqs      seqs",
+    ]
+    assert lines[lines.index("Steps") + 1 :][:2] == [
+        "  #  action                        status   before → after                     error",
+        "  1  scale_max_num_batched_tokens  applied  max_num_batched_tokens: 512 → 256  -",
+    ]
+    assert lines[lines.index("Verification") + 1] == (
+        "  preemptions_per_minute: 37 → 0 (expected decrease within 120 s): passed"
+    )
+
+
+def test_notification_keeps_untrusted_labels_literal(finished) -> None:  # type: ignore[no-untyped-def]
+    hostile = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    text = render_notification(
+        finished,
+        alert_name="VllmOOMPressure",
+        labels={"instance": hostile, "job": "{% raw %}x{% endraw %}"},
+        annotations={"summary": "{{ 7*7 }} blocks"},
+    )
+    assert text.splitlines() == [
+        "[SUCCEEDED] oom-pressure on llama-0 (execution #1)",
+        "Alert: VllmOOMPressure: {{ 7*7 }} blocks",
+        "- scale_max_num_batched_tokens applied: max_num_batched_tokens: 512 → 256",
+        f"Labels: instance={hostile}, job={{% raw %}}x{{% endraw %}}",
+    ]
+
+
+def test_sandbox_refuses_private_attributes() -> None:
+    with pytest.raises(SecurityError):
+        render_string("{{ ''.__class__.__mro__ }}")
+    with pytest.raises(SecurityError):
+        render_string("{{ labels.__class__ }}", labels={"a": "b"})
+    with pytest.raises(SecurityError):
+        render_string("{{ obj._secret }}", obj=type("O", (), {"_secret": "s"})())
+    # Plain data renders.
+    assert render_string("{{ labels.a }}", labels={"a": "b"}) == "b"
+
+
+def test_format_table_aligns_columns() -> None:
+    assert format_table([(1, None, 0.123456)], ["id", "x", "ratio"]) == (
+        "id  x  ratio\n1   -  0.1235"
+    )
