@@ -218,8 +218,9 @@ class EngineCollector:
         return server.start()
 
     def engine_idle(self) -> bool:
-        """No request anywhere in the scheduler: nothing will call schedule()."""
-        return not self.scheduler.has_requests()
+        """No request running or waiting: schedule() may not be called again
+        (finished ids may still be pending; the scheduler lock covers that)."""
+        return self.scheduler.get_num_unfinished_requests() == 0
 
     def state(self) -> dict[str, Any]:
         stats: dict[str, Any] = {}

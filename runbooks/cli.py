@@ -1,7 +1,7 @@
 """The `runbook` command line.
 
-Exit codes: 0 ok; 2 usage or bounds error; 3 engine unreachable or
-authentication failed; 1 anything else. Errors are one line on stderr,
+Exit codes: 0 ok; 2 usage, bounds or catalog error; 3 engine unreachable or
+authentication failed; 4 store (database) unavailable; 1 anything else. Errors are one line on stderr,
 never a traceback for a user mistake.
 """
 
@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from runbooks import journal_cli
 from runbooks.client import CommandRefused, EngineClient, EngineClientError
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_ENGINE = 0, 1, 2, 3
@@ -250,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine_args(p)
     p.add_argument("--dry-run", action="store_true")
     p.set_defaults(func=cmd_restore)
+
+    journal_cli.add_subcommands(sub)
     return parser
 
 

@@ -40,7 +40,7 @@ from runbooks.store import (
 EXIT_OK: Final = 0
 EXIT_STORE_ERROR: Final = 1
 EXIT_USAGE: Final = 2
-EXIT_CATALOG: Final = 3
+EXIT_CATALOG: Final = 2  # a broken catalog file is a usage error, like bad input
 EXIT_STORE_UNAVAILABLE: Final = 4
 
 Handler = Callable[[argparse.Namespace], int]

@@ -8,6 +8,7 @@ downloaded.
 from __future__ import annotations
 
 import os
+import tempfile
 
 # Must be set before vLLM is imported anywhere in this process: the
 # EngineCore then runs in-process, so tests reach the scheduler and step it.
@@ -15,6 +16,10 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # Each in-process engine binds its own free port (no clash between engines).
 os.environ.setdefault("VLLM_RUNBOOK_PORT", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Generated agent tokens go to a private directory of this test session; the
+# CLI (also in subprocesses) finds them there.
+os.environ.setdefault("VLLM_RUNBOOK_RUNTIME_DIR", tempfile.mkdtemp(prefix="vllm-runbook-rt-"))
+os.environ.pop("VLLM_RUNBOOK_TOKEN", None)
 
 from collections.abc import Iterator
 from pathlib import Path

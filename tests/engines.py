@@ -11,7 +11,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,8 @@ class InProcessEngine:
     """An offline vLLM engine whose EngineCore runs in this process."""
 
     llm: Any
+    # Every request that finished so far, by id (a request finishing twice fails).
+    finished: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def start(cls, model: Path, **overrides: Any) -> InProcessEngine:
@@ -81,7 +83,12 @@ class InProcessEngine:
         self.engine.add_request(request_id, prompt, params, priority=priority)
 
     def step(self) -> list[Any]:
-        return self.engine.step()
+        outputs = self.engine.step()
+        for out in outputs:
+            if out.finished:
+                assert out.request_id not in self.finished, f"{out.request_id} finished twice"
+                self.finished[out.request_id] = out
+        return outputs
 
     def run_until_done(self, max_steps: int = 100_000) -> dict[str, Any]:
         """Step until no request is left; returns finished outputs by id."""
@@ -91,7 +98,6 @@ class InProcessEngine:
                 return finished
             for out in self.step():
                 if out.finished:
-                    assert out.request_id not in finished, "request finished twice"
                     finished[out.request_id] = out
         raise AssertionError("engine did not finish its requests")
 
@@ -228,3 +234,25 @@ class ServedEngine:
         import json
 
         return str(json.loads(http_get(self.api_url + "/v1/models")[1])["data"][0]["id"])
+
+
+def runbook_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """The installed `runbook` command, as an operator would type it."""
+    exe = Path(sys.executable).with_name("runbook")
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=timeout)
+
+
+def while_stepping(engine: InProcessEngine, proc: subprocess.Popen[str] | Any) -> None:
+    """Step `engine` while `proc` (a Popen or a Thread) runs: a command sent
+    to a busy in-process engine lands at its next step boundary. Steps only
+    once a command is queued, so the workload is still in flight when it lands."""
+    done = proc.is_alive if hasattr(proc, "is_alive") else (lambda: proc.poll() is None)
+    control = engine.collector.control
+    deadline = time.monotonic() + 120
+    while done():
+        if time.monotonic() > deadline:
+            raise TimeoutError("command did not finish")
+        if control.pending and engine.engine.has_unfinished_requests():
+            engine.step()
+        else:
+            time.sleep(0.005)
