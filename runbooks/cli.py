@@ -1,8 +1,8 @@
 """The `runbook` command line.
 
 Exit codes: 0 ok; 2 usage, bounds or catalog error; 3 engine unreachable or
-authentication failed; 4 store (database) unavailable; 1 anything else. Errors are one line on stderr,
-never a traceback for a user mistake.
+authentication failed; 4 store (database) unavailable; 1 anything else.
+Errors are one line on stderr, never a traceback for a user mistake.
 """
 
 from __future__ import annotations

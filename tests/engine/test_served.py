@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from collector import metrics as M
-from tests.engines import ServedEngine, http_get
+from tests.engines import ServedEngine, http_get, runbook_cli
 
 pytestmark = [pytest.mark.engine, pytest.mark.served]
 
@@ -49,14 +51,35 @@ def test_served_engine_exports_every_metric_on_both_endpoints(
         assert labels == {"model_name": served.model_id(), "engine": "0"}
         assert ours[M.PREFIX_CACHE_HITS.series_name][0][1] == 96
 
-        # PROMETHEUS_MULTIPROC_DIR: the same series on vLLM's own /metrics.
-        status, text = http_get(served.api_url + "/metrics")
-        assert status == 200
-        theirs = _samples(text)
+        # PROMETHEUS_MULTIPROC_DIR: the same series on vLLM's own /metrics,
+        # mirrored once a second.
+        deadline = time.monotonic() + 5
+        while True:
+            status, text = http_get(served.api_url + "/metrics")
+            theirs = _samples(text)
+            queries = theirs.get(M.PREFIX_CACHE_QUERIES.series_name, [({}, 0.0)])[0][1]
+            if queries == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         assert "vllm:num_requests_running" in theirs  # vLLM's own series
         for name in _expected_names():
             assert name in theirs, name
         assert theirs[M.PREFIX_CACHE_QUERIES.series_name][0][1] == 200
+
+        # Control of an EngineCore in its own process, token found locally.
+        cli = runbook_cli("set", "--engine", served.agent_url, "max_num_batched_tokens=x0.5",
+                          "max_num_seqs=16", "policy=priority")  # fmt: skip
+        assert cli.returncode == 0, cli.stderr
+        assert "max_num_batched_tokens 512 → 256" in cli.stdout
+        assert served.complete(300, max_tokens=2)["usage"]["prompt_tokens"] == 300
+        ours = _samples(http_get(served.agent_url + "/metrics")[1])
+        assert ours[M.MAX_NUM_BATCHED_TOKENS.name][0][1] == 256
+        assert ours[M.MAX_NUM_SEQS.name][0][1] == 16
+        status = runbook_cli("status", "--engine", served.agent_url, "--json")
+        assert json.loads(status.stdout)[0]["knobs"]["policy"] == "priority"
+        cli = runbook_cli("restore", "--engine", served.agent_url)
+        assert cli.returncode == 0, cli.stderr
+        assert "max_num_batched_tokens 256 → 512" in cli.stdout
 
 
 def test_empty_plugin_allow_list_serves_without_the_collector(
