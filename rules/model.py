@@ -152,19 +152,18 @@ def load_catalog(path: str | Path | None = None, *, display_root: Path | None = 
     for f in files:
         shown = _display(f, display_root)
         try:
-            specs.extend(_load_file(f, shown))
-        except CatalogError as exc:
-            problems.extend(exc.problems)
+            loaded, found = _load_file(f, shown)
+            specs.extend(loaded)
+            problems.extend(found)
         except RuleProblem as exc:
             problems.append(exc.located(file=shown))
         except OSError as exc:
             problems.append(RuleSyntaxError(f"cannot read: {exc.strerror}", file=shown))
     problems.extend(_duplicates(specs))
-    if not problems:
-        try:
-            Catalog(specs).bind()  # parse every condition with its defaults now
-        except CatalogError as exc:
-            problems.extend(exc.problems)
+    try:
+        Catalog(specs).bind()  # parse every condition with its defaults now
+    except CatalogError as exc:
+        problems.extend(exc.problems)
     if problems:
         raise CatalogError(problems)
     return Catalog(specs)
@@ -179,7 +178,8 @@ def _display(f: Path, root: Path | None) -> str:
         return str(f)
 
 
-def _load_file(path: Path, shown: str) -> list[LocatedSpec]:
+def _load_file(path: Path, shown: str) -> tuple[list[LocatedSpec], list[RuleProblem]]:
+    """The file's valid specs and the problems of the others (checked further later)."""
     doc = load(path.read_text(encoding="utf-8"), shown)
     if not isinstance(doc, MarkedDict) or set(doc) != {"rules"} or not isinstance(doc["rules"], list):
         raise RuleSyntaxError("a rule file is a mapping with one key, rules: [ ... ]",
@@ -204,9 +204,7 @@ def _load_file(path: Path, shown: str) -> list[LocatedSpec]:
             ))  # fmt: skip
             continue
         out.append(LocatedSpec(spec, shown, line, raw))
-    if problems:
-        raise CatalogError(problems)
-    return out
+    return out, problems
 
 
 def _pydantic_problems(exc: ValidationError, raw: MarkedDict, file: str, name: object) -> list[RuleProblem]:

@@ -116,9 +116,10 @@ class ConditionParser:
         return C.Selector(signal, tuple(sorted(labels.items())))
 
     # -- expressions -----------------------------------------------------------
-    def expr(self, raw: object) -> C.Expr:
+    def expr(self, raw: object, at: int | None = None) -> C.Expr:
+        """`at`: the line to blame when `raw` is a bare string (scalars carry no line)."""
         if isinstance(raw, str):
-            return C.Instant(self.selector(raw, None, "gauge"))
+            return C.Instant(self.selector(raw, _Line(at), "gauge"))
         node = self.mapping(raw, "an expression")
         kind = self.kind(node, _EXPR_KINDS, "an expression")
         arg = node[kind]
@@ -144,7 +145,7 @@ class ConditionParser:
             self.only(node, {"ratio"})
             if not isinstance(arg, list) or len(arg) != 2:
                 self.fail("ratio takes a list of two expressions [numerator, denominator]", node)
-            num, den = self.expr(arg[0]), self.expr(arg[1])
+            num, den = self.expr(arg[0], line_of(arg)), self.expr(arg[1], line_of(arg))
             pn, pd = C.per_label(num), C.per_label(den)
             if pn and pd and pn != pd:
                 self.fail(f"ratio of series split by different labels ({pn}, {pd})", node)
@@ -153,7 +154,7 @@ class ConditionParser:
             return C.Ratio(num, den)
         if kind in _REDUCE:
             self.only(node, {kind, "over"})
-            of = self.expr(arg)
+            of = self.expr(arg, node.line_of(kind))
             over = node.get("over")
             per = C.per_label(of)
             if per is None or over != per:
@@ -161,7 +162,7 @@ class ConditionParser:
             return C.Reduce(kind, over, of)  # type: ignore[arg-type]
         if kind == "offset":
             self.only(node, {"offset", "by"})
-            of = self.expr(arg)
+            of = self.expr(arg, node.line_of(kind))
             self.no_time_since(of, node)
             return C.Offset(of, self.duration(node.get("by"), node))
         assert kind == "change"
@@ -178,7 +179,7 @@ class ConditionParser:
             self.fail("time_since cannot be shifted or baselined", node)
 
     def change(self, arg: object, node: MarkedDict) -> C.Ratio:
-        now = self.expr(arg)
+        now = self.expr(arg, node.line)
         self.no_time_since(now, node)
         vs = [k for k in ("vs_earlier", "vs_baseline") if k in node]
         if len(vs) != 1:
@@ -208,7 +209,7 @@ class ConditionParser:
             if len(ops) != 1:
                 self.fail(f"a comparison needs exactly one of {', '.join(_COMPARE)}", node)
             self.only(node, {"expr", ops[0]})
-            expr = self.expr(node["expr"])
+            expr = self.expr(node["expr"], node.line_of("expr"))
             value = self.number(node[ops[0]], node, ops[0])
             return self.compare(expr, _COMPARE[ops[0]], value, node)
         self.only(node, {kind, "vs_earlier", "vs_baseline", "by_at_least"})
@@ -225,6 +226,13 @@ class ConditionParser:
         if per is not None:
             self.fail(f"compare one value per engine: reduce over {per!r} first (max/min/sum/spread)", node)
         return C.Compare(expr, op, value)
+
+
+class _Line:
+    """Stands in for a node when only a line number is known."""
+
+    def __init__(self, line: int | None) -> None:
+        self.line = line
 
 
 def parse_condition(raw: object, params: Mapping[str, object], line: int | None = None) -> C.Condition:
