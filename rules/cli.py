@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from rules.errors import CatalogError, RuleSyntaxError, RulesError
+from rules.errors import CatalogError, RulesError, RuleSyntaxError
 from rules.model import load_catalog
 from rules.promql import DEFAULT_RUNBOOK_URL_BASE, export
 
@@ -32,19 +32,36 @@ def add_subcommands(subparsers: Any) -> argparse.ArgumentParser:
 
     exp = sub.add_parser("export", help="write the catalog as a Prometheus rule file")
     exp.add_argument("--format", choices=["prometheus"], default="prometheus")
-    exp.add_argument("--rules", dest="rules_dir", type=Path, default=None,
-                     help="rule directory or file (default: the built-in catalog)")  # fmt: skip
-    exp.add_argument("--config", type=Path, default=None,
-                     help="configuration file whose rules.overrides apply")  # fmt: skip
+    exp.add_argument(
+        "--rules",
+        dest="rules_dir",
+        type=Path,
+        default=None,
+        help="rule directory or file (default: the built-in catalog)",
+    )
+    exp.add_argument(
+        "--config", type=Path, default=None, help="configuration file whose rules.overrides apply"
+    )
     exp.add_argument("--runbook-url-base", default=DEFAULT_RUNBOOK_URL_BASE)
-    exp.add_argument("-o", "--output", type=Path, default=None, help="file to write (default: stdout)")
+    exp.add_argument(
+        "-o", "--output", type=Path, default=None, help="file to write (default: stdout)"
+    )
     exp.set_defaults(func=cmd_export)
 
     check = sub.add_parser("check", help="validate a rule directory or file")
-    check.add_argument("path", nargs="?", type=Path, default=None,
-                       help="rule directory or file (default: the built-in catalog)")  # fmt: skip
-    check.add_argument("--config", type=Path, default=None,
-                       help="also validate this configuration's rules.overrides")  # fmt: skip
+    check.add_argument(
+        "path",
+        nargs="?",
+        type=Path,
+        default=None,
+        help="rule directory or file (default: the built-in catalog)",
+    )
+    check.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="also validate this configuration's rules.overrides",
+    )
     check.set_defaults(func=cmd_check)
     return rules
 
@@ -84,7 +101,9 @@ def load_overrides(path: Path | None) -> Mapping[str, Mapping[str, object]]:
     try:
         doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except OSError as exc:
-        raise CatalogError([RuleSyntaxError(f"cannot read: {exc.strerror}", file=str(path))]) from None
+        raise CatalogError(
+            [RuleSyntaxError(f"cannot read: {exc.strerror}", file=str(path))]
+        ) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = mark.line + 1 if mark is not None else None

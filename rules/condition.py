@@ -149,7 +149,7 @@ def leaves(node: Expr | Condition, offset: float = 0.0) -> Iterator[tuple[Leaf, 
         case Offset(of, by):
             yield from leaves(of, offset + by)
         case _:
-            yield node, offset  # type: ignore[misc]
+            yield node, offset
 
 
 def with_window(expr: Expr, window: float) -> Expr:

@@ -27,17 +27,22 @@ class RuleProblem(RulesError):
     """One mistake in a rule file, with where it is."""
 
     def __init__(
-        self, message: str, *, file: str | None = None, line: int | None = None,
+        self,
+        message: str,
+        *,
+        file: str | None = None,
+        line: int | None = None,
         rule: str | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.message = message
         self.file = file
         self.line = line
         self.rule = rule
         super().__init__(str(self))
 
-    def located(self, *, file: str | None = None, line: int | None = None,
-                rule: str | None = None) -> RuleProblem:  # fmt: skip
+    def located(
+        self, *, file: str | None = None, line: int | None = None, rule: str | None = None
+    ) -> RuleProblem:
         """Fill in location parts the raiser did not know (inner parsers know less)."""
         self.file = self.file or file
         self.line = self.line or line

@@ -23,8 +23,11 @@ Cache = dict[tuple[int, float], Value]
 Fn = Callable[[EngineSeries, float, Cache], Value]
 
 _OPS: dict[str, Callable[[float, float], bool]] = {
-    ">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le,
-}  # fmt: skip
+    ">": operator.gt,
+    ">=": operator.ge,
+    "<": operator.lt,
+    "<=": operator.le,
+}
 
 
 class Compiler:
@@ -43,7 +46,9 @@ class Compiler:
             inner = build(node)
             slot = len(self._compiled)
 
-            def fn(eng: EngineSeries, t: float, cache: Cache, inner: Fn = inner, slot: int = slot) -> Value:
+            def fn(
+                eng: EngineSeries, t: float, cache: Cache, inner: Fn = inner, slot: int = slot
+            ) -> Value:
                 key = (slot, t)
                 if key in cache:
                     return cache[key]
@@ -94,15 +99,16 @@ class Compiler:
     def expr(self, node: C.Expr) -> Fn:
         return self._memo(node, self._expr)  # type: ignore[arg-type]
 
-    def _expr(self, node: C.Expr) -> Fn:  # noqa: C901 (one case per node kind)
+    def _expr(self, node: C.Expr) -> Fn:
         store = self.store
         match node:
             case C.Instant(sel):
                 name, matchers, per = sel.signal.metric, sel.matchers, sel.signal.per
 
                 def instant(eng: EngineSeries, t: float, cache: Cache) -> Value:
-                    return _group(eng.matching(name, matchers), per,
-                                  lambda s: store.latest(s, t), agg_max)  # fmt: skip
+                    return _group(
+                        eng.matching(name, matchers), per, lambda s: store.latest(s, t), agg_max
+                    )
 
                 return instant
             case C.TimeSince(sel):
@@ -121,8 +127,12 @@ class Compiler:
                 name, matchers, per = sel.signal.metric, sel.matchers, sel.signal.per
 
                 def rate(eng: EngineSeries, t: float, cache: Cache) -> Value:
-                    return _group(eng.matching(name, matchers), per,
-                                  lambda s: _rate(store, s, t, window), _sum)  # fmt: skip
+                    return _group(
+                        eng.matching(name, matchers),
+                        per,
+                        lambda s: _rate(store, s, t, window),
+                        _sum,
+                    )
 
                 return rate
             case C.OverTime(fn_name, sel, window):
@@ -204,9 +214,11 @@ def _sum(acc: float | None, x: float) -> float:
 
 
 def _group(
-    series: list[Series], per: str | None, read: Callable[[Series], float | None],
+    series: list[Series],
+    per: str | None,
+    read: Callable[[Series], float | None],
     combine: Callable[[float | None, float], float],
-) -> Value:  # fmt: skip
+) -> Value:
     """Aggregate the series' values by engine (or by engine and `per`): PromQL's `by`."""
     if per is None:
         acc: float | None = None
@@ -241,7 +253,11 @@ def _spread(values: list[float]) -> float:
 
 def _avg(values: object) -> float:
     vals = list(values)  # type: ignore[call-overload]
-    return math.fsum(vals) / len(vals) if not any(math.isinf(v) for v in vals) else sum(vals) / len(vals)
+    return (
+        math.fsum(vals) / len(vals)
+        if not any(math.isinf(v) for v in vals)
+        else sum(vals) / len(vals)
+    )
 
 
 def _max_over_time(values: object) -> float:
@@ -264,8 +280,13 @@ def _min_over_time(values: object) -> float:
 
 
 _OVER_TIME: dict[str, Callable[[object], float]] = {
-    "avg": _avg, "max": _max_over_time, "min": _min_over_time,
-}  # fmt: skip
+    "avg": _avg,
+    "max": _max_over_time,
+    "min": _min_over_time,
+}
 _REDUCE: dict[str, Callable[[list[float]], float]] = {
-    "max": _fold(agg_max), "min": _fold(agg_min), "sum": _fold(_sum), "spread": _spread,
-}  # fmt: skip
+    "max": _fold(agg_max),
+    "min": _fold(agg_min),
+    "sum": _fold(_sum),
+    "spread": _spread,
+}

@@ -23,9 +23,12 @@ TRIM_EVERY_SECONDS = 60.0
 
 
 def store_for_rules(
-    rules: Sequence[Rule], *, left_open: bool = True, slack: float = 60.0,
+    rules: Sequence[Rule],
+    *,
+    left_open: bool = True,
+    slack: float = 60.0,
     lookback: float = LOOKBACK_SECONDS,
-) -> WindowStore:  # fmt: skip
+) -> WindowStore:
     """A WindowStore keeping each series the rules read for its longest window."""
     retention: dict[str, float] = {}
     counters: set[str] = set()
@@ -56,9 +59,13 @@ class _Active:
 
 class Evaluator:
     def __init__(
-        self, rules: Sequence[Rule], store: WindowStore, sink: IncidentSink,
-        *, clock: Callable[[], float] = time.time,
-    ) -> None:  # fmt: skip
+        self,
+        rules: Sequence[Rule],
+        store: WindowStore,
+        sink: IncidentSink,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.rules = list(rules)
         self.store = store
         self.sink = sink
@@ -103,16 +110,31 @@ class Evaluator:
         return events
 
     def firing(self) -> list[tuple[Rule, EngineKey, float]]:
-        return [(self.rules[i], k, a.value) for (i, k), a in self.active.items() if a.state == "firing"]
+        return [
+            (self.rules[i], k, a.value) for (i, k), a in self.active.items() if a.state == "firing"
+        ]
 
     def _event(self, i: int, engine: EngineKey, alert: _Active, now: float) -> IncidentEvent:
         rule = self.rules[i]
-        labels = {"alertname": rule.alert, "instance": engine[0], "model_name": engine[1],
-                  "engine": engine[2], **rule.alert_labels}  # fmt: skip
+        labels = {
+            "alertname": rule.alert,
+            "instance": engine[0],
+            "model_name": engine[1],
+            "engine": engine[2],
+            **rule.alert_labels,
+        }
         return IncidentEvent(
-            alert=rule.alert, severity=rule.severity, runbook=rule.runbook, engine=engine,
-            state=alert.state, value=alert.value, first_seen=alert.first_seen,
-            last_seen=alert.last_seen, at=now, fired_at=alert.fired_at, labels=labels,
+            alert=rule.alert,
+            severity=rule.severity,
+            runbook=rule.runbook,
+            engine=engine,
+            state=alert.state,
+            value=alert.value,
+            first_seen=alert.first_seen,
+            last_seen=alert.last_seen,
+            at=now,
+            fired_at=alert.fired_at,
+            labels=labels,
             summary=template.render(rule.summary, labels, alert.value),
             description=template.render(rule.description, labels, alert.value),
-        )  # fmt: skip
+        )

@@ -33,9 +33,15 @@ from rules.yamlmarks import MarkedDict, load
 
 # The runbooks that exist (runbooks/ owns their definitions); None = diagnose only.
 RUNBOOK_NAMES: tuple[str, ...] = (
-    "oom-pressure", "latency-spike", "throughput-drop", "batch-too-large",
-    "kv-hit-low", "warmup", "memory-leak", "restore",
-)  # fmt: skip
+    "oom-pressure",
+    "latency-spike",
+    "throughput-drop",
+    "batch-too-large",
+    "kv-hit-low",
+    "warmup",
+    "memory-leak",
+    "restore",
+)
 
 CATALOG_DIR = Path(__file__).parent / "catalog"
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -181,9 +187,14 @@ def _display(f: Path, root: Path | None) -> str:
 def _load_file(path: Path, shown: str) -> tuple[list[LocatedSpec], list[RuleProblem]]:
     """The file's valid specs and the problems of the others (checked further later)."""
     doc = load(path.read_text(encoding="utf-8"), shown)
-    if not isinstance(doc, MarkedDict) or set(doc) != {"rules"} or not isinstance(doc["rules"], list):
-        raise RuleSyntaxError("a rule file is a mapping with one key, rules: [ ... ]",
-                              line=getattr(doc, "line", 1))  # fmt: skip
+    if (
+        not isinstance(doc, MarkedDict)
+        or set(doc) != {"rules"}
+        or not isinstance(doc["rules"], list)
+    ):
+        raise RuleSyntaxError(
+            "a rule file is a mapping with one key, rules: [ ... ]", line=getattr(doc, "line", 1)
+        )
     problems: list[RuleProblem] = []
     out: list[LocatedSpec] = []
     for raw in doc["rules"]:
@@ -198,25 +209,36 @@ def _load_file(path: Path, shown: str) -> tuple[list[LocatedSpec], list[RuleProb
             problems.extend(_pydantic_problems(exc, raw, shown, name))
             continue
         if spec.runbook is not None and spec.runbook not in RUNBOOK_NAMES:
-            problems.append(UnknownRunbookError(
-                f"unknown runbook {spec.runbook!r} (known: {', '.join(RUNBOOK_NAMES)}; "
-                "or null for diagnose-only)", file=shown, line=raw.line_of("runbook"), rule=name,
-            ))  # fmt: skip
+            problems.append(
+                UnknownRunbookError(
+                    f"unknown runbook {spec.runbook!r} (known: {', '.join(RUNBOOK_NAMES)}; "
+                    "or null for diagnose-only)",
+                    file=shown,
+                    line=raw.line_of("runbook"),
+                    rule=name,
+                )
+            )
             continue
         out.append(LocatedSpec(spec, shown, line, raw))
     return out, problems
 
 
-def _pydantic_problems(exc: ValidationError, raw: MarkedDict, file: str, name: object) -> list[RuleProblem]:
+def _pydantic_problems(
+    exc: ValidationError, raw: MarkedDict, file: str, name: object
+) -> list[RuleProblem]:
     out: list[RuleProblem] = []
     for err in exc.errors():
         loc = err["loc"]
         key = loc[0] if loc else None
         where = ".".join(str(p) for p in loc)
         line = raw.line_of(key) if key in raw else raw.line
-        msg = err["msg"] if key not in (None, "for") or err["type"] != "missing" else "missing 'for'"
+        msg = (
+            err["msg"] if key not in (None, "for") or err["type"] != "missing" else "missing 'for'"
+        )
         rule = name if isinstance(name, str) else None
-        out.append(RuleSyntaxError(f"{where}: {msg}" if where else msg, file=file, line=line, rule=rule))
+        out.append(
+            RuleSyntaxError(f"{where}: {msg}" if where else msg, file=file, line=line, rule=rule)
+        )
     return out
 
 
@@ -227,10 +249,15 @@ def _duplicates(specs: list[LocatedSpec]) -> list[RuleProblem]:
         key = (s.spec.alert, s.spec.severity)
         if key in seen:
             first = seen[key]
-            out.append(DuplicateRuleError(
-                f"alert {key[0]} with severity {key[1]} already defined at {first.file}:{first.line}",
-                file=s.file, line=s.line, rule=key[0],
-            ))  # fmt: skip
+            out.append(
+                DuplicateRuleError(
+                    f"alert {key[0]} with severity {key[1]} already defined at "
+                    f"{first.file}:{first.line}",
+                    file=s.file,
+                    line=s.line,
+                    rule=key[0],
+                )
+            )
         else:
             seen[key] = s
     return out
@@ -243,17 +270,25 @@ def _check_overrides(specs: list[LocatedSpec], overrides: Overrides) -> list[Rul
     out: list[RuleProblem] = []
     for alert, values in overrides.items():
         if alert not in params:
-            out.append(UnknownParameterError(f"override for unknown alert {alert!r}", file="overrides"))
+            out.append(
+                UnknownParameterError(f"override for unknown alert {alert!r}", file="overrides")
+            )
             continue
         if not isinstance(values, Mapping):
-            out.append(RuleSyntaxError("overrides are {param: value}", file="overrides", rule=alert))
+            out.append(
+                RuleSyntaxError("overrides are {param: value}", file="overrides", rule=alert)
+            )
             continue
         for name in values:
             if name not in params[alert]:
-                out.append(UnknownParameterError(
-                    f"override of unknown parameter {name!r} (has: {', '.join(sorted(params[alert]))})",
-                    file="overrides", rule=alert,
-                ))  # fmt: skip
+                out.append(
+                    UnknownParameterError(
+                        f"override of unknown parameter {name!r} "
+                        f"(has: {', '.join(sorted(params[alert]))})",
+                        file="overrides",
+                        rule=alert,
+                    )
+                )
     return out
 
 
@@ -263,7 +298,9 @@ def _bind(located: LocatedSpec, override: Mapping[str, object]) -> Rule:
     for name, value in override.items():
         if name in params:
             if isinstance(value, bool) or not isinstance(value, int | float | str):
-                raise RuleSyntaxError(f"override {name}: expected a number or a duration, got {value!r}")
+                raise RuleSyntaxError(
+                    f"override {name}: expected a number or a duration, got {value!r}"
+                )
             params[name] = value
     for_value = ConditionParser(params, raw.line_of("for")).value(spec.for_)
     for_seconds = _for_seconds(for_value, raw.line_of("for"))
@@ -275,13 +312,19 @@ def _bind(located: LocatedSpec, override: Mapping[str, object]) -> Rule:
         except RuleProblem as exc:
             raise exc.located(line=raw.line_of(key)) from None
     return Rule(
-        alert=spec.alert, severity=spec.severity,
+        alert=spec.alert,
+        severity=spec.severity,
         summary=template.bind_params(spec.summary, params),
         description=template.bind_params(spec.description, params),
-        runbook=spec.runbook, for_seconds=for_seconds, labels=dict(spec.labels),
-        params=params, condition=condition, group=Path(located.file).stem,
-        file=located.file, line=located.line,
-    )  # fmt: skip
+        runbook=spec.runbook,
+        for_seconds=for_seconds,
+        labels=dict(spec.labels),
+        params=params,
+        condition=condition,
+        group=Path(located.file).stem,
+        file=located.file,
+        line=located.line,
+    )
 
 
 def _for_seconds(value: object, line: int) -> float:

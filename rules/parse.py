@@ -38,9 +38,16 @@ _COMPARE = {"above": ">", "at_least": ">=", "below": "<", "at_most": "<="}
 _OVER_TIME = {"avg_over_time": "avg", "max_over_time": "max", "min_over_time": "min"}
 _REDUCE = ("max", "min", "sum", "spread")
 _EXPR_KINDS = (
-    "signal", "rate", "quantile", "time_since", "ratio", "offset", "change",
-    *_OVER_TIME, *_REDUCE,
-)  # fmt: skip
+    "signal",
+    "rate",
+    "quantile",
+    "time_since",
+    "ratio",
+    "offset",
+    "change",
+    *_OVER_TIME,
+    *_REDUCE,
+)
 
 
 class ConditionParser:
@@ -51,7 +58,9 @@ class ConditionParser:
         self.line = line
 
     # -- helpers ---------------------------------------------------------------
-    def fail(self, msg: str, node: object = None, cls: type[RuleProblem] = RuleSyntaxError) -> NoReturn:
+    def fail(
+        self, msg: str, node: object = None, cls: type[RuleProblem] = RuleSyntaxError
+    ) -> NoReturn:
         raise cls(msg, line=line_of(node, self.line))
 
     def value(self, raw: object, node: object = None) -> object:
@@ -86,7 +95,9 @@ class ConditionParser:
     def kind(self, raw: MarkedDict, kinds: tuple[str, ...], what: str) -> str:
         found = [k for k in raw if k in kinds]
         if len(found) != 1:
-            self.fail(f"{what} needs exactly one of {', '.join(kinds)}; got keys {sorted(raw)}", raw)
+            self.fail(
+                f"{what} needs exactly one of {', '.join(kinds)}; got keys {sorted(raw)}", raw
+            )
         return found[0]
 
     def only(self, raw: MarkedDict, allowed: set[str]) -> None:
@@ -112,7 +123,9 @@ class ConditionParser:
         if signal is None:
             self.fail(f"unknown signal {name!r}", node, UnknownSignalError)
         if types and signal.type not in types:
-            self.fail(f"signal {name!r} is a {signal.type}; here a {' or '.join(types)} is needed", node)
+            self.fail(
+                f"signal {name!r} is a {signal.type}; here a {' or '.join(types)} is needed", node
+            )
         return C.Selector(signal, tuple(sorted(labels.items())))
 
     # -- expressions -----------------------------------------------------------
@@ -150,7 +163,9 @@ class ConditionParser:
             if pn and pd and pn != pd:
                 self.fail(f"ratio of series split by different labels ({pn}, {pd})", node)
             if bool(pn) != bool(pd):
-                self.fail("ratio of a per-GPU and a per-engine value: reduce the per-GPU side first", node)
+                self.fail(
+                    "ratio of a per-GPU and a per-engine value: reduce the per-GPU side first", node
+                )
             return C.Ratio(num, den)
         if kind in _REDUCE:
             self.only(node, {kind, "over"})
@@ -224,7 +239,10 @@ class ConditionParser:
     def compare(self, expr: C.Expr, op: Any, value: float, node: object) -> C.Compare:
         per = C.per_label(expr)
         if per is not None:
-            self.fail(f"compare one value per engine: reduce over {per!r} first (max/min/sum/spread)", node)
+            self.fail(
+                f"compare one value per engine: reduce over {per!r} first (max/min/sum/spread)",
+                node,
+            )
         return C.Compare(expr, op, value)
 
 
@@ -235,7 +253,9 @@ class _Line:
         self.line = line
 
 
-def parse_condition(raw: object, params: Mapping[str, object], line: int | None = None) -> C.Condition:
+def parse_condition(
+    raw: object, params: Mapping[str, object], line: int | None = None
+) -> C.Condition:
     return ConditionParser(params, line).condition(raw)
 
 

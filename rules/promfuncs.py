@@ -32,9 +32,14 @@ def agg_min(acc: float | None, x: float) -> float:
 
 
 def extrapolated_rate(
-    ts: Sequence[float], raw: Sequence[float], adjusted: Sequence[float],
-    lo: int, hi: int, range_start: float, range_end: float,
-) -> float | None:  # fmt: skip
+    ts: Sequence[float],
+    raw: Sequence[float],
+    adjusted: Sequence[float],
+    lo: int,
+    hi: int,
+    range_start: float,
+    range_end: float,
+) -> float | None:
     """rate() over samples [lo, hi) of a counter; `adjusted` has resets folded in.
 
     Returns None (no output) with fewer than two samples, like Prometheus.
@@ -78,11 +83,11 @@ def bucket_quantile(q: float, buckets: list[tuple[float, float]]) -> float:
         else:
             merged.append([upper, count])
     top = -INF
-    for b in merged:  # extrapolated bucket rates can be slightly non-monotonic
-        if b[1] > top:
-            top = b[1]
-        elif b[1] < top:
-            b[1] = top
+    for bucket in merged:  # extrapolated bucket rates can be slightly non-monotonic
+        if bucket[1] > top:
+            top = bucket[1]
+        elif bucket[1] < top:
+            bucket[1] = top
     if len(merged) < 2:
         return NAN
     observations = merged[-1][1]

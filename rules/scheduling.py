@@ -12,7 +12,6 @@ from rules.evaluator import Evaluator
 from rules.scrape import Scraper
 
 
-
 def run_cycle(scraper: Scraper, evaluator: Evaluator) -> None:
     now = time.time()
     scraper.scrape_once(now)  # never raises for a target's fault
@@ -24,6 +23,12 @@ def schedule(
 ) -> Job:
     """Add the cycle as one interval job: never two at once, missed runs coalesced."""
     return scheduler.add_job(
-        run_cycle, "interval", args=(scraper, evaluator), seconds=evaluation_interval,
-        id="vllm-runbook-rules", max_instances=1, coalesce=True, next_run_time=datetime.now(),
-    )  # fmt: skip
+        run_cycle,
+        "interval",
+        args=(scraper, evaluator),
+        seconds=evaluation_interval,
+        id="vllm-runbook-rules",
+        max_instances=1,
+        coalesce=True,
+        next_run_time=datetime.now(),
+    )

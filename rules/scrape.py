@@ -39,23 +39,32 @@ class ScrapeResult:
 
 class Scraper:
     def __init__(
-        self, store: WindowStore, targets: Sequence[Target], *, client: httpx.Client | None = None,
-        timeout: float = 5.0, registry: CollectorRegistry | None = None,
+        self,
+        store: WindowStore,
+        targets: Sequence[Target],
+        *,
+        client: httpx.Client | None = None,
+        timeout: float = 5.0,
+        registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.time,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.store = store
         self.targets = list(targets)
         self.client = client or httpx.Client(timeout=timeout)
         self.clock = clock
         self.registry = registry or CollectorRegistry()
         self.errors = Counter(
-            "vllm_runbook_rules_scrape_errors", "Failed scrapes of engine endpoints by the rules engine.",
-            ["target", "reason"], registry=self.registry,
-        )  # fmt: skip
+            "vllm_runbook_rules_scrape_errors",
+            "Failed scrapes of engine endpoints by the rules engine.",
+            ["target", "reason"],
+            registry=self.registry,
+        )
         self.up = Gauge(
-            "vllm_runbook_rules_target_up", "1 if the latest scrape of the target worked.",
-            ["target"], registry=self.registry,
-        )  # fmt: skip
+            "vllm_runbook_rules_target_up",
+            "1 if the latest scrape of the target worked.",
+            ["target"],
+            registry=self.registry,
+        )
         self._failing: dict[str, str] = {}
 
     def scrape_once(self, now: float | None = None) -> list[ScrapeResult]:
@@ -72,7 +81,7 @@ class Scraper:
         try:
             seen: set[Series] = set()
             count = self.ingest(target, response.text, now, seen)
-        except Exception as exc:  # noqa: BLE001 (the parser raises ValueError, IndexError, ...)
+        except Exception as exc:
             return self._failed(target, now, "parse", f"unparsable exposition: {exc}")
         self.store.end_scrape(target.url, now, seen)
         self.up.labels(target.url).set(1)
@@ -85,8 +94,12 @@ class Scraper:
         count = 0
         for family in text_string_to_metric_families(_wanted_lines(text, self.store)):
             for sample in family.samples:
-                if self.store.add(target.instance, sample.name, sample.labels, now,
-                                  float(sample.value), seen) is not None:  # fmt: skip
+                if (
+                    self.store.add(
+                        target.instance, sample.name, sample.labels, now, float(sample.value), seen
+                    )
+                    is not None
+                ):
                     count += 1
         return count
 

@@ -37,12 +37,22 @@ def _collector(name: str, spec: M.MetricSpec, help_: str) -> Signal:
 
 
 _BASE: tuple[Signal, ...] = (
-    _collector("kv_hit_ratio", M.KV_HIT_RATIO, "prefix cache hit ratio over the collector's window (NaN without lookups)"),
-    _collector("prefix_cache_queries", M.PREFIX_CACHE_QUERIES, "tokens looked up in the prefix cache"),
+    _collector(
+        "kv_hit_ratio",
+        M.KV_HIT_RATIO,
+        "prefix cache hit ratio over the collector's window (NaN without lookups)",
+    ),
+    _collector(
+        "prefix_cache_queries", M.PREFIX_CACHE_QUERIES, "tokens looked up in the prefix cache"
+    ),
     _collector("prefix_cache_hits", M.PREFIX_CACHE_HITS, "tokens found in the prefix cache"),
-    _collector("block_fragmentation", M.BLOCK_FRAGMENTATION, "KV block fragmentation after the latest step"),
+    _collector(
+        "block_fragmentation", M.BLOCK_FRAGMENTATION, "KV block fragmentation after the latest step"
+    ),
     _collector("padding_ratio", M.PADDING_RATIO, "cudagraph padding share of executed tokens"),
-    _collector("length_padding_ratio", M.LENGTH_PADDING_RATIO, "padding a static batcher would need"),
+    _collector(
+        "length_padding_ratio", M.LENGTH_PADDING_RATIO, "padding a static batcher would need"
+    ),
     _collector("schedule_seconds", M.SCHEDULE_SECONDS, "wall time of schedule()"),
     _collector("scheduled_tokens", M.SCHEDULED_TOKENS, "tokens scheduled"),
     _collector("token_budget", M.TOKEN_BUDGET, "token budget offered"),
@@ -55,12 +65,27 @@ _BASE: tuple[Signal, ...] = (
     _collector("gpu_memory_used", M.GPU_MEMORY_USED, "GPU memory in use, per GPU"),
     _collector("gpu_memory_total", M.GPU_MEMORY_TOTAL, "GPU memory in total, per GPU"),
     _collector("gpu_utilization", M.GPU_UTILIZATION, "GPU compute utilisation, per GPU"),
-    Signal("e2e_latency", "vllm:e2e_request_latency_seconds", "histogram", "vLLM end-to-end request latency"),
-    Signal("time_to_first_token", "vllm:time_to_first_token_seconds", "histogram", "vLLM time to first token"),
+    Signal(
+        "e2e_latency",
+        "vllm:e2e_request_latency_seconds",
+        "histogram",
+        "vLLM end-to-end request latency",
+    ),
+    Signal(
+        "time_to_first_token",
+        "vllm:time_to_first_token_seconds",
+        "histogram",
+        "vLLM time to first token",
+    ),
     Signal("generation_tokens", "vllm:generation_tokens_total", "counter", "vLLM generated tokens"),
     Signal("prompt_tokens", "vllm:prompt_tokens_total", "counter", "vLLM prompt tokens"),
-    Signal("requests_finished", "vllm:request_success_total", "counter", "vLLM finished requests, label finished_reason"),
-)  # fmt: skip
+    Signal(
+        "requests_finished",
+        "vllm:request_success_total",
+        "counter",
+        "vLLM finished requests, label finished_reason",
+    ),
+)
 
 
 def _with_histogram_parts(signals: tuple[Signal, ...]) -> dict[str, Signal]:

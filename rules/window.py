@@ -83,9 +83,8 @@ class EngineSeries:
         if hit is not None and hit[0] == self.version:
             return hit[1]
         found = [
-            s for s in self.by_name.get(name, ())
-            if all(s.labels.get(k) == v for k, v in matchers)
-        ]  # fmt: skip
+            s for s in self.by_name.get(name, ()) if all(s.labels.get(k) == v for k, v in matchers)
+        ]
         self.resolved[cache_key] = (self.version, found)
         return found
 
@@ -94,9 +93,13 @@ class WindowStore:
     """Ring-buffered samples of the series the rules read, per engine."""
 
     def __init__(
-        self, retention: Mapping[str, float], *, counters: Iterable[str] = (),
-        lookback: float = LOOKBACK_SECONDS, left_open: bool = True,
-    ) -> None:  # fmt: skip
+        self,
+        retention: Mapping[str, float],
+        *,
+        counters: Iterable[str] = (),
+        lookback: float = LOOKBACK_SECONDS,
+        left_open: bool = True,
+    ) -> None:
         self.retention = dict(retention)  # sample name -> seconds of history to keep
         self.counters = set(counters)
         self.lookback = lookback
@@ -114,9 +117,14 @@ class WindowStore:
         return eng
 
     def add(
-        self, instance: str, name: str, labels: Mapping[str, str], ts: float, value: float,
+        self,
+        instance: str,
+        name: str,
+        labels: Mapping[str, str],
+        ts: float,
+        value: float,
         seen: set[Series] | None = None,
-    ) -> Series | None:  # fmt: skip
+    ) -> Series | None:
         """Append one sample; ignored unless a rule reads `name` and it names an engine."""
         if name not in self.retention:
             return None

@@ -8,7 +8,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 from rules.errors import RuleSyntaxError
 
 
-class MarkedDict(dict):  # type: ignore[type-arg]
+class MarkedDict(dict):
     """A mapping with the line of itself and of each key (1-based)."""
 
     line: int = 0
@@ -18,7 +18,7 @@ class MarkedDict(dict):  # type: ignore[type-arg]
         return self.key_lines.get(key, self.line)
 
 
-class MarkedList(list):  # type: ignore[type-arg]
+class MarkedList(list):
     line: int = 0
 
 

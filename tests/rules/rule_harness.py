@@ -26,7 +26,9 @@ SCRAPE = 30.0
 EVAL = 30.0
 ENGINE = {"instance": "i-0", "model_name": "m", "engine": "0"}
 
-_ITEM = re.compile(r"^(?P<a>[-+]?(?:\d+\.?\d*(?:e[-+]?\d+)?|NaN|Inf))(?:(?P<sign>[-+])(?P<b>\d+\.?\d*(?:e[-+]?\d+)?))?x(?P<n>\d+)$")  # fmt: skip
+_ITEM = re.compile(
+    r"^(?P<a>[-+]?(?:\d+\.?\d*(?:e[-+]?\d+)?|NaN|Inf))(?:(?P<sign>[-+])(?P<b>\d+\.?\d*(?:e[-+]?\d+)?))?x(?P<n>\d+)$"
+)
 _SERIES = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?$")
 _LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
 
@@ -53,7 +55,10 @@ class Case:
 
 def series(name: str, values: str, **labels: str) -> tuple[str, str]:
     all_labels = {**ENGINE, **labels}
-    return f"{name}{{{','.join(f'{k}={chr(34)}{v}{chr(34)}' for k, v in all_labels.items())}}}", values
+    return (
+        f"{name}{{{','.join(f'{k}={chr(34)}{v}{chr(34)}' for k, v in all_labels.items())}}}",
+        values,
+    )
 
 
 def expand(values: str) -> list[float | None]:
@@ -131,40 +136,67 @@ def promtool_required() -> bool:
     return bool(os.environ.get("CI"))
 
 
-def promtool_test_file(rule: Rule, case: Case, evaluator_fired: float | None, rule_file: str) -> dict[str, object]:
+def promtool_test_file(
+    rule: Rule, case: Case, evaluator_fired: float | None, rule_file: str
+) -> dict[str, object]:
     """A promtool unit test asserting Prometheus fires within one EVAL of the evaluator."""
     labels = {**ENGINE, **rule.alert_labels}
     checks: list[dict[str, object]] = []
     if evaluator_fired is not None:
-        checks.append({"eval_time": format_duration(evaluator_fired + EVAL), "alertname": rule.alert,
-                       "exp_alerts": [{"exp_labels": labels}]})  # fmt: skip
+        checks.append(
+            {
+                "eval_time": format_duration(evaluator_fired + EVAL),
+                "alertname": rule.alert,
+                "exp_alerts": [{"exp_labels": labels}],
+            }
+        )
         before = evaluator_fired - 2 * EVAL
         if before >= 0:
-            checks.append({"eval_time": format_duration(before) if before else "0s",
-                           "alertname": rule.alert, "exp_alerts": []})  # fmt: skip
+            checks.append(
+                {
+                    "eval_time": format_duration(before) if before else "0s",
+                    "alertname": rule.alert,
+                    "exp_alerts": [],
+                }
+            )
     else:
         t = 0.0
         while t <= case.duration:
-            checks.append({"eval_time": format_duration(t) if t else "0s",
-                           "alertname": rule.alert, "exp_alerts": []})  # fmt: skip
+            checks.append(
+                {
+                    "eval_time": format_duration(t) if t else "0s",
+                    "alertname": rule.alert,
+                    "exp_alerts": [],
+                }
+            )
             t += 60.0
     return {
         "rule_files": [rule_file],
         "evaluation_interval": format_duration(EVAL),
-        "tests": [{
-            "name": case.id,
-            "interval": format_duration(SCRAPE),
-            "input_series": [{"series": s, "values": v} for s, v in case.series],
-            "alert_rule_test": checks,
-        }],
-    }  # fmt: skip
+        "tests": [
+            {
+                "name": case.id,
+                "interval": format_duration(SCRAPE),
+                "input_series": [{"series": s, "values": v} for s, v in case.series],
+                "alert_rule_test": checks,
+            }
+        ],
+    }
 
 
-def run_promtool(rule: Rule, case: Case, evaluator_fired: float | None, workdir: Path) -> subprocess.CompletedProcess[str]:
+def run_promtool(
+    rule: Rule, case: Case, evaluator_fired: float | None, workdir: Path
+) -> subprocess.CompletedProcess[str]:
     rule_file = workdir / "rules.yml"
     rule_file.write_text(export([rule], annotations=False), encoding="utf-8")
     test_file = workdir / "test.yml"
     doc = promtool_test_file(rule, case, evaluator_fired, rule_file.name)
     test_file.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
-    return subprocess.run(["promtool", "test", "rules", test_file.name], cwd=workdir,
-                          capture_output=True, text=True, check=False, timeout=120)  # fmt: skip
+    return subprocess.run(
+        ["promtool", "test", "rules", test_file.name],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )

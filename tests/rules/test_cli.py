@@ -33,12 +33,18 @@ def test_check_broken_directory_exits_2_with_one_line_per_problem(
     assert run(["rules", "check", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
-    assert all(line.startswith(str(tmp_path / "a.yaml") + ":2: rule X: ") for line in err.splitlines())
+    assert all(
+        line.startswith(str(tmp_path / "a.yaml") + ":2: rule X: ") for line in err.splitlines()
+    )
 
 
-def test_export_applies_config_overrides(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_export_applies_config_overrides(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     config = tmp_path / "runbook.yaml"
-    config.write_text(yaml.safe_dump({"rules": {"overrides": {"VllmLatencySpike": {"p99_sla_seconds": 0.5}}}}))
+    config.write_text(
+        yaml.safe_dump({"rules": {"overrides": {"VllmLatencySpike": {"p99_sla_seconds": 0.5}}}})
+    )
     assert run(["rules", "export", "--format", "prometheus", "--config", str(config)]) == 0
     doc = yaml.safe_load(capsys.readouterr().out)
     [spike] = [r for g in doc["groups"] for r in g["rules"] if r["alert"] == "VllmLatencySpike"]
@@ -65,6 +71,8 @@ def test_export_passes_promtool_check_rules(tmp_path: Path) -> None:
         pytest.skip("promtool not installed; CI fails instead")
     out = tmp_path / "vllm-runbook.rules.yml"
     assert run(["rules", "export", "-o", str(out)]) == 0
-    result = subprocess.run(["promtool", "check", "rules", str(out)], capture_output=True, text=True)
+    result = subprocess.run(
+        ["promtool", "check", "rules", str(out)], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS: 17 rules found" in result.stdout

@@ -17,8 +17,20 @@ WAITING = SIGNALS["requests_waiting"].metric
 
 def rule(for_seconds: float, threshold: float = 10.0) -> Rule:
     cond = C.Compare(C.Instant(C.Selector(SIGNALS["requests_waiting"])), ">", threshold)
-    return Rule("VllmTest", "warning", "s {{ $labels.engine }}", "{{ $value }} waiting", "latency-spike",
-                for_seconds, {}, {}, cond, "test", "test.yaml", 1)  # fmt: skip
+    return Rule(
+        "VllmTest",
+        "warning",
+        "s {{ $labels.engine }}",
+        "{{ $value }} waiting",
+        "latency-spike",
+        for_seconds,
+        {},
+        {},
+        cond,
+        "test",
+        "test.yaml",
+        1,
+    )
 
 
 def run(r: Rule, values: list[float | None], step: float = 10.0) -> list[tuple[str, float, float]]:
@@ -62,9 +74,20 @@ def test_event_carries_labels_value_and_rendered_annotations() -> None:
     store.add("i-0", WAITING, ENGINE, 0.0, 42.0)
     Evaluator([r], store, sink).evaluate(5.0)
     [e] = sink.events
-    assert (e.engine, e.value, e.summary, e.description) == (("i-0", "m", "0"), 42.0, "s 0", "42 waiting")
-    assert dict(e.labels) == {"alertname": "VllmTest", "instance": "i-0", "model_name": "m",
-                              "engine": "0", "severity": "warning", "runbook": "latency-spike"}  # fmt: skip
+    assert (e.engine, e.value, e.summary, e.description) == (
+        ("i-0", "m", "0"),
+        42.0,
+        "s 0",
+        "42 waiting",
+    )
+    assert dict(e.labels) == {
+        "alertname": "VllmTest",
+        "instance": "i-0",
+        "model_name": "m",
+        "engine": "0",
+        "severity": "warning",
+        "runbook": "latency-spike",
+    }
 
 
 def test_engines_are_evaluated_separately() -> None:

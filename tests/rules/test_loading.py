@@ -59,7 +59,10 @@ def test_unknown_signal_names_file_line_and_rule(tmp_path: Path) -> None:
 def test_bad_duration(tmp_path: Path) -> None:
     [p] = problems(tmp_path, GOOD.replace("for: 1m}", "for: 5 minutes}"))
     assert isinstance(p, DurationError)
-    assert str(p) == "kv.yaml:8: rule VllmFoo: bad duration '5 minutes': expected e.g. '30s', '5m', '1h30m'"
+    assert (
+        str(p)
+        == "kv.yaml:8: rule VllmFoo: bad duration '5 minutes': expected e.g. '30s', '5m', '1h30m'"
+    )
 
 
 def test_bad_window_duration_points_at_its_mapping(tmp_path: Path) -> None:
@@ -72,11 +75,15 @@ def test_bad_window_duration_points_at_its_mapping(tmp_path: Path) -> None:
 def test_unknown_runbook(tmp_path: Path) -> None:
     [p] = problems(tmp_path, GOOD.replace("runbook: kv-hit-low", "runbook: reboot"))
     assert isinstance(p, UnknownRunbookError)
-    assert str(p).startswith("kv.yaml:4: rule VllmFoo: unknown runbook 'reboot' (known: oom-pressure,")
+    assert str(p).startswith(
+        "kv.yaml:4: rule VllmFoo: unknown runbook 'reboot' (known: oom-pressure,"
+    )
 
 
 def test_diagnose_only_rule_has_no_runbook(tmp_path: Path) -> None:
-    rules = load_catalog(write(tmp_path, GOOD.replace("runbook: kv-hit-low", "runbook: null"))).bind()
+    rules = load_catalog(
+        write(tmp_path, GOOD.replace("runbook: kv-hit-low", "runbook: null"))
+    ).bind()
     assert rules[0].runbook is None
     assert "runbook" not in rules[0].alert_labels
 
@@ -89,7 +96,9 @@ def test_runbook_key_is_required(tmp_path: Path) -> None:
 
 def test_every_problem_is_reported_not_only_the_first(tmp_path: Path) -> None:
     second = GOOD.replace("VllmFoo", "VllmBar").replace("rules:\n", "")
-    text = GOOD.replace("expr: kv_hit_ratio", "expr: nope") + second.replace("runbook: kv-hit-low", "runbook: x")
+    text = GOOD.replace("expr: kv_hit_ratio", "expr: nope") + second.replace(
+        "runbook: kv-hit-low", "runbook: x"
+    )
     found = problems(tmp_path, text)
     assert {type(p) for p in found} == {UnknownSignalError, UnknownRunbookError}
 
@@ -103,7 +112,10 @@ def test_unknown_parameter_reference(tmp_path: Path) -> None:
 def test_wrong_signal_type(tmp_path: Path) -> None:
     text = GOOD.replace("expr: kv_hit_ratio", "expr: {rate: kv_hit_ratio, window: 1m}")
     [p] = problems(tmp_path, text)
-    assert str(p) == "kv.yaml:10: rule VllmFoo: signal 'kv_hit_ratio' is a gauge; here a counter is needed"
+    assert (
+        str(p)
+        == "kv.yaml:10: rule VllmFoo: signal 'kv_hit_ratio' is a gauge; here a counter is needed"
+    )
 
 
 def test_per_gpu_value_must_be_reduced(tmp_path: Path) -> None:
@@ -115,7 +127,11 @@ def test_duplicate_alert_and_severity(tmp_path: Path) -> None:
     text = GOOD + GOOD.replace("rules:\n", "")
     [p] = problems(tmp_path, text)
     assert isinstance(p, DuplicateRuleError)
-    assert str(p) == "kv.yaml:12: rule VllmFoo: alert VllmFoo with severity warning already defined at kv.yaml:2"
+    assert (
+        str(p)
+        == "kv.yaml:12: rule VllmFoo: alert VllmFoo with severity warning already defined at "
+        "kv.yaml:2"
+    )
 
 
 def test_unsupported_template(tmp_path: Path) -> None:
@@ -127,7 +143,9 @@ def test_unsupported_template(tmp_path: Path) -> None:
 def test_invalid_yaml(tmp_path: Path) -> None:
     [p] = problems(tmp_path, GOOD.replace("    for: $for\n", "    for: [\n"))
     assert isinstance(p, RuleSyntaxError)
-    assert str(p) == "kv.yaml:10: invalid YAML: expected ',' or ']', but got ':'"  # where YAML noticed
+    assert (
+        str(p) == "kv.yaml:10: invalid YAML: expected ',' or ']', but got ':'"
+    )  # where YAML noticed
 
 
 def test_unknown_field(tmp_path: Path) -> None:
@@ -147,16 +165,32 @@ def test_overrides(tmp_path: Path) -> None:
     ]
     with pytest.raises(CatalogError) as info:
         catalog.bind({"VllmFoo": {"for": "soon"}})
-    assert str(info.value) == "kv.yaml:8: rule VllmFoo: bad duration 'soon': expected e.g. '30s', '5m', '1h30m'"
+    assert (
+        str(info.value)
+        == "kv.yaml:8: rule VllmFoo: bad duration 'soon': expected e.g. '30s', '5m', '1h30m'"
+    )
 
 
 def test_shipped_catalog_covers_design_alerts() -> None:
     catalog = load_catalog()
-    assert catalog.alerts == sorted([
-        "VllmKVCacheHitRatioLow", "VllmKVFragmentationSuspected", "VllmBatchTooLarge",
-        "VllmOOMPressure", "VllmLatencySpike", "VllmThroughputDrop", "VllmPaddingHigh",
-        "VllmBatchUtilizationLow", "VllmBlockFragmentationHigh", "VllmGPUMemoryLeak",
-        "VllmGPUComputeSkew", "VllmGPUMemoryImbalance", "VllmInsufficientWarmup",
-        "VllmHotPathBacklog", "VllmOOMRateHigh", "VllmErrorRateHigh",
-    ])  # fmt: skip
+    assert catalog.alerts == sorted(
+        [
+            "VllmKVCacheHitRatioLow",
+            "VllmKVFragmentationSuspected",
+            "VllmBatchTooLarge",
+            "VllmOOMPressure",
+            "VllmLatencySpike",
+            "VllmThroughputDrop",
+            "VllmPaddingHigh",
+            "VllmBatchUtilizationLow",
+            "VllmBlockFragmentationHigh",
+            "VllmGPUMemoryLeak",
+            "VllmGPUComputeSkew",
+            "VllmGPUMemoryImbalance",
+            "VllmInsufficientWarmup",
+            "VllmHotPathBacklog",
+            "VllmOOMRateHigh",
+            "VllmErrorRateHigh",
+        ]
+    )
     assert {s.spec.runbook for s in catalog.specs} <= {*RUNBOOK_NAMES, None}

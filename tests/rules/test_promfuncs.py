@@ -14,7 +14,9 @@ def rate(ts: list[float], vs: list[float], start: float, end: float) -> float | 
         if i and v < vs[i - 1]:
             offset += vs[i - 1]
         adjusted.append(v + offset)
-    return extrapolated_rate(array("d", ts), array("d", vs), array("d", adjusted), 0, len(ts), start, end)
+    return extrapolated_rate(
+        array("d", ts), array("d", vs), array("d", adjusted), 0, len(ts), start, end
+    )
 
 
 def test_rate_needs_two_samples() -> None:

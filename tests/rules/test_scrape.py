@@ -37,7 +37,7 @@ def server() -> Iterator[tuple[str, Exposition]]:
     exposition = Exposition()
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        def do_GET(self) -> None:
             body = exposition.payload()
             self.send_response(exposition.status)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
@@ -106,7 +106,10 @@ def test_http_error_and_garbage_are_counted(server: tuple[str, Exposition]) -> N
     scraper = Scraper(store, [Target(url, "llama-0")])
     exp.status = 503
     assert scraper.scrape_once(now=1.0)[0].reason == "http_status"
-    exp.status, exp.body = 200, b"vllm_runbook_kv_cache_usage_ratio{engine=\"0\",model_name=\"m\"} not-a-number\n"
+    exp.status, exp.body = (
+        200,
+        b'vllm_runbook_kv_cache_usage_ratio{engine="0",model_name="m"} not-a-number\n',
+    )
     assert scraper.scrape_once(now=2.0)[0].reason == "parse"
 
 
