@@ -1,0 +1,123 @@
+"""`runbook rules export` and `runbook rules check`, as pieces for the runbook CLI.
+
+Each command returns an exit code: 0 ok, 2 for a usage or validation error,
+reported on stderr as one line per problem and never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rules.errors import CatalogError, RulesError, RuleSyntaxError
+from rules.model import load_catalog
+from rules.promql import DEFAULT_RUNBOOK_URL_BASE, export
+
+EXIT_OK = 0
+EXIT_INVALID = 2
+
+
+def add_subcommands(subparsers: Any) -> argparse.ArgumentParser:
+    """Add `rules export` and `rules check` to an argparse subparsers object.
+
+    Each leaf parser sets ``func``: call ``args.func(args)`` for the exit code.
+    """
+    rules = subparsers.add_parser("rules", help="the alert rule catalog")
+    sub = rules.add_subparsers(dest="rules_command", metavar="{export,check}", required=True)
+
+    exp = sub.add_parser("export", help="write the catalog as a Prometheus rule file")
+    exp.add_argument("--format", choices=["prometheus"], default="prometheus")
+    exp.add_argument(
+        "--rules",
+        dest="rules_dir",
+        type=Path,
+        default=None,
+        help="rule directory or file (default: the built-in catalog)",
+    )
+    exp.add_argument(
+        "--config", type=Path, default=None, help="configuration file whose rules.overrides apply"
+    )
+    exp.add_argument("--runbook-url-base", default=DEFAULT_RUNBOOK_URL_BASE)
+    exp.add_argument(
+        "-o", "--output", type=Path, default=None, help="file to write (default: stdout)"
+    )
+    exp.set_defaults(func=cmd_export)
+
+    check = sub.add_parser("check", help="validate a rule directory or file")
+    check.add_argument(
+        "path",
+        nargs="?",
+        type=Path,
+        default=None,
+        help="rule directory or file (default: the built-in catalog)",
+    )
+    check.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="also validate this configuration's rules.overrides",
+    )
+    check.set_defaults(func=cmd_check)
+    return rules
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    try:
+        catalog = load_catalog(args.rules_dir)
+        text = export(catalog, load_overrides(args.config), runbook_url_base=args.runbook_url_base)
+    except RulesError as exc:
+        return _fail(exc)
+    if args.output is None:
+        sys.stdout.write(text)
+    else:
+        try:
+            args.output.write_text(text, encoding="utf-8")
+        except OSError as exc:
+            print(f"rules export: cannot write {args.output}: {exc.strerror}", file=sys.stderr)
+            return EXIT_INVALID
+    return EXIT_OK
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    try:
+        catalog = load_catalog(args.path)
+        rules = catalog.bind(load_overrides(args.config))
+    except RulesError as exc:
+        return _fail(exc)
+    files = len({r.file for r in rules})
+    print(f"ok: {len(rules)} rules ({len(catalog.alerts)} alerts) in {files} files")
+    return EXIT_OK
+
+
+def load_overrides(path: Path | None) -> Mapping[str, Mapping[str, object]]:
+    """`rules.overrides` of a configuration file ({} without one)."""
+    if path is None:
+        return {}
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except OSError as exc:
+        raise CatalogError(
+            [RuleSyntaxError(f"cannot read: {exc.strerror}", file=str(path))]
+        ) from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        raise CatalogError([RuleSyntaxError("invalid YAML", file=str(path), line=line)]) from None
+    overrides = (doc.get("rules") or {}).get("overrides") if isinstance(doc, dict) else None
+    if overrides is None:
+        return {}
+    if not isinstance(overrides, dict):
+        raise CatalogError([RuleSyntaxError("rules.overrides must be a mapping", file=str(path))])
+    return overrides
+
+
+def _fail(exc: RulesError) -> int:
+    lines = [str(p) for p in exc.problems] if isinstance(exc, CatalogError) else [str(exc)]
+    for line in lines:
+        print(line, file=sys.stderr)
+    return EXIT_INVALID

@@ -1,0 +1,397 @@
+"""Synthetic series for every rule of the catalog: where it must fire and where not.
+
+`fires_at` is the exact oracle under Prometheus 2 ranges (closed [t-w, t],
+what Debian's promtool 2.42 uses), worked out from the series in the
+comments; `fires_at_left_open` is the oracle under Prometheus 3's left-open
+ranges where that differs. Samples every 30 s, evaluations every 30 s; a
+sample index i is at i * 30 s. The critical variant of VllmPaddingHigh has
+its own cases.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from rule_harness import Case, series
+
+from collector import metrics as M
+
+KV_HIT = M.KV_HIT_RATIO.series_name
+FRAG = M.BLOCK_FRAGMENTATION.series_name
+PADDING = M.PADDING_RATIO.series_name
+SCHED_SUM = M.SCHEDULE_SECONDS.name + "_sum"
+SCHED_COUNT = M.SCHEDULE_SECONDS.name + "_count"
+KV_USAGE = M.KV_CACHE_USAGE.series_name
+PREEMPT = M.PREEMPTIONS.series_name
+WAITING = M.REQUESTS_WAITING.series_name
+SCHEDULED = M.SCHEDULED_TOKENS.series_name
+BUDGET = M.TOKEN_BUDGET.series_name
+START = M.ENGINE_START_TIME.series_name
+GPU_USED = M.GPU_MEMORY_USED.series_name
+GPU_TOTAL = M.GPU_MEMORY_TOTAL.series_name
+GPU_UTIL = M.GPU_UTILIZATION.series_name
+GEN = "vllm:generation_tokens_total"
+FINISHED = "vllm:request_success_total"
+E2E = "vllm:e2e_request_latency_seconds_bucket"
+H, M2 = 3600.0, 60.0
+
+
+def latency(fast_until: int, n: int, slow_bucket: str = "2.5") -> list[tuple[str, str]]:
+    """10 requests a scrape: <= 0.5 s up to sample `fast_until`, then in `slow_bucket`."""
+    out = []
+    for le in ("0.5", "1", "2.5", "5", "+Inf"):
+        if float(le) >= float(slow_bucket):
+            values = f"0+10x{n}"
+        else:
+            values = f"0+10x{fast_until} {10 * fast_until}x{n - fast_until - 1}"
+        out.append(series(E2E, values, le=le))
+    return out
+
+
+def fast_latency(n: int) -> list[tuple[str, str]]:
+    return [series(E2E, f"0+10x{n}", le=le) for le in ("0.5", "1", "2.5", "5", "+Inf")]
+
+
+def doubling(n: int, steady: int) -> str:
+    """A counter whose increments double each scrape for n samples, then grow steadily."""
+    values = [2**i - 1 for i in range(n)]
+    return " ".join(map(str, values)) + f" {2**n - 1}+{2 ** (n - 1)}x{steady}"
+
+
+CASES: tuple[Case, ...] = (
+    # 0.5 from sample 20 (600 s): true at 600, `for` 5m -> 900.
+    Case("VllmKVCacheHitRatioLow", "fire", (series(KV_HIT, "0.95x19 0.5x40"),), 1200, 900),
+    # 0.9 is above 0.85, and NaN (no lookups) compares false like in PromQL.
+    # (promtool's notation has no `NaNxN`: the NaNs are spelled out.)
+    Case("VllmKVCacheHitRatioLow", "quiet", (series(KV_HIT, "0.9x19" + " NaN" * 41),), 1200, None),
+    # From sample 121 schedule() takes 100 ms instead of 1 ms and generation stops.
+    # Mean-time ratio >= 1.5 at once; throughput 5m/1h <= 0.9 from sample 122
+    # (3660 s; 3630 s with left-open ranges), `for` 10m -> 4260 (4230).
+    Case(
+        "VllmKVFragmentationSuspected",
+        "fire",
+        (
+            series(SCHED_COUNT, "0+100x240"),
+            series(SCHED_SUM, "0+0.1x120 22+10x119"),
+            series(GEN, "0+3000x120 360000x119"),
+        ),
+        2 * H,
+        4260,
+        fires_at_left_open=4230,
+    ),
+    # Same slow-down, throughput steady: not fragmentation.
+    Case(
+        "VllmKVFragmentationSuspected",
+        "quiet",
+        (
+            series(SCHED_COUNT, "0+100x240"),
+            series(SCHED_SUM, "0+0.1x120 22+10x119"),
+            series(GEN, "0+3000x240"),
+        ),
+        2 * H,
+        None,
+    ),
+    # 0.5 from sample 60: the 5m average passes 0.2 at k=2 (1860 s) -> +10m = 2460.
+    Case("VllmBlockFragmentationHigh", "fire", (series(FRAG, "0.1x59 0.5x60"),), H, 2460),
+    Case("VllmBlockFragmentationHigh", "quiet", (series(FRAG, "0.1x59 0.19x60"),), H, None),
+    # KV usage 0.96 and the first preemption at sample 20 (600 s) -> +30s = 630.
+    Case(
+        "VllmOOMPressure",
+        "fire",
+        (
+            series(KV_USAGE, "0.5x19 0.96x20"),
+            series(PREEMPT, "0x19 1+1x20"),
+        ),
+        1200,
+        630,
+    ),
+    # No preemption at 0.96 usage, then preemptions at 0.8 usage; GPU memory at 0.9.
+    Case(
+        "VllmOOMPressure",
+        "quiet",
+        (
+            series(KV_USAGE, "0.96x19 0.8x20"),
+            series(PREEMPT, "0x24 1+1x15"),
+            series(GPU_USED, "72x39", gpu="0"),
+            series(GPU_TOTAL, "80x39", gpu="0"),
+        ),
+        1200,
+        None,
+    ),
+    # GPU 0 at 79/80 from sample 10 (300 s) -> 330; GPU 1 stays low.
+    Case(
+        "VllmOOMPressure",
+        "fire-gpu",
+        (
+            series(GPU_USED, "50x9 79x30", gpu="0"),
+            series(GPU_TOTAL, "80x39", gpu="0"),
+            series(GPU_USED, "10x39", gpu="1"),
+            series(GPU_TOTAL, "80x39", gpu="1"),
+        ),
+        1200,
+        330,
+    ),
+    # 5 preemptions per 100 finished requests from sample 40 (1200 s) -> +5m = 1500.
+    Case(
+        "VllmOOMRateHigh",
+        "fire",
+        (
+            series(FINISHED, "0+100x80", finished_reason="stop"),
+            series(PREEMPT, "0x39 5+5x40"),
+        ),
+        2400,
+        1500,
+    ),
+    # 0.05 per 100: 0.0005 < 0.001.
+    Case(
+        "VllmOOMRateHigh",
+        "quiet",
+        (
+            series(FINISHED, "0+100x80", finished_reason="stop"),
+            series(PREEMPT, "0+0.05x80"),
+        ),
+        2400,
+        None,
+    ),
+    # GPU 0 grows 0.5 a scrape from sample 80 under flat load (late enough that the
+    # window 30m earlier holds no time before the first sample); the 10m average of
+    # the sum reaches 1.05x its value 30m earlier at sample 97 (2910 s) -> +15m = 3810.
+    Case(
+        "VllmGPUMemoryLeak",
+        "fire",
+        (
+            series(GPU_USED, "40x79 40.5+0.5x100", gpu="0"),
+            series(GPU_USED, "40x179", gpu="1"),
+            series(SCHEDULED, "0+1000x179"),
+        ),
+        5400,
+        3810,
+    ),
+    # The same growth while the load doubles: memory follows load, no leak (the
+    # doubled load reaches the earlier window only at 4770 s, too late to fire).
+    Case(
+        "VllmGPUMemoryLeak",
+        "quiet",
+        (
+            series(GPU_USED, "40x79 40.5+0.5x100", gpu="0"),
+            series(GPU_USED, "40x179", gpu="1"),
+            series(SCHEDULED, "0+1000x79 81000+2000x100"),
+        ),
+        5400,
+        None,
+    ),
+    # GPU 1 drops to 40 of GPU 0's 60 at sample 30 (900 s): spread 1/3 -> +10m = 1500.
+    Case(
+        "VllmGPUMemoryImbalance",
+        "fire",
+        (
+            series(GPU_USED, "60x89", gpu="0"),
+            series(GPU_USED, "60x29 40x60", gpu="1"),
+        ),
+        2700,
+        1500,
+    ),
+    Case(
+        "VllmGPUMemoryImbalance",
+        "quiet",
+        (
+            series(GPU_USED, "60x89", gpu="0"),
+            series(GPU_USED, "60x29 55x60", gpu="1"),
+        ),
+        2700,
+        None,
+    ),
+    # Requests take ~2 s from sample 121 (P99 2.35 s > 1 s SLA) and the queue
+    # grows from then: true at 3630 s -> +2m = 3750.
+    Case(
+        "VllmLatencySpike",
+        "fire",
+        (
+            *latency(120, 240),
+            series(WAITING, "0x120 1+1x119"),
+        ),
+        2 * H,
+        3750,
+    ),
+    # Same slow requests, queue flat: no spike alert (the queue must be growing).
+    Case("VllmLatencySpike", "quiet", (*latency(120, 240), series(WAITING, "3x240")), 2 * H, None),
+    Case("VllmHotPathBacklog", "fire", (series(WAITING, "10x19 60x20"),), 1200, 660),
+    Case("VllmHotPathBacklog", "quiet", (series(WAITING, "50x40"),), 1200, None),
+    # 5 errors per 100 stops from sample 40 (1200 s) -> +5m = 1500.
+    Case(
+        "VllmErrorRateHigh",
+        "fire",
+        (
+            series(FINISHED, "0+100x80", finished_reason="stop"),
+            series(FINISHED, "0x39 10+10x40", finished_reason="error"),
+        ),
+        2400,
+        1500,
+    ),
+    Case(
+        "VllmErrorRateHigh",
+        "quiet",
+        (
+            series(FINISHED, "0+100x80", finished_reason="stop"),
+            series(FINISHED, "0+0.2x80", finished_reason="error"),
+        ),
+        2400,
+        None,
+    ),
+    # From sample 121 the hit ratio drops 0.9 -> 0.3 (5m/1h <= 0.9 from sample 122)
+    # (k=2 under both range semantics) and requests take ~2 s (P99 vs 30m earlier
+    # >= 1.5 at once): 3660 -> +5m = 3960.
+    Case(
+        "VllmBatchTooLarge",
+        "fire",
+        (
+            series(M.PREFIX_CACHE_QUERIES.series_name, "0+1000x240"),
+            series(M.PREFIX_CACHE_HITS.series_name, "0+900x120 108300+300x119"),
+            *latency(120, 240),
+        ),
+        2 * H,
+        3960,
+    ),
+    # Hit ratio drops but latency stays: the batch is not the problem.
+    Case(
+        "VllmBatchTooLarge",
+        "quiet",
+        (
+            series(M.PREFIX_CACHE_QUERIES.series_name, "0+1000x240"),
+            series(M.PREFIX_CACHE_HITS.series_name, "0+900x120 108300+300x119"),
+            *fast_latency(240),
+        ),
+        2 * H,
+        None,
+    ),
+    # Throughput halves from sample 121; 5m/1h <= 0.9 from sample 123 (3690 s) -> 3990.
+    Case(
+        "VllmThroughputDrop",
+        "fire",
+        (
+            series(GEN, "0+3000x120 361500+1500x119"),
+            series(WAITING, "2x240"),
+        ),
+        2 * H,
+        3990,
+        fires_at_left_open=3960,
+    ),
+    # Same drop with an empty queue: demand fell, not the engine.
+    Case(
+        "VllmThroughputDrop",
+        "quiet",
+        (
+            series(GEN, "0+3000x120 361500+1500x119"),
+            series(WAITING, "0x240"),
+        ),
+        2 * H,
+        None,
+    ),
+    # Half the budget used; requests wait from sample 20 (600 s), all of the last
+    # 5m from 900 s (870 s left-open) -> +5m = 1200 (1170).
+    Case(
+        "VllmBatchUtilizationLow",
+        "fire",
+        (
+            series(SCHEDULED, "0+500x80"),
+            series(BUDGET, "0+1000x80"),
+            series(WAITING, "0x19 3x60"),
+        ),
+        2400,
+        1200,
+        fires_at_left_open=1170,
+    ),
+    Case(
+        "VllmBatchUtilizationLow",
+        "quiet",
+        (
+            series(SCHEDULED, "0+900x80"),
+            series(BUDGET, "0+1000x80"),
+            series(WAITING, "3x80"),
+        ),
+        2400,
+        None,
+    ),
+    # 0.5 from sample 20: the 5m average passes 0.25 at k=4 (720 s; k=3, 690 s
+    # left-open) -> +5m = 1020 (990).
+    Case(
+        "VllmPaddingHigh",
+        "fire",
+        (series(PADDING, "0.1x19 0.5x40"),),
+        1200,
+        1020,
+        severity="warning",
+        fires_at_left_open=990,
+    ),
+    Case("VllmPaddingHigh", "quiet", (series(PADDING, "0.2x40"),), 1200, None, severity="warning"),
+    # Average passes 0.30 at k=5 (750 s) under both semantics (closed: 0.4k+1.5 > 3.3,
+    # left-open: 0.4k+1.4 > 3), P99 2.35 s from sample 21 -> +5m = 1050.
+    Case(
+        "VllmPaddingHigh",
+        "fire",
+        (series(PADDING, "0.1x19 0.5x40"), *latency(20, 40)),
+        1200,
+        1050,
+        severity="critical",
+    ),
+    Case(
+        "VllmPaddingHigh",
+        "quiet",
+        (series(PADDING, "0.1x19 0.5x40"), *fast_latency(40)),
+        1200,
+        None,
+        severity="critical",
+    ),
+    # Throughput quadruples every minute right after start with requests waiting:
+    # earlier/now = 0.25 from 90 s -> +1m = 150.
+    Case(
+        "VllmInsufficientWarmup",
+        "fire",
+        (
+            series(START, "0x40"),
+            series(WAITING, "5x40"),
+            series(GEN, doubling(16, 24)),
+        ),
+        1200,
+        150,
+    ),
+    # The same ramp on an engine that started an hour ago is not warm-up.
+    Case(
+        "VllmInsufficientWarmup",
+        "quiet",
+        (
+            series(START, "-3600x40"),
+            series(WAITING, "5x40"),
+            series(GEN, doubling(16, 24)),
+        ),
+        1200,
+        None,
+    ),
+    # GPU 0 at 100%, GPU 1 at 20% from sample 20: both 5m averages past their
+    # thresholds at k=9 (870 s; k=8, 840 s left-open) -> +5m = 1170 (1140).
+    Case(
+        "VllmGPUComputeSkew",
+        "fire",
+        (
+            series(GPU_UTIL, "0.6x19 1x40", gpu="0"),
+            series(GPU_UTIL, "0.6x19 0.2x40", gpu="1"),
+        ),
+        1800,
+        1170,
+        fires_at_left_open=1140,
+    ),
+    Case(
+        "VllmGPUComputeSkew",
+        "quiet",
+        (
+            series(GPU_UTIL, "0.6x19 1x40", gpu="0"),
+            series(GPU_UTIL, "0.6x19 0.5x40", gpu="1"),
+        ),
+        1800,
+        None,
+    ),
+)
+
+
+def alerts_covered(cases: Iterable[Case]) -> set[tuple[str, bool]]:
+    return {(c.alert, c.fires_at is not None) for c in cases}

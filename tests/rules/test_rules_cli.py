@@ -1,0 +1,78 @@
+"""`rules export` / `rules check` as the runbook CLI will call them; promtool checks the export."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from rule_harness import promtool_required
+
+from rules.cli import add_subcommands
+
+
+def run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="runbook")
+    add_subcommands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_check_ok(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["rules", "check"]) == 0
+    assert capsys.readouterr().out == "ok: 17 rules (16 alerts) in 4 files\n"
+
+
+def test_check_broken_directory_exits_2_with_one_line_per_problem(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "a.yaml").write_text("rules:\n  - alert: X\n", encoding="utf-8")
+    assert run(["rules", "check", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert all(
+        line.startswith(str(tmp_path / "a.yaml") + ":2: rule X: ") for line in err.splitlines()
+    )
+
+
+def test_export_applies_config_overrides(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "runbook.yaml"
+    config.write_text(
+        yaml.safe_dump({"rules": {"overrides": {"VllmLatencySpike": {"p99_sla_seconds": 0.5}}}})
+    )
+    assert run(["rules", "export", "--format", "prometheus", "--config", str(config)]) == 0
+    doc = yaml.safe_load(capsys.readouterr().out)
+    [spike] = [r for g in doc["groups"] for r in g["rules"] if r["alert"] == "VllmLatencySpike"]
+    assert "[5m]))) > 0.5) or" in spike["expr"]
+    assert spike["labels"] == {"severity": "critical", "runbook": "latency-spike"}
+    assert spike["annotations"]["runbook_url"] == "runbooks/catalog/latency-spike"
+
+
+def test_export_bad_override_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "runbook.yaml"
+    config.write_text("rules:\n  overrides:\n    VllmLatencySpike: {p99_sla: 0.5}\n")
+    assert run(["rules", "export", "--config", str(config)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "overrides: rule VllmLatencySpike: override of unknown parameter 'p99_sla' (has: earlier, "
+        "earlier_rise, for, p99_sla_seconds, queue_rise, window)"
+    ]
+
+
+def test_export_passes_promtool_check_rules(tmp_path: Path) -> None:
+    if shutil.which("promtool") is None:
+        if promtool_required():
+            pytest.fail("promtool is missing (install Debian's `prometheus` package)")
+        pytest.skip("promtool not installed; CI fails instead")
+    out = tmp_path / "vllm-runbook.rules.yml"
+    assert run(["rules", "export", "-o", str(out)]) == 0
+    result = subprocess.run(
+        ["promtool", "check", "rules", str(out)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS: 17 rules found" in result.stdout

@@ -1,0 +1,39 @@
+"""The APScheduler wiring: one interval job, never overlapping, surviving dead targets."""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+from apscheduler.schedulers.background import BackgroundScheduler
+
+from rules.evaluator import Evaluator, store_for_rules
+from rules.incidents import MemoryIncidentSink
+from rules.model import load_catalog
+from rules.scheduling import run_cycle, schedule
+from rules.scrape import Scraper, Target
+
+
+def test_schedule_adds_one_coalescing_interval_job() -> None:
+    rules = load_catalog().bind()
+    store = store_for_rules(rules)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    scraper = Scraper(store, [Target(f"http://127.0.0.1:{port}/metrics", "gone")], timeout=1.0)
+    evaluator = Evaluator(rules, store, MemoryIncidentSink())
+    scheduler = BackgroundScheduler()
+    job = schedule(scheduler, scraper, evaluator, 5.0)
+    assert (job.trigger.interval, job.max_instances, job.coalesce) == (
+        timedelta(seconds=5),
+        1,
+        True,
+    )
+    run_cycle(scraper, evaluator)  # a dead target is counted, not raised
+    assert (
+        scraper.registry.get_sample_value(
+            "vllm_runbook_rules_scrape_errors_total",
+            {"target": f"http://127.0.0.1:{port}/metrics", "reason": "unreachable"},
+        )
+        == 1.0
+    )

@@ -1,0 +1,126 @@
+"""Scraper against a real HTTP server on loopback, and against targets that fail."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from collector import metrics as M
+from rules.evaluator import Evaluator, store_for_rules
+from rules.incidents import MemoryIncidentSink
+from rules.model import load_catalog
+from rules.scrape import Scraper, Target
+
+RULES = load_catalog().bind({"VllmOOMPressure": {"for": "0s"}})
+
+
+class Exposition:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.usage = M.build(M.KV_CACHE_USAGE, self.registry)
+        self.preemptions = M.build(M.PREEMPTIONS, self.registry)
+        self.steps = M.build(M.STEPS, self.registry)  # read by no rule: not stored
+        self.status = 200
+        self.body: bytes | None = None
+
+    def payload(self) -> bytes:
+        return self.body if self.body is not None else generate_latest(self.registry)
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[str, Exposition]]:
+    exposition = Exposition()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = exposition.payload()
+            self.send_response(exposition.status)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/metrics", exposition
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_scrape_feeds_the_evaluator(server: tuple[str, Exposition]) -> None:
+    url, exp = server
+    store = store_for_rules(RULES)
+    scraper = Scraper(store, [Target(url, "llama-0")])
+    sink = MemoryIncidentSink()
+    evaluator = Evaluator(RULES, store, sink)
+    labels = {"model_name": "tiny", "engine": "0"}
+    exp.usage.labels(**labels).set(0.97)
+    exp.preemptions.labels(**labels)  # a labelled counter shows up once it has labels
+    exp.steps.labels(**labels).inc(5)
+    [result] = scraper.scrape_once(now=1000.0)
+    assert (result.ok, result.samples) == (True, 2)  # usage and preemptions; steps not wanted
+    exp.preemptions.labels(**labels).inc(3)
+    scraper.scrape_once(now=1010.0)
+    evaluator.evaluate(1010.0)
+    [event] = sink.of("VllmOOMPressure", "firing")
+    assert (event.engine, event.value) == (("llama-0", "tiny", "0"), 0.97)
+
+
+def test_unreachable_target_is_counted_not_raised(server: tuple[str, Exposition]) -> None:
+    url, exp = server
+    dead = Target(f"http://127.0.0.1:{free_port()}/metrics", "gone")
+    store = store_for_rules(RULES)
+    scraper = Scraper(store, [dead, Target(url, "llama-0")], timeout=2.0)
+    exp.usage.labels(model_name="tiny", engine="0").set(0.5)
+    results = scraper.scrape_once(now=1.0)
+    assert [(r.ok, r.reason) for r in results] == [(False, "unreachable"), (True, None)]
+    assert results[0].error and results[0].error.startswith("ConnectError")
+    scraper.scrape_once(now=2.0)
+    value = scraper.registry.get_sample_value(
+        "vllm_runbook_rules_scrape_errors_total", {"target": dead.url, "reason": "unreachable"}
+    )
+    assert value == 2.0
+    assert scraper.registry.get_sample_value("vllm_runbook_rules_target_up", {"target": url}) == 1.0
+
+
+def test_http_error_and_garbage_are_counted(server: tuple[str, Exposition]) -> None:
+    url, exp = server
+    store = store_for_rules(RULES)
+    scraper = Scraper(store, [Target(url, "llama-0")])
+    exp.status = 503
+    assert scraper.scrape_once(now=1.0)[0].reason == "http_status"
+    exp.status, exp.body = (
+        200,
+        b'vllm_runbook_kv_cache_usage_ratio{engine="0",model_name="m"} not-a-number\n',
+    )
+    assert scraper.scrape_once(now=2.0)[0].reason == "parse"
+
+
+def test_series_missing_from_a_scrape_go_stale(server: tuple[str, Exposition]) -> None:
+    url, exp = server
+    store = store_for_rules(RULES)
+    scraper = Scraper(store, [Target(url, "llama-0")])
+    exp.usage.labels(model_name="tiny", engine="0").set(0.5)
+    scraper.scrape_once(now=1.0)
+    [series] = store.engines[("llama-0", "tiny", "0")].by_name[M.KV_CACHE_USAGE.series_name]
+    assert store.latest(series, 2.0) == 0.5
+    exp.usage.remove("tiny", "0")
+    scraper.scrape_once(now=3.0)
+    assert store.latest(series, 4.0) is None
