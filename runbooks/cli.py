@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from rules import cli as rules_cli
 from runbooks import journal_cli
 from runbooks.client import CommandRefused, EngineClient, EngineClientError
 
@@ -253,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_restore)
 
     journal_cli.add_subcommands(sub)
+    rules_cli.add_subcommands(sub)
     return parser
 
 
