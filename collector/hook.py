@@ -18,6 +18,7 @@ import math
 import os
 import secrets
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import accumulate, repeat
 from operator import attrgetter
@@ -160,7 +161,7 @@ class EngineCollector:
 
         self._wrap_prefix_cache_stats(kv_manager)
         self.registry.register(StatsExporter(self.samples, self.labels))
-        nvml_gauges = {spec.name: M.build(spec, self.registry) for spec in M.NVML_METRICS}
+        nvml_gauges = {spec.name: M.build_gauge(spec, self.registry) for spec in M.NVML_METRICS}
 
         self.mirror: MultiprocessMirror | None = None
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
@@ -297,8 +298,9 @@ class EngineCollector:
         # every running request (see benchmarks/collector_overhead.py).
         lengths = list(map(_num_computed_tokens, running))
         ids = list(map(_request_id, running))
-        blocks = map(self._req_to_blocks.get, ids, repeat((), len(ids)))
-        held = sum(map(_count_real_blocks if self._blocks_have_nulls else len, blocks))
+        blocks: Iterator[list[Any]] = map(self._req_to_blocks.get, ids, repeat([], len(ids)))
+        count: Callable[[list[Any]], int] = _count_real_blocks if self._blocks_have_nulls else len
+        held = sum(map(count, blocks))
         computed = sum(lengths)
         self.fragmentation = 1.0 - computed / (held * self.block_size) if held else 0.0
         scheduled = output.num_scheduled_tokens

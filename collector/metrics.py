@@ -207,3 +207,10 @@ def build(spec: MetricSpec, registry: CollectorRegistry) -> Counter | Gauge | Hi
     if spec.type == "histogram":
         return Histogram(spec.name, spec.help, labels, registry=registry, buckets=spec.buckets)
     return Gauge(spec.name, spec.help, labels, registry=registry, multiprocess_mode="mostrecent")
+
+
+def build_gauge(spec: MetricSpec, registry: CollectorRegistry) -> Gauge:
+    assert spec.type == "gauge", spec.name
+    gauge = build(spec, registry)
+    assert isinstance(gauge, Gauge)
+    return gauge

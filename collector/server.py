@@ -68,14 +68,15 @@ class AgentServer:
         self.routes: dict[tuple[str, str], Handler] = {("GET", "/metrics"): self._metrics}
         self._httpd = ThreadingHTTPServer((host, port), self._handler_class())
         self._httpd.daemon_threads = True
-        self.host, self.port = self._httpd.server_address[:2]
+        address = self._httpd.server_address
+        self.host, self.port = str(address[0]), int(address[1])
         self._thread = threading.Thread(
             target=self._httpd.serve_forever, name="vllm-runbook-agent", daemon=True
         )
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in str(self.host) else self.host
+        host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
 
     def start(self) -> AgentServer:

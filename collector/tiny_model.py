@@ -49,7 +49,7 @@ def create_tiny_model(path: str | os.PathLike[str], seed: int = 0) -> Path:
 
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    config = LlamaConfig(  # type: ignore[call-arg]
         vocab_size=VOCAB_SIZE,
         hidden_size=256,
         intermediate_size=512,
@@ -61,7 +61,7 @@ def create_tiny_model(path: str | os.PathLike[str], seed: int = 0) -> Path:
         eos_token_id=2,
         torch_dtype="bfloat16",
     )
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)  # type: ignore[arg-type]
     model.save_pretrained(str(path), safe_serialization=True)
     _build_tokenizer(path)
     marker.write_text(json.dumps({"vocab_size": VOCAB_SIZE, "seed": seed}))
