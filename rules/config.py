@@ -32,7 +32,13 @@ from typing import Literal, get_args
 from urllib.parse import urlsplit
 
 from rules.durations import parse_duration
-from rules.errors import CatalogError, ConfigError, RuleProblem, RuleSyntaxError
+from rules.errors import (
+    CatalogError,
+    ConfigError,
+    RuleProblem,
+    RuleSyntaxError,
+    UnknownParameterError,
+)
 from rules.model import RUNBOOK_NAMES, Catalog, Rule, load_catalog
 from rules.scrape import Target
 from rules.yamlmarks import MarkedDict, MarkedList, load
@@ -95,18 +101,29 @@ class Config:
         return self.bind(load_catalog(self.catalog))
 
     def bind(self, catalog: Catalog) -> list[Rule]:
+        """The catalog's rules with this file's overrides; problems located in this file."""
+        known = set(catalog.alerts)
+        problems: list[RuleProblem] = [
+            self._locate(
+                UnknownParameterError(f"override for unknown alert {a!r}", file="overrides"), a
+            )
+            for a in self.overrides
+            if a not in known
+        ]
         try:
-            return catalog.bind(self.overrides)
+            rules = catalog.bind({a: v for a, v in self.overrides.items() if a in known})
         except CatalogError as exc:
-            raise CatalogError([self._locate(p) for p in exc.problems]) from None
+            problems = [self._locate(p, p.rule) for p in exc.problems] + problems
+        if problems:
+            raise CatalogError(problems)
+        return rules
 
-    def _locate(self, problem: RuleProblem) -> RuleProblem:
+    def _locate(self, problem: RuleProblem, alert: str | None) -> RuleProblem:
         # The catalog names bad overrides with file "overrides": point at this file.
         if problem.file != "overrides" or self.path is None:
             return problem
         problem.file = None
-        line = self.override_lines.get(problem.rule or "")
-        return problem.located(file=str(self.path), line=line)
+        return problem.located(file=str(self.path), line=self.override_lines.get(alert or ""))
 
 
 def load_config(path: str | Path | None) -> Config:
@@ -236,11 +253,12 @@ class _Reader:
                     f"{where}.name {name!r} already used at line {seen[name]}", item.line_of("name")
                 )
                 name = None
+            elif name is not None:
+                seen[name] = item.line_of("name")
             agent = self.url(item, "agent", f"{where}.agent", required=True)
             vllm = self.url(item, "vllm", f"{where}.vllm")
             labels = self.labels(item, where)
             if name is not None and agent is not None:
-                seen[name] = item.line_of("name")
                 out.append(EngineConfig(name, agent, vllm, labels))
         return tuple(out)
 
