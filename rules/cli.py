@@ -1,7 +1,9 @@
-"""`runbook rules export` and `runbook rules check`, as pieces for the runbook CLI.
+"""`runbook rules export`, `runbook rules check` and `runbook check`, as pieces for the
+runbook CLI.
 
 Each command returns an exit code: 0 ok, 2 for a usage or validation error,
-reported on stderr as one line per problem and never as a traceback.
+reported on stderr as one line per problem and never as a traceback
+(`runbook check` adds 1 for a failed check and 3 for an unreachable engine).
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from rules.errors import CatalogError, RulesError, RuleSyntaxError
+from rules import checklist
+from rules.config import load_config
+from rules.errors import CatalogError, RulesError
 from rules.model import load_catalog
 from rules.promql import DEFAULT_RUNBOOK_URL_BASE, export
 
@@ -23,7 +25,7 @@ EXIT_INVALID = 2
 
 
 def add_subcommands(subparsers: Any) -> argparse.ArgumentParser:
-    """Add `rules export` and `rules check` to an argparse subparsers object.
+    """Add `rules export`, `rules check` and `check` to an argparse subparsers object.
 
     Each leaf parser sets ``func``: call ``args.func(args)`` for the exit code.
     """
@@ -63,13 +65,15 @@ def add_subcommands(subparsers: Any) -> argparse.ArgumentParser:
         help="also validate this configuration's rules.overrides",
     )
     check.set_defaults(func=cmd_check)
+    checklist.add_subcommand(subparsers)
     return rules
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     try:
-        catalog = load_catalog(args.rules_dir)
-        text = export(catalog, load_overrides(args.config), runbook_url_base=args.runbook_url_base)
+        config = load_config(args.config)
+        rules = config.bind(load_catalog(args.rules_dir or config.catalog))
+        text = export(rules, runbook_url_base=args.runbook_url_base)
     except RulesError as exc:
         return _fail(exc)
     if args.output is None:
@@ -85,8 +89,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     try:
-        catalog = load_catalog(args.path)
-        rules = catalog.bind(load_overrides(args.config))
+        config = load_config(args.config)
+        catalog = load_catalog(args.path or config.catalog)
+        rules = config.bind(catalog)
     except RulesError as exc:
         return _fail(exc)
     files = len({r.file for r in rules})
@@ -96,24 +101,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def load_overrides(path: Path | None) -> Mapping[str, Mapping[str, object]]:
     """`rules.overrides` of a configuration file ({} without one)."""
-    if path is None:
-        return {}
-    try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except OSError as exc:
-        raise CatalogError(
-            [RuleSyntaxError(f"cannot read: {exc.strerror}", file=str(path))]
-        ) from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = mark.line + 1 if mark is not None else None
-        raise CatalogError([RuleSyntaxError("invalid YAML", file=str(path), line=line)]) from None
-    overrides = (doc.get("rules") or {}).get("overrides") if isinstance(doc, dict) else None
-    if overrides is None:
-        return {}
-    if not isinstance(overrides, dict):
-        raise CatalogError([RuleSyntaxError("rules.overrides must be a mapping", file=str(path))])
-    return overrides
+    return load_config(path).overrides
 
 
 def _fail(exc: RulesError) -> int:

@@ -3,6 +3,7 @@
     RulesError                      base of everything below
     ├── CatalogError                a rule catalog (or its overrides) is broken; carries
     │                               one RuleProblem per mistake, never drops a rule
+    │   └── ConfigError             the configuration file is broken (same shape: problems)
     └── RuleProblem                 one mistake, located as ``file:line: rule NAME: msg``
         ├── RuleSyntaxError         malformed YAML or a field of the wrong shape
         ├── UnknownSignalError      a condition names a signal the registry lacks
@@ -92,3 +93,10 @@ class CatalogError(RulesError):
     def __init__(self, problems: list[RuleProblem]) -> None:
         self.problems = list(problems)
         super().__init__("\n".join(str(p) for p in self.problems))
+
+
+class ConfigError(CatalogError):
+    """A broken configuration file: every problem found, one ``file:line: msg`` each.
+
+    A subclass of CatalogError because callers treat both alike: nothing may
+    start, and each problem is one line for the operator."""

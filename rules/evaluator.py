@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from rules import condition as C
 from rules import template
 from rules.evaluate import Cache, Compiler, Fn
-from rules.incidents import IncidentEvent, IncidentSink, State
+from rules.incidents import IncidentEvent, IncidentSink, OpenAlert, State
 from rules.model import Rule
 from rules.window import LOOKBACK_SECONDS, EngineKey, WindowStore
 
@@ -112,6 +112,22 @@ class Evaluator:
     def firing(self) -> list[tuple[Rule, EngineKey, float]]:
         return [
             (self.rules[i], k, a.value) for (i, k), a in self.active.items() if a.state == "firing"
+        ]
+
+    def open_alerts(self) -> list[OpenAlert]:
+        """Every pending or firing alert now, for sinks that refresh what they stored."""
+        return [
+            OpenAlert(
+                self.rules[i].alert,
+                self.rules[i].severity,
+                engine,
+                a.state,
+                a.value,
+                a.first_seen,
+                a.last_seen,
+            )
+            for (i, engine), a in self.active.items()
+            if a.state in ("pending", "firing")
         ]
 
     def _event(self, i: int, engine: EngineKey, alert: _Active, now: float) -> IncidentEvent:

@@ -1,8 +1,9 @@
 """Incident events and where they go.
 
 The evaluator emits one IncidentEvent per state change of an (alert, engine)
-pair. Persistence belongs to the store (later: SQLAlchemy); here is only the
-Protocol it implements and an in-memory sink for tests and `runbook status`.
+pair. Sinks implement the IncidentSink Protocol: MemoryIncidentSink here (tests,
+no store), SqlIncidentSink (rules.sql_sink) onto the runbook store, and the
+Dispatcher (rules.remediation) that records, notifies and hands off.
 """
 
 from __future__ import annotations
@@ -33,8 +34,28 @@ class IncidentEvent:
     description: str = ""
 
 
+@dataclass(frozen=True)
+class OpenAlert:
+    """An alert the evaluator holds open now (pending or firing), without templates."""
+
+    alert: str
+    severity: str
+    engine: EngineKey
+    state: State
+    value: float
+    first_seen: float
+    last_seen: float
+
+
 class IncidentSink(Protocol):
     def record(self, event: IncidentEvent) -> None: ...
+
+
+def engine_name(engine: EngineKey) -> str:
+    """The engine as the store and the executor name it: its inventory name (the
+    `instance` label), with the DP rank appended for ranks other than 0."""
+    instance, _model, rank = engine
+    return instance if rank == "0" else f"{instance}/dp{rank}"
 
 
 class MemoryIncidentSink:

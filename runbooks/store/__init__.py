@@ -15,7 +15,13 @@ from runbooks.store.errors import (
     StoreError,
     StoreUnavailable,
 )
-from runbooks.store.journal import ExecutionRecord, StepRecord, Store, process_alive
+from runbooks.store.journal import (
+    ExecutionRecord,
+    IncidentRecord,
+    StepRecord,
+    Store,
+    process_alive,
+)
 from runbooks.store.models import (
     ACTIVE_STATUSES,
     EXECUTION_STATUSES,
@@ -43,6 +49,7 @@ __all__ = [
     "ExecutionRecord",
     "IllegalTransition",
     "Incident",
+    "IncidentRecord",
     "Lease",
     "SchemaMissing",
     "Step",

@@ -58,9 +58,10 @@ def test_export_bad_override_exits_2(tmp_path: Path, capsys: pytest.CaptureFixtu
     config.write_text("rules:\n  overrides:\n    VllmLatencySpike: {p99_sla: 0.5}\n")
     assert run(["rules", "export", "--config", str(config)]) == 2
     err = capsys.readouterr().err.splitlines()
+    # Located in the configuration file, at the alert's key under rules.overrides.
     assert err == [
-        "overrides: rule VllmLatencySpike: override of unknown parameter 'p99_sla' (has: earlier, "
-        "earlier_rise, for, p99_sla_seconds, queue_rise, window)"
+        f"{config}:3: rule VllmLatencySpike: override of unknown parameter 'p99_sla' (has: "
+        "earlier, earlier_rise, for, p99_sla_seconds, queue_rise, window)"
     ]
 
 

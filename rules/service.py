@@ -1,0 +1,86 @@
+"""The embedded rules engine, wired from the configuration in one place.
+
+    config = load_config(path)                          # ConfigError if the file is broken
+    service = RulesService.from_config(config, store=Store(url), hook=executor_hook)
+    service.start(scheduler)                            # scrape + evaluate every interval
+
+`from_config` binds the whole catalog first and raises CatalogError with
+every problem if any rule is broken: the service refuses to start rather
+than run with a rule silently dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from apscheduler.job import Job
+from apscheduler.schedulers.base import BaseScheduler
+
+from rules.config import Config
+from rules.evaluator import Evaluator, store_for_rules
+from rules.incidents import IncidentEvent, IncidentSink, MemoryIncidentSink
+from rules.model import Rule
+from rules.remediation import Dispatcher, RemediationHook
+from rules.scheduling import schedule_cycle
+from rules.scrape import Scraper
+from rules.sql_sink import SqlIncidentSink
+from rules.window import WindowStore
+from runbooks.store import Store
+
+
+@dataclass
+class RulesService:
+    config: Config
+    rules: list[Rule]
+    windows: WindowStore
+    scraper: Scraper
+    evaluator: Evaluator
+    dispatcher: Dispatcher
+    recorder: SqlIncidentSink | MemoryIncidentSink
+    clock: Callable[[], float] = time.time
+
+    @classmethod
+    def from_config(
+        cls,
+        config: Config,
+        *,
+        store: Store | None = None,
+        hook: RemediationHook | None = None,
+        clock: Callable[[], float] = time.time,
+        scrape_timeout: float = 5.0,
+    ) -> RulesService:
+        """Build everything; CatalogError (nothing built) when the catalog is broken.
+
+        With a `store` incidents go to its incidents table; without one they
+        stay in memory (tests, a dry look at a fleet).
+        """
+        rules = config.load_rules()
+        windows = store_for_rules(rules)
+        targets = [t for engine in config.engines for t in engine.targets()]
+        scraper = Scraper(windows, targets, timeout=scrape_timeout, clock=clock)
+        recorder: SqlIncidentSink | MemoryIncidentSink = (
+            SqlIncidentSink(store, clock=clock) if store is not None else MemoryIncidentSink()
+        )
+        engines = {e.name: e for e in config.engines}
+        dispatcher = Dispatcher([recorder], config.automation, hook, engines)
+        evaluator = Evaluator(rules, windows, dispatcher, clock=clock)
+        return cls(config, rules, windows, scraper, evaluator, dispatcher, recorder, clock)
+
+    @property
+    def sink(self) -> IncidentSink:
+        return self.dispatcher
+
+    def run_cycle(self, now: float | None = None) -> list[IncidentEvent]:
+        """Scrape every target, evaluate every rule, record and hand off the changes."""
+        now = self.clock() if now is None else now
+        self.scraper.scrape_once(now)  # never raises for a target's fault
+        events = self.evaluator.evaluate(now)
+        if isinstance(self.recorder, SqlIncidentSink):
+            self.recorder.refresh(self.evaluator.open_alerts(), now)
+        return events
+
+    def start(self, scheduler: BaseScheduler) -> Job:
+        """Run the cycle every `rules.evaluation_interval` on `scheduler`."""
+        return schedule_cycle(scheduler, self.run_cycle, self.config.evaluation_interval)

@@ -1,0 +1,186 @@
+"""The shared configuration loader: the whole sketch of DESIGN.md, defaults, located errors."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from rules.config import Automation, Config, EngineConfig, WebhookConfig, load_config
+from rules.errors import CatalogError, ConfigError
+from rules.model import load_catalog
+from rules.scrape import Target
+
+FULL = """\
+database: postgresql+psycopg://runbook@db/runbook
+engines:
+  - name: llama-0
+    agent: http://127.0.0.1:9360/
+    vllm: http://127.0.0.1:8000
+    labels: {instance: "127.0.0.1:8000"}
+  - name: llama-1
+    agent: http://127.0.0.1:9361
+rules:
+  evaluation_interval: 500ms
+  overrides: {VllmLatencySpike: {p99_sla_seconds: 0.5}}
+automation:
+  oom-pressure: auto
+  latency-spike: approve
+  default: notify
+webhook:
+  token_file: secrets/token
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "runbook.yaml"
+    path.write_text(textwrap.dedent(text), encoding="utf-8")
+    return path
+
+
+def problems(path: Path) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    return [str(p) for p in info.value.problems]
+
+
+def test_no_file_is_all_defaults() -> None:
+    config = load_config(None)
+    assert config == Config()
+    assert (config.database, config.engines, config.evaluation_interval) == (None, (), 5.0)
+    assert config.automation.mode("oom-pressure") == "notify"
+    assert config.webhook == WebhookConfig()
+    assert len(config.load_rules()) == 17  # the built-in catalog, seed defaults
+
+
+def test_empty_file_is_all_defaults(tmp_path: Path) -> None:
+    path = write(tmp_path, "")
+    assert load_config(path) == Config(path=path)
+
+
+def test_the_full_sketch(tmp_path: Path) -> None:
+    path = write(tmp_path, FULL)
+    config = load_config(path)
+    assert config.database == "postgresql+psycopg://runbook@db/runbook"
+    assert config.engines == (
+        EngineConfig(
+            "llama-0",
+            "http://127.0.0.1:9360",
+            "http://127.0.0.1:8000",
+            {"instance": "127.0.0.1:8000"},
+        ),
+        EngineConfig("llama-1", "http://127.0.0.1:9361"),
+    )
+    assert config.engines[0].targets() == [
+        Target("http://127.0.0.1:9360/metrics", "llama-0"),
+        Target("http://127.0.0.1:8000/metrics", "llama-0"),
+    ]
+    assert config.evaluation_interval == 0.5
+    assert config.overrides == {"VllmLatencySpike": {"p99_sla_seconds": 0.5}}
+    assert config.automation == Automation({"oom-pressure": "auto", "latency-spike": "approve"})
+    assert [
+        config.automation.mode(r) for r in ("oom-pressure", "latency-spike", "warmup", None)
+    ] == [
+        "auto",
+        "approve",
+        "notify",
+        "notify",
+    ]
+    assert config.webhook == WebhookConfig(token_file=tmp_path / "secrets/token")
+    [spike] = [r for r in config.load_rules() if r.alert == "VllmLatencySpike"]
+    assert spike.params["p99_sla_seconds"] == 0.5
+
+
+def test_default_mode_applies_to_unlisted_runbooks(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, "automation: {default: approve, warmup: notify}\n"))
+    assert config.automation.mode("oom-pressure") == "approve"
+    assert config.automation.mode("warmup") == "notify"
+    assert config.automation.mode(None) == "notify"  # diagnose-only alerts run nothing
+
+
+def test_every_problem_named_with_file_and_line(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """\
+        databse: x
+        engines:
+          - name: llama-0
+            agent: localhost:9360
+          - name: llama-0
+            agent: http://h:1
+            labels: {instance: 8000}
+          - agent: http://h:2
+        rules:
+          evaluation_interval: 5 minutes
+        automation:
+          oom-pressure: yes-please
+          no-such-runbook: auto
+        webhook:
+          token_file: t
+          username: u
+        """,
+    )
+    assert problems(path) == [
+        f"{path}:1: unknown key databse (allowed: database, engines, rules, automation, webhook)",
+        f"{path}:4: engines[0].agent must be an http(s) URL, got 'localhost:9360'",
+        f"{path}:5: engines[1].name 'llama-0' already used at line 3",
+        f"{path}:7: engines[1].labels: keys and values must be strings (['instance'])",
+        f"{path}:8: engines[2].name is required",
+        f"{path}:10: rules.evaluation_interval: bad duration '5 minutes': expected e.g. '30s', "
+        "'5m', '1h30m'",
+        f"{path}:12: automation.oom-pressure: 'yes-please' is not one of auto, approve, notify",
+        f"{path}:13: automation: unknown runbook 'no-such-runbook' (known: oom-pressure, "
+        "latency-spike, throughput-drop, batch-too-large, kv-hit-low, warmup, memory-leak, "
+        "restore, or default)",
+        f"{path}:15: webhook: give token_file or username + password_file, not both",
+    ]
+
+
+def test_invalid_yaml_and_wrong_shapes(tmp_path: Path) -> None:
+    path = write(tmp_path, "rules: [\n")
+    [line] = problems(path)
+    assert line.startswith(f"{path}:2: invalid YAML")
+    path = write(tmp_path, "- 1\n")
+    assert problems(path) == [
+        f"{path}:1: a configuration file is a mapping (database, engines, rules, ...)"
+    ]
+    path = write(tmp_path, "engines: {name: x}\nrules: 5\nwebhook: {username: u}\n")
+    assert problems(path) == [
+        f"{path}:1: engines must be a list of {{name, agent, vllm, labels}}",
+        f"{path}:2: rules must be a mapping",
+        f"{path}:3: webhook: basic auth needs both username and password_file",
+    ]
+    with pytest.raises(ConfigError) as info:
+        load_config(tmp_path / "missing.yaml")
+    assert str(info.value) == f"{tmp_path / 'missing.yaml'}: cannot read: No such file or directory"
+
+
+def test_override_problems_point_into_the_config_file(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """\
+        rules:
+          overrides:
+            VllmOOMPressure: {for: 2s}
+            VllmLatencySpike: {p99_sla: 0.5}
+            VllmNope: {x: 1}
+        """,
+    )
+    config = load_config(path)
+    with pytest.raises(CatalogError) as info:
+        config.bind(load_catalog())
+    assert [str(p) for p in info.value.problems] == [
+        f"{path}:4: rule VllmLatencySpike: override of unknown parameter 'p99_sla' (has: "
+        "earlier, earlier_rise, for, p99_sla_seconds, queue_rise, window)",
+        f"{path}:5: override for unknown alert 'VllmNope'",
+    ]
+
+
+def test_catalog_path_is_relative_to_the_file(tmp_path: Path) -> None:
+    (tmp_path / "mine").mkdir()
+    path = write(tmp_path, "rules: {catalog: mine}\n")
+    config = load_config(path)
+    assert config.catalog == tmp_path / "mine"
+    with pytest.raises(CatalogError, match="no \\*.yaml rule files"):
+        config.load_rules()
