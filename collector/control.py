@@ -154,17 +154,33 @@ class EngineControl:
         floors = [(1, "at least 1 token per step")]
         if not self.chunked_prefill:
             floors.append(
-                (self.max_model_len, f"chunked prefill is off: a prompt of max_model_len "
-                 f"({self.max_model_len}) must fit in one step")
-            )  # fmt: skip
+                (
+                    self.max_model_len,
+                    f"chunked prefill is off: a prompt of max_model_len "
+                    f"({self.max_model_len}) must fit in one step",
+                )
+            )
         if self.mm_item_floor:
-            floors.append((self.mm_item_floor, "multimodal chunking is off: the largest "
-                           "multimodal item must fit in one step"))  # fmt: skip
+            floors.append(
+                (
+                    self.mm_item_floor,
+                    "multimodal chunking is off: the largest multimodal item must fit in one step",
+                )
+            )
         if self.draft_slots:
-            floors.append((self.draft_slots + 1, f"must exceed the {self.draft_slots} "
-                           "speculative draft slots"))  # fmt: skip
-        floors.append((seqs, f"every admitted sequence (max_num_seqs={seqs}) must be able "
-                       "to decode in one step; lower max_num_seqs first"))  # fmt: skip
+            floors.append(
+                (
+                    self.draft_slots + 1,
+                    f"must exceed the {self.draft_slots} speculative draft slots",
+                )
+            )
+        floors.append(
+            (
+                seqs,
+                f"every admitted sequence (max_num_seqs={seqs}) must be able "
+                "to decode in one step; lower max_num_seqs first",
+            )
+        )
         floor, why = max(floors, key=lambda f: f[0])
         startup = self.startup
         above = "raising above the startup value is unsafe (buffers and graphs were sized from it)"
@@ -175,8 +191,9 @@ class EngineControl:
 
     # -- commands ------------------------------------------------------------
 
-    def submit(self, command: Command, wait_s: float = 30.0, idle: Callable[[], bool] | None = None
-               ) -> dict[str, Any]:  # fmt: skip
+    def submit(
+        self, command: Command, wait_s: float = 30.0, idle: Callable[[], bool] | None = None
+    ) -> dict[str, Any]:
         """Queue `command`; apply it now if the engine is idle, else wait for
         the engine thread to apply it before its next step."""
         with self._queue_lock:
@@ -228,22 +245,27 @@ class EngineControl:
         target.update(values)
         clamped = []
         seq_bound = self.bounds()["max_num_seqs"]
-        target["max_num_seqs"], note = self._check("max_num_seqs", target["max_num_seqs"],
-                                                   seq_bound, command.clamp, values)  # fmt: skip
+        target["max_num_seqs"], note = self._check(
+            "max_num_seqs", target["max_num_seqs"], seq_bound, command.clamp, values
+        )
         if note:
             clamped.append(note)
         tok_bound = self.bounds(target["max_num_seqs"])["max_num_batched_tokens"]
         target["max_num_batched_tokens"], note = self._check(
-            "max_num_batched_tokens", target["max_num_batched_tokens"], tok_bound,
-            command.clamp, values,
-        )  # fmt: skip
+            "max_num_batched_tokens",
+            target["max_num_batched_tokens"],
+            tok_bound,
+            command.clamp,
+            values,
+        )
         if note:
             clamped.append(note)
         return target, clamped
 
     @staticmethod
-    def _check(knob: str, value: int, bound: Bound, clamp: bool, requested: dict[str, Any]
-               ) -> tuple[int, dict[str, Any] | None]:  # fmt: skip
+    def _check(
+        knob: str, value: int, bound: Bound, clamp: bool, requested: dict[str, Any]
+    ) -> tuple[int, dict[str, Any] | None]:
         if bound.minimum <= value <= bound.maximum:
             return value, None
         high = value > bound.maximum
@@ -256,8 +278,10 @@ class EngineControl:
                 f"{knob}={value}{via} is {'above' if high else 'below'} "
                 f"{'the maximum' if high else 'the minimum'} {limit}: "
                 f"{bound.max_reason if high else bound.min_reason}",
-                knob=knob, value=value, bound=limit,
-            )  # fmt: skip
+                knob=knob,
+                value=value,
+                bound=limit,
+            )
         return limit, {"knob": knob, "requested": value, "applied": limit}
 
     def _apply(self, command: Command) -> dict[str, Any]:

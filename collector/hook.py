@@ -211,8 +211,11 @@ class EngineCollector:
                 self.token_path = str(path)
             except (OSError, TokenError) as exc:
                 # Without a stored token nobody can write: serve reads only.
-                logger.warning("vllm-runbook: cannot store the agent token (%s); "
-                               "set VLLM_RUNBOOK_TOKEN to enable control", exc)  # fmt: skip
+                logger.warning(
+                    "vllm-runbook: cannot store the agent token (%s); "
+                    "set VLLM_RUNBOOK_TOKEN to enable control",
+                    exc,
+                )
                 token = secrets.token_urlsafe(32)
         install_routes(server, self, token)
         logger.info("vllm-runbook: engine %d agent at %s", self.dp_rank, server.url)

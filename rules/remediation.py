@@ -63,8 +63,12 @@ class LoggingRemediationHook:
         )
 
     def on_resolved(self, handoff: Handoff) -> None:
-        log.info("%s resolved on %s (episode %s)", handoff.incident.alert, handoff.engine_name,
-                 handoff.episode)  # fmt: skip
+        log.info(
+            "%s resolved on %s (episode %s)",
+            handoff.incident.alert,
+            handoff.engine_name,
+            handoff.episode,
+        )
 
 
 def episode_of(event: IncidentEvent) -> str:

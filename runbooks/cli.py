@@ -20,6 +20,7 @@ import yaml
 from rules import cli as rules_cli
 from runbooks import journal_cli
 from runbooks.client import CommandRefused, EngineClient, EngineClientError
+from runbooks.service import serve_cli
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_ENGINE = 0, 1, 2, 3
 
@@ -227,8 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="FILE",
             help="file of engine URLs (one per line) or the YAML config",
         )
-        p.add_argument("--token", help="agent token (default: VLLM_RUNBOOK_TOKEN, or the "
-                       "token a local agent stored)")  # fmt: skip
+        p.add_argument(
+            "--token",
+            help="agent token (default: VLLM_RUNBOOK_TOKEN, or the token a local agent stored)",
+        )
         p.add_argument("--json", action="store_true", help="machine-readable output")
 
     p = sub.add_parser("status", help="knobs and key signals of engines")
@@ -244,8 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="max_num_batched_tokens=N|xF, max_num_seqs=N, policy=fcfs|priority",
     )
     p.add_argument("--dry-run", action="store_true", help="show the change, apply nothing")
-    p.add_argument("--clamp", action="store_true", help="clamp out-of-bounds values instead "
-                   "of refusing them")  # fmt: skip
+    p.add_argument(
+        "--clamp", action="store_true", help="clamp out-of-bounds values instead of refusing them"
+    )
     p.set_defaults(func=cmd_set)
 
     p = sub.add_parser("restore", help="restore every knob to its startup value")
@@ -255,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     journal_cli.add_subcommands(sub)
     rules_cli.add_subcommands(sub)
+    serve_cli.add_subcommands(sub)
     return parser
 
 

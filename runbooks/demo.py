@@ -44,14 +44,33 @@ def served_engine(model: Path, log: Path) -> Iterator[tuple[str, str]]:
     api_port, agent_port = _free_port(), _free_port()
     env = {**os.environ, "VLLM_RUNBOOK_PORT": str(agent_port), "VLLM_RUNBOOK_HOST": "127.0.0.1"}
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-        "--host", "127.0.0.1", "--port", str(api_port), "--block-size", "32",
-        "--max-model-len", "1024", "--max-num-seqs", "32", "--max-num-batched-tokens", "512",
-        "--num-gpu-blocks-override", "256", "--enforce-eager", "--gpu-memory-utilization", "0.2",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(api_port),
+        "--block-size",
+        "32",
+        "--max-model-len",
+        "1024",
+        "--max-num-seqs",
+        "32",
+        "--max-num-batched-tokens",
+        "512",
+        "--num-gpu-blocks-override",
+        "256",
+        "--enforce-eager",
+        "--gpu-memory-utilization",
+        "0.2",
+    ]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     api, agent = f"http://127.0.0.1:{api_port}", f"http://127.0.0.1:{agent_port}"
     try:
         deadline = time.monotonic() + 300
@@ -105,8 +124,10 @@ class Traffic:
                         with self._lock:
                             self.failed += 1
 
-        threads = [threading.Thread(target=worker, args=(list(range(k, n, concurrency)),))
-                   for k in range(concurrency)]  # fmt: skip
+        threads = [
+            threading.Thread(target=worker, args=(list(range(k, n, concurrency)),))
+            for k in range(concurrency)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -170,8 +191,10 @@ def run(duration_scale: float = 1.0) -> int:
         traffic.burst(int(48 * duration_scale), 300, 300, concurrency=48)
         after_preempt = client.state()["stats"]["preemptions_total"] - before_preempt
         restored = client.restore()
-        print("  restored: " + ", ".join(f"{c['knob']} {c['before']} → {c['after']}"
-                                          for c in restored["changes"]))  # fmt: skip
+        print(
+            "  restored: "
+            + ", ".join(f"{c['knob']} {c['before']} → {c['after']}" for c in restored["changes"])
+        )
         stop.set()
         watcher.join()
         final = client.state()

@@ -62,8 +62,15 @@ SUCCEEDED, FAILED, ROLLED_BACK, REVERTED = "succeeded", "failed", "rolled_back",
 REFUSED = "refused"
 
 EXECUTION_STATUSES: Final = (
-    PENDING, RUNNING, VERIFYING, SUCCEEDED, FAILED, ROLLED_BACK, REVERTED, REFUSED,
-)  # fmt: skip
+    PENDING,
+    RUNNING,
+    VERIFYING,
+    SUCCEEDED,
+    FAILED,
+    ROLLED_BACK,
+    REVERTED,
+    REFUSED,
+)
 ACTIVE_STATUSES: Final = frozenset({PENDING, RUNNING, VERIFYING})
 FINAL_STATUSES: Final = frozenset(EXECUTION_STATUSES) - ACTIVE_STATUSES
 
@@ -95,9 +102,14 @@ STEP_FAILED = "failed"
 STEP_INTERRUPTED = "interrupted"  # the process died while applying: effect unknown
 STEP_REVERTED = "reverted"
 STEP_STATUSES: Final = (
-    STEP_PLANNED, STEP_SKIPPED, STEP_APPLYING, STEP_APPLIED, STEP_FAILED,
-    STEP_INTERRUPTED, STEP_REVERTED,
-)  # fmt: skip
+    STEP_PLANNED,
+    STEP_SKIPPED,
+    STEP_APPLYING,
+    STEP_APPLIED,
+    STEP_FAILED,
+    STEP_INTERRUPTED,
+    STEP_REVERTED,
+)
 
 INCIDENT_STATES: Final = ("pending", "firing", "resolved")
 INTERRUPTED_REASON: Final = "interrupted"

@@ -29,12 +29,14 @@ def record_steps(engine: InProcessEngine) -> list[dict[str, Any]]:
 
     def schedule(*args: Any, **kwargs: Any) -> Any:
         out = original(*args, **kwargs)
-        steps.append({
-            "step": collector.steps,
-            "tokens": out.total_num_scheduled_tokens,
-            "budget": scheduler.max_num_scheduled_tokens,
-            "admitted": [r.req_id for r in out.scheduled_new_reqs],
-        })  # fmt: skip
+        steps.append(
+            {
+                "step": collector.steps,
+                "tokens": out.total_num_scheduled_tokens,
+                "budget": scheduler.max_num_scheduled_tokens,
+                "admitted": [r.req_id for r in out.scheduled_new_reqs],
+            }
+        )
         return out
 
     scheduler.schedule = schedule
@@ -181,14 +183,19 @@ def priority_engine(tiny_model: Path) -> Iterator[InProcessEngine]:
 
 def _post(engine: InProcessEngine, path: str, body: dict[str, Any]) -> httpx.Response:
     token = find_local_token(engine.collector.server.port)
-    return httpx.post(engine.collector.server.url + path, json=body,
-                      headers={"Authorization": f"Bearer {token}"}, timeout=60)  # fmt: skip
+    return httpx.post(
+        engine.collector.server.url + path,
+        json=body,
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=60,
+    )
 
 
 def _switch_while_stepping(engine: InProcessEngine, policy: str) -> int:
     box: dict[str, httpx.Response] = {}
-    thread = threading.Thread(target=lambda: box.update(r=_post(engine, "/v1/knobs",
-                                                                {"policy": policy})))  # fmt: skip
+    thread = threading.Thread(
+        target=lambda: box.update(r=_post(engine, "/v1/knobs", {"policy": policy}))
+    )
     thread.start()
     while_stepping(engine, thread)
     assert box["r"].status_code == 200, box["r"].text

@@ -67,8 +67,14 @@ def test_served_engine_exports_every_metric_on_both_endpoints(
         assert theirs[M.PREFIX_CACHE_QUERIES.series_name][0][1] == 200
 
         # Control of an EngineCore in its own process, token found locally.
-        cli = runbook_cli("set", "--engine", served.agent_url, "max_num_batched_tokens=x0.5",
-                          "max_num_seqs=16", "policy=priority")  # fmt: skip
+        cli = runbook_cli(
+            "set",
+            "--engine",
+            served.agent_url,
+            "max_num_batched_tokens=x0.5",
+            "max_num_seqs=16",
+            "policy=priority",
+        )
         assert cli.returncode == 0, cli.stderr
         assert "max_num_batched_tokens 512 → 256" in cli.stdout
         assert served.complete(300, max_tokens=2)["usage"]["prompt_tokens"] == 300

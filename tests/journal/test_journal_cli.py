@@ -49,8 +49,16 @@ def test_history_table_and_json(sqlite_url: str, capsys: pytest.CaptureFixture[s
     assert (code, err) == (0, "")
     header, row2, row1 = out.splitlines()
     assert header.split() == [
-        "ID", "RUNBOOK", "ENGINE", "STATUS", "TRIGGER", "WHO", "STARTED", "APPLIED", "NOTE"
-    ]  # fmt: skip
+        "ID",
+        "RUNBOOK",
+        "ENGINE",
+        "STATUS",
+        "TRIGGER",
+        "WHO",
+        "STARTED",
+        "APPLIED",
+        "NOTE",
+    ]
     assert row2.split()[:6] == ["2", "warmup", "llama-1", "refused", "rule", "rules"]
     assert row2.endswith("0/0      cooldown: 120 s left")
     assert row1.split()[:6] == ["1", "oom-pressure", "llama-0", "succeeded", "cli", "alice"]
@@ -60,12 +68,30 @@ def test_history_table_and_json(sqlite_url: str, capsys: pytest.CaptureFixture[s
     (shown,) = json.loads(out)["executions"]
     assert sorted(shown) == sorted(
         [
-            "id", "runbook", "engine", "trigger", "who", "alert_fingerprint", "alert_starts_at",
-            "dry_run", "status", "display_status", "interrupted", "reason", "error", "checks",
-            "verification", "reverts_id", "hostname", "pid", "created_at", "started_at",
-            "finished_at", "steps",
+            "id",
+            "runbook",
+            "engine",
+            "trigger",
+            "who",
+            "alert_fingerprint",
+            "alert_starts_at",
+            "dry_run",
+            "status",
+            "display_status",
+            "interrupted",
+            "reason",
+            "error",
+            "checks",
+            "verification",
+            "reverts_id",
+            "hostname",
+            "pid",
+            "created_at",
+            "started_at",
+            "finished_at",
+            "steps",
         ]
-    )  # fmt: skip
+    )
     assert (shown["id"], shown["status"]) == (1, "succeeded")
     assert [(s["action"], s["before"], s["after"]) for s in shown["steps"]] == [
         ("set_policy", {"policy": "priority"}, {"policy": "fcfs"})
@@ -94,9 +120,15 @@ def test_list_and_show(capsys: pytest.CaptureFixture[str]) -> None:
     lines = out.splitlines()
     assert lines[0].split() == ["NAME", "TRIGGERS", "STEPS", "APPROVAL"]
     assert [line.split()[0] for line in lines[1:]] == [
-        "batch-too-large", "kv-hit-low", "latency-spike", "memory-leak", "oom-pressure",
-        "restore", "throughput-drop", "warmup",
-    ]  # fmt: skip
+        "batch-too-large",
+        "kv-hit-low",
+        "latency-spike",
+        "memory-leak",
+        "oom-pressure",
+        "restore",
+        "throughput-drop",
+        "warmup",
+    ]
     code, out, _ = run(capsys, "list", "--json")
     names = [r["name"] for r in json.loads(out)["runbooks"]]
     assert names[4] == "oom-pressure" and len(names) == 8
@@ -108,8 +140,14 @@ def test_list_and_show(capsys: pytest.CaptureFixture[str]) -> None:
     steps = lines[lines.index("Steps") + 1 :]
     assert steps[1].split()[:3] == ["1", "scale_max_num_batched_tokens", "factor=0.5"]
     assert steps[2].split()[:7] == [
-        "2", "set_max_num_seqs", "value=kv_capacity", "preemptions_per_minute", ">", "0", "after"
-    ]  # fmt: skip
+        "2",
+        "set_max_num_seqs",
+        "value=kv_capacity",
+        "preemptions_per_minute",
+        ">",
+        "0",
+        "after",
+    ]
     assert "  preemptions_per_minute must decrease within 120 s" in lines
     code, out, _ = run(capsys, "show", "latency-spike", "--json")
     runbook = json.loads(out)["runbook"]

@@ -17,9 +17,18 @@ def at(seconds: float) -> datetime:
     return T0 + timedelta(seconds=seconds)
 
 
-def put(store: Store, state: str, *, alert: str = "VllmOOMPressure", engine: str = "llama-0",
-        first: float = 0, last: float = 0, value: float | None = 0.97,
-        severity: str = "critical", **kw: object) -> IncidentRecord | None:  # fmt: skip
+def put(
+    store: Store,
+    state: str,
+    *,
+    alert: str = "VllmOOMPressure",
+    engine: str = "llama-0",
+    first: float = 0,
+    last: float = 0,
+    value: float | None = 0.97,
+    severity: str = "critical",
+    **kw: object,
+) -> IncidentRecord | None:
     return store.record_incident(
         alert,
         engine,

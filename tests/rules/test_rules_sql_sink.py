@@ -115,9 +115,14 @@ def test_engine_name_carries_the_dp_rank(incident_store: Store) -> None:
 def test_refresh_touches_open_incidents_and_resolves_stale_ones(incident_store: Store) -> None:
     # An incident a previous run left open, last seen at t=0.
     incident_store.record_incident(
-        "VllmOOMPressure", "llama-9", state="firing", severity="critical", value=1.0,
-        first_seen=dt(0), last_seen=dt(0),
-    )  # fmt: skip
+        "VllmOOMPressure",
+        "llama-9",
+        state="firing",
+        severity="critical",
+        value=1.0,
+        first_seen=dt(0),
+        last_seen=dt(0),
+    )
     h = Harness(incident_store, [rule(for_seconds=0)], touch_every=30.0, stale_after=100.0)
     h.step(50, 20)
     h.sink.refresh(h.evaluator.open_alerts(), T0 + 50)

@@ -1,0 +1,1 @@
+"""`runbook serve`: Alertmanager webhooks in, remediation out."""

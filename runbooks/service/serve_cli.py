@@ -1,0 +1,133 @@
+"""`runbook serve [--config FILE] [--host H] [--port P] [--db URL]`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+from collector.auth import TokenError, is_loopback, runtime_dir
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_STORE = 0, 1, 2, 4
+
+
+def add_subcommands(subparsers: Any) -> None:
+    p = subparsers.add_parser("serve", help="Alertmanager webhooks, rule evaluation, remediation")
+    p.add_argument("--config", metavar="FILE", help="configuration file (default: built-in)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    p.add_argument(
+        "--db",
+        metavar="URL",
+        help="database URL (default: config, RUNBOOK_DB_URL, "
+        "then SQLite in the user's data directory)",
+    )
+    p.add_argument("--no-rules", action="store_true", help="do not run the embedded evaluator")
+    p.set_defaults(func=cmd_serve)
+
+
+def _read_secret(path: Path, what: str) -> str:
+    try:
+        value = path.read_text().strip()
+    except OSError as exc:
+        raise TokenError(f"cannot read {what} {path}: {exc.strerror}") from None
+    if not value:
+        raise TokenError(f"{what} {path} is empty")
+    return value
+
+
+def credentials_from(config: Any, host: str) -> Any:
+    """The webhook's credentials: configured, or a generated token stored
+    0600 in the runtime directory (loopback only)."""
+    from runbooks.service.app import Credentials
+
+    webhook = config.webhook
+    if webhook.token_file is not None:
+        return Credentials(token=_read_secret(webhook.token_file, "webhook token_file"))
+    if webhook.username and webhook.password_file is not None:
+        password = _read_secret(webhook.password_file, "webhook password_file")
+        return Credentials(username=webhook.username, password=password)
+    env = os.environ.get("RUNBOOK_WEBHOOK_TOKEN", "").strip()
+    if env:
+        return Credentials(token=env)
+    if not is_loopback(host):
+        raise TokenError(
+            f"binding to {host} (not loopback) needs webhook credentials "
+            "(webhook.token_file, or username + password_file)"
+        )
+    directory = runtime_dir()
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = directory / "webhook.token"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+    logging.getLogger("vllm_runbook.service").warning(
+        "webhook token generated in %s: point Alertmanager's credentials_file there", path
+    )
+    return Credentials(token=_read_secret(path, "webhook token"))
+
+
+def build(config_path: str | None, db: str | None, host: str) -> tuple[Any, Any, Any]:
+    """Config, store (migrated) and app; raises the errors the CLI maps."""
+    from rules.config import load_config
+    from runbooks.service.app import create_app
+    from runbooks.service.webhooks import Router
+    from runbooks.spec import load_catalog as load_runbooks
+    from runbooks.store import Store, upgrade
+
+    config = load_config(config_path)
+    url = db or config.database
+    upgrade(url)
+    store = Store(url)
+    alert_runbooks = {r.alert: r.runbook for r in config.load_rules()}
+    router = Router(
+        engines=config.engines,
+        automation=config.automation,
+        alert_runbooks=alert_runbooks,
+        known_runbooks=frozenset(load_runbooks()),
+    )
+    app = create_app(store, router, credentials_from(config, host))
+    return config, store, app
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import sys
+
+    import uvicorn
+    from apscheduler.schedulers.background import BackgroundScheduler
+
+    from rules.errors import CatalogError, ConfigError
+    from runbooks.store import StoreUnavailable
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config, store, app = build(args.config, args.db, args.host)
+        scheduler = None
+        if not args.no_rules and config.engines:
+            from rules.service import RulesService
+
+            service = RulesService.from_config(config, store=store)
+            scheduler = BackgroundScheduler()
+            service.start(scheduler)
+            scheduler.start()
+    except (ConfigError, CatalogError) as exc:
+        print(f"runbook: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except TokenError as exc:
+        print(f"runbook: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except StoreUnavailable as exc:
+        print(f"runbook: error: {exc}", file=sys.stderr)
+        return EXIT_STORE
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        if scheduler is not None:
+            scheduler.shutdown(wait=False)
+    return EXIT_OK
