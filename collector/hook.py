@@ -61,6 +61,17 @@ class CollectorSettings:
         )
 
 
+def agent_token(host: str, env: dict[str, str] | None = None) -> str | None:
+    """The configured token; None means "generate one" (loopback only).
+    TokenError when the agent must not start."""
+    token = configured_token(env)
+    if token is None and not is_loopback(host):
+        raise TokenError(
+            f"binding to {host} (not loopback) needs VLLM_RUNBOOK_TOKEN or VLLM_RUNBOOK_TOKEN_FILE"
+        )
+    return token
+
+
 def check_vllm_version(version: str) -> bool:
     """True when `version` is in the tested range; logs a warning otherwise."""
     try:
@@ -187,16 +198,9 @@ class EngineCollector:
         host = self.settings.host
         port = self.settings.port + self.dp_rank if self.settings.port else 0
         try:
-            token = configured_token()
+            token = agent_token(host)
         except TokenError as exc:
             logger.error("vllm-runbook: agent not started: %s", exc)
-            return None
-        if token is None and not is_loopback(host):
-            logger.error(
-                "vllm-runbook: agent not started: binding to %s (not loopback) needs "
-                "VLLM_RUNBOOK_TOKEN or VLLM_RUNBOOK_TOKEN_FILE",
-                host,
-            )
             return None
         try:
             server = AgentServer(host, port, self.registry)

@@ -168,3 +168,19 @@ def test_generated_token_is_private(tmp_path) -> None:  # type: ignore[no-untype
     directory.chmod(0o755)
     with pytest.raises(Exception, match="accessible by other users"):
         generate_token(9360, directory)
+
+
+def test_agent_token_policy(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from collector.auth import TokenError
+    from collector.hook import agent_token
+
+    assert agent_token("127.0.0.1", {}) is None  # loopback: generate one
+    with pytest.raises(TokenError, match="not loopback"):
+        agent_token("0.0.0.0", {})
+    assert agent_token("0.0.0.0", {"VLLM_RUNBOOK_TOKEN": "t0k"}) == "t0k"
+    (tmp_path / "tok").write_text("from-file\n")
+    assert (
+        agent_token("10.0.0.5", {"VLLM_RUNBOOK_TOKEN_FILE": str(tmp_path / "tok")}) == "from-file"
+    )
+    with pytest.raises(TokenError, match="cannot read"):
+        agent_token("127.0.0.1", {"VLLM_RUNBOOK_TOKEN_FILE": str(tmp_path / "missing")})
