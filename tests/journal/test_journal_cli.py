@@ -168,7 +168,7 @@ def test_show_unknown_and_broken_catalog(
     assert code == 2 and err.startswith("runbook: unknown runbook 'nope' (known: batch-too-large,")
     (tmp_path / "x.yaml").write_text("name: x\ndescription: d\nsteps:\n  - action: halve\n")
     code, out, err = run(capsys, "list", "--catalog", str(tmp_path))
-    assert (code, out) == (3, "")
+    assert (code, out) == (2, "")  # a broken catalog is a usage error
     assert err.startswith("runbook: invalid runbook catalog:\n")
     assert err.rstrip().endswith("x.yaml:4: runbook x: unknown action 'halve'")
 

@@ -83,7 +83,8 @@ def test_concurrent_duplicate_deliveries_create_one_execution(db_url: str) -> No
         with ThreadPoolExecutor(max_workers=8) as pool:
             results = list(pool.map(lambda i: alert_run(replicas[i % 2]), range(20)))
         assert sum(created for _, created in results) == 1
-        assert {record.id for record, _ in results} == {1}
+        # One row; on PostgreSQL a losing INSERT .. ON CONFLICT still takes a sequence value.
+        assert len({record.id for record, _ in results}) == 1
         assert len(replicas[0].list_executions()) == 1
     finally:
         for replica in replicas:
