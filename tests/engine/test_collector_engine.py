@@ -158,3 +158,29 @@ def test_preemptions_equal_the_schedulers_own_count(small_kv_engine: InProcessEn
     assert small_kv_engine.value(M.PREEMPTIONS.series_name) == len(preempted)
     assert small_kv_engine.value(M.KV_BLOCKS_USED.name) == 0
     assert small_kv_engine.value(M.KV_BLOCKS_FREE.name) == 31
+
+
+# -- vLLM's AsyncScheduler (its default on GPU), through the explicit class --
+
+
+@pytest.fixture(scope="module")
+def async_engine(tiny_model: Path) -> Iterator[InProcessEngine]:
+    eng = InProcessEngine.start(
+        tiny_model, scheduler_cls="collector.scheduler.RunbookAsyncScheduler"
+    )
+    yield eng
+    eng.close()
+
+
+def test_async_scheduler_is_hooked_with_the_same_oracles(async_engine: InProcessEngine) -> None:
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    assert isinstance(async_engine.scheduler, AsyncScheduler)
+    for i, n in enumerate((40, 70, 100)):
+        async_engine.add(f"async-{i}", n, max_tokens=3, offset=500 + 150 * i)
+    async_engine.step()
+    assert async_engine.value(M.BLOCK_FRAGMENTATION.name) == pytest.approx(1 - 210 / 288)
+    assert async_engine.value(M.LENGTH_PADDING_RATIO.name) == pytest.approx(1 - 210 / 300)
+    finished = async_engine.run_until_done()
+    assert sorted(finished) == ["async-0", "async-1", "async-2"]
+    assert async_engine.value(M.SCHEDULED_TOKENS.series_name) == 210 + 2 * 3
