@@ -124,7 +124,11 @@ class EngineCollector:
         vllm_config = scheduler.vllm_config
         served = vllm_config.model_config.served_model_name
         self.model_name = served[0] if isinstance(served, list) else str(served)
-        self.dp_rank = int(vllm_config.parallel_config.data_parallel_rank or 0)
+        # data_parallel_index keeps the DP rank even where vLLM runs a non-MoE
+        # DP rank as an independent engine (data_parallel_rank is 0 there).
+        parallel = vllm_config.parallel_config
+        rank = getattr(parallel, "data_parallel_index", None)
+        self.dp_rank = int(parallel.data_parallel_rank if rank is None else rank) or 0
         self.labels = (self.model_name, str(self.dp_rank))
         self.block_size = int(scheduler.block_size)
 

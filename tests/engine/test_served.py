@@ -111,3 +111,30 @@ def test_explicit_scheduler_cls_without_the_plugin(tiny_model: Path, tmp_path: P
         ours = _samples(text)
         assert ours[M.COLLECTOR_UP.name][0][1] == 1
         assert ours[M.SCHEDULED_TOKENS.series_name][0][1] == 40 + 2  # prefill + 2 decodes
+
+
+def test_data_parallel_engines_get_one_port_each(tiny_model: Path, tmp_path: Path) -> None:
+    with ServedEngine.run(
+        tiny_model, tmp_path / "serve.log", extra_args=["--data-parallel-size", "2"]
+    ) as served:
+        for i in range(6):
+            served.complete(16, max_tokens=2, offset=9 * i)
+        base = int(served.agent_url.rsplit(":", 1)[1])
+        steps = {}
+        for rank in (0, 1):
+            status, text = http_get(f"http://127.0.0.1:{base + rank}/metrics")
+            assert status == 200
+            [(labels, value)] = _samples(text)[M.STEPS.series_name]
+            assert labels["engine"] == str(rank)
+            steps[rank] = value
+        assert steps[0] > 0 and steps[1] > 0  # vLLM spread the requests over both
+        # Each rank is controlled on its own port.
+        cli = runbook_cli("set", "--engine", f"http://127.0.0.1:{base + 1}", "max_num_seqs=4")
+        assert cli.returncode == 0, cli.stderr
+        states = [
+            json.loads(
+                runbook_cli("status", "--engine", f"http://127.0.0.1:{base + r}", "--json").stdout
+            )[0]
+            for r in (0, 1)
+        ]
+        assert [s["knobs"]["max_num_seqs"] for s in states] == [32, 4]
