@@ -182,5 +182,5 @@ def test_catalog_path_is_relative_to_the_file(tmp_path: Path) -> None:
     path = write(tmp_path, "rules: {catalog: mine}\n")
     config = load_config(path)
     assert config.catalog == tmp_path / "mine"
-    with pytest.raises(CatalogError, match="no \\*.yaml rule files"):
+    with pytest.raises(CatalogError, match=r"no \*\.yaml rule files"):
         config.load_rules()
