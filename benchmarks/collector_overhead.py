@@ -65,10 +65,10 @@ def hook_costs(llm, running: int) -> list[float]:  # type: ignore[no-untyped-def
     per_step: dict[int, float] = {}
     step = [0]
 
-    def timed_schedule(sched, output, elapsed):  # type: ignore[no-untyped-def]
+    def timed_schedule(sched, output, elapsed, free_before):  # type: ignore[no-untyped-def]
         step[0] += 1
         t = time.perf_counter()
-        on_schedule(sched, output, elapsed)
+        on_schedule(sched, output, elapsed, free_before)
         if len(sched.running) == running:
             per_step[step[0]] = time.perf_counter() - t
 

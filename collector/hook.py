@@ -33,7 +33,7 @@ from collector.control import EngineControl
 from collector.exporter import MultiprocessMirror, Sample, StatsExporter, close_quietly
 from collector.nvml import NvmlPoller, load_pynvml
 from collector.server import AgentServer
-from collector.window import SlidingWindowRatio
+from collector.window import SlidingWindowMax, SlidingWindowRatio
 
 logger = logging.getLogger("vllm_runbook.collector")
 
@@ -172,6 +172,8 @@ class EngineCollector:
         self.hit_window = SlidingWindowRatio(self.settings.window_seconds)
         self.padding_window = SlidingWindowRatio(self.settings.window_seconds)
         self.preemption_window = SlidingWindowRatio(self.settings.window_seconds)
+        self.kv_usage_peak = SlidingWindowMax(self.settings.window_seconds)
+        self._usable_blocks = self.block_pool.num_gpu_blocks - 1  # minus vLLM's null block
         self.control = EngineControl(scheduler, lambda: self.steps)
 
         self._wrap_prefix_cache_stats(kv_manager)
@@ -285,8 +287,11 @@ class EngineCollector:
         self.prefix_hits += num_hits
         self.hit_window.add(num_hits, num_tokens)
 
-    def on_schedule(self, scheduler: Any, output: Any, elapsed: float) -> None:
-        """After schedule(): `request.num_computed_tokens` includes this step."""
+    def on_schedule(self, scheduler: Any, output: Any, elapsed: float, free_before: int) -> None:
+        """After schedule(): `request.num_computed_tokens` includes this step.
+        `free_before`: free KV blocks when schedule() started."""
+        if self._usable_blocks:
+            self.kv_usage_peak.add(1.0 - free_before / self._usable_blocks)
         self.schedule_counts[bisect.bisect_left(self._schedule_bounds, elapsed)] += 1
         self.schedule_seconds_sum += elapsed
         tokens = output.total_num_scheduled_tokens
@@ -371,6 +376,7 @@ class EngineCollector:
             Sample(M.KV_BLOCKS_USED, usable - free),
             Sample(M.KV_BLOCKS_FREE, free),
             Sample(M.KV_CACHE_USAGE, (usable - free) / usable if usable else 0.0),
+            Sample(M.KV_CACHE_USAGE_PEAK, self.kv_usage_peak.max()),
             Sample(M.MAX_NUM_BATCHED_TOKENS, sched.max_num_scheduled_tokens),
             Sample(M.MAX_NUM_SEQS, sched.max_num_active_reqs),
             Sample(M.STARTUP_MAX_NUM_BATCHED_TOKENS, self.startup_max_num_batched_tokens),
@@ -440,11 +446,12 @@ class RunbookSchedulerMixin:
                     control.drain()
                 except Exception as exc:
                     runbook.disable(exc)
+            free_before = runbook.block_pool.get_num_free_blocks()
             start = time.perf_counter()
             output = super().schedule(*args, **kwargs)  # type: ignore[misc]
             elapsed = time.perf_counter() - start
         try:
-            runbook.on_schedule(self, output, elapsed)
+            runbook.on_schedule(self, output, elapsed, free_before)
         except Exception as exc:
             runbook.disable(exc)
         return output

@@ -137,6 +137,11 @@ KV_CACHE_USAGE = _spec(
     "gauge",
     "KV blocks used / usable blocks (vLLM's own definition, available without stats logging).",
 )
+KV_CACHE_USAGE_PEAK = _spec(
+    "kv_cache_usage_peak_ratio",
+    "gauge",
+    "Highest KV cache usage over the window, sampled at the start of each step (before the scheduler allocates or preempts): a preemption frees blocks, so the usage after the step hides the pressure that caused it.",
+)
 MAX_NUM_BATCHED_TOKENS = _spec(
     "max_num_batched_tokens", "gauge", "Effective token budget per step now."
 )

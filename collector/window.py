@@ -65,3 +65,38 @@ class SlidingWindowRatio:
         """numerator/denominator over the window; `empty` when nothing was added."""
         num, den = self.sums()
         return num / den if den > 0 else empty
+
+
+class SlidingWindowMax:
+    """The largest value added over the last `window_seconds`, per-second buckets."""
+
+    __slots__ = ("_buckets", "_clock", "_lock", "window_seconds")
+
+    def __init__(
+        self, window_seconds: float = 60.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if window_seconds <= 0:
+            raise ValueError("window_seconds must be > 0")
+        self.window_seconds = window_seconds
+        self._clock = clock
+        self._buckets: deque[list[float]] = deque()  # [second, max]
+        self._lock = threading.Lock()
+
+    def add(self, value: float) -> None:
+        second = int(self._clock())
+        with self._lock:
+            buckets = self._buckets
+            if buckets and buckets[-1][0] == second:
+                if value > buckets[-1][1]:
+                    buckets[-1][1] = value
+                return
+            buckets.append([second, value])
+            horizon = second - self.window_seconds
+            while buckets[0][0] <= horizon:
+                buckets.popleft()
+
+    def max(self, empty: float = 0.0) -> float:
+        horizon = int(self._clock()) - self.window_seconds
+        with self._lock:
+            values = [v for s, v in self._buckets if s > horizon]
+        return max(values, default=empty)

@@ -61,6 +61,9 @@ _BASE: tuple[Signal, ...] = (
     _collector("requests_waiting", M.REQUESTS_WAITING, "requests waiting (incl. preempted)"),
     _collector("preemptions", M.PREEMPTIONS, "requests preempted"),
     _collector("kv_cache_usage", M.KV_CACHE_USAGE, "KV blocks used / usable"),
+    _collector(
+        "kv_cache_usage_peak", M.KV_CACHE_USAGE_PEAK, "peak KV usage at step start over the window"
+    ),
     _collector("engine_start_time", M.ENGINE_START_TIME, "unix time the engine started"),
     _collector("gpu_memory_used", M.GPU_MEMORY_USED, "GPU memory in use, per GPU"),
     _collector("gpu_memory_total", M.GPU_MEMORY_TOTAL, "GPU memory in total, per GPU"),

@@ -27,13 +27,10 @@ from tests.engines import InProcessEngine
 pytestmark = pytest.mark.engine
 
 FOR_SECONDS, WINDOW, INTERVAL = 2.0, "10s", 0.5
-# The seed threshold (0.95) assumes a GPU cache of thousands of blocks, where a
-# preempted request frees a sliver of it. This cache has 31 blocks and each request
-# grows to 10 (300 tokens): a step that preempts one ends, at worst, at
-# (31 - 10 + 1) / 31 = 0.71 usage, which is what a scrape then reads. Measured with
-# 0.95 here: the scrapes around the first preemptions read 0.77-0.90 and the rule
-# fired 4-12 s late, once a scrape happened to catch a full cache.
-KV_USAGE = 0.7
+# The seed threshold. The rule reads the collector's KV usage peak, sampled at
+# the start of each step: in this 31-block cache a preemption frees up to 10
+# blocks, so the usage after the step (0.71-0.90, measured) would miss it.
+KV_USAGE = 0.95
 
 
 class FiringHook:

@@ -99,7 +99,7 @@ def test_cycle_records_and_hands_off_in_auto_mode(
     tmp_path: Path, agent: tuple[Routes, CollectorRegistry], incident_store: Store
 ) -> None:
     routes, registry = agent
-    usage = cast(Gauge, M.build(M.KV_CACHE_USAGE, registry))
+    usage = cast(Gauge, M.build(M.KV_CACHE_USAGE_PEAK, registry))
     preemptions = cast(Counter, M.build(M.PREEMPTIONS, registry))
     config = load_config(
         write_config(
