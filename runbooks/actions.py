@@ -55,6 +55,8 @@ class ScaleMaxNumBatchedTokens(ActionParams):
     """Multiply the token budget; never above the startup value, never below the floors."""
 
     factor: Annotated[float, Field(gt=0, le=1)]
+    # Stop at a floor instead of failing the step when the factor would cross it.
+    clamp: bool = False
 
 
 class SetMaxNumSeqs(ActionParams):
@@ -62,6 +64,11 @@ class SetMaxNumSeqs(ActionParams):
     current average footprint (computed from the block pool)."""
 
     value: Annotated[int, Field(ge=1)] | Literal["kv_capacity"]
+    # With 'kv_capacity': admit this fraction of it. Running sequences keep
+    # growing, so the capacity at today's footprint overstates what fits when
+    # they finish; on a full cache it equals the running count (a no-op).
+    headroom: Annotated[float, Field(gt=0, le=1)] = 1.0
+    clamp: bool = False
 
 
 class SetPolicy(ActionParams):
