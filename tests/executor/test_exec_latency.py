@@ -48,8 +48,13 @@ class Starvation:
         scheduler.schedule = schedule
         self.streamed = 0
         for _ in range(4):  # the stream fills every slot first
-            self.engine.add(f"{self.tag}-high-{self.streamed}", 20, max_tokens=8,
-                            offset=1000 + 13 * self.streamed, priority=HIGH)  # fmt: skip
+            self.engine.add(
+                f"{self.tag}-high-{self.streamed}",
+                20,
+                max_tokens=8,
+                offset=1000 + 13 * self.streamed,
+                priority=HIGH,
+            )
             self.streamed += 1
         engine.step()
         self.arrival = collector.steps + 1
@@ -58,8 +63,13 @@ class Starvation:
             engine.add(rid, 20, max_tokens=4, offset=50 * i, priority=LOW)
 
     def stream_step(self) -> None:
-        self.engine.add(f"{self.tag}-high-{self.streamed}", 20, max_tokens=8,
-                        offset=1000 + 13 * self.streamed, priority=HIGH)  # fmt: skip
+        self.engine.add(
+            f"{self.tag}-high-{self.streamed}",
+            20,
+            max_tokens=8,
+            offset=1000 + 13 * self.streamed,
+            priority=HIGH,
+        )
         self.streamed += 1
         self.engine.step()
         time.sleep(PACE_S)
@@ -90,8 +100,18 @@ def test_latency_spike_switches_to_fcfs_and_starved_requests_get_in(
     for _ in range(5):
         fixed.stream_step()
     assert not any(rid in fixed.admitted for rid in fixed.low)  # already starving
-    proc = cli_background("exec", "latency-spike", "--engine", url, "--yes", "--json",
-                          "--db", db_url, "--verify-seconds", "2")  # fmt: skip
+    proc = cli_background(
+        "exec",
+        "latency-spike",
+        "--engine",
+        url,
+        "--yes",
+        "--json",
+        "--db",
+        db_url,
+        "--verify-seconds",
+        "2",
+    )
     while proc.poll() is None:
         fixed.stream_step()
     out, err = proc.communicate()

@@ -128,8 +128,9 @@ def test_oom_pressure_halves_the_budget_caps_seqs_and_preemptions_fall(
     pressure_step = run.relative(eng.collector.steps)
 
     # Dry run first: shows before → would-be, changes nothing on the engine.
-    proc = cli_background("exec", "oom-pressure", "--engine", url, "--dry-run", "--json",
-                          "--db", db_url)  # fmt: skip
+    proc = cli_background(
+        "exec", "oom-pressure", "--engine", url, "--dry-run", "--json", "--db", db_url
+    )
     run.run_while(proc)
     out, err = proc.communicate()
     assert proc.returncode == 0, err
@@ -142,9 +143,21 @@ def test_oom_pressure_halves_the_budget_caps_seqs_and_preemptions_fall(
     assert knobs(eng) == STARTUP  # verified on the engine: nothing changed
 
     proc = cli_background(
-        "exec", "oom-pressure", "--engine", url, "--yes", "--json", "--db", db_url,
-        "--condition-seconds", "1", "--verify-seconds", "30", "--poll-seconds", "0.25",
-    )  # fmt: skip
+        "exec",
+        "oom-pressure",
+        "--engine",
+        url,
+        "--yes",
+        "--json",
+        "--db",
+        db_url,
+        "--condition-seconds",
+        "1",
+        "--verify-seconds",
+        "30",
+        "--poll-seconds",
+        "0.25",
+    )
     run.run_while(proc)
     out, err = proc.communicate()
     assert proc.returncode == 0, (out, err)
@@ -232,9 +245,20 @@ def test_sigkill_while_verifying_then_history_and_revert(
     assert knobs(eng) == STARTUP
     time.sleep(WINDOW_S + 0.5)  # the idle engine's preemption window empties: no step 2
     proc = cli_background(
-        "exec", "oom-pressure", "--engine", url, "--yes", "--db", db_url,
-        "--condition-seconds", "0", "--verify-seconds", "300", "--poll-seconds", "0.2",
-    )  # fmt: skip
+        "exec",
+        "oom-pressure",
+        "--engine",
+        url,
+        "--yes",
+        "--db",
+        db_url,
+        "--condition-seconds",
+        "0",
+        "--verify-seconds",
+        "300",
+        "--poll-seconds",
+        "0.2",
+    )
     store = Store(db_url)
     try:
         deadline = time.monotonic() + 60
@@ -255,12 +279,16 @@ def test_sigkill_while_verifying_then_history_and_revert(
         assert code == 0, err
         (shown,) = history["executions"]
         assert (shown["id"], shown["status"], shown["display_status"]) == (
-            execution_id, "verifying", "interrupted",
-        )  # fmt: skip
+            execution_id,
+            "verifying",
+            "interrupted",
+        )
         halve, skipped = shown["steps"]
         assert (halve["status"], halve["before"], halve["after"]) == (
-            "applied", {"max_num_batched_tokens": 512}, {"max_num_batched_tokens": 256},
-        )  # fmt: skip
+            "applied",
+            {"max_num_batched_tokens": 512},
+            {"max_num_batched_tokens": 256},
+        )
         assert skipped["status"] == "skipped" and skipped["params"]["observed"] == 0
 
         # The dead run's engine lock does not block the revert.
@@ -291,15 +319,18 @@ def test_a_failing_second_step_rolls_the_first_back(
         "  - action: scale_max_num_batched_tokens\n"
         "    params: {factor: 0.01}\n"
     )
-    code, out, err = cli_json("exec", "two-steps", "--engine", url, "--yes", "--db", db_url,
-                              "--catalog", str(catalog))  # fmt: skip
+    code, out, err = cli_json(
+        "exec", "two-steps", "--engine", url, "--yes", "--db", db_url, "--catalog", str(catalog)
+    )
     assert code == 1, err
     execution = out["execution"]
     assert execution["status"] == "rolled_back"
     first, second = execution["steps"]
     assert (first["status"], first["before"], first["after"]) == (
-        "reverted", {"max_num_seqs": 32}, {"max_num_seqs": 16},
-    )  # fmt: skip
+        "reverted",
+        {"max_num_seqs": 32},
+        {"max_num_seqs": 16},
+    )
     assert second["status"] == "failed"
     assert "below the minimum 16" in second["error"]
     assert "rolled back" in err and err.count("\n") == 1
@@ -325,8 +356,16 @@ def test_broken_runbook_yaml_names_file_and_line(tmp_path: Path, db_url: str) ->
     (catalog / "broken.yaml").write_text(
         "name: broken\ndescription: x\nsteps:\n  - action: halve\n    params: {}\n"
     )
-    result = cli("exec", "broken", "--engine", "http://127.0.0.1:9", "--db", db_url,
-                 "--catalog", str(catalog))  # fmt: skip
+    result = cli(
+        "exec",
+        "broken",
+        "--engine",
+        "http://127.0.0.1:9",
+        "--db",
+        db_url,
+        "--catalog",
+        str(catalog),
+    )
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1, result.stderr
     assert re.match(
