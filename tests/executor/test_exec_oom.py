@@ -317,7 +317,7 @@ def test_a_failing_second_step_rolls_the_first_back(
         "  - action: set_max_num_seqs\n"
         "    params: {value: 16}\n"
         "  - action: scale_max_num_batched_tokens\n"
-        "    params: {factor: 0.01}\n"
+        "    params: {factor: 0.01, clamp: false}\n"
     )
     code, out, err = cli_json(
         "exec", "two-steps", "--engine", url, "--yes", "--db", db_url, "--catalog", str(catalog)

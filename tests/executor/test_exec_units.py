@@ -247,7 +247,7 @@ def test_step_two_refused_rolls_step_one_back(make: Any) -> None:
     rb = runbook(
         steps=[
             {"action": "set_max_num_seqs", "params": {"value": 16}},
-            {"action": "scale_max_num_batched_tokens", "params": {"factor": 0.01}},
+            {"action": "scale_max_num_batched_tokens", "params": {"factor": 0.01, "clamp": False}},
         ]
     )
     executor, agent = make()
