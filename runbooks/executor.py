@@ -351,13 +351,13 @@ class Executor:
         name, holder = engine_lock_name(engine_url), f"execution:{execution_id}"
         if not self.store.acquire_lease(name, holder, ENGINE_LOCK_TTL_S):
             current = self.store.lease_holder(name)
-            stale = self._stale_holder(current)
-            if not (
-                stale
-                and current is not None
-                and (self.store.release_lease(name, current) or True)
-                and self.store.acquire_lease(name, holder, ENGINE_LOCK_TTL_S)
-            ):
+            if not self._stale_holder(current):
+                raise EngineBusy(f"engine busy: {self._holder_text(current)} holds its lock")
+            if current is not None:
+                self.store.release_lease(name, current)
+            # Atomic: of several processes taking over at once, one wins.
+            if not self.store.acquire_lease(name, holder, ENGINE_LOCK_TTL_S):
+                current = self.store.lease_holder(name)
                 raise EngineBusy(f"engine busy: {self._holder_text(current)} holds its lock")
 
         def renew() -> None:
