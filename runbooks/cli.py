@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from rules import cli as rules_cli
-from runbooks import journal_cli
+from runbooks import exec_cli, journal_cli
 from runbooks.client import CommandRefused, EngineClient, EngineClientError
 from runbooks.service import serve_cli
 
@@ -258,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_restore)
 
     journal_cli.add_subcommands(sub)
+    exec_cli.add_subcommands(sub)
     rules_cli.add_subcommands(sub)
     serve_cli.add_subcommands(sub)
     return parser

@@ -236,10 +236,31 @@ class ServedEngine:
         return str(json.loads(http_get(self.api_url + "/v1/models")[1])["data"][0]["id"])
 
 
-def runbook_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """The installed `runbook` command, as an operator would type it."""
-    exe = Path(sys.executable).with_name("runbook")
-    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=timeout)
+def runbook_cli(
+    *args: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """The `runbook` command of this checkout (not whatever is installed), as
+    an operator would type it."""
+    return subprocess.run(
+        runbook_cli_command(*args),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO_ROOT,
+        env=runbook_cli_env(env),
+    )
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def runbook_cli_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "runbooks.cli", *args]
+
+
+def runbook_cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, **(extra or {})}
 
 
 def while_stepping(engine: InProcessEngine, proc: subprocess.Popen[str] | Any) -> None:

@@ -1,0 +1,298 @@
+"""The catalog's actions, implemented against the engine agent, and the signals they read.
+
+`engine_registry()` returns the declared registry (`runbooks.actions`) with
+every action that can act through the agent implemented. An action is a plain
+function `fn(params, ctx) -> ActionOutcome`: `ctx` carries the agent client,
+a fresh `/v1/state`, the dry-run flag and `ctx.begin(before, details)`, which
+the executor turns into a journal row *committed before the action touches
+the engine* (crash safety: a SIGKILL after `begin` leaves the values to
+restore). Mutating actions call `begin` exactly once, right before the
+write; an action that finds nothing to change returns `skipped` instead.
+
+`SignalReader` turns `/v1/state` into the signals named by
+`runbooks.spec.KNOWN_SIGNALS`. Signals the agent does not measure (latency
+percentiles, error and OOM rates, NVML through the state route) read as None:
+the executor reports them as unavailable rather than guessing.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from runbooks.actions import ActionRegistry as _Registry
+from runbooks.actions import (
+    Advise,
+    CaptureDiagnostics,
+    RestoreKnobs,
+    ScaleMaxNumBatchedTokens,
+    SetMaxNumSeqs,
+    SetPolicy,
+    declared_registry,
+)
+from runbooks.client import EngineClient
+
+KNOBS: Final = ("max_num_batched_tokens", "max_num_seqs", "policy")
+
+# Signals computed from /v1/state; every other KNOWN_SIGNALS entry reads None.
+MEASURED_SIGNALS: Final = frozenset(
+    {
+        "kv_cache_usage_ratio",
+        "kv_blocks_free",
+        "kv_capacity_seqs",
+        "preemptions_per_minute",
+        "num_requests_running",
+        "num_requests_waiting",
+        "max_num_batched_tokens",
+        "max_num_seqs",
+        "scheduler_policy",
+        "budget_fill_ratio",
+        "block_fragmentation_ratio",
+        "kv_hit_ratio",
+        "throughput_tokens_per_second",
+        "engine_uptime_seconds",
+    }
+)
+
+
+# --- signals -----------------------------------------------------------------------
+
+
+def kv_capacity_seqs(stats: Mapping[str, Any]) -> int | None:
+    """Sequences the KV cache holds at the running requests' current average footprint.
+
+    floor(usable / (used / running)), in integers so a full cache gives
+    exactly `running` (a float division can land on running - 1). None when
+    nothing runs or holds blocks: there is no footprint to scale.
+    """
+    used, free = stats.get("kv_blocks_used"), stats.get("kv_blocks_free")
+    running = stats.get("num_requests_running")
+    if used is None or free is None or not running or used <= 0:
+        return None
+    usable = int(used) + int(free)
+    return max(1, usable * int(running) // int(used))
+
+
+@dataclass
+class SignalReader:
+    """Reads signals from an engine agent; keeps the last read for rates."""
+
+    client: EngineClient
+    clock: Callable[[], float] = time.monotonic
+    last_state: dict[str, Any] | None = None
+    _previous: tuple[float, float] | None = field(default=None, repr=False)
+
+    def read(self) -> dict[str, Any]:
+        """Fresh signals (raises the client's errors when the agent is down)."""
+        state = self.client.state()
+        now = self.clock()
+        self.last_state = state
+        signals = signals_from_state(state)
+        scheduled = state["stats"].get("scheduled_tokens_total")
+        if scheduled is not None and self._previous is not None:
+            then, before = self._previous
+            if now > then:
+                signals["throughput_tokens_per_second"] = (scheduled - before) / (now - then)
+        if scheduled is not None:
+            self._previous = (now, float(scheduled))
+        return signals
+
+
+def signals_from_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Every known signal from one `/v1/state` answer (None where not measured)."""
+    from runbooks.spec import KNOWN_SIGNALS  # spec imports actions; keep the graph acyclic
+
+    stats, knobs = state.get("stats", {}), state.get("knobs", {})
+    signals: dict[str, Any] = dict.fromkeys(KNOWN_SIGNALS)
+    for name in (
+        "kv_cache_usage_ratio",
+        "kv_blocks_free",
+        "preemptions_per_minute",
+        "num_requests_running",
+        "num_requests_waiting",
+        "budget_fill_ratio",
+        "block_fragmentation_ratio",
+        "kv_hit_ratio",
+    ):
+        signals[name] = stats.get(name)
+    for name in ("num_requests_running", "num_requests_waiting", "kv_blocks_free"):
+        if signals[name] is not None:
+            signals[name] = int(signals[name])
+    signals["kv_capacity_seqs"] = kv_capacity_seqs(stats)
+    signals["max_num_batched_tokens"] = knobs.get("max_num_batched_tokens")
+    signals["max_num_seqs"] = knobs.get("max_num_seqs")
+    signals["scheduler_policy"] = knobs.get("policy")
+    started = state.get("engine", {}).get("started_at")
+    if started is not None:
+        signals["engine_uptime_seconds"] = max(0.0, time.time() - float(started))
+    return signals
+
+
+# --- action plumbing ---------------------------------------------------------------
+
+
+@dataclass
+class ActionContext:
+    """What an action gets besides its parameters."""
+
+    client: EngineClient
+    # /v1/state read just before this step.
+    state: dict[str, Any]
+    dry_run: bool
+    # Record the before-values (and resolved details) in the journal; must be
+    # called before the engine is touched. The executor commits it at once.
+    begin: Callable[[dict[str, Any], dict[str, Any]], None]
+
+    @property
+    def knobs(self) -> dict[str, Any]:
+        return dict(self.state["knobs"])
+
+
+@dataclass(frozen=True)
+class ActionOutcome:
+    """What an action did (or, in a dry run, would do)."""
+
+    before: dict[str, Any] | None = None
+    after: dict[str, Any] | None = None
+    # The engine's first scheduler step with the new values.
+    applied_at_step: int | None = None
+    # Resolved parameters worth keeping (e.g. the kv_capacity number used).
+    details: dict[str, Any] = field(default_factory=dict)
+    # Set when there was nothing to do: the step is journaled as skipped.
+    skipped: str | None = None
+    clamped: tuple[dict[str, Any], ...] = ()
+
+
+def _set_knobs(
+    ctx: ActionContext,
+    request: dict[str, Any],
+    touched: tuple[str, ...],
+    details: dict[str, Any],
+    clamp: bool = False,
+) -> ActionOutcome:
+    """The write path shared by the knob actions: journal, then one POST /v1/knobs."""
+    before = {k: ctx.state["knobs"][k] for k in touched}
+    if ctx.dry_run:
+        result = ctx.client.set_knobs(clamp=clamp, dry_run=True, **request)
+        would_be = result.get("would_be", result["after"])
+        return ActionOutcome(
+            before,
+            {k: would_be[k] for k in touched},
+            None,
+            details,
+            clamped=tuple(result.get("clamped", ())),
+        )
+    ctx.begin(before, details)
+    result = ctx.client.set_knobs(clamp=clamp, **request)
+    return ActionOutcome(
+        {k: result["before"][k] for k in touched},
+        {k: result["after"][k] for k in touched},
+        int(result["effective_from_step"]),
+        details,
+        clamped=tuple(result.get("clamped", ())),
+    )
+
+
+# --- the actions -------------------------------------------------------------------
+
+
+def scale_max_num_batched_tokens(
+    params: ScaleMaxNumBatchedTokens, ctx: ActionContext
+) -> ActionOutcome:
+    """Multiply the budget; the agent applies the floors and the startup ceiling."""
+    return _set_knobs(
+        ctx,
+        {"scale_max_num_batched_tokens": params.factor},
+        ("max_num_batched_tokens",),
+        {},
+        clamp=params.clamp,
+    )
+
+
+def set_max_num_seqs(params: SetMaxNumSeqs, ctx: ActionContext) -> ActionOutcome:
+    """Lower the admission limit, to a number or to the KV capacity now."""
+    current = int(ctx.state["knobs"]["max_num_seqs"])
+    details: dict[str, Any] = {}
+    if params.value == "kv_capacity":
+        capacity = kv_capacity_seqs(ctx.state["stats"])
+        details["kv_capacity_seqs"] = capacity
+        if capacity is None:
+            return ActionOutcome(
+                details=details,
+                skipped="kv_capacity unknown: no running request holds KV blocks",
+            )
+        if capacity >= current:
+            # Never raise the limit: capacity above it means KV is not the bound.
+            return ActionOutcome(
+                details=details,
+                skipped=f"kv_capacity {capacity} >= max_num_seqs {current}: nothing to lower",
+            )
+        target = max(1, math.floor(capacity * params.headroom))
+        details["target"] = target
+        if target >= current:
+            return ActionOutcome(
+                details=details,
+                skipped=f"kv_capacity {capacity} x {params.headroom:g} >= max_num_seqs {current}",
+            )
+    else:
+        target = int(params.value)
+    if target == current:
+        return ActionOutcome(details=details, skipped=f"max_num_seqs is already {current}")
+    return _set_knobs(ctx, {"max_num_seqs": target}, ("max_num_seqs",), details, params.clamp)
+
+
+def set_policy(params: SetPolicy, ctx: ActionContext) -> ActionOutcome:
+    if ctx.state["knobs"]["policy"] == params.policy:
+        return ActionOutcome(skipped=f"policy is already {params.policy}")
+    return _set_knobs(ctx, {"policy": params.policy}, ("policy",), {})
+
+
+def restore_knobs(params: RestoreKnobs, ctx: ActionContext) -> ActionOutcome:
+    """Every knob back to its startup value (one command, applied atomically)."""
+    knobs, startup = ctx.state["knobs"], ctx.state["startup"]
+    before = {k: knobs[k] for k in KNOBS}
+    if all(knobs[k] == startup[k] for k in KNOBS):
+        return ActionOutcome(skipped="every knob is at its startup value")
+    if ctx.dry_run:
+        return ActionOutcome(before, {k: startup[k] for k in KNOBS})
+    ctx.begin(before, {})
+    result = ctx.client.restore()
+    return ActionOutcome(
+        {k: result["before"][k] for k in KNOBS},
+        {k: result["after"][k] for k in KNOBS},
+        int(result["effective_from_step"]),
+    )
+
+
+def capture_diagnostics(params: CaptureDiagnostics, ctx: ActionContext) -> ActionOutcome:
+    """The whole /v1/state (knobs, bounds, stats) into the journal."""
+    state = ctx.state
+    snapshot = {k: state.get(k) for k in ("engine", "knobs", "startup", "bounds", "stats")}
+    return ActionOutcome(after={"diagnostics": snapshot})
+
+
+def advise(params: Advise, ctx: ActionContext) -> ActionOutcome:
+    return ActionOutcome(after={"advice": " ".join(params.text.split())})
+
+
+IMPLEMENTATIONS: Final[Mapping[str, Callable[..., ActionOutcome]]] = {
+    "scale_max_num_batched_tokens": scale_max_num_batched_tokens,
+    "set_max_num_seqs": set_max_num_seqs,
+    "set_policy": set_policy,
+    "restore_knobs": restore_knobs,
+    "capture_diagnostics": capture_diagnostics,
+    "advise": advise,
+    # send_warmup_requests needs the engine's vLLM API URL (not the agent's):
+    # left declared-only until the inventory gives the executor that URL.
+}
+
+
+def engine_registry() -> _Registry:
+    """The catalog's registry with every agent-backed action implemented."""
+    registry = declared_registry()
+    for name, fn in IMPLEMENTATIONS.items():
+        registry.implement(name, fn)
+    return registry

@@ -1,0 +1,381 @@
+"""`runbook exec oom-pressure` on a real CPU engine under real KV pressure.
+
+The workload (DESIGN.md): 256 KV blocks of 32 tokens, max_num_seqs 32, 64
+requests of 300 prompt + 300 output tokens. The test steps the engine itself
+(paced, so the CLI's wall-clock waits see the workload still in flight) while
+`runbook exec` runs in a subprocess, then reads the journal, the engine's
+knobs and the preemption counter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from exec_harness import cli, cli_background, cli_json
+
+from runbooks.store import Store
+from tests.engines import InProcessEngine, free_port
+
+pytestmark = pytest.mark.engine
+
+STARTUP = {"max_num_batched_tokens": 512, "max_num_seqs": 32, "policy": "fcfs"}
+WINDOW_S = 10
+STEP_PACE_S = 0.02  # ≈1,200 steps per workload → ≈30 s: room for the CLI's waits
+
+
+@pytest.fixture(scope="module")
+def oom_engine(tiny_model: Path) -> Iterator[InProcessEngine]:
+    # A 10 s preemption window: preemptions_per_minute reacts within a test.
+    saved = os.environ.get("VLLM_RUNBOOK_WINDOW_SECONDS")
+    os.environ["VLLM_RUNBOOK_WINDOW_SECONDS"] = str(WINDOW_S)
+    try:
+        eng = InProcessEngine.start(
+            tiny_model, max_num_seqs=32, max_num_batched_tokens=512, num_gpu_blocks_override=256
+        )
+    finally:
+        if saved is None:
+            os.environ.pop("VLLM_RUNBOOK_WINDOW_SECONDS", None)
+        else:
+            os.environ["VLLM_RUNBOOK_WINDOW_SECONDS"] = saved
+    yield eng
+    eng.close()
+
+
+def url_of(engine: InProcessEngine) -> str:
+    return str(engine.collector.server.url)
+
+
+def knobs(engine: InProcessEngine) -> dict[str, Any]:
+    """What the agent reports, checked against the scheduler itself."""
+    state = httpx.get(url_of(engine) + "/v1/state", timeout=10).json()["knobs"]
+    s = engine.scheduler
+    assert state == {
+        "max_num_batched_tokens": s.max_num_scheduled_tokens,
+        "max_num_seqs": s.max_num_active_reqs,
+        "policy": s.policy.value,
+    }
+    return dict(state)
+
+
+class Workload:
+    """64 × (300 + 300) tokens; records preemptions per scheduler step."""
+
+    def __init__(self, engine: InProcessEngine, tag: str, offset: int) -> None:
+        self.engine = engine
+        self.collector = engine.collector
+        self.first_step = self.collector.steps
+        self.start_preemptions = self.collector.preemptions
+        # (scheduler step, cumulative preemptions of this workload) after each step.
+        self.trace: list[tuple[int, int]] = []
+        for i in range(64):
+            engine.add(f"{tag}-{i}", 300, max_tokens=300, offset=offset + 7 * i)
+
+    @property
+    def preemptions(self) -> int:
+        return int(self.collector.preemptions - self.start_preemptions)
+
+    def step(self, pace: float = 0.0) -> bool:
+        if not self.engine.engine.has_unfinished_requests():
+            return False
+        self.engine.step()
+        self.trace.append((self.collector.steps, self.preemptions))
+        if pace:
+            time.sleep(pace)
+        return True
+
+    def run_while(self, proc: Any, pace: float = STEP_PACE_S) -> None:
+        """Step (paced) while a CLI subprocess runs; idle-wait when done."""
+        while proc.poll() is None:
+            if not self.step(pace):
+                time.sleep(0.01)
+
+    def finish(self) -> None:
+        while self.step():
+            pass
+
+    def preemptions_from(self, step: int) -> int:
+        """Preemptions of this workload at scheduler steps ≥ `step`."""
+        before = [p for s, p in self.trace if s < step]
+        return self.preemptions - (before[-1] if before else 0)
+
+    def relative(self, step: int) -> int:
+        return step - self.first_step
+
+
+def test_oom_pressure_halves_the_budget_caps_seqs_and_preemptions_fall(
+    oom_engine: InProcessEngine, db_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    eng, url = oom_engine, url_of(oom_engine)
+    assert knobs(eng) == STARTUP
+
+    # Baseline: the same workload, nothing changed.
+    baseline = Workload(eng, "base", 0)
+    baseline.finish()
+    assert baseline.preemptions > 0, "the workload must really produce KV pressure"
+
+    run = Workload(eng, "oom", 100_000)
+    while run.preemptions == 0:
+        assert run.step(STEP_PACE_S)
+    pressure_step = run.relative(eng.collector.steps)
+
+    # Dry run first: shows before → would-be, changes nothing on the engine.
+    proc = cli_background(
+        "exec", "oom-pressure", "--engine", url, "--dry-run", "--json", "--db", db_url
+    )
+    run.run_while(proc)
+    out, err = proc.communicate()
+    assert proc.returncode == 0, err
+    dry = json.loads(out)["execution"]
+    assert (dry["status"], dry["dry_run"]) == ("succeeded", True)
+    planned = {s["action"]: s for s in dry["steps"]}
+    assert planned["scale_max_num_batched_tokens"]["status"] == "planned"
+    assert planned["scale_max_num_batched_tokens"]["before"] == {"max_num_batched_tokens": 512}
+    assert planned["scale_max_num_batched_tokens"]["after"] == {"max_num_batched_tokens": 256}
+    assert knobs(eng) == STARTUP  # verified on the engine: nothing changed
+
+    proc = cli_background(
+        "exec",
+        "oom-pressure",
+        "--engine",
+        url,
+        "--yes",
+        "--json",
+        "--db",
+        db_url,
+        "--condition-seconds",
+        "1",
+        "--verify-seconds",
+        "30",
+        "--poll-seconds",
+        "0.25",
+    )
+    run.run_while(proc)
+    out, err = proc.communicate()
+    assert proc.returncode == 0, (out, err)
+    execution = json.loads(out)["execution"]
+    run.finish()
+
+    assert execution["status"] == "succeeded"
+    checks = execution["checks"]
+    assert checks["preemption_rate"]["value"] > 0
+    assert checks["kv_usage"]["value"] > 0.9
+    halve, cap = execution["steps"]
+    assert (halve["action"], halve["status"]) == ("scale_max_num_batched_tokens", "applied")
+    assert (halve["before"], halve["after"]) == (
+        {"max_num_batched_tokens": 512},
+        {"max_num_batched_tokens": 256},
+    )
+    assert (cap["action"], cap["status"]) == ("set_max_num_seqs", "applied"), cap
+    assert cap["params"]["observed"] > 0  # the condition was really evaluated
+    capacity = cap["params"]["kv_capacity_seqs"]
+    assert cap["params"]["target"] == capacity // 2  # headroom 0.5
+    assert (cap["before"], cap["after"]) == ({"max_num_seqs": 32}, {"max_num_seqs": capacity // 2})
+    assert halve["applied_at_step"] < cap["applied_at_step"]
+    verification = execution["verification"]
+    assert verification["outcome"] == "improved"
+    assert verification["after"] < verification["before"]
+    assert knobs(eng) == {**STARTUP, "max_num_batched_tokens": 256, "max_num_seqs": capacity // 2}
+
+    # Preemptions from the step the cap took effect, against the baseline
+    # run from the same point of the workload.
+    capped_at = cap["applied_at_step"]
+    same_point = baseline.first_step + run.relative(capped_at)
+    base_after, run_after = baseline.preemptions_from(same_point), run.preemptions_from(capped_at)
+    with capsys.disabled():
+        print(
+            f"\n[oom-pressure] first preemption at workload step {pressure_step}; "
+            f"budget 512→256 from step {run.relative(halve['applied_at_step'])}, "
+            f"max_num_seqs 32→{capacity // 2} (kv_capacity {capacity}) from step "
+            f"{run.relative(capped_at)}\n"
+            f"[oom-pressure] preemptions/min ({WINDOW_S} s window) {verification['before']:g} → "
+            f"{verification['after']:g}; preemptions in the whole workload: baseline "
+            f"{baseline.preemptions}, with the runbook {run.preemptions}; after the cap: "
+            f"baseline {base_after}, with the runbook {run_after}"
+        )
+    assert run_after < base_after
+    assert run.preemptions < baseline.preemptions
+
+    # The human report: checks and before → after.
+    shown = cli("history", str(execution["id"]), "--db", db_url)
+    assert shown.returncode == 0, shown.stderr
+    assert "max_num_batched_tokens: 512 → 256" in shown.stdout
+    assert f"max_num_seqs: 32 → {capacity // 2}" in shown.stdout
+    assert "preemption_rate" in shown.stdout
+
+    # A second run inside the cooldown is refused with the time left.
+    started = datetime.fromisoformat(execution["started_at"]).timestamp()
+    asked = time.time()
+    refused = cli("exec", "oom-pressure", "--engine", url, "--yes", "--db", db_url)
+    answered = time.time()
+    assert refused.returncode == 2, refused.stderr
+    match = re.search(r"cooldown: .* (\d+)m (\d+)s left of 600 s", refused.stderr)
+    assert match, refused.stderr
+    # 600 s from the run's start, as seen while the CLI ran (rounded up to 1 s).
+    left = int(match[1]) * 60 + int(match[2])
+    assert 600 - (answered - started) <= left <= 600 - (asked - started) + 1
+    assert refused.stderr.count("\n") == 1 and "Traceback" not in refused.stderr
+    assert knobs(eng)["max_num_seqs"] == capacity // 2  # refused: nothing touched
+
+    # Revert: the startup values come back; the journal says so.
+    code, reverted, err = cli_json("revert", str(execution["id"]), "--db", db_url)
+    assert code == 0, err
+    revert = reverted["execution"]
+    assert (revert["status"], revert["reverts_id"]) == ("succeeded", execution["id"])
+    (restore,) = revert["steps"]
+    assert restore["before"] == {"max_num_batched_tokens": 256, "max_num_seqs": capacity // 2}
+    assert restore["after"] == {"max_num_batched_tokens": 512, "max_num_seqs": 32}
+    assert knobs(eng) == STARTUP
+    store = Store(db_url)
+    original = store.get_execution(execution["id"])
+    assert original.status == "reverted"
+    assert [s.status for s in original.steps] == ["reverted", "reverted"]
+    store.close()
+    again = cli("revert", str(execution["id"]), "--db", db_url)
+    assert again.returncode == 2 and "already reverted" in again.stderr
+
+
+def test_sigkill_while_verifying_then_history_and_revert(
+    oom_engine: InProcessEngine, db_url: str
+) -> None:
+    eng, url = oom_engine, url_of(oom_engine)
+    assert knobs(eng) == STARTUP
+    time.sleep(WINDOW_S + 0.5)  # the idle engine's preemption window empties: no step 2
+    proc = cli_background(
+        "exec",
+        "oom-pressure",
+        "--engine",
+        url,
+        "--yes",
+        "--db",
+        db_url,
+        "--condition-seconds",
+        "0",
+        "--verify-seconds",
+        "300",
+        "--poll-seconds",
+        "0.2",
+    )
+    store = Store(db_url)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "never reached verifying"
+            records = store.list_executions()
+            if records and records[0].status == "verifying":
+                break
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        assert proc.returncode == -signal.SIGKILL
+        execution_id = records[0].id
+        assert knobs(eng)["max_num_batched_tokens"] == 256  # the change is live
+
+        code, history, err = cli_json("history", "--db", db_url)
+        assert code == 0, err
+        (shown,) = history["executions"]
+        assert (shown["id"], shown["status"], shown["display_status"]) == (
+            execution_id,
+            "verifying",
+            "interrupted",
+        )
+        halve, skipped = shown["steps"]
+        assert (halve["status"], halve["before"], halve["after"]) == (
+            "applied",
+            {"max_num_batched_tokens": 512},
+            {"max_num_batched_tokens": 256},
+        )
+        assert skipped["status"] == "skipped" and skipped["params"]["observed"] == 0
+
+        # The dead run's engine lock does not block the revert.
+        reverted = cli("revert", str(execution_id), "--db", db_url)
+        assert reverted.returncode == 0, reverted.stderr
+        assert knobs(eng) == STARTUP
+        original = store.get_execution(execution_id)
+        assert (original.status, original.error) == ("reverted", "interrupted")
+        assert [s.status for s in original.steps] == ["reverted", "skipped"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        store.close()
+
+
+def test_a_failing_second_step_rolls_the_first_back(
+    oom_engine: InProcessEngine, db_url: str, tmp_path: Path
+) -> None:
+    eng, url = oom_engine, url_of(oom_engine)
+    catalog = tmp_path / "catalog"
+    catalog.mkdir()
+    (catalog / "two-steps.yaml").write_text(
+        "name: two-steps\n"
+        "description: step 2 goes below the budget floor\n"
+        "steps:\n"
+        "  - action: set_max_num_seqs\n"
+        "    params: {value: 16}\n"
+        "  - action: scale_max_num_batched_tokens\n"
+        "    params: {factor: 0.01, clamp: false}\n"
+    )
+    code, out, err = cli_json(
+        "exec", "two-steps", "--engine", url, "--yes", "--db", db_url, "--catalog", str(catalog)
+    )
+    assert code == 1, err
+    execution = out["execution"]
+    assert execution["status"] == "rolled_back"
+    first, second = execution["steps"]
+    assert (first["status"], first["before"], first["after"]) == (
+        "reverted",
+        {"max_num_seqs": 32},
+        {"max_num_seqs": 16},
+    )
+    assert second["status"] == "failed"
+    assert "below the minimum 16" in second["error"]
+    assert "rolled back" in err and err.count("\n") == 1
+    assert knobs(eng) == STARTUP  # nothing half-applied
+
+
+def test_engine_down_is_one_line_and_a_failed_execution(db_url: str) -> None:
+    down = f"http://127.0.0.1:{free_port()}"
+    result = cli("exec", "oom-pressure", "--engine", down, "--yes", "--db", db_url)
+    assert result.returncode == 3
+    assert result.stderr.startswith("runbook: error: engine http://127.0.0.1:")
+    assert "unreachable" in result.stderr and result.stderr.count("\n") == 1
+    store = Store(db_url)
+    (record,) = store.list_executions()
+    store.close()
+    assert (record.status, record.steps) == ("failed", ())
+    assert record.error is not None and "unreachable" in record.error
+
+
+def test_broken_runbook_yaml_names_file_and_line(tmp_path: Path, db_url: str) -> None:
+    catalog = tmp_path / "catalog"
+    catalog.mkdir()
+    (catalog / "broken.yaml").write_text(
+        "name: broken\ndescription: x\nsteps:\n  - action: halve\n    params: {}\n"
+    )
+    result = cli(
+        "exec",
+        "broken",
+        "--engine",
+        "http://127.0.0.1:9",
+        "--db",
+        db_url,
+        "--catalog",
+        str(catalog),
+    )
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert re.match(
+        r"runbook: error: invalid runbook catalog: \S*broken\.yaml:4: runbook broken: "
+        r"unknown action 'halve'\n$",
+        result.stderr,
+    ), result.stderr

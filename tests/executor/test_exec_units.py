@@ -1,0 +1,405 @@
+"""The executor's guardrails, circuit breaker and revert, against a fake agent.
+
+The fake keeps knobs and bounds like collector/control.py (ceilings at the
+startup values, the budget floored by max_num_seqs) and serves scripted
+stats, so each rule is checked exactly and fast; the real engine tests
+(test_exec_oom.py, test_exec_latency.py) check the same paths end to end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from runbooks.client import CommandRefused, EngineUnreachable
+from runbooks.engine_actions import engine_registry, kv_capacity_seqs
+from runbooks.executor import (
+    ExecutionResult,
+    Executor,
+    RevertRefused,
+    _stage_values,
+    engine_lock_name,
+    format_duration,
+)
+from runbooks.spec import Catalog, Runbook, load_catalog
+from runbooks.store import Store
+
+URL = "http://127.0.0.1:9360"
+STARTUP = {"max_num_batched_tokens": 512, "max_num_seqs": 32, "policy": "priority"}
+PRESSURE = {
+    "kv_blocks_used": 255,
+    "kv_blocks_free": 0,
+    "num_requests_running": 24,
+    "num_requests_waiting": 40,
+    "preemptions_per_minute": 60.0,
+    "kv_cache_usage_ratio": 1.0,
+}
+
+
+class FakeAgent:
+    """An engine agent in memory: knobs with the agent's bounds, scripted stats."""
+
+    def __init__(self, stats: list[dict[str, Any]] | None = None) -> None:
+        self.url = URL
+        self.knobs = dict(STARTUP)
+        self.step = 100
+        # Each state() pops the next stats (the last one repeats).
+        self.stats = [dict(s) for s in (stats or [PRESSURE])]
+        self.down = False
+        self.writes: list[dict[str, Any]] = []
+
+    def state(self) -> dict[str, Any]:
+        if self.down:
+            raise EngineUnreachable(f"engine {URL} unreachable: connection refused")
+        stats = self.stats.pop(0) if len(self.stats) > 1 else self.stats[0]
+        return {
+            "knobs": dict(self.knobs),
+            "startup": dict(STARTUP),
+            "stats": dict(stats),
+            "engine": {"started_at": 0.0},
+        }
+
+    def set_knobs(self, clamp: bool = False, dry_run: bool = False, **values: Any) -> Any:
+        if self.down:
+            raise EngineUnreachable(f"engine {URL} unreachable: connection refused")
+        before = dict(self.knobs)
+        target = dict(before)
+        if "scale_max_num_batched_tokens" in values:
+            factor = values.pop("scale_max_num_batched_tokens")
+            values["max_num_batched_tokens"] = int(before["max_num_batched_tokens"] * factor)
+        target.update(values)
+        floor = target["max_num_seqs"]
+        for knob, low in (("max_num_seqs", 1), ("max_num_batched_tokens", floor)):
+            if not low <= target[knob] <= STARTUP[knob]:
+                if not clamp:
+                    raise CommandRefused(f"{knob}={target[knob]} is out of bounds")
+                target[knob] = min(max(target[knob], low), STARTUP[knob])
+        self.step += 1
+        result = {
+            "before": before,
+            "after": before if dry_run else target,
+            "would_be": target,
+            "effective_from_step": self.step,
+            "clamped": [],
+            "dry_run": dry_run,
+        }
+        if not dry_run:
+            self.knobs = target
+            self.writes.append(values)
+        return result
+
+    def restore(self, dry_run: bool = False) -> Any:
+        return self.set_knobs(dry_run=dry_run, **STARTUP)
+
+
+def runbook(**overrides: Any) -> Runbook:
+    data: dict[str, Any] = {
+        "name": "test-rb",
+        "description": "test",
+        "checks": [{"name": "preemptions", "description": "p", "signal": "preemptions_per_minute"}],
+        "steps": [{"action": "scale_max_num_batched_tokens", "params": {"factor": 0.5}}],
+        "verification": {
+            "signal": "preemptions_per_minute",
+            "direction": "decrease",
+            "deadline_seconds": 5,
+            "rollback_if_worse": ["num_requests_waiting"],
+        },
+        "guardrails": {"cooldown_seconds": 0, "max_runs_per_hour": 10},
+    }
+    data.update(overrides)
+    return Runbook.model_validate(data)
+
+
+class Clock:
+    """Fake monotonic time: sleeping advances it (no test waits for real)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def make(store: Store) -> Iterator[Callable[..., tuple[Executor, FakeAgent]]]:
+    def build(
+        agent: FakeAgent | None = None, catalog: Catalog | None = None
+    ) -> tuple[Executor, FakeAgent]:
+        agent = agent or FakeAgent()
+        clock = Clock()
+        executor = Executor(
+            store,
+            catalog or load_catalog(registry=engine_registry()),
+            engine_registry(),
+            client_factory=lambda url: agent,
+            poll_seconds=1.0,  # type: ignore[arg-type,return-value]
+            sleep=clock.sleep,
+            clock=clock,
+        )
+        return executor, agent
+
+    yield build
+
+
+def statuses(result: ExecutionResult) -> list[tuple[str, str]]:
+    return [(s.action, s.status) for s in result.record.steps]
+
+
+def test_kv_capacity_is_integer_exact() -> None:
+    # A full cache holds exactly what runs now; float division gives 23 here.
+    assert (
+        kv_capacity_seqs({"kv_blocks_used": 255, "kv_blocks_free": 0, "num_requests_running": 24})
+        == 24
+    )
+    assert (
+        kv_capacity_seqs({"kv_blocks_used": 100, "kv_blocks_free": 155, "num_requests_running": 10})
+        == 25
+    )
+    assert (
+        kv_capacity_seqs({"kv_blocks_used": 0, "kv_blocks_free": 255, "num_requests_running": 0})
+        is None
+    )
+
+
+def test_success_and_journal(make: Any) -> None:
+    executor, _ = make(
+        FakeAgent([PRESSURE, PRESSURE, PRESSURE, {**PRESSURE, "preemptions_per_minute": 30.0}])
+    )
+    result = executor.execute(runbook(), URL, approved=True)
+    assert (result.exit_code, result.record.status) == (0, "succeeded")
+    (step,) = result.record.steps
+    assert (step.status, step.before, step.after, step.applied_at_step) == (
+        "applied",
+        {"max_num_batched_tokens": 512},
+        {"max_num_batched_tokens": 256},
+        101,
+    )
+    v = result.record.verification
+    assert v is not None and (v["before"], v["after"], v["outcome"]) == (60.0, 30.0, "improved")
+    assert result.record.checks == {
+        "preemptions": {"signal": "preemptions_per_minute", "description": "p", "value": 60.0}
+    }
+
+
+def test_circuit_breaker_rolls_back_when_a_guard_gets_worse(make: Any) -> None:
+    worse = {**PRESSURE, "num_requests_waiting": 41}
+    executor, agent = make(FakeAgent([PRESSURE, PRESSURE, worse]))
+    result = executor.execute(runbook(), URL)
+    assert (result.exit_code, result.record.status) == (1, "rolled_back")
+    assert statuses(result) == [("scale_max_num_batched_tokens", "reverted")]
+    assert "num_requests_waiting got worse (40 → 41)" in (result.record.error or "")
+    assert agent.knobs == STARTUP
+
+
+def test_verification_signal_worse_at_the_deadline_rolls_back(make: Any) -> None:
+    executor, agent = make(
+        FakeAgent([PRESSURE, PRESSURE, {**PRESSURE, "preemptions_per_minute": 90.0}])
+    )
+    result = executor.execute(runbook(), URL)
+    assert result.record.status == "rolled_back" and agent.knobs == STARTUP
+    assert result.record.verification["polls"] == 6  # type: ignore[index]  # 0..5 s
+
+
+def test_unchanged_signal_fails_and_keeps_the_change(make: Any) -> None:
+    executor, agent = make()
+    result = executor.execute(runbook(), URL)
+    assert (result.exit_code, result.record.status) == (1, "failed")
+    assert "did not decrease within 5 s (60 → 60)" in (result.message or "")
+    assert agent.knobs["max_num_batched_tokens"] == 256
+
+
+def test_conditional_step_is_evaluated_after_its_wait(make: Any) -> None:
+    rb = runbook(
+        steps=[
+            {"action": "scale_max_num_batched_tokens", "params": {"factor": 0.5}},
+            {
+                "action": "set_max_num_seqs",
+                "params": {"value": "kv_capacity", "headroom": 0.5},
+                "when": {"signal": "preemptions_per_minute", "above": 0, "after_seconds": 30},
+            },
+        ],
+        verification=None,
+    )
+    calm = {**PRESSURE, "preemptions_per_minute": 0.0}
+    executor, _ = make(FakeAgent([PRESSURE, PRESSURE, calm]))
+    result = executor.execute(rb, URL)
+    assert statuses(result) == [
+        ("scale_max_num_batched_tokens", "applied"),
+        ("set_max_num_seqs", "skipped"),
+    ]
+    assert result.record.steps[1].params["observed"] == 0.0
+    assert executor.clock() == 1030.0  # waited the 30 s (on the fake clock)
+
+    executor, _ = make(FakeAgent([PRESSURE]))
+    result = executor.execute(rb, URL, condition_seconds=2)
+    assert statuses(result)[1] == ("set_max_num_seqs", "applied")
+    assert result.record.steps[1].after == {"max_num_seqs": 12}  # 24 x 0.5
+    assert executor.clock() == 1002.0
+
+
+def test_step_two_refused_rolls_step_one_back(make: Any) -> None:
+    rb = runbook(
+        steps=[
+            {"action": "set_max_num_seqs", "params": {"value": 16}},
+            {"action": "scale_max_num_batched_tokens", "params": {"factor": 0.01, "clamp": False}},
+        ]
+    )
+    executor, agent = make()
+    result = executor.execute(rb, URL)
+    assert (result.exit_code, result.record.status) == (1, "rolled_back")
+    assert statuses(result) == [
+        ("set_max_num_seqs", "reverted"),
+        ("scale_max_num_batched_tokens", "failed"),
+    ]
+    assert agent.knobs == STARTUP
+
+
+def test_engine_down_fails_with_exit_3_and_no_steps(make: Any) -> None:
+    agent = FakeAgent()
+    agent.down = True
+    executor, _ = make(agent)
+    result = executor.execute(runbook(), URL)
+    assert (result.exit_code, result.record.status, result.record.steps) == (3, "failed", ())
+
+
+def test_approval_cooldown_and_rate_limit(make: Any) -> None:
+    executor, agent = make()
+    needs_yes = runbook(guardrails={"requires_approval": True, "cooldown_seconds": 0})
+    refused = executor.execute(needs_yes, URL)
+    assert (refused.exit_code, refused.record.status) == (2, "refused")
+    assert "requires approval" in (refused.message or "") and agent.writes == []
+
+    cooled = runbook(guardrails={"cooldown_seconds": 600, "max_runs_per_hour": 10})
+    assert executor.execute(cooled, URL).record.status == "failed"  # ran (no improvement)
+    again = executor.execute(cooled, URL)
+    assert again.record.status == "refused"
+    assert "left of 600 s" in (again.message or "")
+
+    limited = runbook(name="limited", guardrails={"cooldown_seconds": 0, "max_runs_per_hour": 2})
+    for _ in range(2):
+        agent.knobs = dict(STARTUP)
+        assert executor.execute(limited, URL).record.status != "refused"
+    third = executor.execute(limited, URL)
+    assert third.record.status == "refused"
+    assert "max runs per hour: 2 of 2" in (third.message or "")
+
+
+def test_blast_radius_counts_other_engines_under_remediation(make: Any, store: Store) -> None:
+    executor, agent = make()
+    for other in ("http://10.0.0.1:9360", "http://10.0.0.2:9360"):
+        record, _ = store.create_execution("oom-pressure", other, trigger="cli", who="t")
+        store.transition(record.id, "running")
+    rb = runbook(guardrails={"cooldown_seconds": 0, "max_concurrent_engines": 2})
+    result = executor.execute(rb, URL)
+    assert result.record.status == "refused"
+    assert "blast radius: 2 other engine(s)" in (result.message or "")
+    assert agent.writes == []
+
+
+def test_engine_lock_refuses_while_a_live_execution_holds_it(make: Any, store: Store) -> None:
+    executor, agent = make()
+    holder, _ = store.create_execution("oom-pressure", URL, trigger="cli", who="other")
+    store.transition(holder.id, "running")  # this (live) process
+    assert store.acquire_lease(engine_lock_name(URL), f"execution:{holder.id}", 60)
+    result = executor.execute(runbook(), URL)
+    assert (result.exit_code, result.record.status) == (2, "refused")
+    assert f"execution #{holder.id}" in (result.message or "") and agent.writes == []
+    # Once the holder finished, its lock is stale and is taken over.
+    store.transition(holder.id, "succeeded")
+    assert executor.execute(runbook(), URL).record.status != "refused"
+
+
+def test_dry_run_changes_nothing_and_plans_every_step(make: Any) -> None:
+    executor, agent = make()
+    result = executor.execute("oom-pressure", URL, dry_run=True)
+    assert result.exit_code == 0 and agent.writes == [] and agent.knobs == STARTUP
+    assert [(s.action, s.status, s.after) for s in result.record.steps] == [
+        ("scale_max_num_batched_tokens", "planned", {"max_num_batched_tokens": 256}),
+        ("set_max_num_seqs", "planned", {"max_num_seqs": 12}),
+    ]
+
+
+def test_alert_episode_runs_once_and_reverts_stepwise_on_resolve(make: Any) -> None:
+    executor, agent = make(
+        FakeAgent([PRESSURE, PRESSURE, {**PRESSURE, "preemptions_per_minute": 0.0}])
+    )
+    starts = datetime(2026, 1, 1, tzinfo=UTC)
+    first = executor.execute(
+        "latency-spike",
+        URL,
+        trigger="alert",
+        who="am",
+        alert_fingerprint="abc",
+        alert_starts_at=starts,
+    )
+    dup = executor.execute(
+        "latency-spike",
+        URL,
+        trigger="alert",
+        who="am",
+        alert_fingerprint="abc",
+        alert_starts_at=starts,
+    )
+    assert dup.created is False and dup.record.id == first.record.id
+    assert agent.writes == [{"policy": "fcfs"}]
+    reverted = executor.revert_on_resolve("latency-spike", URL, "abc", starts)
+    assert reverted is not None and reverted.record.status == "succeeded"
+    assert agent.knobs == STARTUP
+    assert executor.store.get_execution(first.record.id).status == "reverted"
+    with pytest.raises(RevertRefused, match="already reverted"):
+        executor.revert(first.record.id)
+
+
+def test_stepwise_revert_goes_back_in_stages(make: Any) -> None:
+    calm = {**PRESSURE, "preemptions_per_minute": 0.0}
+    executor, agent = make(FakeAgent([PRESSURE, PRESSURE, PRESSURE, calm]))
+    run = executor.execute("oom-pressure", URL, approved=True, condition_seconds=0)
+    assert agent.knobs == {**STARTUP, "max_num_batched_tokens": 256, "max_num_seqs": 12}
+    result = executor.revert(run.record.id, stepwise=True, healthy_period_seconds=60)
+    assert [(s.before, s.after) for s in result.record.steps] == [
+        (
+            {"max_num_batched_tokens": 256, "max_num_seqs": 12},
+            {"max_num_batched_tokens": 384, "max_num_seqs": 22},
+        ),
+        (
+            {"max_num_batched_tokens": 384, "max_num_seqs": 22},
+            {"max_num_batched_tokens": 512, "max_num_seqs": 32},
+        ),
+    ]
+    assert agent.knobs == STARTUP and result.record.status == "succeeded"
+
+
+def test_stepwise_revert_halts_when_the_signal_gets_worse(make: Any) -> None:
+    calm = {**PRESSURE, "preemptions_per_minute": 0.0}
+    executor, agent = make(FakeAgent([PRESSURE, PRESSURE, PRESSURE, calm]))
+    run = executor.execute("oom-pressure", URL, approved=True, condition_seconds=0)
+    agent.stats = [calm, calm, calm, {**calm, "preemptions_per_minute": 6.0}]
+    result = executor.revert(run.record.id, stepwise=True, healthy_period_seconds=60)
+    assert result.record.status == "failed" and result.exit_code == 1
+    assert "halted after 50%: preemptions_per_minute got worse (0 → 6)" in (result.message or "")
+    assert agent.knobs["max_num_batched_tokens"] == 384
+    assert executor.store.get_execution(run.record.id).status == "succeeded"  # not reverted
+
+
+def test_stage_values_and_durations() -> None:
+    start = {"max_num_batched_tokens": 128, "max_num_seqs": 8, "policy": "fcfs"}
+    targets = {"max_num_batched_tokens": 512, "max_num_seqs": 32, "policy": "priority"}
+    assert _stage_values(start, targets, 0.5) == {
+        "max_num_batched_tokens": 320,
+        "max_num_seqs": 20,
+        "policy": "fcfs",
+    }
+    assert _stage_values(start, targets, 1.0) == targets
+    assert [format_duration(s) for s in (0.2, 59, 61, 3599.5, 3725)] == [
+        "1s",
+        "59s",
+        "1m 01s",
+        "1h 00m",
+        "1h 02m",
+    ]
