@@ -9,7 +9,7 @@ file works with any Prometheus data source (no `__inputs` to fill in).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from collector.metrics import MetricSpec
@@ -202,6 +202,7 @@ def _timeseries_style(p: Panel) -> dict[str, Any]:
 def _thresholds(thresholds: Sequence[Threshold]) -> dict[str, Any]:
     """Grafana's thresholds: a base colour, then a colour from each value up."""
     ordered = sorted(thresholds, key=lambda t: t.value)
+    steps: list[dict[str, Any]]
     if ordered and ordered[0].direction == "below":
         # Bad below the value, good above it.
         steps = [{"color": ordered[0].color, "value": None}]

@@ -23,6 +23,7 @@ from dashboards.builder import (
     Threshold,
     dashboard,
     quantile,
+    rate,
     selector,
 )
 from runbooks import service_metrics as S
@@ -45,7 +46,7 @@ def variables() -> list[QueryVariable]:
     ]
 
 
-def annotations() -> list[Annotation]:
+def runbook_annotations() -> list[Annotation]:
     executions = S.EXECUTIONS.series_name
     return [
         Annotation(
@@ -65,6 +66,14 @@ def annotations() -> list[Annotation]:
             color="purple",
         ),
     ]
+
+
+def increase(series: str, window: str, by: str) -> str:
+    return f"sum by ({by}) (increase({series}[{window}]))"
+
+
+def service_rate(spec: M.MetricSpec, by: str) -> str:
+    return f"sum by ({by}) ({rate(spec, engine=False)})"
 
 
 def p50_p99(spec: M.MetricSpec) -> list[Target]:
@@ -172,7 +181,7 @@ class Panels:
         n = self.n
         return Panel(
             "Error rate",
-            "Share of finished requests that ended with finished_reason=\"error\" (vLLM's "
+            'Share of finished requests that ended with finished_reason="error" (vLLM\'s '
             "counter). "
             + n.note(
                 "VllmErrorRateHigh",
@@ -359,6 +368,37 @@ class Panels:
             width=width,
         )
 
+    def steps(self) -> Panel:
+        return Panel(
+            "Scheduler steps and tokens per step",
+            f"Steps per second ({M.STEPS.help}), tokens per step over the rate interval, "
+            f"and the latest step's tokens ({M.STEP_TOKENS.help}). Tokens per step near the "
+            "token budget means prefill-heavy steps; a few per running request means decode. "
+            "No rule uses them directly.",
+            [
+                Target(Q.sum_rate(M.STEPS), "steps/s " + ENGINE_LEGEND),
+                Target(
+                    f"{Q.sum_rate(M.SCHEDULED_TOKENS)} / {Q.sum_rate(M.STEPS)}",
+                    "tokens/step " + ENGINE_LEGEND,
+                ),
+                Target(Q.gauge(M.STEP_TOKENS), "latest step " + ENGINE_LEGEND),
+            ],
+            width=12,
+        )
+
+    def executed_tokens(self) -> Panel:
+        return Panel(
+            "Executed tokens: padded and unpadded",
+            f"Tokens per second executed with padding ({M.PADDED_TOKENS.help}) and without "
+            f"({M.UNPADDED_TOKENS.help}) The gap is the padding the padding ratio measures; "
+            "the two lines coincide on CPU and in eager mode.",
+            [
+                Target(Q.sum_rate(M.PADDED_TOKENS), "padded " + ENGINE_LEGEND),
+                Target(Q.sum_rate(M.UNPADDED_TOKENS), "unpadded " + ENGINE_LEGEND),
+            ],
+            width=12,
+        )
+
     def token_budget_knob(self, width: int = 8) -> Panel:
         return Panel(
             "Token budget (max_num_batched_tokens)",
@@ -507,7 +547,7 @@ def engine_overview(notes: Q.RuleNotes) -> dict[str, Any]:
         description="One engine (or a few) in depth: vLLM's throughput and latency, the "
         "collector's scheduler and KV cache signals, the effective knobs, GPUs.",
         variables=variables(),
-        annotations=annotations(),
+        annotations=runbook_annotations(),
         rows=[
             Row(
                 "Throughput and latency",
@@ -531,7 +571,10 @@ def engine_overview(notes: Q.RuleNotes) -> dict[str, Any]:
                     p.oom_rate(),
                 ],
             ),
-            Row("Batching and scheduling", [p.padding(), p.schedule_time(), p.budget_fill(24)]),
+            Row(
+                "Batching and scheduling",
+                [p.padding(), p.schedule_time(), p.budget_fill(), p.steps(), p.executed_tokens()],
+            ),
             Row(
                 "Knobs (effective values: a runbook's change is a step)",
                 [p.token_budget_knob(), p.max_num_seqs_knob(), p.policy_knob()],
@@ -563,7 +606,7 @@ def fleet(notes: Q.RuleNotes) -> dict[str, Any]:
         f"The engines with the highest KV block fragmentation averaged over {frag_window}, as "
         "the rule computes it. "
         + n.note("VllmBlockFragmentationHigh", "fires above {threshold} for {for}"),
-        f"topk({TOP_N}, {Q.per_engine(f'avg_over_time({selector(M.BLOCK_FRAGMENTATION)}[{frag_window}])')})",
+        f"topk({TOP_N}, {Q.per_engine(Q.over_time('avg', M.BLOCK_FRAGMENTATION, frag_window))})",
         "percentunit",
         thresholds=[n.threshold("VllmBlockFragmentationHigh", color="orange")],
         min=0,
@@ -582,8 +625,7 @@ def fleet(notes: Q.RuleNotes) -> dict[str, Any]:
     top_latency = _top(
         f"Top {TOP_N}: P99 end-to-end latency",
         f"The engines with the highest P99 end-to-end latency over {latency_window}, as the "
-        "rule computes it. "
-        + n.note("VllmLatencySpike", "uses an SLA of {p99_sla_seconds} s"),
+        "rule computes it. " + n.note("VllmLatencySpike", "uses an SLA of {p99_sla_seconds} s"),
         f"topk({TOP_N}, {Q.latency(0.99, V.E2E_REQUEST_LATENCY, latency_window)})",
         "s",
         thresholds=[n.threshold("VllmLatencySpike", "p99_sla_seconds")],
@@ -604,7 +646,7 @@ def fleet(notes: Q.RuleNotes) -> dict[str, Any]:
         description="Every engine side by side: what fires, which engines are worst, and "
         "the engine signals across engines.",
         variables=variables(),
-        annotations=annotations(),
+        annotations=runbook_annotations(),
         rows=[
             Row(
                 "Now",
@@ -612,7 +654,7 @@ def fleet(notes: Q.RuleNotes) -> dict[str, Any]:
                     Panel(
                         "Firing incidents",
                         "Incidents firing now by alert name, as runbook serve knows them (from "
-                        "Alertmanager's webhooks or its embedded rules engine).",
+                        "Alertmanager's webhooks or its embedded rules engine); red from 1.",
                         [Target(f"sum by (alert) ({firing})", "{{alert}}", instant=True)],
                         kind="bargauge",
                         thresholds=[Threshold(1, "red")],
@@ -683,7 +725,7 @@ def runbook_activity(notes: Q.RuleNotes) -> dict[str, Any]:
         description="What runbook serve did: executions and their outcome, how fast it acted, "
         "what it changed on which engine, and the alerts and webhooks behind it.",
         variables=variables(),
-        annotations=annotations(),
+        annotations=runbook_annotations(),
         rows=[
             Row(
                 "Executions",
@@ -694,7 +736,7 @@ def runbook_activity(notes: Q.RuleNotes) -> dict[str, Any]:
                         "rolled_back, reverted, refused, ...), stacked.",
                         [
                             Target(
-                                f"sum by (runbook, status) (increase({executions}[$__interval]))",
+                                increase(executions, "$__interval", "runbook, status"),
                                 "{{runbook}} {{status}}",
                             )
                         ],
@@ -708,7 +750,7 @@ def runbook_activity(notes: Q.RuleNotes) -> dict[str, Any]:
                         "Executions per runbook and status over the dashboard's time range.",
                         [
                             Target(
-                                f"round(sum by (runbook, status) (increase({executions}[$__range])))",
+                                f"round({increase(executions, '$__range', 'runbook, status')})",
                                 "{{runbook}} {{status}}",
                                 instant=True,
                             )
@@ -724,7 +766,11 @@ def runbook_activity(notes: Q.RuleNotes) -> dict[str, Any]:
                         "guardrail (cooldown, max runs per hour, blast radius, approval) said no.",
                         [
                             Target(
-                                f'sum by (runbook, status) (increase({executions}{{status=~"{undone}"}}[$__interval]))',
+                                increase(
+                                    f'{executions}{{status=~"{undone}"}}',
+                                    "$__interval",
+                                    "runbook, status",
+                                ),
                                 "{{runbook}} {{status}}",
                             )
                         ],
@@ -758,7 +804,7 @@ def runbook_activity(notes: Q.RuleNotes) -> dict[str, Any]:
                         S.KNOB_CHANGES.help,
                         [
                             Target(
-                                f"sum by (engine, knob) (increase({S.KNOB_CHANGES.series_name}[$__interval]))",
+                                increase(S.KNOB_CHANGES.series_name, "$__interval", "engine, knob"),
                                 "{{engine}} {{knob}}",
                             )
                         ],
@@ -778,11 +824,7 @@ def runbook_activity(notes: Q.RuleNotes) -> dict[str, Any]:
                     Panel(
                         "Firing incidents by alert",
                         S.INCIDENTS_FIRING.help,
-                        [
-                            Target(
-                                f"sum by (alert) ({S.INCIDENTS_FIRING.name})", "{{alert}}"
-                            )
-                        ],
+                        [Target(f"sum by (alert) ({S.INCIDENTS_FIRING.name})", "{{alert}}")],
                         stepped=True,
                         decimals=0,
                         width=12,
@@ -793,11 +835,11 @@ def runbook_activity(notes: Q.RuleNotes) -> dict[str, Any]:
                         f"{S.WEBHOOKS_REJECTED.help} Per second.",
                         [
                             Target(
-                                f"sum by (status) (rate({S.WEBHOOKS_RECEIVED.series_name}[$__rate_interval]))",
+                                service_rate(S.WEBHOOKS_RECEIVED, "status"),
                                 "received {{status}}",
                             ),
                             Target(
-                                f"sum by (reason) (rate({S.WEBHOOKS_REJECTED.series_name}[$__rate_interval]))",
+                                service_rate(S.WEBHOOKS_REJECTED, "reason"),
                                 "rejected {{reason}}",
                             ),
                         ],
@@ -821,7 +863,7 @@ def runbook_activity(notes: Q.RuleNotes) -> dict[str, Any]:
                         f"{S.SCRAPE_ERRORS.help} Per second.",
                         [
                             Target(
-                                f"sum by (target) (rate({S.SCRAPE_ERRORS.series_name}[$__rate_interval]))",
+                                service_rate(S.SCRAPE_ERRORS, "target"),
                                 "{{target}}",
                             )
                         ],

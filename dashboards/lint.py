@@ -69,9 +69,7 @@ def metric_names(expr: str) -> set[str]:
     text = _GROUPING.sub("", text)
     text = _RANGE.sub("", text)
     return {
-        name
-        for name, call in _IDENT.findall(text)
-        if not call and name.lower() not in _KEYWORDS
+        name for name, call in _IDENT.findall(text) if not call and name.lower() not in _KEYWORDS
     }
 
 

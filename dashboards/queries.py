@@ -9,6 +9,7 @@ line say what the rules actually compare, not a number copied by hand.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from collector import metrics as M
 from dashboards import catalog as V
@@ -21,8 +22,12 @@ def per_engine(expr: str, agg: str = "max") -> str:
     return f"{agg} {BY_ENGINE} ({expr})"
 
 
-def sum_rate(spec: M.MetricSpec, part: str = "", window: str = RATE, **kw: object) -> str:
-    return per_engine(rate(spec, part, window, **kw), "sum")  # type: ignore[arg-type]
+def sum_rate(spec: M.MetricSpec, part: str = "", window: str = RATE, **kw: Any) -> str:
+    return per_engine(rate(spec, part, window, **kw), "sum")
+
+
+def over_time(fn: str, spec: M.MetricSpec, window: str) -> str:
+    return f"{fn}_over_time({selector(spec)}[{window}])"
 
 
 def gauge(spec: M.MetricSpec) -> str:
@@ -123,9 +128,7 @@ class RuleNotes:
         color: str = "red",
         below: bool = False,
     ) -> Threshold:
-        return Threshold(
-            self.number(alert, name, severity), color, "below" if below else "above"
-        )
+        return Threshold(self.number(alert, name, severity), color, "below" if below else "above")
 
     def note(self, alert: str, text: str, severity: str | None = None) -> str:
         """`Rule <alert> (<severity>, runbook <rb>): <text with {param}s filled in>.`"""

@@ -23,7 +23,9 @@ DETECTION_TO_ACTION_BUCKETS = (1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300
 RULE_EVALUATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
-def _spec(name: str, type_: str, help_: str, *labels: str, buckets: tuple[float, ...] = ()) -> MetricSpec:
+def _spec(
+    name: str, type_: str, help_: str, *labels: str, buckets: tuple[float, ...] = ()
+) -> MetricSpec:
     return MetricSpec(PREFIX + name, type_, help_, extra_labels=labels, buckets=buckets)  # type: ignore[arg-type]
 
 
@@ -42,7 +44,8 @@ WEBHOOKS_REJECTED = _spec(
 EXECUTIONS = _spec(
     "executions",
     "counter",
-    "Runbook executions that reached a status, by runbook and status (the journal's execution statuses).",
+    "Runbook executions that reached a status, by runbook and status "
+    "(the journal's execution statuses).",
     "runbook",
     "status",
 )
@@ -74,7 +77,8 @@ INCIDENTS_FIRING = _spec(
 KNOB_CHANGES = _spec(
     "knob_changes",
     "counter",
-    "Knob changes applied to engines by runbooks (including reverts), by engine (inventory name) and knob.",
+    "Knob changes applied to engines by runbooks (including reverts), "
+    "by engine (inventory name) and knob.",
     "engine",
     "knob",
 )
