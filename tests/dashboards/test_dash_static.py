@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,8 @@ def test_every_query_names_only_series_from_the_catalogs(
 def test_vllm_series_exist_in_the_installed_vllm() -> None:
     path = catalog.vllm_loggers_path()
     if path is None:
+        if os.environ.get("CI"):
+            pytest.fail("vLLM is not installed: its metric names cannot be checked")
         pytest.skip("vLLM is not installed")
     declared = catalog.vllm_metric_types(path.read_text())
     assert len(declared) > 20  # the parser still understands loggers.py
