@@ -1,0 +1,112 @@
+"""The metrics a dashboard may query: the collector's, the service's, vLLM's.
+
+The collector (`collector.metrics`) and the service (`runbooks.service_metrics`)
+declare theirs; vLLM's are declared by vLLM in `vllm/v1/metrics/loggers.py`.
+The dashboards use a handful of vLLM's, named once here as MetricSpecs; the
+tests check them against the names parsed from the installed vLLM's source
+(`vllm_metric_types`), so a rename in vLLM fails the tests.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from collector import metrics as M
+from collector.metrics import MetricSpec
+from runbooks.service_metrics import SERVICE_METRICS
+
+
+def _vllm(name: str, type_: str, help_: str, *labels: str) -> MetricSpec:
+    return MetricSpec("vllm:" + name, type_, help_, extra_labels=labels)  # type: ignore[arg-type]
+
+
+GENERATION_TOKENS = _vllm("generation_tokens", "counter", "Generated (output) tokens.")
+PROMPT_TOKENS = _vllm("prompt_tokens", "counter", "Prompt tokens processed (prefill).")
+REQUEST_SUCCESS = _vllm(
+    "request_success",
+    "counter",
+    "Finished requests, by finished_reason (stop|length|abort|error).",
+    "finished_reason",
+)
+TIME_TO_FIRST_TOKEN = _vllm(
+    "time_to_first_token_seconds", "histogram", "Time from arrival to the first output token."
+)
+INTER_TOKEN_LATENCY = _vllm(
+    "inter_token_latency_seconds", "histogram", "Time between two output tokens of a request."
+)
+E2E_REQUEST_LATENCY = _vllm(
+    "e2e_request_latency_seconds", "histogram", "Time from arrival to the request's end."
+)
+
+VLLM_METRICS: tuple[MetricSpec, ...] = (
+    GENERATION_TOKENS,
+    PROMPT_TOKENS,
+    REQUEST_SUCCESS,
+    TIME_TO_FIRST_TOKEN,
+    INTER_TOKEN_LATENCY,
+    E2E_REQUEST_LATENCY,
+)
+
+# vLLM's metrics carry model_name and engine like the collector's; the
+# service's carry only their extra_labels.
+BASE_LABELS: dict[str, tuple[str, ...]] = {
+    "collector": M.BASE_LABELS,
+    "vllm": M.BASE_LABELS,
+    "service": (),
+}
+
+# Which exporter a series comes from: the live test starts each of them.
+SOURCES: dict[str, tuple[MetricSpec, ...]] = {
+    "collector": M.ALL_METRICS,
+    "vllm": VLLM_METRICS,
+    "service": SERVICE_METRICS,
+}
+
+_VLLM_METRIC = re.compile(r"_(counter|gauge|histogram)_cls\(\s*name=\"(vllm:[A-Za-z0-9_:]+)\"")
+
+
+def series_names(spec: MetricSpec) -> set[str]:
+    """Every series name `spec` produces in the exposition."""
+    if spec.type == "histogram":
+        return {spec.name + part for part in ("_bucket", "_sum", "_count")}
+    return {spec.series_name}
+
+
+def known_series(specs: Iterable[MetricSpec]) -> dict[str, MetricSpec]:
+    return {name: spec for spec in specs for name in series_names(spec)}
+
+
+def all_known_series() -> dict[str, MetricSpec]:
+    return known_series(spec for specs in SOURCES.values() for spec in specs)
+
+
+def source_of(series: str) -> str:
+    for source, specs in SOURCES.items():
+        if series in known_series(specs):
+            return source
+    raise KeyError(series)
+
+
+def labels_of(series: str) -> tuple[str, ...]:
+    """The labels the exporter puts on `series` (Prometheus adds instance and job)."""
+    source = source_of(series)
+    spec = known_series(SOURCES[source])[series]
+    extra = ("le",) if series.endswith("_bucket") and spec.type == "histogram" else ()
+    return BASE_LABELS[source] + spec.extra_labels + extra
+
+
+def vllm_loggers_path() -> Path | None:
+    """vLLM's loggers.py in this environment, found without importing vLLM."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "v1" / "metrics" / "loggers.py"
+    return path if path.is_file() else None
+
+
+def vllm_metric_types(source: str) -> Mapping[str, str]:
+    """{"vllm:name": "counter"|"gauge"|"histogram"} declared in loggers.py's text."""
+    return {name: kind for kind, name in _VLLM_METRIC.findall(source)}

@@ -1,0 +1,882 @@
+"""The three dashboards: engine overview, fleet, runbook activity.
+
+Each panel's description says what the signal means and which rule compares
+it against what (`RuleNotes`, read from the rule catalog). Metric names come
+from the catalogs (collector.metrics, runbooks.service_metrics, and the few
+vLLM series in dashboards.catalog); nothing here retypes a metric name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from collector import metrics as M
+from dashboards import catalog as V
+from dashboards import queries as Q
+from dashboards.builder import (
+    ENGINE_LEGEND,
+    Annotation,
+    Panel,
+    QueryVariable,
+    Row,
+    Target,
+    Threshold,
+    dashboard,
+    quantile,
+    rate,
+    selector,
+)
+from runbooks import service_metrics as S
+from runbooks.store.models import REFUSED, REVERTED, ROLLED_BACK
+
+ENGINE_UID = "vllm-runbook-engine"
+FLEET_UID = "vllm-runbook-fleet"
+ACTIVITY_UID = "vllm-runbook-activity"
+
+TOP_N = 5
+
+
+def variables() -> list[QueryVariable]:
+    up = M.COLLECTOR_UP.name
+    return [
+        QueryVariable("model_name", "Model", f"label_values({up}, model_name)"),
+        QueryVariable(
+            "engine", "Engine (DP rank)", f'label_values({up}{{model_name=~"$model_name"}}, engine)'
+        ),
+    ]
+
+
+def runbook_annotations() -> list[Annotation]:
+    executions = S.EXECUTIONS.series_name
+    return [
+        Annotation(
+            name="Knob changes",
+            expr=Q.knob_changes(),
+            title="Knob changed on {{instance}} {{model_name}}/{{engine}}",
+            text="max_num_batched_tokens, max_num_seqs or the scheduling policy changed: "
+            "a runbook (or an operator) acted. `runbook history` has the details.",
+            color="orange",
+        ),
+        Annotation(
+            name="Runbook executions (all engines)",
+            expr=f"sum by (runbook, status) (changes({executions}[1m])) > 0",
+            title="Runbook {{runbook}}: {{status}}",
+            text="An execution reached this status (from runbook serve).",
+            tags=("runbook", "status"),
+            color="purple",
+        ),
+    ]
+
+
+def increase(series: str, window: str, by: str) -> str:
+    return f"sum by ({by}) (increase({series}[{window}]))"
+
+
+def service_rate(spec: M.MetricSpec, by: str) -> str:
+    return f"sum by ({by}) ({rate(spec, engine=False)})"
+
+
+def p50_p99(spec: M.MetricSpec) -> list[Target]:
+    return [
+        Target(Q.latency(0.5, spec), "p50 " + ENGINE_LEGEND),
+        Target(Q.latency(0.99, spec), "p99 " + ENGINE_LEGEND),
+    ]
+
+
+class Panels:
+    """Every engine signal as a panel; the engine and fleet views share them."""
+
+    def __init__(self, notes: Q.RuleNotes) -> None:
+        self.n = notes
+
+    def throughput(self, width: int = 12) -> Panel:
+        n = self.n
+        return Panel(
+            "Throughput",
+            "Tokens per second generated (output) and processed as prompt (prefill), "
+            "from vLLM's own counters. "
+            + n.note(
+                "VllmThroughputDrop",
+                "fires when generation throughput over {window} is at least {drop_pct} below its "
+                "{baseline} baseline while requests wait, for {for}",
+            )
+            + " "
+            + n.note(
+                "VllmInsufficientWarmup",
+                "fires in the first {warmup} when the throughput {window} ago was below "
+                "{fraction_pct} of the latest {window}'s, with requests waiting",
+            ),
+            [
+                Target(Q.generation_throughput(), "generated " + ENGINE_LEGEND),
+                Target(Q.prompt_throughput(), "prompt " + ENGINE_LEGEND),
+            ],
+            unit="short",
+            width=width,
+        )
+
+    def e2e_latency(self, width: int = 12) -> Panel:
+        n = self.n
+        return Panel(
+            "End-to-end latency P50 / P99",
+            "Time from a request's arrival to its last token (vLLM's histogram). "
+            + n.note(
+                "VllmLatencySpike",
+                "fires when the P99 over {window} is above {p99_sla_seconds} s (the dashed line) "
+                "or at least {earlier_rise_pct} above its value {earlier} earlier, while the queue "
+                "grows, for {for}",
+            )
+            + " "
+            + n.note(
+                "VllmBatchTooLarge",
+                "fires when the P99 rose by {latency_rise_pct} against {earlier} earlier while the "
+                "prefix hit ratio fell by {hit_fall_pct} against its {baseline} baseline",
+            ),
+            p50_p99(V.E2E_REQUEST_LATENCY),
+            unit="s",
+            thresholds=[n.threshold("VllmLatencySpike", "p99_sla_seconds")],
+            width=width,
+        )
+
+    def ttft(self) -> Panel:
+        return Panel(
+            "Time to first token P50 / P99",
+            "Time from a request's arrival to its first output token: queueing plus prefill "
+            "(vLLM's histogram). No rule uses it directly; it rises first when prefill "
+            "competes with decode for the token budget.",
+            p50_p99(V.TIME_TO_FIRST_TOKEN),
+            unit="s",
+            width=12,
+        )
+
+    def inter_token(self) -> Panel:
+        return Panel(
+            "Inter-token latency P50 / P99",
+            "Time between two output tokens of a request (vLLM's histogram): the decode step "
+            "time users feel while streaming. A larger batch raises it; a smaller token budget "
+            "lowers it at the cost of throughput. No rule uses it directly.",
+            p50_p99(V.INTER_TOKEN_LATENCY),
+            unit="s",
+            width=12,
+        )
+
+    def queue(self, width: int = 12) -> Panel:
+        n = self.n
+        return Panel(
+            "Queue depth",
+            "Requests waiting to be scheduled (including preempted ones) and running, from "
+            "the collector inside the scheduler. "
+            + n.note(
+                "VllmHotPathBacklog",
+                "fires when more than {threshold} requests wait (dashed line), for {for}",
+            ),
+            [
+                Target(Q.gauge(M.REQUESTS_WAITING), "waiting " + ENGINE_LEGEND),
+                Target(Q.gauge(M.REQUESTS_RUNNING), "running " + ENGINE_LEGEND),
+            ],
+            thresholds=[n.threshold("VllmHotPathBacklog", color="orange")],
+            width=width,
+        )
+
+    def error_rate(self) -> Panel:
+        n = self.n
+        return Panel(
+            "Error rate",
+            'Share of finished requests that ended with finished_reason="error" (vLLM\'s '
+            "counter). "
+            + n.note(
+                "VllmErrorRateHigh",
+                "fires when the share over {window} is above {threshold} (dashed line), for {for}",
+            ),
+            [Target(Q.error_ratio(), ENGINE_LEGEND)],
+            unit="percentunit",
+            thresholds=[n.threshold("VllmErrorRateHigh", color="orange")],
+            width=12,
+        )
+
+    def oom_rate(self) -> Panel:
+        n = self.n
+        return Panel(
+            "Preemptions per finished request (OOM rate)",
+            "vLLM V1 answers KV cache exhaustion by preempting a request (its blocks are "
+            "freed and it is recomputed later), so this is the engine's OOM rate. "
+            + n.note(
+                "VllmOOMRateHigh",
+                "fires when it is above {threshold} over {window} (dashed line), for {for}",
+            ),
+            [Target(Q.preemptions_per_finished_request(), ENGINE_LEGEND)],
+            unit="short",
+            thresholds=[n.threshold("VllmOOMRateHigh", color="orange")],
+            width=12,
+        )
+
+    def kv_usage(self, width: int = 12) -> Panel:
+        n = self.n
+        return Panel(
+            "KV cache usage",
+            M.KV_CACHE_USAGE.help
+            + " "
+            + n.note(
+                "VllmOOMPressure",
+                "fires when usage peaked at or above {kv_usage} (dashed line) within {window} "
+                "while requests were preempted, for {for}",
+            ),
+            [Target(Q.gauge(M.KV_CACHE_USAGE), ENGINE_LEGEND)],
+            unit="percentunit",
+            min=0,
+            max=1,
+            thresholds=[n.threshold("VllmOOMPressure", "kv_usage")],
+            width=width,
+        )
+
+    def preemptions(self, width: int = 12) -> Panel:
+        n = self.n
+        return Panel(
+            "Preemptions",
+            M.PREEMPTIONS.help
+            + " Per second. "
+            + n.note(
+                "VllmOOMPressure",
+                "any preemption within {window} together with KV usage at or above {kv_usage}",
+            )
+            + " The oom-pressure runbook halves the token budget, then caps max_num_seqs.",
+            [Target(Q.sum_rate(M.PREEMPTIONS), ENGINE_LEGEND)],
+            unit="short",
+            width=width,
+        )
+
+    def hit_ratio(self, width: int = 12) -> Panel:
+        n = self.n
+        return Panel(
+            "Prefix cache hit ratio",
+            "Tokens found / looked up in the prefix cache at admission: the collector's "
+            "sliding-window gauge, and the same ratio over the panel's rate interval. "
+            "Empty (NaN) while nothing is looked up. "
+            + n.note(
+                "VllmKVCacheHitRatioLow",
+                "fires when the gauge stays below {threshold} (dashed line) for {for}",
+            ),
+            [
+                Target(Q.gauge(M.KV_HIT_RATIO), "window " + ENGINE_LEGEND),
+                Target(Q.hit_ratio_over_rate_window(), "rate " + ENGINE_LEGEND),
+            ],
+            unit="percentunit",
+            min=0,
+            max=1,
+            thresholds=[n.threshold("VllmKVCacheHitRatioLow", below=True)],
+            width=width,
+        )
+
+    def fragmentation(self, width: int = 12) -> Panel:
+        n = self.n
+        return Panel(
+            "KV block fragmentation",
+            M.BLOCK_FRAGMENTATION.help
+            + " "
+            + n.note(
+                "VllmBlockFragmentationHigh",
+                "fires when its {window} average is above {threshold} (dashed line) for {for}; "
+                "the fix is a smaller block_size at the next restart",
+            ),
+            [Target(Q.gauge(M.BLOCK_FRAGMENTATION), ENGINE_LEGEND)],
+            unit="percentunit",
+            min=0,
+            thresholds=[n.threshold("VllmBlockFragmentationHigh", color="orange")],
+            width=width,
+        )
+
+    def kv_blocks(self) -> Panel:
+        return Panel(
+            "KV blocks used / free",
+            f"{M.KV_BLOCKS_USED.help} {M.KV_BLOCKS_FREE.help} The KV cache is sized at start "
+            "and never grows: when free blocks run out, requests are preempted.",
+            [
+                Target(Q.gauge(M.KV_BLOCKS_USED), "used " + ENGINE_LEGEND),
+                Target(Q.gauge(M.KV_BLOCKS_FREE), "free " + ENGINE_LEGEND),
+            ],
+            width=12,
+        )
+
+    def padding(self, width: int = 12) -> Panel:
+        n = self.n
+        return Panel(
+            "Padding and length padding",
+            f"Padding: {M.PADDING_RATIO.help} Length padding: {M.LENGTH_PADDING_RATIO.help} "
+            "No rule uses length padding. "
+            + n.note(
+                "VllmPaddingHigh",
+                "fires when padding averages above {threshold} over {window} for {for}",
+                "warning",
+            )
+            + " "
+            + n.note(
+                "VllmPaddingHigh",
+                "above {threshold} with P99 latency above the {p99_sla_seconds} s SLA",
+                "critical",
+            ),
+            [
+                Target(Q.gauge(M.PADDING_RATIO), "padding " + ENGINE_LEGEND),
+                Target(Q.gauge(M.LENGTH_PADDING_RATIO), "length padding " + ENGINE_LEGEND),
+            ],
+            unit="percentunit",
+            min=0,
+            max=1,
+            thresholds=[
+                n.threshold("VllmPaddingHigh", severity="warning", color="orange"),
+                n.threshold("VllmPaddingHigh", severity="critical", color="red"),
+            ],
+            width=width,
+        )
+
+    def schedule_time(self, width: int = 12) -> Panel:
+        n = self.n
+        return Panel(
+            "Schedule time",
+            "Wall time of one scheduler.schedule() call: mean and P99 over the rate interval. "
+            "It grows with the number of requests and blocks the scheduler walks. "
+            + n.note(
+                "VllmKVFragmentationSuspected",
+                "fires when the mean over {window} rose by {schedule_rise_pct} against its "
+                "{baseline} baseline while generation throughput fell by {throughput_fall_pct}, "
+                "for {for}",
+            ),
+            [
+                Target(Q.mean_schedule_seconds(), "mean " + ENGINE_LEGEND),
+                Target(Q.latency(0.99, M.SCHEDULE_SECONDS), "p99 " + ENGINE_LEGEND),
+            ],
+            unit="s",
+            width=width,
+        )
+
+    def budget_fill(self, width: int = 12) -> Panel:
+        n = self.n
+        return Panel(
+            "Token budget fill",
+            "Scheduled tokens / token budget offered (max_num_batched_tokens per step): over "
+            "the rate interval, and for the latest step. "
+            + n.note(
+                "VllmBatchUtilizationLow",
+                "fires when the fill over {window} is below {threshold} (dashed line) while "
+                "requests waited the whole time, for {for}",
+            ),
+            [
+                Target(Q.budget_fill_over_rate_window(), "rate " + ENGINE_LEGEND),
+                Target(Q.gauge(M.BUDGET_FILL), "latest step " + ENGINE_LEGEND),
+            ],
+            unit="percentunit",
+            min=0,
+            thresholds=[n.threshold("VllmBatchUtilizationLow", color="orange", below=True)],
+            width=width,
+        )
+
+    def steps(self) -> Panel:
+        return Panel(
+            "Scheduler steps and tokens per step",
+            f"Steps per second ({M.STEPS.help}), tokens per step over the rate interval, "
+            f"and the latest step's tokens ({M.STEP_TOKENS.help}). Tokens per step near the "
+            "token budget means prefill-heavy steps; a few per running request means decode. "
+            "No rule uses them directly.",
+            [
+                Target(Q.sum_rate(M.STEPS), "steps/s " + ENGINE_LEGEND),
+                Target(
+                    f"{Q.sum_rate(M.SCHEDULED_TOKENS)} / {Q.sum_rate(M.STEPS)}",
+                    "tokens/step " + ENGINE_LEGEND,
+                ),
+                Target(Q.gauge(M.STEP_TOKENS), "latest step " + ENGINE_LEGEND),
+            ],
+            width=12,
+        )
+
+    def executed_tokens(self) -> Panel:
+        return Panel(
+            "Executed tokens: padded and unpadded",
+            f"Tokens per second executed with padding ({M.PADDED_TOKENS.help}) and without "
+            f"({M.UNPADDED_TOKENS.help}) The gap is the padding the padding ratio measures; "
+            "the two lines coincide on CPU and in eager mode.",
+            [
+                Target(Q.sum_rate(M.PADDED_TOKENS), "padded " + ENGINE_LEGEND),
+                Target(Q.sum_rate(M.UNPADDED_TOKENS), "unpadded " + ENGINE_LEGEND),
+            ],
+            width=12,
+        )
+
+    def token_budget_knob(self, width: int = 8) -> Panel:
+        return Panel(
+            "Token budget (max_num_batched_tokens)",
+            "The effective token budget per step and the value the engine started with (the "
+            "ceiling: runbooks only lower it, then restore). A step down is a runbook "
+            "(oom-pressure halves it) or an operator (`runbook set`).",
+            [
+                Target(Q.gauge(M.MAX_NUM_BATCHED_TOKENS), "effective " + ENGINE_LEGEND),
+                Target(Q.gauge(M.STARTUP_MAX_NUM_BATCHED_TOKENS), "startup " + ENGINE_LEGEND),
+            ],
+            stepped=True,
+            width=width,
+        )
+
+    def max_num_seqs_knob(self, width: int = 8) -> Panel:
+        return Panel(
+            "Admission limit (max_num_seqs)",
+            "The effective limit on running sequences and the startup value (the ceiling). "
+            "oom-pressure caps it at what the KV cache holds; batch-too-large and kv-hit-low "
+            "lower it.",
+            [
+                Target(Q.gauge(M.MAX_NUM_SEQS), "effective " + ENGINE_LEGEND),
+                Target(Q.gauge(M.STARTUP_MAX_NUM_SEQS), "startup " + ENGINE_LEGEND),
+            ],
+            stepped=True,
+            width=width,
+        )
+
+    def policy_knob(self, width: int = 8) -> Panel:
+        by_policy = Q.BY_ENGINE.removesuffix(")") + ", policy)"
+        return Panel(
+            "Scheduling policy",
+            f"{M.SCHEDULER_POLICY.help} latency-spike switches to fcfs and restores the "
+            "previous policy when the alert resolves.",
+            [
+                Target(
+                    f"max {by_policy} ({selector(M.SCHEDULER_POLICY)})",
+                    "{{policy}} " + ENGINE_LEGEND,
+                )
+            ],
+            stepped=True,
+            min=0,
+            max=1,
+            decimals=0,
+            width=width,
+        )
+
+    def gpu_memory(self) -> Panel:
+        n = self.n
+        return Panel(
+            "GPU memory used / total",
+            "Memory in use per GPU as a fraction of its total (NVML). "
+            + n.note(
+                "VllmOOMPressure",
+                "fires when any GPU is at or above {gpu_memory} (dashed line)",
+            )
+            + " "
+            + n.note(
+                "VllmGPUMemoryImbalance",
+                "fires when use differs by more than {threshold_pct} of the fullest GPU, for {for}",
+            )
+            + " "
+            + n.note(
+                "VllmGPUMemoryLeak",
+                "fires when memory in use grew by {growth_pct} against {earlier} earlier while the "
+                "load stayed flat",
+            ),
+            [Target(Q.gpu_memory_fraction(), "GPU {{gpu}} " + ENGINE_LEGEND)],
+            unit="percentunit",
+            min=0,
+            max=1,
+            thresholds=[n.threshold("VllmOOMPressure", "gpu_memory")],
+            gpu_only=True,
+            width=8,
+        )
+
+    def gpu_memory_bytes(self) -> Panel:
+        return Panel(
+            "GPU memory in use",
+            f"{M.GPU_MEMORY_USED.help} A steady rise under flat load is what VllmGPUMemoryLeak "
+            "looks for (see the panel beside).",
+            [Target(Q.per_gpu(M.GPU_MEMORY_USED), "GPU {{gpu}} " + ENGINE_LEGEND)],
+            unit="bytes",
+            gpu_only=True,
+            width=8,
+        )
+
+    def gpu_utilization(self) -> Panel:
+        n = self.n
+        return Panel(
+            "GPU utilisation",
+            f"{M.GPU_UTILIZATION.help} "
+            + n.note(
+                "VllmGPUComputeSkew",
+                "fires when one GPU of an engine averages at least {high} over {window} while "
+                "another is at most {low} (dashed lines), for {for}",
+            ),
+            [Target(Q.per_gpu(M.GPU_UTILIZATION), "GPU {{gpu}} " + ENGINE_LEGEND)],
+            unit="percentunit",
+            min=0,
+            max=1,
+            thresholds=[
+                n.threshold("VllmGPUComputeSkew", "low", color="orange"),
+                n.threshold("VllmGPUComputeSkew", "high", color="red"),
+            ],
+            gpu_only=True,
+            width=8,
+        )
+
+    def agent_health(self) -> Panel:
+        return Panel(
+            "Agent health",
+            f"collector_up: {M.COLLECTOR_UP.help} nvml_up: {M.NVML_UP.help}",
+            [
+                Target(Q.gauge(M.COLLECTOR_UP), "collector " + ENGINE_LEGEND),
+                Target(Q.gauge(M.NVML_UP), "nvml " + ENGINE_LEGEND),
+            ],
+            stepped=True,
+            min=0,
+            max=1,
+            decimals=0,
+            width=12,
+        )
+
+    def uptime(self) -> Panel:
+        n = self.n
+        return Panel(
+            "Engine uptime",
+            "Time since the engine's scheduler started. "
+            + n.note(
+                "VllmInsufficientWarmup",
+                "only looks at the first {warmup}",
+            ),
+            [Target(f"time() - {Q.gauge(M.ENGINE_START_TIME)}", ENGINE_LEGEND)],
+            unit="s",
+            kind="stat",
+            width=12,
+        )
+
+
+def engine_overview(notes: Q.RuleNotes) -> dict[str, Any]:
+    p = Panels(notes)
+    return dashboard(
+        uid=ENGINE_UID,
+        title="vLLM engine overview",
+        description="One engine (or a few) in depth: vLLM's throughput and latency, the "
+        "collector's scheduler and KV cache signals, the effective knobs, GPUs.",
+        variables=variables(),
+        annotations=runbook_annotations(),
+        rows=[
+            Row(
+                "Throughput and latency",
+                [
+                    p.throughput(),
+                    p.e2e_latency(),
+                    p.ttft(),
+                    p.inter_token(),
+                    p.queue(),
+                    p.error_rate(),
+                ],
+            ),
+            Row(
+                "KV cache",
+                [
+                    p.kv_usage(),
+                    p.preemptions(),
+                    p.hit_ratio(),
+                    p.fragmentation(),
+                    p.kv_blocks(),
+                    p.oom_rate(),
+                ],
+            ),
+            Row(
+                "Batching and scheduling",
+                [p.padding(), p.schedule_time(), p.budget_fill(), p.steps(), p.executed_tokens()],
+            ),
+            Row(
+                "Knobs (effective values: a runbook's change is a step)",
+                [p.token_budget_knob(), p.max_num_seqs_knob(), p.policy_knob()],
+            ),
+            Row(
+                "GPUs (GPU-only: empty without an NVIDIA GPU)",
+                [p.gpu_memory(), p.gpu_memory_bytes(), p.gpu_utilization()],
+            ),
+            Row("Agent", [p.agent_health(), p.uptime()]),
+        ],
+    )
+
+
+def _top(title: str, description: str, expr: str, unit: str, **kw: Any) -> Panel:
+    return Panel(
+        title, description, [Target(expr, ENGINE_LEGEND, instant=True)], unit=unit,
+        kind="bargauge", width=6, **kw,
+    )  # fmt: skip
+
+
+def fleet(notes: Q.RuleNotes) -> dict[str, Any]:
+    p = Panels(notes)
+    n = notes
+    frag_window = str(n.param("VllmBlockFragmentationHigh", "window"))
+    latency_window = str(n.param("VllmLatencySpike", "window"))
+    firing = S.INCIDENTS_FIRING.name
+    top_fragmentation = _top(
+        f"Top {TOP_N}: block fragmentation",
+        f"The engines with the highest KV block fragmentation averaged over {frag_window}, as "
+        "the rule computes it. "
+        + n.note("VllmBlockFragmentationHigh", "fires above {threshold} for {for}"),
+        f"topk({TOP_N}, {Q.per_engine(Q.over_time('avg', M.BLOCK_FRAGMENTATION, frag_window))})",
+        "percentunit",
+        thresholds=[n.threshold("VllmBlockFragmentationHigh", color="orange")],
+        min=0,
+        max=1,
+    )
+    lowest_hit = _top(
+        f"Bottom {TOP_N}: prefix cache hit ratio",
+        "The engines with the lowest prefix cache hit ratio (collector's window gauge). "
+        + n.note("VllmKVCacheHitRatioLow", "fires below {threshold} for {for}"),
+        f"bottomk({TOP_N}, {Q.gauge(M.KV_HIT_RATIO)})",
+        "percentunit",
+        thresholds=[n.threshold("VllmKVCacheHitRatioLow", below=True)],
+        min=0,
+        max=1,
+    )
+    top_latency = _top(
+        f"Top {TOP_N}: P99 end-to-end latency",
+        f"The engines with the highest P99 end-to-end latency over {latency_window}, as the "
+        "rule computes it. " + n.note("VllmLatencySpike", "uses an SLA of {p99_sla_seconds} s"),
+        f"topk({TOP_N}, {Q.latency(0.99, V.E2E_REQUEST_LATENCY, latency_window)})",
+        "s",
+        thresholds=[n.threshold("VllmLatencySpike", "p99_sla_seconds")],
+    )
+    top_kv = _top(
+        f"Top {TOP_N}: KV cache usage",
+        "The engines closest to KV exhaustion now. "
+        + n.note("VllmOOMPressure", "fires at {kv_usage} with preemptions"),
+        f"topk({TOP_N}, {Q.gauge(M.KV_CACHE_USAGE)})",
+        "percentunit",
+        thresholds=[n.threshold("VllmOOMPressure", "kv_usage")],
+        min=0,
+        max=1,
+    )
+    return dashboard(
+        uid=FLEET_UID,
+        title="vLLM fleet",
+        description="Every engine side by side: what fires, which engines are worst, and "
+        "the engine signals across engines.",
+        variables=variables(),
+        annotations=runbook_annotations(),
+        rows=[
+            Row(
+                "Now",
+                [
+                    Panel(
+                        "Firing incidents",
+                        "Incidents firing now by alert name, as runbook serve knows them (from "
+                        "Alertmanager's webhooks or its embedded rules engine); red from 1.",
+                        [Target(f"sum by (alert) ({firing})", "{{alert}}", instant=True)],
+                        kind="bargauge",
+                        thresholds=[Threshold(1, "red")],
+                        decimals=0,
+                        width=8,
+                    ),
+                    Panel(
+                        "Engines",
+                        "Engines reporting (agents scraped) and engines whose collector hook "
+                        "works (collector_up = 1).",
+                        [
+                            Target(f"count({selector(M.COLLECTOR_UP)})", "reporting"),
+                            Target(f"sum({selector(M.COLLECTOR_UP)})", "hook working"),
+                        ],
+                        kind="stat",
+                        decimals=0,
+                        width=5,
+                    ),
+                    Panel(
+                        "Requests",
+                        "Requests running and waiting over all selected engines.",
+                        [
+                            Target(f"sum({selector(M.REQUESTS_RUNNING)})", "running"),
+                            Target(f"sum({selector(M.REQUESTS_WAITING)})", "waiting"),
+                        ],
+                        kind="stat",
+                        decimals=0,
+                        width=5,
+                    ),
+                    Panel(
+                        "Generation throughput",
+                        "Tokens per second generated by all selected engines.",
+                        [Target(f"sum({Q.generation_throughput()})", "tokens/s")],
+                        kind="stat",
+                        width=6,
+                    ),
+                ],
+            ),
+            Row("Worst engines", [top_fragmentation, lowest_hit, top_latency, top_kv]),
+            Row(
+                "Across engines",
+                [
+                    p.throughput(8),
+                    p.e2e_latency(8),
+                    p.queue(8),
+                    p.kv_usage(8),
+                    p.preemptions(8),
+                    p.hit_ratio(8),
+                    p.fragmentation(8),
+                    p.budget_fill(8),
+                    p.padding(8),
+                    p.schedule_time(8),
+                    p.token_budget_knob(8),
+                    p.max_num_seqs_knob(8),
+                ],
+            ),
+        ],
+    )
+
+
+def runbook_activity(notes: Q.RuleNotes) -> dict[str, Any]:
+    p = Panels(notes)
+    executions = S.EXECUTIONS.series_name
+    undone = "|".join((REVERTED, ROLLED_BACK, REFUSED))
+    return dashboard(
+        uid=ACTIVITY_UID,
+        title="vLLM runbook activity",
+        description="What runbook serve did: executions and their outcome, how fast it acted, "
+        "what it changed on which engine, and the alerts and webhooks behind it.",
+        variables=variables(),
+        annotations=runbook_annotations(),
+        rows=[
+            Row(
+                "Executions",
+                [
+                    Panel(
+                        "Executions by runbook and status",
+                        "Runbook executions reaching a status per interval (succeeded, failed, "
+                        "rolled_back, reverted, refused, ...), stacked.",
+                        [
+                            Target(
+                                increase(executions, "$__interval", "runbook, status"),
+                                "{{runbook}} {{status}}",
+                            )
+                        ],
+                        bars=True,
+                        stack=True,
+                        decimals=0,
+                        width=16,
+                    ),
+                    Panel(
+                        "Executions in the time range",
+                        "Executions per runbook and status over the dashboard's time range.",
+                        [
+                            Target(
+                                f"round({increase(executions, '$__range', 'runbook, status')})",
+                                "{{runbook}} {{status}}",
+                                instant=True,
+                            )
+                        ],
+                        kind="table",
+                        width=8,
+                    ),
+                    Panel(
+                        "Reverts, rollbacks and refusals",
+                        f"{ROLLED_BACK}: the circuit breaker undid a runbook's change because "
+                        f"errors or OOMs got worse after it. {REVERTED}: the change was undone "
+                        f"when the alert resolved or by `runbook revert`. {REFUSED}: a "
+                        "guardrail (cooldown, max runs per hour, blast radius, approval) said no.",
+                        [
+                            Target(
+                                increase(
+                                    f'{executions}{{status=~"{undone}"}}',
+                                    "$__interval",
+                                    "runbook, status",
+                                ),
+                                "{{runbook}} {{status}}",
+                            )
+                        ],
+                        bars=True,
+                        stack=True,
+                        decimals=0,
+                        width=12,
+                    ),
+                    Panel(
+                        "Detection to action P50 / P99",
+                        f"{S.DETECTION_TO_ACTION.help} startsAt is when the rule fired (after "
+                        "its `for`), so this is Alertmanager's grouping wait, the delivery and "
+                        "the runbook's checks.",
+                        [
+                            Target(
+                                quantile(q, S.DETECTION_TO_ACTION, by=("runbook",), engine=False),
+                                f"p{round(q * 100)} {{{{runbook}}}}",
+                            )
+                            for q in (0.5, 0.99)
+                        ],
+                        unit="s",
+                        width=12,
+                    ),
+                ],
+            ),
+            Row(
+                "What changed on the engines",
+                [
+                    Panel(
+                        "Knob changes by engine and knob",
+                        S.KNOB_CHANGES.help,
+                        [
+                            Target(
+                                increase(S.KNOB_CHANGES.series_name, "$__interval", "engine, knob"),
+                                "{{engine}} {{knob}}",
+                            )
+                        ],
+                        bars=True,
+                        stack=True,
+                        decimals=0,
+                        width=12,
+                    ),
+                    p.policy_knob(12),
+                    p.token_budget_knob(12),
+                    p.max_num_seqs_knob(12),
+                ],
+            ),
+            Row(
+                "Alerts, webhooks and the rules engine",
+                [
+                    Panel(
+                        "Firing incidents by alert",
+                        S.INCIDENTS_FIRING.help,
+                        [Target(f"sum by (alert) ({S.INCIDENTS_FIRING.name})", "{{alert}}")],
+                        stepped=True,
+                        decimals=0,
+                        width=12,
+                    ),
+                    Panel(
+                        "Webhooks received and rejected",
+                        f"Received: {S.WEBHOOKS_RECEIVED.help} Rejected: "
+                        f"{S.WEBHOOKS_REJECTED.help} Per second.",
+                        [
+                            Target(
+                                service_rate(S.WEBHOOKS_RECEIVED, "status"),
+                                "received {{status}}",
+                            ),
+                            Target(
+                                service_rate(S.WEBHOOKS_REJECTED, "reason"),
+                                "rejected {{reason}}",
+                            ),
+                        ],
+                        width=12,
+                    ),
+                    Panel(
+                        "Rule evaluation time P50 / P99",
+                        S.RULE_EVALUATION.help,
+                        [
+                            Target(
+                                quantile(q, S.RULE_EVALUATION, by=(), engine=False),
+                                f"p{round(q * 100)}",
+                            )
+                            for q in (0.5, 0.99)
+                        ],
+                        unit="s",
+                        width=12,
+                    ),
+                    Panel(
+                        "Scrape errors by target",
+                        f"{S.SCRAPE_ERRORS.help} Per second.",
+                        [
+                            Target(
+                                service_rate(S.SCRAPE_ERRORS, "target"),
+                                "{{target}}",
+                            )
+                        ],
+                        width=12,
+                    ),
+                ],
+            ),
+        ],
+    )
+
+
+DASHBOARDS = {
+    "engine-overview.json": engine_overview,
+    "fleet.json": fleet,
+    "runbook-activity.json": runbook_activity,
+}

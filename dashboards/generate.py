@@ -1,0 +1,87 @@
+"""Write the generated files of dashboards/: the Grafana dashboards and the
+Prometheus rule file.
+
+    python -m dashboards.generate          # rewrite what changed
+    python -m dashboards.generate --check  # exit 1 listing stale files (CI)
+
+The dashboards take their thresholds from the rule catalog's defaults, and
+the rule file is `runbook rules export --format prometheus` of the same
+catalog, so a change to rules/catalog makes both stale until regenerated.
+The hand-written files beside them (prometheus.yml, alertmanager.yml,
+provisioning/) are not touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from dashboards.definitions import DASHBOARDS
+from dashboards.lint import problems
+from dashboards.queries import RuleNotes
+from rules import export, load_catalog
+
+DASHBOARDS_DIR = Path(__file__).resolve().parent
+RULE_FILE = "vllm-runbook-rules.yml"
+
+
+class DashboardError(Exception):
+    """A dashboard that Grafana could not load or whose queries name unknown series."""
+
+
+def render_all() -> dict[str, str]:
+    """{file name in dashboards/: its full text}."""
+    catalog = load_catalog()
+    notes = RuleNotes(catalog.bind())
+    out: dict[str, str] = {}
+    for name, build in DASHBOARDS.items():
+        dashboard = build(notes)
+        found = problems(dashboard)
+        if found:
+            raise DashboardError(f"{name}:\n  " + "\n  ".join(found))
+        out[name] = json.dumps(dashboard, indent=2, ensure_ascii=False) + "\n"
+    out[RULE_FILE] = export(catalog)
+    return out
+
+
+def stale_files(directory: Path = DASHBOARDS_DIR) -> list[str]:
+    """The generated files whose checked-in text differs from a fresh render."""
+    stale = []
+    for name, text in render_all().items():
+        path = directory / name
+        if not path.is_file() or path.read_text(encoding="utf-8") != text:
+            stale.append(name)
+    return stale
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dashboards.generate", description=__doc__)
+    parser.add_argument("--check", action="store_true", help="only report stale files")
+    parser.add_argument("--out", type=Path, default=DASHBOARDS_DIR, help="target directory")
+    args = parser.parse_args(argv)
+    try:
+        return _run(args)
+    except DashboardError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.check:
+        stale = stale_files(args.out)
+        for name in stale:
+            print(f"stale: dashboards/{name} (run: python -m dashboards.generate)")
+        return 1 if stale else 0
+    for name, text in render_all().items():
+        path = args.out / name
+        if not path.is_file() or path.read_text(encoding="utf-8") != text:
+            path.write_text(text, encoding="utf-8")
+            print(f"wrote {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""Every metric `runbook serve` exports, declared once.
+
+The service builds its prometheus_client objects from these specs
+(`build_all`), and the dashboards and their tests import the same names.
+Unlike the collector's metrics these carry no `model_name`/`engine` base
+labels: only the labels listed with each (`extra_labels`). Where a label is
+called `engine` it is the engine's name in the service's inventory (e.g.
+``llama-0``), not vLLM's DP rank.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from collector.metrics import MetricSpec
+
+PREFIX = "vllm_runbook_service_"
+
+# From an alert's startsAt to the first action on the engine: Alertmanager's
+# group_wait alone is 10 s or more, so the interesting range is seconds to minutes.
+DETECTION_TO_ACTION_BUCKETS = (1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# One evaluation of the whole catalog over in-memory windows: milliseconds.
+RULE_EVALUATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+
+def _spec(
+    name: str, type_: str, help_: str, *labels: str, buckets: tuple[float, ...] = ()
+) -> MetricSpec:
+    return MetricSpec(PREFIX + name, type_, help_, extra_labels=labels, buckets=buckets)  # type: ignore[arg-type]
+
+
+WEBHOOKS_RECEIVED = _spec(
+    "webhooks_received",
+    "counter",
+    "Alertmanager webhook deliveries received, by the alert group's status (firing|resolved).",
+    "status",
+)
+WEBHOOKS_REJECTED = _spec(
+    "webhooks_rejected",
+    "counter",
+    "Webhook deliveries refused, by reason (auth|malformed|store_down).",
+    "reason",
+)
+EXECUTIONS = _spec(
+    "executions",
+    "counter",
+    "Runbook executions that reached a status, by runbook and status "
+    "(the journal's execution statuses).",
+    "runbook",
+    "status",
+)
+DETECTION_TO_ACTION = _spec(
+    "detection_to_action_seconds",
+    "histogram",
+    "Seconds from the alert's startsAt to the runbook's first action on the engine.",
+    "runbook",
+    buckets=DETECTION_TO_ACTION_BUCKETS,
+)
+RULE_EVALUATION = _spec(
+    "rule_evaluation_seconds",
+    "histogram",
+    "Wall time of one evaluation of the rule catalog by the embedded rules engine.",
+    buckets=RULE_EVALUATION_BUCKETS,
+)
+SCRAPE_ERRORS = _spec(
+    "scrape_errors",
+    "counter",
+    "Failed scrapes of engine endpoints by the embedded rules engine, by target.",
+    "target",
+)
+INCIDENTS_FIRING = _spec(
+    "incidents_firing",
+    "gauge",
+    "Incidents firing now, by alert name.",
+    "alert",
+)
+KNOB_CHANGES = _spec(
+    "knob_changes",
+    "counter",
+    "Knob changes applied to engines by runbooks (including reverts), "
+    "by engine (inventory name) and knob.",
+    "engine",
+    "knob",
+)
+
+SERVICE_METRICS: tuple[MetricSpec, ...] = (
+    WEBHOOKS_RECEIVED,
+    WEBHOOKS_REJECTED,
+    EXECUTIONS,
+    DETECTION_TO_ACTION,
+    RULE_EVALUATION,
+    SCRAPE_ERRORS,
+    INCIDENTS_FIRING,
+    KNOB_CHANGES,
+)
+SERVICE_METRICS_BY_NAME = {m.name: m for m in SERVICE_METRICS}
+
+ServiceMetric = Counter | Gauge | Histogram
+
+
+def build(spec: MetricSpec, registry: CollectorRegistry) -> ServiceMetric:
+    """The prometheus_client object for `spec` on `registry` (labels: extra_labels only)."""
+    labels = list(spec.extra_labels)
+    if spec.type == "counter":
+        return Counter(spec.name, spec.help, labels, registry=registry)
+    if spec.type == "histogram":
+        return Histogram(spec.name, spec.help, labels, registry=registry, buckets=spec.buckets)
+    return Gauge(spec.name, spec.help, labels, registry=registry)
+
+
+def build_all(registry: CollectorRegistry) -> dict[MetricSpec, ServiceMetric]:
+    """Every service metric on `registry`, keyed by its spec."""
+    return {spec: build(spec, registry) for spec in SERVICE_METRICS}

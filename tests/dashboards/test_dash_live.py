@@ -1,0 +1,311 @@
+"""Every query of every dashboard against a real Prometheus scraping a real engine.
+
+The setup is the end-to-end one: vLLM's OpenAI server (its own `vllm:*`
+series) with the vllm-runbook agent in its EngineCore, scraped by Debian's
+Prometheus with the checked-in prometheus.yml (targets swapped for the test's
+ports, 1 s intervals) and the checked-in rule file. A few clients keep the
+engine busy while `runbook set` / `runbook restore` move the knobs, so the
+knob panels and the annotations have a step to show.
+
+`runbook serve` does not exist yet: its metrics come from a stand-in that
+builds them from runbooks/service_metrics.py (the declarations the service
+will use) and feeds them synthetic values. That checks the names, labels and
+PromQL of the runbook-activity panels against a real Prometheus, not the
+service's behaviour. Replace it with the real service once there is one.
+
+The engine-overview panels are also drawn from the real data into PNGs under
+artifacts/dashboards/ (there is no Grafana here). Set
+VLLM_RUNBOOK_WRITE_DOCS_PNG=1 to refresh docs/engine-overview.png too.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry, start_http_server
+
+from collector import metrics as M
+from dashboards import lint
+from dashboards.definitions import DASHBOARDS
+from dashboards.generate import DASHBOARDS_DIR
+from runbooks import service_metrics as S
+from runbooks.store.models import REFUSED, REVERTED, ROLLED_BACK, SUCCEEDED
+from tests.engines import PrometheusServer, ServedEngine, free_port, require_tool, runbook_cli
+
+pytestmark = [pytest.mark.engine, pytest.mark.served, pytest.mark.service]
+
+REPO = Path(__file__).resolve().parents[2]
+ARTIFACTS = REPO / "artifacts" / "dashboards"
+MODEL = "tiny-llama"
+LOAD_SECONDS = 20.0
+# What Grafana would put in for a 1 s scrape interval and a short time range.
+GRAFANA_VARIABLES = {
+    "model_name": MODEL,
+    "engine": "0",
+    "__rate_interval": "10s",
+    "__interval": "5s",
+    "__range": "60s",
+}
+_VARIABLE = re.compile(r"\$(\w+)")
+
+
+def substitute(expr: str) -> str:
+    return _VARIABLE.sub(lambda m: GRAFANA_VARIABLES[m.group(1)], expr)
+
+
+def finite(result: list[dict[str, Any]]) -> bool:
+    """Some series has a finite value (instant vector or matrix)."""
+    for series in result:
+        points = series.get("values") or [series.get("value")]
+        if any(p and math.isfinite(float(p[1])) for p in points):
+            return True
+    return False
+
+
+class ServiceStandIn:
+    """The service's declared metrics on loopback, fed synthetic values (see the docstring)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.metrics = S.build_all(self.registry)
+        self.ticks = 0
+
+    def tick(self) -> None:
+        m = self.metrics
+        self.ticks += 1
+        m[S.WEBHOOKS_RECEIVED].labels("firing").inc()  # type: ignore[union-attr]
+        m[S.WEBHOOKS_REJECTED].labels("auth").inc()  # type: ignore[union-attr]
+        for status in (SUCCEEDED, REVERTED, ROLLED_BACK, REFUSED):
+            m[S.EXECUTIONS].labels("oom-pressure", status).inc()  # type: ignore[union-attr]
+        m[S.DETECTION_TO_ACTION].labels("oom-pressure").observe(12.0)  # type: ignore[union-attr]
+        m[S.RULE_EVALUATION].observe(0.002)  # type: ignore[union-attr]
+        m[S.SCRAPE_ERRORS].labels("llama-0").inc()  # type: ignore[union-attr]
+        m[S.INCIDENTS_FIRING].labels("VllmOOMPressure").set(1)  # type: ignore[union-attr]
+        m[S.KNOB_CHANGES].labels("llama-0", "max_num_batched_tokens").inc()  # type: ignore[union-attr]
+
+
+@dataclass
+class LiveRun:
+    start: float
+    end: float
+    gpu: bool
+    instant: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # expr -> result
+    ranges: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # expr -> matrix
+    series: dict[str, list[dict[str, str]]] = field(default_factory=dict)  # variable expr
+    rules: list[dict[str, Any]] = field(default_factory=list)
+    instances: dict[str, set[str]] = field(default_factory=dict)  # job -> instance labels
+
+
+def prometheus_config(addresses: dict[str, str]) -> str:
+    """The checked-in prometheus.yml with the test's targets and 1 s intervals."""
+    doc = yaml.safe_load((DASHBOARDS_DIR / "prometheus.yml").read_text())
+    doc["global"] = {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"}
+    doc["rule_files"] = [str(DASHBOARDS_DIR / f) for f in doc["rule_files"]]
+    doc.pop("alerting")
+    assert {job["job_name"] for job in doc["scrape_configs"]} == set(addresses)
+    for job in doc["scrape_configs"]:
+        for static in job["static_configs"]:
+            static["targets"] = [addresses[job["job_name"]]]
+    return str(yaml.safe_dump(doc, sort_keys=False))
+
+
+def _tick(service: ServiceStandIn, stop: threading.Event) -> None:
+    while not stop.wait(0.5):
+        service.tick()
+
+
+def _load(served: ServedEngine, stop: threading.Event, worker: int) -> int:
+    n = 0
+    while not stop.is_set():
+        # Three prompt families: later requests of a family hit the prefix cache.
+        served.complete(64 + 32 * (n % 4), max_tokens=16, offset=(worker + n) % 3)
+        n += 1
+    return n
+
+
+@pytest.fixture(scope="module")
+def live(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveRun]:
+    prometheus = require_tool("prometheus")
+    tmp = tmp_path_factory.mktemp("dash-live")
+    multiproc = tmp / "multiproc"
+    multiproc.mkdir()
+    service = ServiceStandIn()
+    service_port = free_port()
+    http_server, http_thread = start_http_server(
+        service_port, addr="127.0.0.1", registry=service.registry
+    )
+    stop = threading.Event()
+    try:
+        with ServedEngine.run(
+            tiny_model,
+            tmp / "serve.log",
+            # vLLM then mirrors the agent's series on its /metrics too: the
+            # checked-in config must drop them there (else the rules' sums double).
+            env={"PROMETHEUS_MULTIPROC_DIR": str(multiproc)},
+            extra_args=["--served-model-name", MODEL],
+        ) as served:
+            addresses = {
+                "vllm": served.api_url.removeprefix("http://"),
+                "vllm-runbook-agent": served.agent_url.removeprefix("http://"),
+                "runbook-serve": f"127.0.0.1:{service_port}",
+            }
+            config = prometheus_config(addresses)
+            with PrometheusServer.run(config, tmp / "prometheus", prometheus) as prom:
+                run = _drive_and_collect(served, prom, service, stop)
+    finally:
+        stop.set()
+        http_server.shutdown()
+        http_server.server_close()
+        http_thread.join(5)
+    # Everything started above is stopped: the tests only read what was collected.
+    yield run
+
+
+def _drive_and_collect(
+    served: ServedEngine, prom: PrometheusServer, service: ServiceStandIn, stop: threading.Event
+) -> LiveRun:
+    start = time.time()
+    with ThreadPoolExecutor(4) as pool:
+        workers: list[Future[int]] = [pool.submit(_load, served, stop, i) for i in range(3)]
+        pool.submit(_tick, service, stop)
+        try:
+            run = _collect(served, prom, start)
+        finally:
+            stop.set()  # the workers end, or the pool would wait for them forever
+        requests = sum(w.result(timeout=120) for w in workers)
+    assert requests > 10, f"only {requests} requests finished under load"
+    return run
+
+
+def _collect(served: ServedEngine, prom: PrometheusServer, start: float) -> LiveRun:
+    # A `runbook` command takes seconds on a busy machine: time the phases
+    # from when each command returned, so every phase is long enough to see.
+    time.sleep(6)
+    cli = runbook_cli("set", "--engine", served.agent_url, "max_num_batched_tokens=x0.5",
+                      "max_num_seqs=16", "policy=priority")  # fmt: skip
+    assert cli.returncode == 0, cli.stderr
+    time.sleep(6)
+    cli = runbook_cli("restore", "--engine", served.agent_url)
+    assert cli.returncode == 0, cli.stderr
+    time.sleep(max(6.0, LOAD_SECONDS - (time.time() - start)))
+    # Queried while the load goes on: rates over the last seconds have data.
+    nvml = prom.query("max(vllm_runbook_nvml_up)")
+    run = LiveRun(start, time.time(), gpu=bool(nvml and float(nvml[0]["value"][1]) == 1))
+    for name in DASHBOARDS:
+        dashboard = lint_load(name)
+        for q in lint.queries(dashboard):
+            expr = substitute(q.expr)
+            if q.kind == "variable":
+                run.series[expr] = list(prom.api("series", **{"match[]": expr}))
+            elif q.kind == "annotation":
+                run.ranges[expr] = prom.query_range(expr, start, run.end, 1)
+            else:
+                run.instant[expr] = prom.query(expr, time=run.end)
+                if name == "engine-overview.json":
+                    run.ranges[expr] = prom.query_range(expr, start - 2, run.end, 1)
+    run.rules = [r for g in prom.api("rules")["groups"] for r in g["rules"]]
+    for job in ("vllm", "vllm-runbook-agent"):
+        found = prom.query(f'count by (instance) ({{job="{job}"}})')
+        run.instances[job] = {s["metric"]["instance"] for s in found}
+    run.instances["agent series on the vllm job"] = {
+        s["metric"]["instance"] for s in prom.query(f'{M.COLLECTOR_UP.name}{{job="vllm"}}')
+    }
+    return run
+
+
+def lint_load(name: str) -> dict[str, Any]:
+    import json
+
+    return dict(json.loads((DASHBOARDS_DIR / name).read_text()))
+
+
+def _gpu_only(panel: Any) -> bool:
+    return bool(panel) and str(panel.get("description", "")).startswith("GPU-only")
+
+
+def test_every_dashboard_query_returns_data(live: LiveRun) -> None:
+    missing = []
+    checked = 0
+    for name in DASHBOARDS:
+        for q in lint.queries(lint_load(name)):
+            expr = substitute(q.expr)
+            if q.kind == "variable":
+                ok = bool(live.series[expr])
+            elif q.kind == "annotation":
+                ok = finite(live.ranges[expr])
+            else:
+                if _gpu_only(q.panel) and not live.gpu:
+                    continue  # NVML series exist only with an NVIDIA GPU
+                ok = finite(live.instant[expr])
+            checked += 1
+            if not ok:
+                missing.append(f"{name}: {q.where}: {expr}")
+    assert not missing, "no data:\n" + "\n".join(missing)
+    assert checked > 80
+
+
+def test_variables_offer_the_engine(live: LiveRun) -> None:
+    labels = [s for result in live.series.values() for s in result]
+    assert {s["model_name"] for s in labels} == {MODEL}
+    assert {s["engine"] for s in labels} == {"0"}
+
+
+def test_both_targets_of_the_engine_share_instance_and_agent_series_are_not_doubled(
+    live: LiveRun,
+) -> None:
+    assert live.instances["vllm"] == live.instances["vllm-runbook-agent"] == {"127.0.0.1:8000"}
+    assert live.instances["agent series on the vllm job"] == set()
+
+
+def test_prometheus_evaluates_every_exported_rule_without_error(live: LiveRun) -> None:
+    assert len(live.rules) >= 17
+    bad = [(r["name"], r.get("lastError")) for r in live.rules if r["health"] != "ok"]
+    assert not bad
+
+
+def test_knob_change_shows_as_a_step_and_an_annotation(live: LiveRun) -> None:
+    dashboard = lint_load("engine-overview.json")
+    budget = next(p for p in lint.panels(dashboard) if p["title"].startswith("Token budget ("))
+    (series,) = live.ranges[substitute(budget["targets"][0]["expr"])]
+    values = [float(v) for _, v in series["values"]]
+    assert max(values) == 512 and min(values) == 256  # halved, then restored
+    knob_annotation = dashboard["annotations"]["list"][1]
+    assert knob_annotation["name"] == "Knob changes"
+    assert finite(live.ranges[substitute(knob_annotation["target"]["expr"])])
+
+
+def test_engine_overview_panels_drawn_from_real_data(live: LiveRun) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        if os.environ.get("CI"):
+            pytest.fail("matplotlib missing: install the `plots` extra")
+        pytest.skip("matplotlib missing (pip install -e '.[plots]')")
+    matplotlib.use("Agg")
+    from tests.dashboards.draw import draw_dashboard
+
+    if ARTIFACTS.exists():
+        shutil.rmtree(ARTIFACTS)
+    ARTIFACTS.mkdir(parents=True)
+    dashboard = lint_load("engine-overview.json")
+    composite, singles = draw_dashboard(
+        dashboard, live.ranges, substitute, ARTIFACTS, live.start - 2, live.end
+    )
+    panels = [p for p in lint.panels(dashboard) if p["type"] != "row"]
+    assert len(singles) == len(panels)
+    for path in [composite, *singles]:
+        assert path.stat().st_size > 5_000, path
+    if os.environ.get("VLLM_RUNBOOK_WRITE_DOCS_PNG"):
+        shutil.copy(composite, REPO / "docs" / "engine-overview.png")
