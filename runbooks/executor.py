@@ -275,6 +275,26 @@ class Executor:
         run.condition_seconds = condition_seconds
         return run.execute()
 
+    def run_pending(
+        self,
+        execution_id: int,
+        *,
+        approved: bool,
+        verify_seconds: float | None = None,
+        condition_seconds: float | None = None,
+    ) -> ExecutionResult:
+        """Run an execution another component recorded as pending (the webhook
+        records one per alert episode; the service's worker runs it). The
+        caller makes sure one process runs it (see runbooks.service.worker)."""
+        record = self.store.get_execution(execution_id)
+        spec = self.runbook(record.runbook)
+        run = _Run(
+            self, spec, self.client_factory(record.engine), record.id, record.dry_run, approved
+        )
+        run.verify_seconds = verify_seconds
+        run.condition_seconds = condition_seconds
+        return run.execute()
+
     def revert(
         self,
         execution_id: int,

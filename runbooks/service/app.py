@@ -23,6 +23,7 @@ from pydantic import ValidationError
 
 from runbooks.service.alertmanager import WebhookPayload
 from runbooks.service.webhooks import Router, ingest
+from runbooks.service.worker import Worker
 from runbooks.store import Store, StoreUnavailable
 
 log = logging.getLogger("vllm_runbook.service")
@@ -56,11 +57,17 @@ class Credentials:
         return False
 
 
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
 def _error(status: int, message: str, **extra: Any) -> JSONResponse:
     return JSONResponse({"error": message, **extra}, status_code=status)
 
 
-def create_app(store: Store, router: Router, credentials: Credentials) -> FastAPI:
+def create_app(
+    store: Store, router: Router, credentials: Credentials, worker: Worker | None = None
+) -> FastAPI:
     if not credentials.token and not credentials.password:
         raise ValueError("the webhook needs a token or basic-auth credentials")
     registry = CollectorRegistry()
@@ -92,7 +99,8 @@ def create_app(store: Store, router: Router, credentials: Credentials) -> FastAP
             rejected.labels("too_large").inc()
             return _error(413, f"payload larger than {MAX_BODY_BYTES} bytes")
         try:
-            raw = json.loads(body)
+            # NaN/Infinity are not JSON; they would not survive the store either.
+            raw = json.loads(body, parse_constant=_reject_constant)
         except (ValueError, UnicodeDecodeError) as exc:
             rejected.labels("not_json").inc()
             return _error(400, f"payload is not JSON: {exc}")
@@ -114,6 +122,10 @@ def create_app(store: Store, router: Router, credentials: Credentials) -> FastAP
             log.error("webhook: store unavailable, Alertmanager will retry: %s", exc)
             return _error(503, "store unavailable; retry later")
         received.labels(payload.status).inc()
+        if worker is not None:
+            for item in outcome.resolved:
+                worker.resolved.put(item)
+            worker.wake()
         return JSONResponse(outcome.as_dict())
 
     @app.get("/healthz")

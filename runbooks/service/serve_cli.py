@@ -26,6 +26,11 @@ def add_subcommands(subparsers: Any) -> None:
         "then SQLite in the user's data directory)",
     )
     p.add_argument("--no-rules", action="store_true", help="do not run the embedded evaluator")
+    p.add_argument(
+        "--no-worker",
+        action="store_true",
+        help="record executions but run none (another replica runs them)",
+    )
     p.set_defaults(func=cmd_serve)
 
 
@@ -71,8 +76,11 @@ def credentials_from(config: Any, host: str) -> Any:
     return Credentials(token=_read_secret(path, "webhook token"))
 
 
-def build(config_path: str | None, db: str | None, host: str) -> tuple[Any, Any, Any]:
-    """Config, store (migrated) and app; raises the errors the CLI maps."""
+def build(
+    config_path: str | None, db: str | None, host: str, worker: bool = True
+) -> tuple[Any, Any, Any, Any]:
+    """Config, store (migrated), app and worker (not started); raises the
+    errors the CLI maps."""
     from rules.config import load_config
     from runbooks.service.app import create_app
     from runbooks.service.webhooks import Router
@@ -90,8 +98,14 @@ def build(config_path: str | None, db: str | None, host: str) -> tuple[Any, Any,
         alert_runbooks=alert_runbooks,
         known_runbooks=frozenset(load_runbooks()),
     )
-    app = create_app(store, router, credentials_from(config, host))
-    return config, store, app
+    runner = None
+    if worker:
+        from runbooks.executor import Executor
+        from runbooks.service.worker import Worker
+
+        runner = Worker(store, Executor(store))
+    app = create_app(store, router, credentials_from(config, host), runner)
+    return config, store, app, runner
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -107,12 +121,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        config, store, app = build(args.config, args.db, args.host)
+        config, store, app, worker = build(args.config, args.db, args.host, not args.no_worker)
         scheduler = None
         if not args.no_rules and config.engines:
             from rules.service import RulesService
+            from runbooks.service.worker import ExecutorHook
 
-            service = RulesService.from_config(config, store=store)
+            hook = ExecutorHook(store, worker) if worker is not None else None
+            service = RulesService.from_config(config, store=store, hook=hook)
             scheduler = BackgroundScheduler()
             service.start(scheduler)
             scheduler.start()
@@ -125,9 +141,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except StoreUnavailable as exc:
         print(f"runbook: error: {exc}", file=sys.stderr)
         return EXIT_STORE
+    if worker is not None:
+        worker.start()
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:
         if scheduler is not None:
             scheduler.shutdown(wait=False)
+        if worker is not None:
+            worker.stop()
     return EXIT_OK

@@ -17,6 +17,7 @@ from typing import Any
 from sqlalchemy import update
 
 from rules.config import Automation, EngineConfig
+from runbooks.client import normalize_url
 from runbooks.service.alertmanager import Alert, WebhookPayload
 from runbooks.store import Store
 from runbooks.store.models import WebhookEvent
@@ -52,6 +53,7 @@ class Outcome:
     event_id: int
     executions: list[dict[str, Any]] = field(default_factory=list)
     skipped: list[dict[str, str]] = field(default_factory=list)
+    resolved: list[dict[str, str]] = field(default_factory=list)  # episodes to revert
 
     def as_dict(self) -> dict[str, Any]:
         return {"event": self.event_id, "executions": self.executions, "skipped": self.skipped}
@@ -90,7 +92,15 @@ def _route(store: Store, router: Router, alert: Alert, outcome: Outcome) -> None
     if engine is None:
         return skip("no engine in the inventory matches the alert's labels")
     if alert.status == "resolved":
-        return skip("resolved")  # revert-on-resolve is the executor's (see worker)
+        outcome.resolved.append(
+            {
+                "runbook": runbook,
+                "engine": normalize_url(engine.agent),
+                "fingerprint": alert.fingerprint,
+                "startsAt": alert.startsAt.isoformat(),
+            }
+        )
+        return skip("resolved")
     mode = router.automation.mode(runbook)
     if mode == "notify":
         log.warning(
@@ -102,7 +112,8 @@ def _route(store: Store, router: Router, alert: Alert, outcome: Outcome) -> None
         return skip("automation: notify")
     record, created = store.create_execution(
         runbook,
-        engine.name,
+        # Executions are keyed by the agent URL, as `runbook exec` keys them.
+        normalize_url(engine.agent),
         trigger="alert",
         who=f"alertmanager:{alert.alertname}",
         alert_fingerprint=alert.fingerprint,
@@ -113,7 +124,7 @@ def _route(store: Store, router: Router, alert: Alert, outcome: Outcome) -> None
         {
             "id": record.id,
             "runbook": runbook,
-            "engine": engine.name,
+            "engine": record.engine,
             "created": created,
             "mode": mode,
         }

@@ -116,7 +116,7 @@ def test_firing_alert_creates_one_pending_execution(sqlite_url: str, tmp_path: P
     assert execution == {
         "id": execution["id"],
         "runbook": "oom-pressure",
-        "engine": "engine-a",
+        "engine": "http://127.0.0.1:9",
         "created": True,
         "mode": "auto",
     }
@@ -190,10 +190,13 @@ def test_malformed_payloads_are_4xx_and_store_nothing(
     assert counts(sqlite_url) == (0, 0)
     r = client.post("/webhooks/alertmanager", content=b"{nope", headers=AUTH)
     assert r.status_code == 400
+    raw = json.dumps(payload()).replace('"truncatedAlerts": 0', '"truncatedAlerts": Infinity')
+    r = client.post("/webhooks/alertmanager", content=raw.encode(), headers=AUTH)
+    assert r.status_code == 400 and "Infinity" in r.json()["error"]
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
     lambda children: (
         st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3)
     ),

@@ -1,0 +1,174 @@
+"""Runs what the webhook recorded: pending alert executions, and reverts when
+their alerts resolve.
+
+Exactly-once is the database's job: the webhook creates one pending execution
+per alert episode (a unique key), and a worker runs one only after taking a
+lease named after it, so among any number of replicas exactly one runs it.
+A pending execution awaiting approval ("approve" mode) is left for a person.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+from datetime import datetime
+from typing import Any
+
+from runbooks.executor import Executor
+from runbooks.store import Store, StoreError
+
+log = logging.getLogger("vllm_runbook.service")
+
+AWAITING_APPROVAL = "awaiting approval"
+
+
+class Worker:
+    def __init__(
+        self,
+        store: Store,
+        executor: Executor,
+        *,
+        interval: float = 1.0,
+        lease_seconds: float = 3600.0,
+    ) -> None:
+        self.store = store
+        self.executor = executor
+        self.interval = interval
+        self.lease_seconds = lease_seconds
+        self.holder = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
+        self.resolved: queue.Queue[dict[str, str]] = queue.Queue()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="runbook-worker", daemon=True)
+
+    def start(self) -> Worker:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    def wake(self) -> None:
+        """New work was recorded: don't wait for the next poll."""
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except StoreError as exc:  # the store is down: try again next poll
+                log.warning("worker: store unavailable (%s); retrying", exc)
+            except Exception:
+                log.exception("worker: unexpected error; continuing")
+            self._wake.wait(self.interval)
+            self._wake.clear()
+
+    def tick(self) -> int:
+        """Run what is pending and revert what resolved; returns how many ran."""
+        ran = 0
+        for record in self.store.list_executions(limit=200):
+            if (
+                record.status != "pending"
+                or record.trigger not in ("alert", "rule")
+                or record.reason == AWAITING_APPROVAL
+            ):
+                continue
+            if not self.store.acquire_lease(
+                f"execution:{record.id}", self.holder, self.lease_seconds
+            ):
+                continue  # another replica runs it
+            result = self.executor.run_pending(record.id, approved=True)
+            log.warning(
+                "runbook %s on %s for alert %s: %s",
+                record.runbook,
+                record.engine,
+                record.alert_fingerprint,
+                result.record.status,
+            )
+            ran += 1
+        while True:
+            try:
+                item = self.resolved.get_nowait()
+            except queue.Empty:
+                break
+            self._revert(item)
+        return ran
+
+    def _revert(self, item: dict[str, Any]) -> None:
+        starts_at = datetime.fromisoformat(item["startsAt"])
+        lease = (
+            f"revert:{item['runbook']}:{item['engine']}:{item['fingerprint']}:{item['startsAt']}"
+        )
+        if not self.store.acquire_lease(lease, self.holder, self.lease_seconds):
+            return
+        result = self.executor.revert_on_resolve(
+            item["runbook"], item["engine"], item["fingerprint"], starts_at
+        )
+        if result is not None:
+            log.warning(
+                "alert %s resolved: reverted execution on %s: %s",
+                item["fingerprint"],
+                item["engine"],
+                result.record.status,
+            )
+
+
+class ExecutorHook:
+    """The embedded evaluator's RemediationHook: a firing incident becomes a
+    pending execution (one per episode, whatever the number of replicas),
+    which the worker runs; its resolution queues the revert."""
+
+    def __init__(self, store: Store, worker: Worker) -> None:
+        self.store = store
+        self.worker = worker
+
+    @staticmethod
+    def _episode(handoff: Any) -> tuple[str, datetime]:
+        import hashlib
+        from datetime import UTC
+
+        fingerprint = "rule-" + hashlib.sha256(handoff.episode.encode()).hexdigest()[:24]
+        return fingerprint, datetime.fromtimestamp(handoff.incident.first_seen, UTC)
+
+    def on_firing(self, handoff: Any) -> None:
+        from runbooks.client import normalize_url
+
+        if handoff.engine is None:
+            log.warning(
+                "incident %s: engine %s not in the inventory; nothing to run",
+                handoff.incident.alert,
+                handoff.engine_name,
+            )
+            return
+        fingerprint, starts_at = self._episode(handoff)
+        self.store.create_execution(
+            handoff.runbook,
+            normalize_url(handoff.engine.agent),
+            trigger="rule",
+            who=f"rules:{handoff.incident.alert}",
+            alert_fingerprint=fingerprint,
+            alert_starts_at=starts_at,
+            reason=AWAITING_APPROVAL if handoff.mode == "approve" else None,
+        )
+        self.worker.wake()
+
+    def on_resolved(self, handoff: Any) -> None:
+        from runbooks.client import normalize_url
+
+        if handoff.engine is None:
+            return
+        fingerprint, starts_at = self._episode(handoff)
+        self.worker.resolved.put(
+            {
+                "runbook": handoff.runbook,
+                "engine": normalize_url(handoff.engine.agent),
+                "fingerprint": fingerprint,
+                "startsAt": starts_at.isoformat(),
+            }
+        )
+        self.worker.wake()
