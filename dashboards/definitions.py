@@ -220,7 +220,12 @@ class Panels:
                 "fires when usage peaked at or above {kv_usage} (dashed line) within {window} "
                 "while requests were preempted, for {for}",
             ),
-            [Target(Q.gauge(M.KV_CACHE_USAGE), ENGINE_LEGEND)],
+            [
+                Target(Q.gauge(M.KV_CACHE_USAGE), ENGINE_LEGEND),
+                # What the rule reads: the peak at step start, before a
+                # preemption frees blocks.
+                Target(Q.gauge(M.KV_CACHE_USAGE_PEAK), ENGINE_LEGEND + " peak"),
+            ],
             unit="percentunit",
             min=0,
             max=1,

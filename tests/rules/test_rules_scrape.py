@@ -22,7 +22,7 @@ RULES = load_catalog().bind({"VllmOOMPressure": {"for": "0s"}})
 class Exposition:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.usage = M.build(M.KV_CACHE_USAGE, self.registry)
+        self.usage = M.build(M.KV_CACHE_USAGE_PEAK, self.registry)
         self.preemptions = M.build(M.PREEMPTIONS, self.registry)
         self.steps = M.build(M.STEPS, self.registry)  # read by no rule: not stored
         self.status = 200
@@ -108,7 +108,7 @@ def test_http_error_and_garbage_are_counted(server: tuple[str, Exposition]) -> N
     assert scraper.scrape_once(now=1.0)[0].reason == "http_status"
     exp.status, exp.body = (
         200,
-        b'vllm_runbook_kv_cache_usage_ratio{engine="0",model_name="m"} not-a-number\n',
+        b'vllm_runbook_kv_cache_usage_peak_ratio{engine="0",model_name="m"} not-a-number\n',
     )
     assert scraper.scrape_once(now=2.0)[0].reason == "parse"
 
@@ -119,7 +119,7 @@ def test_series_missing_from_a_scrape_go_stale(server: tuple[str, Exposition]) -
     scraper = Scraper(store, [Target(url, "llama-0")])
     exp.usage.labels(model_name="tiny", engine="0").set(0.5)
     scraper.scrape_once(now=1.0)
-    [series] = store.engines[("llama-0", "tiny", "0")].by_name[M.KV_CACHE_USAGE.series_name]
+    [series] = store.engines[("llama-0", "tiny", "0")].by_name[M.KV_CACHE_USAGE_PEAK.series_name]
     assert store.latest(series, 2.0) == 0.5
     exp.usage.remove("tiny", "0")
     scraper.scrape_once(now=3.0)
