@@ -26,13 +26,13 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
-from urllib.parse import urlsplit
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from collector import metrics as M
 from rules.promfuncs import bucket_quantile
+from runbooks.client import CommandRefused, normalize_url
 
 Status = Literal["pass", "fail", "n/a"]
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
@@ -364,21 +364,11 @@ def add_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _base_url(url: str) -> str:
-    url = url.strip().rstrip("/")
-    if "://" not in url:
-        url = "http://" + url
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"not an http(s) URL: {url!r}")
-    return url
-
-
 def cmd_check(args: argparse.Namespace) -> int:
     try:
-        agent = _base_url(args.engine)
-        vllm = _base_url(args.vllm) if args.vllm else None
-    except ValueError as exc:
+        agent = normalize_url(args.engine)
+        vllm = normalize_url(args.vllm) if args.vllm else None
+    except CommandRefused as exc:
         print(f"runbook: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     bad = [

@@ -280,7 +280,7 @@ def test_vllm_unreachable_exits_3(agent: Routes, capsys: pytest.CaptureFixture[s
     [
         (["--engine", "http://h:1", "--scrapes", "1"], "--scrapes must be at least 2"),
         (["--engine", "http://h:1", "--interval", "0"], "--interval must be positive"),
-        (["--engine", "ftp://h:1"], "not an http(s) URL: 'ftp://h:1'"),
+        (["--engine", "ftp://h:1"], "not an engine agent URL: 'ftp://h:1'"),
         (
             ["--engine", "http://h:1", "--scrapes", "two"],
             "argument --scrapes: invalid int value: 'two'",
