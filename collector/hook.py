@@ -441,12 +441,13 @@ class RunbookSchedulerMixin:
             return super().schedule(*args, **kwargs)  # type: ignore[misc]
         control = runbook.control
         with control.lock:
-            if control.pending:  # knob changes land between steps only
-                try:
+            try:
+                if control.pending:  # knob changes land between steps only
                     control.drain()
-                except Exception as exc:
-                    runbook.disable(exc)
-            free_before = runbook.block_pool.get_num_free_blocks()
+                free_before = runbook.block_pool.get_num_free_blocks()
+            except Exception as exc:
+                runbook.disable(exc)
+                return super().schedule(*args, **kwargs)  # type: ignore[misc]
             start = time.perf_counter()
             output = super().schedule(*args, **kwargs)  # type: ignore[misc]
             elapsed = time.perf_counter() - start
