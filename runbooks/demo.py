@@ -440,8 +440,10 @@ class EventFeed:
 
     def poll(self) -> None:
         try:
-            incidents = httpx.get(self.service + "/api/incidents", timeout=5).json()
+            # Executions first: every execution seen then has its finding
+            # already recorded as firing in the incidents read after it.
             executions = httpx.get(self.service + "/api/executions?limit=200", timeout=5).json()
+            incidents = httpx.get(self.service + "/api/incidents", timeout=5).json()
         except (httpx.HTTPError, ValueError):
             return
         for inc in sorted(incidents, key=lambda i: i["id"]):
@@ -574,6 +576,7 @@ class Monitor:
         s, k = state["stats"], state["knobs"]
         flying = self.traffic.in_flight()
         oldest = max((now - r.t0 for r in flying), default=0.0)
+        oldest_low = max((now - r.t0 for r in flying if r.priority == LOW), default=0.0)
         rps = self.traffic.completed_since(now - 5) / 5
         preemptions = s.get("preemptions_total") or 0.0
         delta = 0.0 if self._last_preemptions is None else preemptions - self._last_preemptions
@@ -593,6 +596,7 @@ class Monitor:
             "max_num_seqs": k["max_num_seqs"],
             "policy": k["policy"],
             "oldest_request_s": oldest,
+            "oldest_low_priority_s": oldest_low,
             "state_s": now - asked,  # how long the agent took to answer
         }
         self.traffic.log.write("sample", **sample)
@@ -741,7 +745,7 @@ def run(directory: Path, ci: bool) -> int:
         steady.stop()
 
         # 2. long burst until oom-pressure acted and its effect shows
-        enter("long-burst", "16 clients, 500-800 token prompts: the KV cache overflows")
+        enter("long-burst", "16 clients, 500-750 token prompts: the KV cache overflows")
         burst = traffic.clients(16, long_request)
         fixed_at: list[float] = []
 

@@ -11,13 +11,14 @@ moments. Whoever watches the engine (the demo does) appends them to a
      "rps": 4.0, "kv_hit_ratio": 0.41, "block_fragmentation_ratio": 0.03,
      "kv_cache_usage_ratio": 0.98, "preemptions_total": 37, "requests_running": 16,
      "requests_waiting": 3, "max_num_batched_tokens": 512, "max_num_seqs": 16,
-     "policy": "priority", "oldest_request_s": 4.2}
+     "policy": "priority", "oldest_request_s": 4.2, "oldest_low_priority_s": 0.0}
     {"kind": "request", "t0": ..., "t1": ..., "phase": "steady", "priority": 0,
      "ok": true, "output_tokens": 32}
 
 `t` is Unix time; `engine` is the agent URL as the journal names the
 engine; `rps` is requests completed per second and `oldest_request_s` the
-age of the oldest request still in flight, both seen by the client. Unknown
+age of the oldest request still in flight (`oldest_low_priority_s`: of the
+low-priority ones), all seen by the client. Unknown
 keys are ignored, so the format only ever grows.
 
 `timeline_png` draws the signals with the executions' events marked;
@@ -32,7 +33,7 @@ import itertools
 import json
 import math
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -254,16 +255,20 @@ def effect(
     before = history.between(first - EFFECT_WINDOW_S, first)
     end = last + 2 + EFFECT_WINDOW_S
     after = history.between(last + 2, min(end, until) if until else end)
-    rows: list[tuple[str, float | None, float | None]] = []
-    for label, fn in (
+    measures: list[tuple[str, Callable[[list[dict[str, Any]]], float | None]]] = [
         ("preemptions/min", lambda ss: _scaled(_counter_rate(ss, "preemptions_total"), 60)),
         ("requests waiting", lambda ss: _mean(s.get("requests_waiting") for s in ss)),
-        ("oldest request (s)", lambda ss: _mean(s.get("oldest_request_s") for s in ss)),
         ("completed req/s", lambda ss: _mean(s.get("rps") for s in ss)),
         ("KV usage", lambda ss: _mean(s.get("kv_cache_usage_ratio") for s in ss)),
-    ):
-        rows.append((label, fn(before), fn(after)))
-    return rows
+    ]
+    if any(s.get("oldest_low_priority_s") for s in before):
+        measures.append(
+            (
+                "oldest low-priority request (s)",
+                lambda ss: _mean(s.get("oldest_low_priority_s") for s in ss),
+            )
+        )
+    return [(label, fn(before), fn(after)) for label, fn in measures]
 
 
 def _scaled(value: float | None, factor: float) -> float | None:
@@ -444,8 +449,21 @@ def timeline_png(
     ax_knobs.plot([], [], color="tab:olive", lw=6, alpha=0.6, label="policy fcfs (else priority)")
     ax_client.plot(x, series("rps"), label="completed requests / s", color="tab:blue")
     ax_client.plot(
-        x, series("oldest_request_s"), label="oldest request in flight (s)", color="tab:purple"
+        x,
+        series("oldest_request_s"),
+        label="oldest request in flight (s)",
+        color="tab:purple",
+        lw=0.8,
+        alpha=0.5,
     )
+    if any(s.get("oldest_low_priority_s") for s in samples):
+        ax_client.plot(
+            x,
+            series("oldest_low_priority_s"),
+            label="oldest low-priority request in flight (s)",
+            color="tab:purple",
+            lw=2,
+        )
     ax_client.set_ylabel("client")
     ax_client.set_xlabel("seconds")
 
