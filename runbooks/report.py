@@ -478,21 +478,26 @@ def timeline_png(
         )
 
     events = [e for e in _events(executions) if t0 <= e[0] <= t_end]
+    span = max(t_end - t0, 1.0)
     for n, (t, colour, label) in enumerate(events):
         for ax in axes:
             ax.axvline(t - t0, color=colour, lw=1.2, ls="--" if colour == "tab:red" else "-")
+        right = (t - t0) / span > 0.7  # labels near the right edge hang to the left
         ax_client.annotate(
             label,
             xy=(t - t0, 1.0),
             xycoords=("data", "axes fraction"),
-            xytext=(3, -10 - 11 * (n % 6)),
+            xytext=(-3 if right else 3, -10 - 11 * (n % 6)),
             textcoords="offset points",
             fontsize=7,
             color=colour,
             va="top",
+            ha="right" if right else "left",
         )
-    for ax in (ax_kv, ax_pre, ax_client):
+    for ax in (ax_kv, ax_pre):
         ax.legend(loc="upper left", fontsize=8, framealpha=0.8)
+    # The event labels hang from the top of this panel: the legend goes below.
+    ax_client.legend(loc="lower right", fontsize=8, framealpha=0.8)
     handles, labels = ax_knobs.get_legend_handles_labels()
     h2, l2 = ax_seqs.get_legend_handles_labels()
     ax_knobs.legend(handles + h2, labels + l2, loc="upper left", fontsize=8, framealpha=0.8)
