@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from rules import cli as rules_cli
-from runbooks import exec_cli, journal_cli
+from runbooks import exec_cli, journal_cli, report_cli
 from runbooks.client import CommandRefused, EngineClient, EngineClientError
 from runbooks.service import serve_cli
 
@@ -261,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     exec_cli.add_subcommands(sub)
     rules_cli.add_subcommands(sub)
     serve_cli.add_subcommands(sub)
+    report_cli.add_subcommands(sub)
     return parser
 
 

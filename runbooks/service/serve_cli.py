@@ -25,6 +25,13 @@ def add_subcommands(subparsers: Any) -> None:
         help="database URL (default: config, RUNBOOK_DB_URL, "
         "then SQLite in the user's data directory)",
     )
+    p.add_argument(
+        "--catalog",
+        metavar="DIR",
+        type=Path,
+        action="append",
+        help="load runbooks from DIR instead of the shipped catalog (repeatable)",
+    )
     p.add_argument("--no-rules", action="store_true", help="do not run the embedded evaluator")
     p.add_argument(
         "--no-worker",
@@ -77,7 +84,11 @@ def credentials_from(config: Any, host: str) -> Any:
 
 
 def build(
-    config_path: str | None, db: str | None, host: str, worker: bool = True
+    config_path: str | None,
+    db: str | None,
+    host: str,
+    worker: bool = True,
+    catalog: list[Path] | None = None,
 ) -> tuple[Any, Any, Any, Any]:
     """Config, store (migrated), app and worker (not started); raises the
     errors the CLI maps."""
@@ -92,18 +103,22 @@ def build(
     upgrade(url)
     store = Store(url)
     alert_runbooks = {r.alert: r.runbook for r in config.load_rules()}
+    from runbooks.engine_actions import engine_registry
+
+    registry = engine_registry()
+    runbooks = load_runbooks(catalog, registry=registry)
     router = Router(
         engines=config.engines,
         automation=config.automation,
         alert_runbooks=alert_runbooks,
-        known_runbooks=frozenset(load_runbooks()),
+        known_runbooks=frozenset(runbooks),
     )
     runner = None
     if worker:
         from runbooks.executor import Executor
         from runbooks.service.worker import Worker
 
-        runner = Worker(store, Executor(store))
+        runner = Worker(store, Executor(store, runbooks, registry))
     app = create_app(store, router, credentials_from(config, host), runner)
     return config, store, app, runner
 
@@ -115,13 +130,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from apscheduler.schedulers.background import BackgroundScheduler
 
     from rules.errors import CatalogError, ConfigError
+    from runbooks.spec import CatalogError as RunbookCatalogError
     from runbooks.store import StoreUnavailable
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        config, store, app, worker = build(args.config, args.db, args.host, not args.no_worker)
+        config, store, app, worker = build(
+            args.config, args.db, args.host, not args.no_worker, args.catalog
+        )
         scheduler = None
         if not args.no_rules and config.engines:
             from rules.service import RulesService
@@ -134,6 +152,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             scheduler.start()
     except (ConfigError, CatalogError) as exc:
         print(f"runbook: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except RunbookCatalogError as exc:
+        print(f"runbook: error: invalid runbook catalog:\n{exc}", file=sys.stderr)
         return EXIT_USAGE
     except TokenError as exc:
         print(f"runbook: error: {exc}", file=sys.stderr)

@@ -149,7 +149,9 @@ class ExecutorHook:
         self.store.create_execution(
             handoff.runbook,
             normalize_url(handoff.engine.agent),
-            trigger="rule",
+            # "alert": the journal's schema gives an episode key (exactly once
+            # per episode) to alert-triggered executions only; `who` names the rule.
+            trigger="alert",
             who=f"rules:{handoff.incident.alert}",
             alert_fingerprint=fingerprint,
             alert_starts_at=starts_at,
