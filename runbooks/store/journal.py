@@ -335,11 +335,11 @@ class Store:
         if trigger not in TRIGGER_SOURCES:
             raise ValueError(f"trigger {trigger!r} not in {TRIGGER_SOURCES}")
         key: str | None = None
-        if trigger == "alert" and (not alert_fingerprint or alert_starts_at is None):
-            raise ValueError("an alert-triggered execution needs a fingerprint and startsAt")
-        if alert_fingerprint and alert_starts_at is not None:
-            # One execution per episode, for Alertmanager's alerts and for the
-            # embedded evaluator's incidents alike.
+        if trigger == "alert":
+            if not alert_fingerprint or alert_starts_at is None:
+                raise ValueError("an alert-triggered execution needs a fingerprint and startsAt")
+            # One execution per episode (the evaluator's incidents are recorded
+            # as alert episodes too); the schema checks key <=> trigger 'alert'.
             key = episode_key(runbook, engine, alert_fingerprint, alert_starts_at)
         now = utcnow()
         values = {
