@@ -23,9 +23,9 @@ import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import insert, select
+from sqlalchemy import Table, insert, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -167,10 +167,16 @@ def _dialect_insert(store: Store) -> Any:
 
 
 def _write(store: Store, s: Session, batch: Sequence[_Planned]) -> list[Outcome]:
-    """Every delivery of `batch` in the caller's transaction."""
+    """Every delivery of `batch` in the caller's transaction.
+
+    Core executemany statements (SQLAlchemy's insertmanyvalues): one cached
+    statement whatever the batch size; a multi-row VALUES clause built per
+    batch would be compiled every time (measured: most of the cost).
+    """
+    events = cast(Table, WebhookEvent.__table__)
     event_ids = list(
-        s.scalars(
-            insert(WebhookEvent).returning(WebhookEvent.id, sort_by_parameter_order=True),
+        s.execute(
+            insert(events).returning(events.c.id, sort_by_parameter_order=True),
             [
                 {
                     "group_key": p.payload.groupKey,
@@ -181,7 +187,7 @@ def _write(store: Store, s: Session, batch: Sequence[_Planned]) -> list[Outcome]
                 }
                 for p in batch
             ],
-        )
+        ).scalars()
     )
     # One row per episode, whatever the number of deliveries carrying it.
     rows: dict[str, dict[str, Any]] = {}
@@ -190,13 +196,13 @@ def _write(store: Store, s: Session, batch: Sequence[_Planned]) -> list[Outcome]
             rows.setdefault(values["episode_key"], values)
     created: dict[str, int] = {}
     if rows:
+        executions = cast(Table, Execution.__table__)
         stmt = (
-            _dialect_insert(store)(Execution)
-            .values(list(rows.values()))
+            _dialect_insert(store)(executions)
             .on_conflict_do_nothing(index_elements=["episode_key"])
-            .returning(Execution.id, Execution.episode_key)
+            .returning(executions.c.id, executions.c.episode_key)
         )
-        created = {str(key): id_ for id_, key in s.execute(stmt)}
+        created = {str(key): id_ for id_, key in s.execute(stmt, list(rows.values()))}
     ids = dict(created)
     missing = [k for k in rows if k not in ids]
     if missing:  # earlier deliveries (or another replica) made them
