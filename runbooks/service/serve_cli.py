@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import secrets
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -165,13 +166,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         scheduler.start()
     if worker is not None:
         worker.start()
-    try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-    finally:
+    stopped = threading.Event()
+
+    def stop() -> None:
+        if stopped.is_set():
+            return
+        stopped.set()
         if scheduler is not None:
             scheduler.shutdown(wait=True)
         if leader is not None:
             leader.stop()  # the other replicas need not wait for the lease to lapse
         if worker is not None:
             worker.stop()
+
+    # uvicorn re-raises SIGTERM/SIGINT after its shutdown (the default action ends
+    # the process), so a `finally` here would not run: stop in the app's shutdown.
+    app.router.on_shutdown.append(stop)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        stop()
     return EXIT_OK

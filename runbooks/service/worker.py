@@ -170,7 +170,9 @@ class ExecutorHook:
         _record, created = self.store.create_execution(
             handoff.runbook,
             normalize_url(handoff.engine.agent),
-            trigger="rule",
+            # An alert episode like Alertmanager's (the journal keys executions
+            # by episode for trigger 'alert' only); `who` tells the two apart.
+            trigger="alert",
             who=f"rules:{handoff.incident.alert}",
             alert_fingerprint=fingerprint,
             alert_starts_at=starts_at,

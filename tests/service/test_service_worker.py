@@ -5,6 +5,7 @@ Each metric is checked against the journal it is counted from."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -188,3 +189,38 @@ def test_metrics_of_the_rules_engine_are_exported_at_zero(sqlite_url: str) -> No
     metrics.clear_firing()  # no longer the leader: another replica reports them
     text = generate_latest(metrics.registry).decode()
     assert "vllm_runbook_service_incidents_firing{" not in text
+
+
+def test_embedded_evaluator_handoff_runs_once_and_reverts_on_resolve(service: Service) -> None:
+    from rules.config import EngineConfig
+    from rules.incidents import IncidentEvent
+    from rules.remediation import Handoff
+    from runbooks.service.worker import ExecutorHook
+
+    first_seen = time.time() - 12.0
+    incident = IncidentEvent(
+        alert="VllmOOMPressure",
+        severity="critical",
+        runbook="oom-pressure",
+        engine=("engine-a", "m", "0"),
+        state="firing",
+        value=1.0,
+        first_seen=first_seen,
+        last_seen=first_seen + 10,
+        at=first_seen + 10,
+    )
+    handoff = Handoff(incident, "auto", "engine-a", EngineConfig("engine-a", URL), "episode-1")
+    hook = ExecutorHook(service.store, service.worker)
+    hook.on_firing(handoff)
+    hook.on_firing(handoff)  # evaluated again (another replica, a retry): same episode
+    assert service.worker.tick() == 1
+    [done] = service.store.list_executions()
+    assert (done.status, done.trigger, done.who) == (SUCCEEDED, "alert", "rules:VllmOOMPressure")
+    assert done.alert_starts_at == datetime.fromtimestamp(first_seen, UTC)
+    assert service.agent.knobs["max_num_batched_tokens"] == 256
+    hook.on_resolved(handoff)
+    service.worker.tick()
+    assert service.agent.knobs == STARTUP
+    assert service.store.get_execution(done.id).status == REVERTED
+    pending = "vllm_runbook_service_executions_total"
+    assert service.value(pending, runbook="oom-pressure", status="pending") == 1
