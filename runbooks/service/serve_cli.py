@@ -146,6 +146,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # One line per scrape and per scheduled cycle would drown what matters.
+    for chatty in ("httpx", "apscheduler"):
+        logging.getLogger(chatty).setLevel(logging.WARNING)
     try:
         config, _store, app, worker, leader = build(
             args.config, args.db, args.host, not args.no_worker, not args.no_rules

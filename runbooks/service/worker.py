@@ -150,11 +150,16 @@ class ExecutorHook:
 
     @staticmethod
     def _episode(handoff: Any) -> tuple[str, datetime]:
+        """(fingerprint, startsAt) of the incident's episode. startsAt is when it
+        fired, as Prometheus sends it to Alertmanager (its FiredAt, after `for`),
+        so detection-to-action means the same on both paths."""
         import hashlib
         from datetime import UTC
 
+        incident = handoff.incident
         fingerprint = "rule-" + hashlib.sha256(handoff.episode.encode()).hexdigest()[:24]
-        return fingerprint, datetime.fromtimestamp(handoff.incident.first_seen, UTC)
+        fired = incident.fired_at if incident.fired_at is not None else incident.first_seen
+        return fingerprint, datetime.fromtimestamp(fired, UTC)
 
     def on_firing(self, handoff: Any) -> None:
         from runbooks.client import normalize_url

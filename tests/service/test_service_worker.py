@@ -208,6 +208,7 @@ def test_embedded_evaluator_handoff_runs_once_and_reverts_on_resolve(service: Se
         first_seen=first_seen,
         last_seen=first_seen + 10,
         at=first_seen + 10,
+        fired_at=first_seen + 2,
     )
     handoff = Handoff(incident, "auto", "engine-a", EngineConfig("engine-a", URL), "episode-1")
     hook = ExecutorHook(service.store, service.worker)
@@ -216,7 +217,8 @@ def test_embedded_evaluator_handoff_runs_once_and_reverts_on_resolve(service: Se
     assert service.worker.tick() == 1
     [done] = service.store.list_executions()
     assert (done.status, done.trigger, done.who) == (SUCCEEDED, "alert", "rules:VllmOOMPressure")
-    assert done.alert_starts_at == datetime.fromtimestamp(first_seen, UTC)
+    # startsAt: when it fired, as Prometheus' startsAt (FiredAt) on the other path.
+    assert done.alert_starts_at == datetime.fromtimestamp(first_seen + 2, UTC)
     assert service.agent.knobs["max_num_batched_tokens"] == 256
     hook.on_resolved(handoff)
     service.worker.tick()
