@@ -4,15 +4,26 @@ Starts a real `runbook serve` (uvicorn) on SQLite and on PostgreSQL, posts
 Alertmanager deliveries from concurrent clients for a fixed time, then
 counts what the database holds: every acknowledged delivery must be there
 (0 lost). Each delivery carries `--alerts` firing alerts for an automated
-runbook, so each alert also creates its pending execution.
+runbook, so each alert also creates its pending execution. The service runs
+without its worker (`--no-worker`: the benchmark's engine does not exist, and
+running executions is not ingest); `--worker` turns it on.
+
+Two phases per store: closed loop (`--clients` senders, each sending as soon
+as its previous delivery is answered: the saturation throughput, and the
+latency of a full queue) and open loop at `--rate` alerts/s (deliveries due
+at a fixed pace: the latency at that load). Lost = acknowledged deliveries
+(and their executions) not in the database afterwards.
 
     .venv/bin/python benchmarks/webhook_ingest.py [--seconds 10] [--clients 16] [--alerts 1]
+        [--rate 1000]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
+import json
 import os
 import socket
 import statistics
@@ -22,6 +33,8 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -82,7 +95,7 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve(db_url: str, config: Path):
+def serve(db_url: str, config: Path, worker: bool = False):
     port = free_port()
     env = {**os.environ, "RUNBOOK_WEBHOOK_TOKEN": TOKEN, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
@@ -98,6 +111,7 @@ def serve(db_url: str, config: Path):
             "--port",
             str(port),
             "--no-rules",
+            *([] if worker else ["--no-worker"]),
         ],
         env=env,
         stdout=subprocess.DEVNULL,
@@ -116,93 +130,167 @@ def serve(db_url: str, config: Path):
         proc.wait(20)
 
 
-def run(db_url: str, config: Path, seconds: float, clients: int, n_alerts: int) -> dict:
-    upgrade(db_url)
-    latencies: list[float] = []
-    acked = [0]
-    errors = [0]
+@dataclass
+class Phase:
+    """One load phase: closed loop (`rate` None: each client sends as soon as its
+    previous delivery was answered) or open loop at `rate` deliveries/s."""
+
+    name: str
+    clients: int
+    rate: float | None = None
+    latencies: list[float] = field(default_factory=list)
+    acked: int = 0
+    errors: int = 0
+    elapsed: float = 0.0
+
+
+def drive(url: str, phase: Phase, seconds: float, n_alerts: int, seq: Iterator[int]) -> None:
     lock = threading.Lock()
+    ready = threading.Barrier(phase.clients + 1)
+    start = stop_at = 0.0
+
+    def client() -> None:
+        headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+        with httpx.Client(headers=headers, timeout=30) as c:
+            c.get(url + "/healthz")  # connected before the clock starts
+            ready.wait()
+            ready.wait()
+            while True:
+                with lock:
+                    n, slot = next(seq), next(slots)
+                if phase.rate is None:
+                    scheduled = time.perf_counter()
+                else:
+                    # Latency counts from when the delivery was due, so a server that
+                    # falls behind shows it (no coordinated omission).
+                    scheduled = start + slot / phase.rate
+                    time.sleep(max(0.0, scheduled - time.perf_counter()))
+                if scheduled >= stop_at or time.perf_counter() >= stop_at:
+                    return  # a server behind schedule shows as a lower rate
+                body = json.dumps(delivery(n_alerts, n)).encode()
+                r = c.post(url + "/webhooks/alertmanager", content=body)
+                done = time.perf_counter()
+                with lock:
+                    if r.status_code == 200:
+                        phase.acked += 1
+                        phase.latencies.append(done - scheduled)
+                    else:
+                        phase.errors += 1
+
+    slots = itertools.count()
+    threads = [threading.Thread(target=client) for _ in range(phase.clients)]
+    for t in threads:
+        t.start()
+    ready.wait()  # every client connected
+    start = time.perf_counter()
+    stop_at = start + seconds
+    ready.wait()  # go
+    for t in threads:
+        t.join()
+    phase.elapsed = time.perf_counter() - start
+
+
+def run(
+    db_url: str, config: Path, seconds: float, phases: list[Phase], n_alerts: int, worker: bool
+) -> tuple[list[Phase], int]:
+    """Each phase against one `runbook serve`; returns them and the deliveries lost."""
+    upgrade(db_url)
     seq = iter(range(10**9))
-    with serve(db_url, config) as url:
-        stop_at = time.monotonic() + seconds
-
-        def client() -> None:
-            with httpx.Client(headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as c:
-                while time.monotonic() < stop_at:
-                    with lock:
-                        n = next(seq)
-                    t = time.perf_counter()
-                    r = c.post(url + "/webhooks/alertmanager", json=delivery(n_alerts, n))
-                    dt = time.perf_counter() - t
-                    with lock:
-                        if r.status_code == 200:
-                            acked[0] += 1
-                            latencies.append(dt)
-                        else:
-                            errors[0] += 1
-
-        start = time.monotonic()
-        threads = [threading.Thread(target=client) for _ in range(clients)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        elapsed = time.monotonic() - start
+    with serve(db_url, config, worker) as url:
+        for phase in phases:
+            drive(url, phase, seconds, n_alerts, seq)
     store = Store(db_url)
     with store.session() as s:
         events = s.scalar(select(func.count()).select_from(WebhookEvent)) or 0
         executions = s.scalar(select(func.count()).select_from(Execution)) or 0
     store.close()
-    latencies.sort()
-    return {
-        "deliveries/s": acked[0] / elapsed,
-        "alerts/s": acked[0] * n_alerts / elapsed,
-        "p50 ms": 1000 * statistics.median(latencies),
-        "p99 ms": 1000 * latencies[int(0.99 * (len(latencies) - 1))],
-        "acked": acked[0],
-        "errors": errors[0],
-        "lost": acked[0] - events + (acked[0] * n_alerts - executions),
-    }
+    acked = sum(p.acked for p in phases)
+    return phases, (acked - events) + (acked * n_alerts - executions)
+
+
+def row(store: str, phase: Phase, n_alerts: int, lost: int) -> str:
+    lat = sorted(phase.latencies) or [float("nan")]
+    cells = [
+        f"{store:<11}",
+        f"{phase.name:<18}",
+        f"{phase.acked / phase.elapsed:>12.1f}",
+        f"{phase.acked * n_alerts / phase.elapsed:>10.1f}",
+        f"{1000 * statistics.median(lat):>8.1f}",
+        f"{1000 * lat[int(0.99 * (len(lat) - 1))]:>8.1f}",
+        f"{phase.acked:>8d}",
+        f"{phase.errors:>7d}",
+        f"{lost:>5d}",
+    ]
+    return " ".join(cells)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=10)
-    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--seconds", type=float, default=10, help="per phase")
+    parser.add_argument("--clients", type=int, default=16, help="closed-loop clients")
     parser.add_argument("--alerts", type=int, default=1, help="alerts per delivery")
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=1000.0,
+        help="open-loop phase: alerts/s offered (0: skip the phase)",
+    )
+    parser.add_argument("--worker", action="store_true", help="run the service's worker too")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="webhook-bench-"))
     config = tmp / "runbook.yaml"
     config.write_text(CONFIG)
-    rows = []
-    rows.append(
+
+    def phases() -> list[Phase]:
+        out = [Phase(f"closed, {args.clients} clients", args.clients)]
+        if args.rate > 0:
+            out.append(Phase(f"open, {args.rate:g} alerts/s", 64, args.rate / args.alerts))
+        return out
+
+    results = [
         (
             "SQLite",
-            run(f"sqlite:///{tmp / 'bench.db'}", config, args.seconds, args.clients, args.alerts),
+            *run(
+                f"sqlite:///{tmp / 'bench.db'}",
+                config,
+                args.seconds,
+                phases(),
+                args.alerts,
+                args.worker,
+            ),
         )
-    )
+    ]
     name = f"runbook_bench_{uuid.uuid4().hex[:8]}"
     admin = create_engine(f"{PG}/test", isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
     try:
-        rows.append(
-            ("PostgreSQL", run(f"{PG}/{name}", config, args.seconds, args.clients, args.alerts))
+        results.append(
+            (
+                "PostgreSQL",
+                *run(f"{PG}/{name}", config, args.seconds, phases(), args.alerts, args.worker),
+            )
         )
     finally:
         with admin.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     print(
-        f"\nwebhook ingest: {args.clients} clients, {args.alerts} alert(s) per delivery, "
-        f"{args.seconds:.0f} s, one uvicorn process"
+        f"\nwebhook ingest: {args.alerts} alert(s) per delivery, {args.seconds:g} s per phase, "
+        f"one uvicorn process, worker {'on' if args.worker else 'off'}, {os.cpu_count()} CPUs; "
+        "latency from when a delivery was due to its 2xx (stored)"
     )
-    cols = ["deliveries/s", "alerts/s", "p50 ms", "p99 ms", "acked", "errors", "lost"]
-    print(f"{'store':<11}" + "".join(f"{c:>14}" for c in cols))
-    for store, r in rows:
-        print(
-            f"{store:<11}"
-            + "".join(f"{r[c]:>14.1f}" if isinstance(r[c], float) else f"{r[c]:>14d}" for c in cols)
+    head = ["store", "load", "deliveries/s", "alerts/s", "p50 ms", "p99 ms", "acked", "errors"]
+    widths = [11, 18, 12, 10, 8, 8, 8, 7]
+    print(
+        " ".join(
+            f"{h:<{w}}" if i < 2 else f"{h:>{w}}"
+            for i, (h, w) in enumerate(zip(head, widths, strict=True))
         )
+        + " lost"
+    )
+    for store, done, lost in results:
+        for phase in done:
+            print(row(store, phase, args.alerts, lost))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@
         labels: {instance: "127.0.0.1:8000"}  # how Alertmanager alerts find this engine
     rules:
       evaluation_interval: 5s
+      leader_lease: 15s                       # replicas on one database: one evaluates
       catalog: my-rules/                      # default: the built-in catalog
       overrides: {VllmLatencySpike: {p99_sla_seconds: 1.0}}
     automation:                               # per runbook: auto | approve | notify
@@ -15,6 +16,10 @@
       default: notify
     webhook:
       token_file: secrets/webhook-token       # or username + password_file (basic auth)
+    executor:                                 # override every runbook's waits (tests, demos)
+      verify_seconds: 10s                     # verification deadline
+      condition_seconds: 2s                   # each step's `when: after_seconds`
+      healthy_period_seconds: 5s              # between the stages of a stepwise revert
 
 Every key has a default, so no file at all is a valid one-machine setup.
 Relative paths are relative to the file. Unknown keys are errors (a typo must
@@ -46,8 +51,12 @@ from rules.yamlmarks import MarkedDict, MarkedList, load
 AutomationMode = Literal["auto", "approve", "notify"]
 AUTOMATION_MODES: tuple[str, ...] = get_args(AutomationMode)
 DEFAULT_EVALUATION_INTERVAL = 5.0
+# The rules leader's lease: a replica that stops renewing it (crash, lost
+# database) is replaced within this time; a cycle must take less.
+MIN_LEADER_LEASE = 15.0
 _ENGINE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
-_TOP_KEYS = ("database", "engines", "rules", "automation", "webhook")
+_TOP_KEYS = ("database", "engines", "rules", "automation", "webhook", "executor")
+_EXECUTOR_KEYS = ("verify_seconds", "condition_seconds", "healthy_period_seconds")
 
 
 @dataclass(frozen=True)
@@ -84,6 +93,23 @@ class WebhookConfig:
 
 
 @dataclass(frozen=True)
+class ExecutorConfig:
+    """Waits that replace every runbook's own (None: the runbook's value).
+
+    For tests and demos on a small engine: a runbook written for production
+    waits minutes (verification deadline, `when: after_seconds`, the healthy
+    period of a stepwise revert)."""
+
+    verify_seconds: float | None = None
+    condition_seconds: float | None = None
+    healthy_period_seconds: float | None = None
+
+
+def default_leader_lease(evaluation_interval: float) -> float:
+    return max(MIN_LEADER_LEASE, 3 * evaluation_interval)
+
+
+@dataclass(frozen=True)
 class Config:
     path: Path | None = None  # None: built from defaults, no file
     database: str | None = None  # None: the store decides ($RUNBOOK_DB_URL, then SQLite)
@@ -93,6 +119,8 @@ class Config:
     overrides: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
     automation: Automation = field(default_factory=Automation)
     webhook: WebhookConfig = field(default_factory=WebhookConfig)
+    executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+    leader_lease: float = MIN_LEADER_LEASE  # seconds; default max(15 s, 3 x interval)
     # line of each alert under rules.overrides, to place the catalog's complaints
     override_lines: Mapping[str, int] = field(default_factory=dict, repr=False)
 
@@ -197,6 +225,15 @@ class _Reader:
             return None
         return value.rstrip("/")
 
+    def duration(self, node: MarkedDict, key: str, what: str) -> float | None:
+        if node.get(key) is None:
+            return None
+        try:
+            return parse_duration(node[key])
+        except RuleProblem as exc:
+            self.fail(f"{what}: {exc.message}", node.line_of(key))
+            return None
+
     def path(self, node: MarkedDict, key: str, what: str) -> Path | None:
         value = self.string(node, key, what)
         return None if value is None else self.base / value
@@ -213,6 +250,15 @@ class _Reader:
         engines = self.engines(doc)
         rules = self.mapping(doc, "rules")
         interval, catalog, overrides, lines = self.rules(rules)
+        lease = default_leader_lease(interval)
+        if rules is not None and rules.get("leader_lease") is not None:
+            lease = self.duration(rules, "leader_lease", "rules.leader_lease") or lease
+            if lease < 2 * interval:
+                self.fail(
+                    f"rules.leader_lease ({lease:g} s) must be at least twice "
+                    f"rules.evaluation_interval ({interval:g} s): the leader renews it every cycle",
+                    rules.line_of("leader_lease"),
+                )
         return Config(
             path=path,
             database=database,
@@ -222,6 +268,8 @@ class _Reader:
             overrides=overrides,
             automation=self.automation(self.mapping(doc, "automation")),
             webhook=self.webhook(self.mapping(doc, "webhook")),
+            executor=self.executor(self.mapping(doc, "executor")),
+            leader_lease=lease,
             override_lines=lines,
         )
 
@@ -277,7 +325,9 @@ class _Reader:
     ) -> tuple[float, Path | None, dict[str, dict[str, object]], dict[str, int]]:
         if node is None:
             return DEFAULT_EVALUATION_INTERVAL, None, {}, {}
-        self.unknown_keys(node, ("evaluation_interval", "catalog", "overrides"), "rules.")
+        self.unknown_keys(
+            node, ("evaluation_interval", "leader_lease", "catalog", "overrides"), "rules."
+        )
         interval = DEFAULT_EVALUATION_INTERVAL
         if node.get("evaluation_interval") is not None:
             try:
@@ -336,3 +386,10 @@ class _Reader:
         elif (username is None) != (password_file is None):
             self.fail("webhook: basic auth needs both username and password_file", node.line)
         return WebhookConfig(token_file, username, password_file)
+
+    def executor(self, node: MarkedDict | None) -> ExecutorConfig:
+        if node is None:
+            return ExecutorConfig()
+        self.unknown_keys(node, _EXECUTOR_KEYS, "executor.")
+        waits = {k: self.duration(node, k, f"executor.{k}") for k in _EXECUTOR_KEYS}
+        return ExecutorConfig(**waits)

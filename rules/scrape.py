@@ -1,9 +1,12 @@
 """Scraper: Prometheus text exposition from engine endpoints into the WindowStore.
 
 A target that cannot be reached, answers non-200 or sends text that does not
-parse is counted (``vllm_runbook_rules_scrape_errors_total{target,reason}``),
-logged once per change of state, and its series go stale; the scrape loop
-itself never raises for a target's fault.
+parse is counted (``vllm_runbook_service_scrape_errors_total{target,reason}``,
+declared with the service's metrics: `runbook serve` exports it), logged once
+per change of state, and its series go stale; the scrape loop itself never
+raises for a target's fault. Whether each target's latest scrape worked is
+kept in `up` (not exported: Prometheus has its own `up` for the targets it
+scrapes).
 """
 
 from __future__ import annotations
@@ -12,12 +15,14 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import httpx
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.parser import text_string_to_metric_families
 
 from rules.window import Series, WindowStore
+from runbooks import service_metrics as S
 
 log = logging.getLogger(__name__)
 
@@ -46,25 +51,18 @@ class Scraper:
         client: httpx.Client | None = None,
         timeout: float = 5.0,
         registry: CollectorRegistry | None = None,
+        errors: Counter | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        """`errors`: the service's scrape-error counter (S.SCRAPE_ERRORS), when
+        the service exports it; else one is built on `registry` (or a private one)."""
         self.store = store
         self.targets = list(targets)
         self.client = client or httpx.Client(timeout=timeout)
         self.clock = clock
         self.registry = registry or CollectorRegistry()
-        self.errors = Counter(
-            "vllm_runbook_rules_scrape_errors",
-            "Failed scrapes of engine endpoints by the rules engine.",
-            ["target", "reason"],
-            registry=self.registry,
-        )
-        self.up = Gauge(
-            "vllm_runbook_rules_target_up",
-            "1 if the latest scrape of the target worked.",
-            ["target"],
-            registry=self.registry,
-        )
+        self.errors = errors or cast(Counter, S.build(S.SCRAPE_ERRORS, self.registry))
+        self.up: dict[str, bool] = {}  # target URL -> whether its latest scrape worked
         self._failing: dict[str, str] = {}
 
     def scrape_once(self, now: float | None = None) -> list[ScrapeResult]:
@@ -84,7 +82,7 @@ class Scraper:
         except Exception as exc:
             return self._failed(target, now, "parse", f"unparsable exposition: {exc}")
         self.store.end_scrape(target.url, now, seen)
-        self.up.labels(target.url).set(1)
+        self.up[target.url] = True
         if self._failing.pop(target.url, None) is not None:
             log.info("scrape of %s (%s) works again", target.url, target.instance)
         return ScrapeResult(target, True, count)
@@ -105,7 +103,7 @@ class Scraper:
 
     def _failed(self, target: Target, now: float, reason: str, error: str) -> ScrapeResult:
         self.errors.labels(target.url, reason).inc()
-        self.up.labels(target.url).set(0)
+        self.up[target.url] = False
         self.store.mark_source_down(target.url, now)
         if self._failing.get(target.url) != error:
             log.warning("scrape of %s (%s) failed: %s", target.url, target.instance, error)

@@ -7,13 +7,19 @@
 `from_config` binds the whole catalog first and raises CatalogError with
 every problem if any rule is broken: the service refuses to start rather
 than run with a rule silently dropped.
+
+With `metrics` (the service's, runbooks.service.telemetry) each evaluation's
+wall time, the scrape errors and the firing incidents per alert are exported.
+Several replicas run the cycle through runbooks.service.leader: one at a time.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from apscheduler.job import Job
 from apscheduler.schedulers.base import BaseScheduler
@@ -29,6 +35,9 @@ from rules.sql_sink import SqlIncidentSink
 from rules.window import WindowStore
 from runbooks.store import Store
 
+if TYPE_CHECKING:
+    from runbooks.service.telemetry import ServiceMetrics
+
 
 @dataclass
 class RulesService:
@@ -40,6 +49,7 @@ class RulesService:
     dispatcher: Dispatcher
     recorder: SqlIncidentSink | MemoryIncidentSink
     clock: Callable[[], float] = time.time
+    metrics: ServiceMetrics | None = None
 
     @classmethod
     def from_config(
@@ -50,6 +60,7 @@ class RulesService:
         hook: RemediationHook | None = None,
         clock: Callable[[], float] = time.time,
         scrape_timeout: float = 5.0,
+        metrics: ServiceMetrics | None = None,
     ) -> RulesService:
         """Build everything; CatalogError (nothing built) when the catalog is broken.
 
@@ -59,14 +70,20 @@ class RulesService:
         rules = config.load_rules()
         windows = store_for_rules(rules)
         targets = [t for engine in config.engines for t in engine.targets()]
-        scraper = Scraper(windows, targets, timeout=scrape_timeout, clock=clock)
+        scraper = Scraper(
+            windows,
+            targets,
+            timeout=scrape_timeout,
+            clock=clock,
+            errors=metrics.scrape_errors if metrics is not None else None,
+        )
         recorder: SqlIncidentSink | MemoryIncidentSink = (
             SqlIncidentSink(store, clock=clock) if store is not None else MemoryIncidentSink()
         )
         engines = {e.name: e for e in config.engines}
         dispatcher = Dispatcher([recorder], config.automation, hook, engines)
         evaluator = Evaluator(rules, windows, dispatcher, clock=clock)
-        return cls(config, rules, windows, scraper, evaluator, dispatcher, recorder, clock)
+        return cls(config, rules, windows, scraper, evaluator, dispatcher, recorder, clock, metrics)
 
     @property
     def sink(self) -> IncidentSink:
@@ -75,11 +92,28 @@ class RulesService:
     def run_cycle(self, now: float | None = None) -> list[IncidentEvent]:
         """Scrape every target, evaluate every rule, record and hand off the changes."""
         now = self.clock() if now is None else now
+        self.scrape(now)
+        return self.evaluate(now)
+
+    def scrape(self, now: float) -> None:
         self.scraper.scrape_once(now)  # never raises for a target's fault
+
+    def evaluate(self, now: float) -> list[IncidentEvent]:
+        """Evaluate every rule on what was scraped; record and hand off the changes."""
+        started = time.perf_counter()
         events = self.evaluator.evaluate(now)
+        if self.metrics is not None:
+            self.metrics.rule_evaluation.observe(time.perf_counter() - started)
+            # One incident per (alert, engine), whatever the number of severities firing.
+            incidents = {(rule.alert, engine) for rule, engine, _ in self.evaluator.firing()}
+            firing = Counter(alert for alert, _engine in incidents)
+            self.metrics.set_firing((r.alert for r in self.rules), firing)
         if isinstance(self.recorder, SqlIncidentSink):
             self.recorder.refresh(self.evaluator.open_alerts(), now)
         return events
+
+    def close(self) -> None:
+        self.scraper.client.close()
 
     def start(self, scheduler: BaseScheduler) -> Job:
         """Run the cycle every `rules.evaluation_interval` on `scheduler`."""

@@ -335,10 +335,12 @@ class Executor:
         starts_at: datetime,
         *,
         who: str = "alertmanager",
+        healthy_period_seconds: float | None = None,
     ) -> ExecutionResult | None:
         """The service's hook for a resolved alert: revert the episode's
         execution (stepwise where the runbook says so) if the runbook opts in
-        and it changed something. None when there is nothing to revert."""
+        and it changed something. None when there is nothing to revert.
+        `healthy_period_seconds` overrides the runbook's wait between stages."""
         spec = self.runbook(runbook)
         record = self.find_episode(runbook, engine_url, fingerprint, starts_at)
         if (
@@ -354,6 +356,7 @@ class Executor:
             who=who,
             trigger="rule",
             stepwise=bool(spec.revert.stepwise),
+            healthy_period_seconds=healthy_period_seconds,
             reason=f"alert {fingerprint} (since {starts_at.isoformat()}) resolved",
         )
 

@@ -62,11 +62,14 @@ RULE_EVALUATION = _spec(
     "Wall time of one evaluation of the rule catalog by the embedded rules engine.",
     buckets=RULE_EVALUATION_BUCKETS,
 )
+# The rules engine's scraper counts into this one (rules.scrape), by target URL
+# and reason (unreachable|http_status|parse).
 SCRAPE_ERRORS = _spec(
     "scrape_errors",
     "counter",
     "Failed scrapes of engine endpoints by the embedded rules engine, by target.",
     "target",
+    "reason",
 )
 INCIDENTS_FIRING = _spec(
     "incidents_firing",

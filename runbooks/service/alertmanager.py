@@ -8,11 +8,13 @@ with a 4xx before anything is stored.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_ALERTS = 10_000
+# executions.alert_fingerprint; Alertmanager's fingerprints are 16 hex digits.
+MAX_FINGERPRINT = 64
 
 
 class _Lenient(BaseModel):
@@ -26,7 +28,7 @@ class Alert(_Lenient):
     startsAt: datetime
     endsAt: datetime | None = None
     generatorURL: str = ""
-    fingerprint: str = Field(min_length=1, max_length=128)
+    fingerprint: str = Field(min_length=1, max_length=MAX_FINGERPRINT)
 
     @field_validator("startsAt")
     @classmethod
@@ -51,3 +53,28 @@ class WebhookPayload(_Lenient):
     commonAnnotations: dict[str, str] = Field(default_factory=dict)
     externalURL: str = ""
     alerts: list[Alert] = Field(max_length=MAX_ALERTS)
+
+
+def unstorable_text(document: Any) -> str | None:
+    """Where the payload holds text no database column can store (a NUL
+    character, a lone surrogate from a `\\ud800` escape), or None.
+
+    PostgreSQL refuses both; refusing them here makes them a 4xx (nothing
+    stored) instead of a store error. Iterative: JSON nests deeper than
+    Python recurses."""
+    stack: list[tuple[str, Any]] = [("payload", document)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, str):
+            if "\x00" in value:
+                return f"{where}: NUL character in text"
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return f"{where}: text is not valid Unicode (lone surrogate)"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack += [(f"{where} key", key), (f"{where}.{key}", item)]
+        elif isinstance(value, list):
+            stack += [(f"{where}.{i}", item) for i, item in enumerate(value)]
+    return None

@@ -9,26 +9,32 @@ GET  /api/incidents           incidents recorded by the rule evaluator (JSON)
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hmac
 import json
 import logging
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from runbooks.service.alertmanager import WebhookPayload
-from runbooks.service.webhooks import Router, ingest
+from runbooks.service import telemetry as T
+from runbooks.service.alertmanager import WebhookPayload, unstorable_text
+from runbooks.service.telemetry import ServiceMetrics
+from runbooks.service.webhooks import GroupCommitter, Router
 from runbooks.service.worker import Worker
-from runbooks.store import Store, StoreUnavailable
+from runbooks.store import Store, StoreError, StoreUnavailable
 
 log = logging.getLogger("vllm_runbook.service")
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
+_SUSPECT_ESCAPE = re.compile(rb"\\u(?:0000|[dD][89a-fA-F])")
 
 
 @dataclass(frozen=True)
@@ -66,29 +72,30 @@ def _error(status: int, message: str, **extra: Any) -> JSONResponse:
 
 
 def create_app(
-    store: Store, router: Router, credentials: Credentials, worker: Worker | None = None
+    store: Store,
+    router: Router,
+    credentials: Credentials,
+    worker: Worker | None = None,
+    *,
+    metrics: ServiceMetrics | None = None,
+    status: Callable[[], dict[str, Any]] | None = None,
 ) -> FastAPI:
+    """The app; `status` adds to /healthz (e.g. whether this replica leads the rules)."""
     if not credentials.token and not credentials.password:
         raise ValueError("the webhook needs a token or basic-auth credentials")
-    registry = CollectorRegistry()
-    received = Counter(
-        "vllm_runbook_service_webhooks_received",
-        "Webhook deliveries accepted.",
-        ["status"],
-        registry=registry,
-    )
-    rejected = Counter(
-        "vllm_runbook_service_webhooks_rejected",
-        "Webhook deliveries refused.",
-        ["reason"],
-        registry=registry,
-    )
+    metrics = metrics or ServiceMetrics()
+    committer = GroupCommitter(store, router)
     app = FastAPI(title="vllm-runbook", version="0.1.0")
+    app.router.on_shutdown.append(committer.close)
+
+    def rejected(reason: str, status_code: int, message: str, **extra: Any) -> JSONResponse:
+        metrics.webhooks_rejected.labels(reason).inc()
+        return _error(status_code, message, **extra)
 
     @app.post("/webhooks/alertmanager")
     async def alertmanager(request: Request) -> Response:
         if not credentials.check(request.headers.get("authorization")):
-            rejected.labels("unauthorized").inc()
+            metrics.webhooks_rejected.labels(T.REJECT_AUTH).inc()
             return JSONResponse(
                 {"error": "unauthorized"},
                 status_code=401,
@@ -96,32 +103,41 @@ def create_app(
             )
         body = await request.body()
         if len(body) > MAX_BODY_BYTES:
-            rejected.labels("too_large").inc()
-            return _error(413, f"payload larger than {MAX_BODY_BYTES} bytes")
+            return rejected(T.REJECT_MALFORMED, 413, f"payload larger than {MAX_BODY_BYTES} bytes")
         try:
             # NaN/Infinity are not JSON; they would not survive the store either.
             raw = json.loads(body, parse_constant=_reject_constant)
         except (ValueError, UnicodeDecodeError) as exc:
-            rejected.labels("not_json").inc()
-            return _error(400, f"payload is not JSON: {exc}")
+            return rejected(T.REJECT_MALFORMED, 400, f"payload is not JSON: {exc}")
+        except RecursionError:
+            return rejected(T.REJECT_MALFORMED, 400, "payload is not JSON: nested too deeply")
         try:
             payload = WebhookPayload.model_validate(raw)
         except ValidationError as exc:
-            rejected.labels("invalid").inc()
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or "payload"
-            return _error(
+            return rejected(
+                T.REJECT_MALFORMED,
                 422,
                 f"invalid Alertmanager payload: {where}: {first['msg']}",
                 problems=exc.error_count(),
             )
+        # Only an escape can put NUL or a surrogate into JSON text: walk only then.
+        problem = unstorable_text(raw) if _SUSPECT_ESCAPE.search(body) else None
+        if problem is not None:
+            return rejected(T.REJECT_MALFORMED, 422, f"invalid Alertmanager payload: {problem}")
         try:
-            outcome = ingest(store, router, payload, raw)
+            # Off the event loop: the writer thread commits, then we answer.
+            outcome = await asyncio.wrap_future(committer.submit(payload, raw))
         except StoreUnavailable as exc:
-            rejected.labels("store_unavailable").inc()
             log.error("webhook: store unavailable, Alertmanager will retry: %s", exc)
-            return _error(503, "store unavailable; retry later")
-        received.labels(payload.status).inc()
+            return rejected(T.REJECT_STORE_DOWN, 503, "store unavailable; retry later")
+        except StoreError as exc:
+            log.error("webhook: the store refused a delivery: %s", exc)
+            return rejected(T.REJECT_STORE_DOWN, 500, "the store refused the delivery")
+        metrics.webhooks_received.labels(payload.status).inc()
+        for runbook in outcome.created:
+            metrics.execution_created(runbook)
         if worker is not None:
             for item in outcome.resolved:
                 worker.resolved.put(item)
@@ -132,19 +148,19 @@ def create_app(
     def healthz() -> Response:
         try:
             store.list_executions(limit=1)
-        except StoreUnavailable as exc:
+        except StoreError as exc:
             return _error(503, f"store unavailable: {exc}")
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", **(status() if status else {})})
 
     @app.get("/metrics")
-    def metrics() -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/api/executions")
     def executions(engine: str | None = None, limit: int = 50) -> Response:
         try:
             rows = store.list_executions(engine, limit=max(1, min(limit, 1000)))
-        except StoreUnavailable as exc:
+        except StoreError as exc:
             return _error(503, f"store unavailable: {exc}")
         return JSONResponse([r.to_dict() for r in rows])
 
@@ -152,8 +168,8 @@ def create_app(
     def incidents(open_only: bool = False) -> Response:
         try:
             rows = store.list_incidents(open_only=open_only)
-        except StoreUnavailable as exc:
+        except StoreError as exc:
             return _error(503, f"store unavailable: {exc}")
-        return JSONResponse([r.to_dict() if hasattr(r, "to_dict") else r for r in rows])
+        return JSONResponse([r.to_dict() for r in rows])
 
     return app

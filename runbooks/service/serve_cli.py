@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import secrets
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -88,12 +89,15 @@ def build(
     db: str | None,
     host: str,
     worker: bool = True,
+    rules: bool = True,
     catalog: list[Path] | None = None,
-) -> tuple[Any, Any, Any, Any]:
-    """Config, store (migrated), app and worker (not started); raises the
-    errors the CLI maps."""
+) -> tuple[Any, Any, Any, Any, Any]:
+    """Config, store (migrated), app, worker and rules leader (neither started);
+    raises the errors the CLI maps."""
     from rules.config import load_config
+    from runbooks.client import normalize_url
     from runbooks.service.app import create_app
+    from runbooks.service.telemetry import ServiceMetrics
     from runbooks.service.webhooks import Router
     from runbooks.spec import load_catalog as load_runbooks
     from runbooks.store import Store, upgrade
@@ -113,14 +117,34 @@ def build(
         alert_runbooks=alert_runbooks,
         known_runbooks=frozenset(runbooks),
     )
+    metrics = ServiceMetrics(engine_names={normalize_url(e.agent): e.name for e in config.engines})
     runner = None
     if worker:
         from runbooks.executor import Executor
         from runbooks.service.worker import Worker
 
-        runner = Worker(store, Executor(store, runbooks, registry))
-    app = create_app(store, router, credentials_from(config, host), runner)
-    return config, store, app, runner
+        runner = Worker(
+            store, Executor(store, runbooks, registry), waits=config.executor, metrics=metrics
+        )
+    leader = None
+    if rules and config.engines:
+        from rules.service import RulesService
+        from runbooks.service.leader import RulesLeader
+        from runbooks.service.worker import ExecutorHook
+
+        hook = ExecutorHook(store, runner) if runner is not None else None
+        RulesService.from_config(config).close()  # a broken catalog fails the start, not a cycle
+        leader = RulesLeader(
+            store,
+            lambda: RulesService.from_config(config, store=store, hook=hook, metrics=metrics),
+            config.leader_lease,
+            metrics=metrics,
+        )
+    status = (lambda: {"rules_leader": leader.is_leader}) if leader is not None else None
+    app = create_app(
+        store, router, credentials_from(config, host), runner, metrics=metrics, status=status
+    )
+    return config, store, app, runner, leader
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -130,26 +154,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from apscheduler.schedulers.background import BackgroundScheduler
 
     from rules.errors import CatalogError, ConfigError
+    from rules.scheduling import schedule_cycle
     from runbooks.spec import CatalogError as RunbookCatalogError
     from runbooks.store import StoreUnavailable
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # One line per scrape and per scheduled cycle would drown what matters.
+    for chatty in ("httpx", "apscheduler"):
+        logging.getLogger(chatty).setLevel(logging.WARNING)
     try:
-        config, store, app, worker = build(
-            args.config, args.db, args.host, not args.no_worker, args.catalog
+        config, _store, app, worker, leader = build(
+            args.config, args.db, args.host, not args.no_worker, not args.no_rules, args.catalog
         )
-        scheduler = None
-        if not args.no_rules and config.engines:
-            from rules.service import RulesService
-            from runbooks.service.worker import ExecutorHook
-
-            hook = ExecutorHook(store, worker) if worker is not None else None
-            service = RulesService.from_config(config, store=store, hook=hook)
-            scheduler = BackgroundScheduler()
-            service.start(scheduler)
-            scheduler.start()
     except (ConfigError, CatalogError) as exc:
         print(f"runbook: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -162,13 +180,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except StoreUnavailable as exc:
         print(f"runbook: error: {exc}", file=sys.stderr)
         return EXIT_STORE
+    scheduler = None
+    if leader is not None:
+        scheduler = BackgroundScheduler()
+        schedule_cycle(scheduler, leader.cycle, config.evaluation_interval)
+        scheduler.start()
     if worker is not None:
         worker.start()
+    stopped = threading.Event()
+
+    def stop() -> None:
+        if stopped.is_set():
+            return
+        stopped.set()
+        if scheduler is not None:
+            scheduler.shutdown(wait=True)
+        if leader is not None:
+            leader.stop()  # the other replicas need not wait for the lease to lapse
+        if worker is not None:
+            worker.stop()
+
+    # uvicorn re-raises SIGTERM/SIGINT after its shutdown (the default action ends
+    # the process), so a `finally` here would not run: stop in the app's shutdown.
+    app.router.on_shutdown.append(stop)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:
-        if scheduler is not None:
-            scheduler.shutdown(wait=False)
-        if worker is not None:
-            worker.stop()
+        stop()
     return EXIT_OK

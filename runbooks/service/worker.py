@@ -17,7 +17,9 @@ import threading
 from datetime import datetime
 from typing import Any
 
+from rules.config import ExecutorConfig
 from runbooks.executor import Executor
+from runbooks.service.telemetry import ServiceMetrics
 from runbooks.store import Store, StoreError
 
 log = logging.getLogger("vllm_runbook.service")
@@ -33,9 +35,14 @@ class Worker:
         *,
         interval: float = 1.0,
         lease_seconds: float = 3600.0,
+        waits: ExecutorConfig | None = None,
+        metrics: ServiceMetrics | None = None,
     ) -> None:
+        """`waits` replace the runbooks' own (the config's `executor:` section)."""
         self.store = store
         self.executor = executor
+        self.waits = waits or ExecutorConfig()
+        self.metrics = metrics
         self.interval = interval
         self.lease_seconds = lease_seconds
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
@@ -82,13 +89,20 @@ class Worker:
                 f"execution:{record.id}", self.holder, self.lease_seconds
             ):
                 continue  # another replica runs it
-            result = self.executor.run_pending(record.id, approved=True)
+            result = self.executor.run_pending(
+                record.id,
+                approved=True,
+                verify_seconds=self.waits.verify_seconds,
+                condition_seconds=self.waits.condition_seconds,
+            )
+            if self.metrics is not None:
+                self.metrics.execution_finished(result.record)
             log.warning(
                 "runbook %s on %s for alert %s: %s",
                 record.runbook,
                 record.engine,
                 record.alert_fingerprint,
-                result.record.status,
+                result.record.status + (f" ({result.message})" if result.message else ""),
             )
             ran += 1
         while True:
@@ -107,9 +121,16 @@ class Worker:
         if not self.store.acquire_lease(lease, self.holder, self.lease_seconds):
             return
         result = self.executor.revert_on_resolve(
-            item["runbook"], item["engine"], item["fingerprint"], starts_at
+            item["runbook"],
+            item["engine"],
+            item["fingerprint"],
+            starts_at,
+            healthy_period_seconds=self.waits.healthy_period_seconds,
         )
         if result is not None:
+            if self.metrics is not None and result.record.reverts_id is not None:
+                original = self.store.get_execution(result.record.reverts_id)
+                self.metrics.revert_finished(original, result.record)
             log.warning(
                 "alert %s resolved: reverted execution on %s: %s",
                 item["fingerprint"],
@@ -129,11 +150,16 @@ class ExecutorHook:
 
     @staticmethod
     def _episode(handoff: Any) -> tuple[str, datetime]:
+        """(fingerprint, startsAt) of the incident's episode. startsAt is when it
+        fired, as Prometheus sends it to Alertmanager (its FiredAt, after `for`),
+        so detection-to-action means the same on both paths."""
         import hashlib
         from datetime import UTC
 
+        incident = handoff.incident
         fingerprint = "rule-" + hashlib.sha256(handoff.episode.encode()).hexdigest()[:24]
-        return fingerprint, datetime.fromtimestamp(handoff.incident.first_seen, UTC)
+        fired = incident.fired_at if incident.fired_at is not None else incident.first_seen
+        return fingerprint, datetime.fromtimestamp(fired, UTC)
 
     def on_firing(self, handoff: Any) -> None:
         from runbooks.client import normalize_url
@@ -146,17 +172,19 @@ class ExecutorHook:
             )
             return
         fingerprint, starts_at = self._episode(handoff)
-        self.store.create_execution(
+        _record, created = self.store.create_execution(
             handoff.runbook,
             normalize_url(handoff.engine.agent),
-            # "alert": the journal's schema gives an episode key (exactly once
-            # per episode) to alert-triggered executions only; `who` names the rule.
+            # An alert episode like Alertmanager's (the journal keys executions
+            # by episode for trigger 'alert' only); `who` tells the two apart.
             trigger="alert",
             who=f"rules:{handoff.incident.alert}",
             alert_fingerprint=fingerprint,
             alert_starts_at=starts_at,
             reason=AWAITING_APPROVAL if handoff.mode == "approve" else None,
         )
+        if created and self.worker.metrics is not None:
+            self.worker.metrics.execution_created(handoff.runbook)
         self.worker.wake()
 
     def on_resolved(self, handoff: Any) -> None:

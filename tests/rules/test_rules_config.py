@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from rules.config import Automation, Config, EngineConfig, WebhookConfig, load_config
+from rules.config import (
+    Automation,
+    Config,
+    EngineConfig,
+    ExecutorConfig,
+    WebhookConfig,
+    load_config,
+)
 from rules.errors import CatalogError, ConfigError
 from rules.model import load_catalog
 from rules.scrape import Target
@@ -122,7 +129,8 @@ def test_every_problem_named_with_file_and_line(tmp_path: Path) -> None:
         """,
     )
     assert problems(path) == [
-        f"{path}:1: unknown key databse (allowed: database, engines, rules, automation, webhook)",
+        f"{path}:1: unknown key databse (allowed: database, engines, rules, automation, webhook, "
+        "executor)",
         f"{path}:4: engines[0].agent must be an http(s) URL, got 'localhost:9360'",
         f"{path}:5: engines[1].name 'llama-0' already used at line 3",
         f"{path}:7: engines[1].labels: keys and values must be strings (['instance'])",
@@ -134,6 +142,39 @@ def test_every_problem_named_with_file_and_line(tmp_path: Path) -> None:
         "latency-spike, throughput-drop, batch-too-large, kv-hit-low, warmup, memory-leak, "
         "restore, or default)",
         f"{path}:15: webhook: give token_file or username + password_file, not both",
+    ]
+
+
+def test_executor_waits_and_leader_lease(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """\
+        rules: {evaluation_interval: 500ms, leader_lease: 3s}
+        executor: {verify_seconds: 10s, condition_seconds: 1500ms}
+        """,
+    )
+    config = load_config(path)
+    assert config.executor == ExecutorConfig(10.0, 1.5, None)
+    assert config.leader_lease == 3.0
+    # Default lease: three evaluation intervals, at least 15 s.
+    assert load_config(write(tmp_path, "rules: {evaluation_interval: 10s}\n")).leader_lease == 30.0
+    assert load_config(None).leader_lease == 15.0
+    assert load_config(None).executor == ExecutorConfig()
+    path = write(
+        tmp_path,
+        """\
+        rules: {evaluation_interval: 2s, leader_lease: 3s}
+        executor:
+          verify_seconds: 10
+          healthy_period: 5s
+        """,
+    )
+    assert problems(path) == [
+        f"{path}:1: rules.leader_lease (3 s) must be at least twice rules.evaluation_interval "
+        "(2 s): the leader renews it every cycle",
+        f"{path}:4: unknown key executor.healthy_period (allowed: verify_seconds, "
+        "condition_seconds, healthy_period_seconds)",
+        f"{path}:3: executor.verify_seconds: bad duration 10: give a unit, e.g. '10s'",
     ]
 
 

@@ -94,10 +94,10 @@ def test_unreachable_target_is_counted_not_raised(server: tuple[str, Exposition]
     assert results[0].error and results[0].error.startswith("ConnectError")
     scraper.scrape_once(now=2.0)
     value = scraper.registry.get_sample_value(
-        "vllm_runbook_rules_scrape_errors_total", {"target": dead.url, "reason": "unreachable"}
+        "vllm_runbook_service_scrape_errors_total", {"target": dead.url, "reason": "unreachable"}
     )
     assert value == 2.0
-    assert scraper.registry.get_sample_value("vllm_runbook_rules_target_up", {"target": url}) == 1.0
+    assert scraper.up == {dead.url: False, url: True}
 
 
 def test_http_error_and_garbage_are_counted(server: tuple[str, Exposition]) -> None:

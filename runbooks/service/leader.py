@@ -1,0 +1,102 @@
+"""The rules leader: of several `runbook serve` replicas on one database, one
+scrapes and evaluates the rules at a time.
+
+Leadership is a lease row in the store (`rules-leader`). Every cycle the
+leader takes or extends it before scraping and renews it again before
+evaluating, so a replica that lost it meanwhile never hands an incident off.
+A replica that stops (crash, lost database) is replaced within the lease's
+TTL; a graceful stop gives the lease up at once. A replica that gains
+leadership starts from empty windows (what it scraped as a follower would
+be stale): its alerts go through `for` again, a new episode whose
+remediation the executor's cooldown refuses if the previous leader already
+acted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from runbooks.store import Store, StoreError
+
+if TYPE_CHECKING:
+    from rules.service import RulesService
+    from runbooks.service.telemetry import ServiceMetrics
+
+log = logging.getLogger("vllm_runbook.service")
+
+LEASE_NAME = "rules-leader"
+
+
+class RulesLeader:
+    def __init__(
+        self,
+        store: Store,
+        make_service: Callable[[], RulesService],
+        ttl_seconds: float,
+        *,
+        metrics: ServiceMetrics | None = None,
+        holder: str | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = store
+        self.make_service = make_service
+        self.ttl_seconds = ttl_seconds
+        self.metrics = metrics
+        self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
+        self.clock = clock
+        self.service: RulesService | None = None
+        self.cycles = 0  # cycles evaluated as the leader
+
+    @property
+    def is_leader(self) -> bool:
+        return self.service is not None
+
+    def _hold(self) -> bool:
+        try:
+            return self.store.acquire_lease(LEASE_NAME, self.holder, self.ttl_seconds)
+        except StoreError as exc:
+            # Leadership cannot be asserted without the database: stop evaluating
+            # (another replica that can reach it takes over after the TTL).
+            if self.is_leader:
+                log.warning("rules leader: store unavailable, stepping down: %s", exc)
+            return False
+
+    def cycle(self) -> bool:
+        """One scheduled cycle: scrape and evaluate if this replica leads; True if it did."""
+        if not self._hold():
+            self._step_down()
+            return False
+        if self.service is None:
+            log.warning("rules leader: this replica (%s) evaluates the rules now", self.holder)
+            self.service = self.make_service()
+        now = self.clock()
+        self.service.scrape(now)
+        if not self._hold():  # lost during a slow scrape: someone else evaluates
+            self._step_down()
+            return False
+        self.service.evaluate(now)
+        self.cycles += 1
+        return True
+
+    def _step_down(self) -> None:
+        if self.service is None:
+            return
+        log.warning("rules leader: %s no longer evaluates the rules", self.holder)
+        self.service.close()
+        self.service = None
+        if self.metrics is not None:
+            self.metrics.clear_firing()
+
+    def stop(self) -> None:
+        """Give leadership up now, so another replica need not wait for the TTL."""
+        was_leader = self.is_leader
+        self._step_down()
+        if was_leader:
+            with contextlib.suppress(StoreError):
+                self.store.release_lease(LEASE_NAME, self.holder)

@@ -1,0 +1,111 @@
+"""The service's own metrics (runbooks.service_metrics), fed from what it did.
+
+One ServiceMetrics per process, on its own registry, shared by the app (webhooks),
+the worker (executions, knob changes, detection-to-action) and the rules
+service (evaluation time, scrape errors, firing incidents). Each replica
+counts what it did itself, so Prometheus' sums over replicas are right.
+
+Executions and knob changes are read from the journal when an execution
+finishes: the journal is the record of what changed, and the metrics agree
+with it by construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import cast
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from runbooks import service_metrics as S
+from runbooks.engine_actions import KNOBS
+from runbooks.store import ExecutionRecord, StepRecord
+from runbooks.store.models import (
+    REVERTED,
+    ROLLED_BACK,
+    STEP_APPLIED,
+    STEP_REVERTED,
+    SUCCEEDED,
+)
+
+# Reasons a webhook delivery is refused (the WEBHOOKS_REJECTED `reason` label).
+REJECT_AUTH = "auth"
+REJECT_MALFORMED = "malformed"  # not JSON, not a v4 payload, or too large
+REJECT_STORE_DOWN = "store_down"
+PENDING = "pending"
+
+
+def knob_changes(step: StepRecord) -> list[str]:
+    """The knobs a journaled step changed on the engine (before != after)."""
+    if step.status not in (STEP_APPLIED, STEP_REVERTED) or not step.before or not step.after:
+        return []
+    return [
+        k for k, v in step.before.items() if k in KNOBS and k in step.after and step.after[k] != v
+    ]
+
+
+class ServiceMetrics:
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        engine_names: Mapping[str, str] | None = None,
+    ) -> None:
+        """`engine_names`: agent URL (as executions are keyed) -> inventory name."""
+        self.registry = registry or CollectorRegistry()
+        self.engine_names = dict(engine_names or {})
+        built = S.build_all(self.registry)
+        self.webhooks_received = cast(Counter, built[S.WEBHOOKS_RECEIVED])
+        self.webhooks_rejected = cast(Counter, built[S.WEBHOOKS_REJECTED])
+        self.executions = cast(Counter, built[S.EXECUTIONS])
+        self.detection_to_action = cast(Histogram, built[S.DETECTION_TO_ACTION])
+        self.rule_evaluation = cast(Histogram, built[S.RULE_EVALUATION])
+        self.scrape_errors = cast(Counter, built[S.SCRAPE_ERRORS])
+        self.incidents_firing = cast(Gauge, built[S.INCIDENTS_FIRING])
+        self.knob_changes = cast(Counter, built[S.KNOB_CHANGES])
+        for reason in (REJECT_AUTH, REJECT_MALFORMED, REJECT_STORE_DOWN):
+            self.webhooks_rejected.labels(reason)  # a rate of 0, not "no data"
+
+    def engine_name(self, engine_url: str) -> str:
+        return self.engine_names.get(engine_url, engine_url)
+
+    # --- executions -------------------------------------------------------------
+
+    def execution_created(self, runbook: str) -> None:
+        self.executions.labels(runbook, PENDING).inc()
+
+    def execution_finished(self, record: ExecutionRecord) -> None:
+        """An execution (not a revert) reached its final status."""
+        self.executions.labels(record.runbook, record.status).inc()
+        changed = [(s, knob_changes(s)) for s in sorted(record.steps, key=lambda s: s.ordinal)]
+        changed = [(s, knobs) for s, knobs in changed if knobs]
+        # A rolled-back step changed its knobs twice: applied, then restored.
+        times = 2 if record.status == ROLLED_BACK else 1
+        self._count_knobs(record.engine, (k for _, knobs in changed for k in knobs), times)
+        if changed and record.alert_starts_at is not None:
+            first = changed[0][0]
+            acted = first.finished_at or first.started_at
+            seconds = (acted - record.alert_starts_at).total_seconds()
+            self.detection_to_action.labels(record.runbook).observe(max(0.0, seconds))
+
+    def revert_finished(self, original: ExecutionRecord, revert: ExecutionRecord) -> None:
+        """A revert of `original` finished: the original is `reverted` if it worked."""
+        status = REVERTED if revert.status == SUCCEEDED else revert.status
+        self.executions.labels(original.runbook, status).inc()
+        knobs = (k for s in revert.steps for k in knob_changes(s))
+        self._count_knobs(revert.engine, knobs, 1)
+
+    def _count_knobs(self, engine_url: str, knobs: Iterable[str], times: int) -> None:
+        name = self.engine_name(engine_url)
+        for knob in knobs:
+            self.knob_changes.labels(name, knob).inc(times)
+
+    # --- the rules engine ---------------------------------------------------------
+
+    def set_firing(self, alerts: Iterable[str], firing: Mapping[str, int]) -> None:
+        """Firing incidents per alert now; every alert of the catalog gets a value."""
+        for alert in alerts:
+            self.incidents_firing.labels(alert).set(firing.get(alert, 0))
+
+    def clear_firing(self) -> None:
+        """Not the rules leader: another replica reports the incidents."""
+        self.incidents_firing.clear()

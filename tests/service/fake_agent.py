@@ -1,0 +1,78 @@
+"""An engine agent in memory for the service tests: knobs with the agent's bounds
+(ceilings at the startup values, the budget floored by max_num_seqs) and stats
+that answer the knobs the way a KV-bound engine does: preemptions go on while
+max_num_seqs is at its startup value and stop once it is lowered."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runbooks.client import CommandRefused
+
+URL = "http://127.0.0.1:9"  # the inventory's agent (nothing listens there)
+STARTUP = {"max_num_batched_tokens": 512, "max_num_seqs": 32, "policy": "fcfs"}
+PRESSURE = {
+    "kv_blocks_used": 255,
+    "kv_blocks_free": 0,
+    "num_requests_running": 24,
+    "num_requests_waiting": 40,
+    "kv_cache_usage_ratio": 1.0,
+}
+
+
+class Clock:
+    """Fake monotonic time: sleeping advances it (no test waits for real)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class FakeAgent:
+    def __init__(self) -> None:
+        self.url = URL
+        self.knobs = dict(STARTUP)
+        self.step = 100
+        self.writes: list[dict[str, Any]] = []
+
+    def state(self) -> dict[str, Any]:
+        preempting = self.knobs["max_num_seqs"] == STARTUP["max_num_seqs"]
+        return {
+            "knobs": dict(self.knobs),
+            "startup": dict(STARTUP),
+            "stats": {**PRESSURE, "preemptions_per_minute": 60.0 if preempting else 0.0},
+            "engine": {"started_at": 0.0},
+        }
+
+    def set_knobs(self, clamp: bool = False, dry_run: bool = False, **values: Any) -> Any:
+        before = dict(self.knobs)
+        target = dict(before)
+        if "scale_max_num_batched_tokens" in values:
+            factor = values.pop("scale_max_num_batched_tokens")
+            values["max_num_batched_tokens"] = int(before["max_num_batched_tokens"] * factor)
+        target.update(values)
+        for knob, low in (("max_num_seqs", 1), ("max_num_batched_tokens", target["max_num_seqs"])):
+            if not low <= target[knob] <= STARTUP[knob]:
+                if not clamp:
+                    raise CommandRefused(f"{knob}={target[knob]} is out of bounds")
+                target[knob] = min(max(target[knob], low), STARTUP[knob])
+        self.step += 1
+        if not dry_run:
+            self.knobs = target
+            self.writes.append(values)
+        return {
+            "before": before,
+            "after": before if dry_run else target,
+            "would_be": target,
+            "effective_from_step": self.step,
+            "clamped": [],
+            "dry_run": dry_run,
+        }
+
+    def restore(self, dry_run: bool = False) -> Any:
+        return self.set_knobs(dry_run=dry_run, **STARTUP)

@@ -1,0 +1,329 @@
+"""End to end, all real processes on loopback: a vLLM CPU engine with the plugin,
+Debian's Prometheus (the generated rules, short `for` and window) and
+Alertmanager (the checked-in config, short timers) routing to `runbook serve`.
+
+A workload fills the small KV cache: VllmOOMPressure fires, oom-pressure runs
+(the budget halves, then max_num_seqs is capped because preemptions go on),
+preemptions fall, the alert resolves and the revert restores the knobs.
+Twice, on the same engine, with a fresh journal each time (the cooldown is
+per journal):
+  (a) Prometheus -> Alertmanager -> webhook (`runbook serve --no-rules`);
+  (b) the embedded evaluator of `runbook serve` (Alertmanager not involved).
+The test prints, for both, the time from the first preemption to the knob change.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from dashboards.generate import DASHBOARDS_DIR
+from rules.model import load_catalog
+from rules.promql import export
+from runbooks.store.models import REFUSED, REVERTED, STEP_APPLIED, SUCCEEDED
+from tests.engines import (
+    PrometheusServer,
+    ServedEngine,
+    free_port,
+    http_get,
+    require_tool,
+)
+from tests.service.processes import AlertmanagerServer, RunbookServe, alertmanager_config
+
+pytestmark = [pytest.mark.engine, pytest.mark.served, pytest.mark.service]
+
+TOKEN = "e2e-webhook-token"
+OVERRIDES = {"VllmOOMPressure": {"for": "2s", "window": "10s"}}
+REQUESTS, PROMPT_TOKENS, OUTPUT_TOKENS = 64, 300, 300
+STARTUP = {"max_num_batched_tokens": 512, "max_num_seqs": 32}
+FINAL = (SUCCEEDED, "failed", "rolled_back", REFUSED)
+
+
+@dataclass
+class Sample:
+    at: float
+    preemptions: float
+    knobs: dict[str, Any]
+
+
+class AgentWatch:
+    """Polls the agent's /v1/state every 0.1 s: preemptions and knobs over time."""
+
+    def __init__(self, agent_url: str) -> None:
+        self.url = agent_url + "/v1/state"
+        self.samples: list[Sample] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> AgentWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            status, body = http_get(self.url, timeout=5)
+            if status == 200:
+                state = json.loads(body)
+                self.samples.append(
+                    Sample(time.time(), state["stats"]["preemptions_total"], state["knobs"])
+                )
+
+    def first_preemption(self, since: float) -> float:
+        """Time of the first sample after `since` with more preemptions than before it."""
+        base = [s.preemptions for s in self.samples if s.at <= since][-1]
+        return next(s.at for s in self.samples if s.at > since and s.preemptions > base)
+
+    def preemptions_between(self, start: float, end: float) -> float:
+        inside = [s.preemptions for s in self.samples if start <= s.at <= end]
+        return inside[-1] - inside[0] if inside else 0.0
+
+    def budgets_since(self, since: float) -> set[int]:
+        return {s.knobs["max_num_batched_tokens"] for s in self.samples if s.at >= since}
+
+
+@dataclass
+class PathResult:
+    name: str
+    first_preemption: float
+    execution: dict[str, Any]
+    reverted_by: dict[str, Any]
+    others: list[dict[str, Any]]
+    metrics: dict[tuple[str, tuple[tuple[str, str], ...]], float] = field(default_factory=dict)
+
+    def ts(self, text: str) -> float:
+        return datetime.fromisoformat(text).timestamp()
+
+    @property
+    def knob_change(self) -> float:
+        step = next(s for s in self.execution["steps"] if s["status"] != "skipped")
+        return self.ts(step["finished_at"])
+
+    def line(self) -> str:
+        e = self.execution
+        t0 = self.first_preemption
+        return (
+            f"{self.name}: first preemption -> knob change {self.knob_change - t0:.2f} s "
+            f"(alert startsAt {self.ts(e['alert_starts_at']) - t0:+.2f} s, execution recorded "
+            f"{self.ts(e['created_at']) - t0:+.2f} s, budget halved "
+            f"{self.knob_change - t0:+.2f} s; verification {e['verification']['before']:g} -> "
+            f"{e['verification']['after']:g} preemptions/min)"
+        )
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.metrics.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def wait_until(what: str, probe: Callable[[], Any], limit: float) -> Any:
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        found = probe()
+        if found:
+            return found
+        time.sleep(0.25)
+    raise AssertionError(f"{what}: not within {limit:g} s")
+
+
+def service_config(tmp: Path, name: str, served: ServedEngine, rules: bool) -> Path:
+    doc: dict[str, Any] = {
+        "database": f"sqlite:///{tmp / f'{name}.db'}",
+        "engines": [
+            {
+                "name": "cpu-0",
+                "agent": served.agent_url,
+                # The alert's `instance` (Prometheus relabels both targets to vLLM's address).
+                "labels": {"instance": served.api_url.removeprefix("http://")},
+            }
+        ],
+        "automation": {"oom-pressure": "auto"},
+        "webhook": {"token_file": str(tmp / "webhook.token")},
+        "executor": {
+            "verify_seconds": "20s",
+            "condition_seconds": "3s",
+            "healthy_period_seconds": "1s",
+        },
+    }
+    if rules:
+        doc["rules"] = {"evaluation_interval": "1s", "overrides": OVERRIDES}
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def prometheus_config(served: ServedEngine, rule_file: Path, am: str, service: str) -> str:
+    """The checked-in prometheus.yml: the test's targets, 1 s intervals, the test's rules."""
+    doc = yaml.safe_load((DASHBOARDS_DIR / "prometheus.yml").read_text())
+    doc["global"] = {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"}
+    doc["rule_files"] = [str(rule_file)]
+    doc["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] = [am]
+    api = served.api_url.removeprefix("http://")
+    targets = {
+        "vllm": api,
+        "vllm-runbook-agent": served.agent_url.removeprefix("http://"),
+        "runbook-serve": service,
+    }
+    for job in doc["scrape_configs"]:
+        for static in job["static_configs"]:
+            static["targets"] = [targets[job["job_name"]]]
+            if "labels" in static:
+                static["labels"]["__engine_instance"] = api
+    return str(yaml.safe_dump(doc, sort_keys=False))
+
+
+def one_path(
+    name: str,
+    served: ServedEngine,
+    watch: AgentWatch,
+    config: Path,
+    tmp: Path,
+    *args: str,
+    port: int | None = None,
+) -> PathResult:
+    with RunbookServe.run(config, tmp / f"serve-{name}.log", *args, port=port) as svc:
+        time.sleep(2)  # quiet scrapes first: the counters' baselines
+        start = time.time()
+        with ThreadPoolExecutor(REQUESTS) as pool:
+            futures: list[Future[dict[str, Any]]] = [
+                pool.submit(served.complete, PROMPT_TOKENS, OUTPUT_TOKENS, 17 * i)
+                for i in range(REQUESTS)
+            ]
+
+            def acted() -> dict[str, Any] | None:
+                rows = svc.get("/api/executions")
+                first = [r for r in rows if r["runbook"] == "oom-pressure" and not r["reverts_id"]]
+                return first[-1] if first and first[-1]["status"] in FINAL else None
+
+            execution = wait_until(f"{name}: oom-pressure finished", acted, 150)
+            for f in futures:
+                f.result(timeout=300)
+        first_preemption = watch.first_preemption(start)
+
+        def reverted() -> list[dict[str, Any]] | None:
+            rows = svc.get("/api/executions")
+            done = next(r for r in rows if r["id"] == execution["id"])
+            return rows if done["status"] == REVERTED else None
+
+        rows = wait_until(f"{name}: revert after the alert resolved", reverted, 90)
+        result = PathResult(
+            name,
+            first_preemption,
+            execution,
+            next(r for r in rows if r["reverts_id"] == execution["id"]),
+            [r for r in rows if r["id"] != execution["id"] and r["reverts_id"] is None],
+        )
+        for family in text_string_to_metric_families(svc.metrics()):
+            for s in family.samples:
+                result.metrics[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return result
+
+
+def check_remediation(result: PathResult, watch: AgentWatch) -> None:
+    e = result.execution
+    assert e["status"] == SUCCEEDED, e
+    applied = [s for s in e["steps"] if s["status"] == STEP_APPLIED]
+    budget = next(s for s in applied if s["action"] == "scale_max_num_batched_tokens")
+    assert (budget["before"], budget["after"]) == (
+        {"max_num_batched_tokens": 512},
+        {"max_num_batched_tokens": 256},
+    )
+    # The engine said so too: its budget was 256 while the runbook held it.
+    assert 256 in watch.budgets_since(result.first_preemption)
+    # Preemptions fell (the verification read the agent before and after acting).
+    v = e["verification"]
+    assert v["outcome"] == "improved" and v["after"] < v["before"], v
+    # Resolved -> reverted: every knob back at its startup value.
+    assert result.reverted_by["status"] == SUCCEEDED
+    state = json.loads(http_get(result_agent(watch) + "/v1/state")[1])
+    assert {k: state["knobs"][k] for k in STARTUP} == STARTUP
+    # A repeat firing after the revert (the workload may still run) is inside the
+    # cooldown: recorded as refused, nothing changed.
+    for other in result.others:
+        assert other["status"] in (REFUSED, "pending"), other
+        assert other["steps"] == []
+    runs = "vllm_runbook_service_executions_total"
+    assert result.metric(runs, runbook="oom-pressure", status=SUCCEEDED) == 1
+    assert result.metric(runs, runbook="oom-pressure", status=REVERTED) == 1
+    delay = "vllm_runbook_service_detection_to_action_seconds"
+    assert result.metric(delay + "_count", runbook="oom-pressure") == 1
+    knobs = "vllm_runbook_service_knob_changes_total"
+    assert result.metric(knobs, engine="cpu-0", knob="max_num_batched_tokens") >= 2
+
+
+def result_agent(watch: AgentWatch) -> str:
+    return watch.url.removesuffix("/v1/state")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedEngine]:
+    tmp = tmp_path_factory.mktemp("e2e-engine")
+    # A 5 s window for the agent's preemptions_per_minute: the verification sees
+    # preemptions stop within seconds (the default 60 s outlasts the test).
+    with ServedEngine.run(
+        tiny_model, tmp / "engine.log", env={"VLLM_RUNBOOK_WINDOW_SECONDS": "5"}
+    ) as served:
+        yield served
+
+
+def test_alert_to_remediation_to_revert_both_paths(
+    engine: ServedEngine, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prometheus = require_tool("prometheus")
+    alertmanager = require_tool("prometheus-alertmanager")
+    (tmp_path / "webhook.token").write_text(TOKEN + "\n")
+    rule_file = tmp_path / "rules.yml"
+    rule_file.write_text(export(load_catalog(), OVERRIDES))
+    port = free_port()
+    service = f"127.0.0.1:{port}"
+    results = []
+    with AgentWatch(engine.agent_url) as watch:
+        am_config = alertmanager_config(
+            f"http://{service}/webhooks/alertmanager", tmp_path / "webhook.token"
+        )
+        with AlertmanagerServer.run(am_config, tmp_path / "am", alertmanager) as am:
+            prom_config = prometheus_config(
+                engine, rule_file, am.url.removeprefix("http://"), service
+            )
+            with PrometheusServer.run(prom_config, tmp_path / "prom", prometheus):
+                config = service_config(tmp_path, "a", engine, rules=False)
+                results.append(
+                    one_path(
+                        "(a) Prometheus -> Alertmanager -> webhook",
+                        engine,
+                        watch,
+                        config,
+                        tmp_path,
+                        "--no-rules",
+                        port=port,
+                    )
+                )
+        config = service_config(tmp_path, "b", engine, rules=True)
+        results.append(one_path("(b) embedded evaluator", engine, watch, config, tmp_path))
+    with capsys.disabled():
+        print()
+        for r in results:
+            print(r.line())
+    a, b = results
+    for r in results:
+        check_remediation(r, watch)
+    assert a.execution["trigger"] == "alert"
+    assert a.execution["who"] == "alertmanager:VllmOOMPressure"
+    webhooks = "vllm_runbook_service_webhooks_received_total"
+    assert a.metric(webhooks, status="firing") >= 1
+    assert a.metric(webhooks, status="resolved") >= 1
+    assert (b.execution["trigger"], b.execution["who"]) == ("alert", "rules:VllmOOMPressure")
+    assert b.metric("vllm_runbook_service_rule_evaluation_seconds_count") > 0
+    assert b.metric(webhooks, status="firing") == 0  # Alertmanager not involved
