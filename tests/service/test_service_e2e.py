@@ -215,7 +215,10 @@ def one_path(
         def reverted() -> list[dict[str, Any]] | None:
             rows = svc.get("/api/executions")
             done = next(r for r in rows if r["id"] == execution["id"])
-            return rows if done["status"] == REVERTED else None
+            revert = next((r for r in rows if r["reverts_id"] == execution["id"]), None)
+            # The original says reverted before the revert execution finishes.
+            finished = revert is not None and revert["status"] in FINAL
+            return rows if done["status"] == REVERTED and finished else None
 
         rows = wait_until(f"{name}: revert after the alert resolved", reverted, 90)
         result = PathResult(
