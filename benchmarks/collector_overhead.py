@@ -36,7 +36,7 @@ ENGINE_ARGS = dict(
     enforce_eager=True,
     seed=0,
 )
-WORKLOADS = {16: (16, 48, 96), 256: (256, 48, 24)}  # running: (requests, prompt, output)
+WORKLOADS = {16: (16, 48, 192), 256: (256, 48, 64)}  # running: (requests, prompt, output)
 
 
 def run_workload(llm, running: int, round_no: int) -> tuple[int, float]:  # type: ignore[no-untyped-def]
