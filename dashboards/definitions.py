@@ -72,6 +72,15 @@ def increase(series: str, window: str, by: str) -> str:
     return f"sum by ({by}) (increase({series}[{window}]))"
 
 
+def events(series: str, window: str, by: str) -> str:
+    """How many times a service counter moved per `window`, only where it did.
+
+    The service starts its counters at 0 for every runbook, status, engine and
+    knob it knows (so the first event counts); `> 0` keeps those zero series out
+    of the bars and legends."""
+    return f"{increase(series, window, by)} > 0"
+
+
 def service_rate(spec: M.MetricSpec, by: str) -> str:
     return f"sum by ({by}) ({rate(spec, engine=False)})"
 
@@ -741,7 +750,7 @@ def runbook_activity(notes: Q.RuleNotes) -> dict[str, Any]:
                         "rolled_back, reverted, refused, ...), stacked.",
                         [
                             Target(
-                                increase(executions, "$__interval", "runbook, status"),
+                                events(executions, "$__interval", "runbook, status"),
                                 "{{runbook}} {{status}}",
                             )
                         ],
@@ -755,7 +764,8 @@ def runbook_activity(notes: Q.RuleNotes) -> dict[str, Any]:
                         "Executions per runbook and status over the dashboard's time range.",
                         [
                             Target(
-                                f"round({increase(executions, '$__range', 'runbook, status')})",
+                                f"round({increase(executions, '$__range', 'runbook, status')})"
+                                " > 0",
                                 "{{runbook}} {{status}}",
                                 instant=True,
                             )
@@ -771,7 +781,7 @@ def runbook_activity(notes: Q.RuleNotes) -> dict[str, Any]:
                         "guardrail (cooldown, max runs per hour, blast radius, approval) said no.",
                         [
                             Target(
-                                increase(
+                                events(
                                     f'{executions}{{status=~"{undone}"}}',
                                     "$__interval",
                                     "runbook, status",
@@ -791,7 +801,9 @@ def runbook_activity(notes: Q.RuleNotes) -> dict[str, Any]:
                         "the runbook's checks.",
                         [
                             Target(
-                                quantile(q, S.DETECTION_TO_ACTION, by=("runbook",), engine=False),
+                                # >= 0 drops the NaN of runbooks that did not act in the window.
+                                quantile(q, S.DETECTION_TO_ACTION, by=("runbook",), engine=False)
+                                + " >= 0",
                                 f"p{round(q * 100)} {{{{runbook}}}}",
                             )
                             for q in (0.5, 0.99)
@@ -809,7 +821,7 @@ def runbook_activity(notes: Q.RuleNotes) -> dict[str, Any]:
                         S.KNOB_CHANGES.help,
                         [
                             Target(
-                                increase(S.KNOB_CHANGES.series_name, "$__interval", "engine, knob"),
+                                events(S.KNOB_CHANGES.series_name, "$__interval", "engine, knob"),
                                 "{{engine}} {{knob}}",
                             )
                         ],

@@ -35,6 +35,7 @@ class Query:
     expr: str
     panel: Mapping[str, Any] | None = None  # None for annotations and variables
     kind: str = "panel"  # panel | annotation | variable
+    instant: bool = False  # a panel target Grafana evaluates once, at the range's end
 
 
 def panels(dashboard: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
@@ -49,7 +50,9 @@ def queries(dashboard: Mapping[str, Any]) -> list[Query]:
     for panel in panels(dashboard):
         for target in panel.get("targets", []):
             where = f"panel {panel.get('id')} {panel.get('title')!r} target {target.get('refId')}"
-            out.append(Query(where, target.get("expr", ""), panel))
+            out.append(
+                Query(where, target.get("expr", ""), panel, instant=bool(target.get("instant")))
+            )
     for annotation in dashboard.get("annotations", {}).get("list", []):
         if "target" in annotation:
             out.append(Query(f"annotation {annotation['name']!r}", annotation["target"]["expr"],

@@ -117,7 +117,11 @@ def build(
         alert_runbooks=alert_runbooks,
         known_runbooks=frozenset(runbooks),
     )
-    metrics = ServiceMetrics(engine_names={normalize_url(e.agent): e.name for e in config.engines})
+    metrics = ServiceMetrics(
+        engine_names={normalize_url(e.agent): e.name for e in config.engines},
+        runbooks=sorted(runbooks),
+        scrape_targets=[t.url for e in config.engines for t in e.targets()] if rules else (),
+    )
     runner = None
     if worker:
         from runbooks.executor import Executor

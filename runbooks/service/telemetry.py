@@ -8,6 +8,12 @@ counts what it did itself, so Prometheus' sums over replicas are right.
 Executions and knob changes are read from the journal when an execution
 finishes: the journal is the record of what changed, and the metrics agree
 with it by construction.
+
+Every label combination the service can know in advance (runbooks x
+statuses, inventory engines x knobs, scrape targets x reasons) starts at 0.
+Prometheus' increase(), rate() and changes() count nothing for a series whose
+first sample is already 1: without the zeros, the first execution of a runbook
+would never show on the dashboards.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from runbooks import service_metrics as S
 from runbooks.engine_actions import KNOBS
 from runbooks.store import ExecutionRecord, StepRecord
 from runbooks.store.models import (
+    FAILED,
+    REFUSED,
     REVERTED,
     ROLLED_BACK,
     STEP_APPLIED,
@@ -33,6 +41,9 @@ REJECT_AUTH = "auth"
 REJECT_MALFORMED = "malformed"  # not JSON, not a v4 payload, or too large
 REJECT_STORE_DOWN = "store_down"
 PENDING = "pending"
+# The execution statuses this counter reaches (the active ones pass by).
+COUNTED_STATUSES = (PENDING, SUCCEEDED, FAILED, ROLLED_BACK, REVERTED, REFUSED)
+SCRAPE_ERROR_REASONS = ("unreachable", "http_status", "parse")
 
 
 def knob_changes(step: StepRecord) -> list[str]:
@@ -49,8 +60,12 @@ class ServiceMetrics:
         self,
         registry: CollectorRegistry | None = None,
         engine_names: Mapping[str, str] | None = None,
+        runbooks: Iterable[str] = (),
+        scrape_targets: Iterable[str] = (),
     ) -> None:
-        """`engine_names`: agent URL (as executions are keyed) -> inventory name."""
+        """`engine_names`: agent URL (as executions are keyed) -> inventory name;
+        `runbooks` and `scrape_targets` (URLs): the catalog's runbooks and what the
+        embedded evaluator scrapes, for the series that start at 0."""
         self.registry = registry or CollectorRegistry()
         self.engine_names = dict(engine_names or {})
         built = S.build_all(self.registry)
@@ -62,8 +77,21 @@ class ServiceMetrics:
         self.scrape_errors = cast(Counter, built[S.SCRAPE_ERRORS])
         self.incidents_firing = cast(Gauge, built[S.INCIDENTS_FIRING])
         self.knob_changes = cast(Counter, built[S.KNOB_CHANGES])
+        # A rate of 0, not "no data"; the first event counts (see the docstring).
         for reason in (REJECT_AUTH, REJECT_MALFORMED, REJECT_STORE_DOWN):
-            self.webhooks_rejected.labels(reason)  # a rate of 0, not "no data"
+            self.webhooks_rejected.labels(reason)
+        for status in ("firing", "resolved"):
+            self.webhooks_received.labels(status)
+        for runbook in runbooks:
+            self.detection_to_action.labels(runbook)
+            for status in COUNTED_STATUSES:
+                self.executions.labels(runbook, status)
+        for name in sorted(set(self.engine_names.values())):
+            for knob in KNOBS:
+                self.knob_changes.labels(name, knob)
+        for url in scrape_targets:
+            for reason in SCRAPE_ERROR_REASONS:
+                self.scrape_errors.labels(url, reason)
 
     def engine_name(self, engine_url: str) -> str:
         return self.engine_names.get(engine_url, engine_url)

@@ -39,9 +39,16 @@ def _short_legend(fmt: str, labels: Mapping[str, str]) -> str:
 
 
 def _points(series: Mapping[str, Any], start: float) -> tuple[list[float], list[float]]:
-    xs, ys = [], []
+    """The series' points; a gap (no sample for over 1.5 steps of 1 s) stays a gap,
+    as Grafana draws it, instead of a line across it."""
+    xs: list[float] = []
+    ys: list[float] = []
     for t, v in series["values"]:
-        xs.append(float(t) - start)
+        x = float(t) - start
+        if xs and x - xs[-1] > 1.5:
+            xs.append(xs[-1] + 1.0)
+            ys.append(math.nan)
+        xs.append(x)
         ys.append(float(v))
     return xs, ys
 
@@ -89,13 +96,31 @@ def draw_panel(
         ax.set_xticks([])
         ax.set_yticks([])
         return
-    stepped = defaults.get("custom", {}).get("lineInterpolation") == "stepAfter"
+    if panel["type"] in ("table", "bargauge"):
+        # One value per series, at the range's end.
+        rows = [
+            f"{_short_legend(t.get('legendFormat', ''), s['metric'])}: "
+            f"{_format_value(float(s['values'][-1][1]), unit)}"
+            for t in panel["targets"]
+            for s in ranges.get(substitute(t["expr"]), [])
+        ]
+        text = "\n".join(rows) or "no data"
+        ax.text(0.03, 0.95, text, ha="left", va="top", fontsize=8, transform=ax.transAxes)
+        ax.set_xticks([])
+        ax.set_yticks([])
+        return
+    custom = defaults.get("custom", {})
+    stepped = custom.get("lineInterpolation") == "stepAfter"
+    bars = custom.get("drawStyle") == "bars"
     drawn = 0
     for target in panel["targets"]:
         for series in ranges.get(substitute(target["expr"]), []):
             xs, ys = _points(series, start)
             label = _short_legend(target.get("legendFormat", ""), series["metric"])
-            if stepped:
+            if bars:
+                ax.bar(xs, ys, width=0.9, label=label, alpha=0.8)
+                ax.set_ylim(bottom=0)
+            elif stepped:
                 ax.step(xs, ys, where="post", label=label, linewidth=1.6)
             else:
                 ax.plot(xs, ys, label=label, linewidth=1.2)

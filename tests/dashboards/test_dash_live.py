@@ -7,11 +7,11 @@ ports, 1 s intervals) and the checked-in rule file. A few clients keep the
 engine busy while `runbook set` / `runbook restore` move the knobs, so the
 knob panels and the annotations have a step to show.
 
-`runbook serve` does not exist yet: its metrics come from a stand-in that
-builds them from runbooks/service_metrics.py (the declarations the service
-will use) and feeds them synthetic values. That checks the names, labels and
-PromQL of the runbook-activity panels against a real Prometheus, not the
-service's behaviour. Replace it with the real service once there is one.
+The queries that read `runbook serve`'s own series (runbook activity, the
+firing incidents, the executions annotation) are checked by the end-to-end
+test instead (tests/service/test_service_e2e.py), where a real alert makes the
+real service act on the engine; this Prometheus does not scrape a service.
+tests/dashboards/live.py splits the queries between the two.
 
 The engine-overview panels are also drawn from the real data into PNGs under
 artifacts/dashboards/ (there is no Grafana here). Set
@@ -20,9 +20,7 @@ VLLM_RUNBOOK_WRITE_DOCS_PNG=1 to refresh docs/engine-overview.png too.
 
 from __future__ import annotations
 
-import math
 import os
-import re
 import shutil
 import threading
 import time
@@ -34,66 +32,21 @@ from typing import Any
 
 import pytest
 import yaml
-from prometheus_client import CollectorRegistry, start_http_server
 
 from collector import metrics as M
 from dashboards import lint
 from dashboards.definitions import DASHBOARDS
 from dashboards.generate import DASHBOARDS_DIR
-from runbooks import service_metrics as S
-from runbooks.store.models import REFUSED, REVERTED, ROLLED_BACK, SUCCEEDED
-from tests.engines import PrometheusServer, ServedEngine, free_port, require_tool, runbook_cli
+from tests.dashboards.live import MODEL, finite, gpu_only, substitute, uses_service
+from tests.dashboards.live import load as lint_load
+from tests.engines import PrometheusServer, ServedEngine, require_tool, runbook_cli
 
 pytestmark = [pytest.mark.engine, pytest.mark.served, pytest.mark.service]
 
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "artifacts" / "dashboards"
-MODEL = "tiny-llama"
 LOAD_SECONDS = 20.0
-# What Grafana would put in for a 1 s scrape interval and a short time range.
-GRAFANA_VARIABLES = {
-    "model_name": MODEL,
-    "engine": "0",
-    "__rate_interval": "10s",
-    "__interval": "5s",
-    "__range": "60s",
-}
-_VARIABLE = re.compile(r"\$(\w+)")
-
-
-def substitute(expr: str) -> str:
-    return _VARIABLE.sub(lambda m: GRAFANA_VARIABLES[m.group(1)], expr)
-
-
-def finite(result: list[dict[str, Any]]) -> bool:
-    """Some series has a finite value (instant vector or matrix)."""
-    for series in result:
-        points = series.get("values") or [series.get("value")]
-        if any(p and math.isfinite(float(p[1])) for p in points):
-            return True
-    return False
-
-
-class ServiceStandIn:
-    """The service's declared metrics on loopback, fed synthetic values (see the docstring)."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.metrics = S.build_all(self.registry)
-        self.ticks = 0
-
-    def tick(self) -> None:
-        m = self.metrics
-        self.ticks += 1
-        m[S.WEBHOOKS_RECEIVED].labels("firing").inc()  # type: ignore[union-attr]
-        m[S.WEBHOOKS_REJECTED].labels("auth").inc()  # type: ignore[union-attr]
-        for status in (SUCCEEDED, REVERTED, ROLLED_BACK, REFUSED):
-            m[S.EXECUTIONS].labels("oom-pressure", status).inc()  # type: ignore[union-attr]
-        m[S.DETECTION_TO_ACTION].labels("oom-pressure").observe(12.0)  # type: ignore[union-attr]
-        m[S.RULE_EVALUATION].observe(0.002)  # type: ignore[union-attr]
-        m[S.SCRAPE_ERRORS].labels("llama-0", "connect").inc()  # type: ignore[union-attr]
-        m[S.INCIDENTS_FIRING].labels("VllmOOMPressure").set(1)  # type: ignore[union-attr]
-        m[S.KNOB_CHANGES].labels("llama-0", "max_num_batched_tokens").inc()  # type: ignore[union-attr]
+SERVICE_JOB = "runbook-serve"
 
 
 @dataclass
@@ -109,21 +62,18 @@ class LiveRun:
 
 
 def prometheus_config(addresses: dict[str, str]) -> str:
-    """The checked-in prometheus.yml with the test's targets and 1 s intervals."""
+    """The checked-in prometheus.yml with the test's targets and 1 s intervals,
+    without the service's job (see the docstring)."""
     doc = yaml.safe_load((DASHBOARDS_DIR / "prometheus.yml").read_text())
     doc["global"] = {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"}
     doc["rule_files"] = [str(DASHBOARDS_DIR / f) for f in doc["rule_files"]]
     doc.pop("alerting")
-    assert {job["job_name"] for job in doc["scrape_configs"]} == set(addresses)
+    assert {job["job_name"] for job in doc["scrape_configs"]} == {*addresses, SERVICE_JOB}
+    doc["scrape_configs"] = [j for j in doc["scrape_configs"] if j["job_name"] != SERVICE_JOB]
     for job in doc["scrape_configs"]:
         for static in job["static_configs"]:
             static["targets"] = [addresses[job["job_name"]]]
     return str(yaml.safe_dump(doc, sort_keys=False))
-
-
-def _tick(service: ServiceStandIn, stop: threading.Event) -> None:
-    while not stop.wait(0.5):
-        service.tick()
 
 
 def _load(served: ServedEngine, stop: threading.Event, worker: int) -> int:
@@ -141,11 +91,6 @@ def live(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     tmp = tmp_path_factory.mktemp("dash-live")
     multiproc = tmp / "multiproc"
     multiproc.mkdir()
-    service = ServiceStandIn()
-    service_port = free_port()
-    http_server, http_thread = start_http_server(
-        service_port, addr="127.0.0.1", registry=service.registry
-    )
     stop = threading.Event()
     try:
         with ServedEngine.run(
@@ -159,27 +104,22 @@ def live(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             addresses = {
                 "vllm": served.api_url.removeprefix("http://"),
                 "vllm-runbook-agent": served.agent_url.removeprefix("http://"),
-                "runbook-serve": f"127.0.0.1:{service_port}",
             }
             config = prometheus_config(addresses)
             with PrometheusServer.run(config, tmp / "prometheus", prometheus) as prom:
-                run = _drive_and_collect(served, prom, service, stop)
+                run = _drive_and_collect(served, prom, stop)
     finally:
         stop.set()
-        http_server.shutdown()
-        http_server.server_close()
-        http_thread.join(5)
     # Everything started above is stopped: the tests only read what was collected.
     yield run
 
 
 def _drive_and_collect(
-    served: ServedEngine, prom: PrometheusServer, service: ServiceStandIn, stop: threading.Event
+    served: ServedEngine, prom: PrometheusServer, stop: threading.Event
 ) -> LiveRun:
     start = time.time()
-    with ThreadPoolExecutor(4) as pool:
+    with ThreadPoolExecutor(3) as pool:
         workers: list[Future[int]] = [pool.submit(_load, served, stop, i) for i in range(3)]
-        pool.submit(_tick, service, stop)
         try:
             run = _collect(served, prom, start)
         finally:
@@ -206,6 +146,8 @@ def _collect(served: ServedEngine, prom: PrometheusServer, start: float) -> Live
     for name in DASHBOARDS:
         dashboard = lint_load(name)
         for q in lint.queries(dashboard):
+            if uses_service(q.expr):
+                continue
             expr = substitute(q.expr)
             if q.kind == "variable":
                 run.series[expr] = list(prom.api("series", **{"match[]": expr}))
@@ -225,28 +167,20 @@ def _collect(served: ServedEngine, prom: PrometheusServer, start: float) -> Live
     return run
 
 
-def lint_load(name: str) -> dict[str, Any]:
-    import json
-
-    return dict(json.loads((DASHBOARDS_DIR / name).read_text()))
-
-
-def _gpu_only(panel: Any) -> bool:
-    return bool(panel) and str(panel.get("description", "")).startswith("GPU-only")
-
-
 def test_every_dashboard_query_returns_data(live: LiveRun) -> None:
     missing = []
     checked = 0
     for name in DASHBOARDS:
         for q in lint.queries(lint_load(name)):
+            if uses_service(q.expr):
+                continue  # checked by the end-to-end test
             expr = substitute(q.expr)
             if q.kind == "variable":
                 ok = bool(live.series[expr])
             elif q.kind == "annotation":
                 ok = finite(live.ranges[expr])
             else:
-                if _gpu_only(q.panel) and not live.gpu:
+                if gpu_only(q.panel) and not live.gpu:
                     continue  # NVML series exist only with an NVIDIA GPU
                 ok = finite(live.instant[expr])
             checked += 1

@@ -58,12 +58,16 @@ class AlertmanagerServer:
     @classmethod
     @contextlib.contextmanager
     def run(
-        cls, config_text: str, workdir: Path, binary: str = "prometheus-alertmanager"
+        cls,
+        config_text: str,
+        workdir: Path,
+        binary: str = "prometheus-alertmanager",
+        port: int | None = None,
     ) -> Iterator[AlertmanagerServer]:
         workdir.mkdir(parents=True, exist_ok=True)
         config = workdir / "alertmanager.yml"
         config.write_text(config_text)
-        port = free_port()
+        port = port or free_port()
         log_path = workdir / "alertmanager.log"
         cmd = [
             binary,

@@ -10,13 +10,26 @@ per journal):
   (a) Prometheus -> Alertmanager -> webhook (`runbook serve --no-rules`);
   (b) the embedded evaluator of `runbook serve` (Alertmanager not involved).
 The test prints, for both, the time from the first preemption to the knob change.
+
+The same Prometheus scrapes the service through both paths, so the dashboards'
+queries on the service's own series (runbook activity, firing incidents, the
+executions annotation) are run against it at the end, while (b) still runs,
+and must all have data: this is what an operator's Grafana would show of the
+two remediations. For the rejected-webhook and scrape-error panels to show
+real events, (a) also receives two bad deliveries and (b)'s inventory holds an
+engine that is down. The runbook-activity panels are drawn into
+artifacts/runbook-activity/.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,11 +41,21 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from dashboards import lint
 from dashboards.generate import DASHBOARDS_DIR
 from rules.model import load_catalog
 from rules.promql import export
 from runbooks.store.models import REFUSED, REVERTED, STEP_APPLIED, SUCCEEDED
+from tests.dashboards.live import (
+    MODEL,
+    TimeRangeResults,
+    every_query,
+    run_over_time_range,
+    uses_service,
+)
+from tests.dashboards.live import load as load_dashboard
 from tests.engines import (
+    REPO_ROOT,
     PrometheusServer,
     ServedEngine,
     free_port,
@@ -48,6 +71,14 @@ OVERRIDES = {"VllmOOMPressure": {"for": "2s", "window": "10s"}}
 REQUESTS, PROMPT_TOKENS, OUTPUT_TOKENS = 64, 300, 300
 STARTUP = {"max_num_batched_tokens": 512, "max_num_seqs": 32}
 FINAL = (SUCCEEDED, "failed", "rolled_back", REFUSED)
+ARTIFACTS = REPO_ROOT / "artifacts" / "runbook-activity"
+DEAD_ENGINE = "gone-0"
+ACTIVITY = "runbook-activity.json"
+
+
+def checked_here(name: str, q: lint.Query) -> bool:
+    """The queries this test runs: the service's, and the whole runbook-activity dashboard."""
+    return name == ACTIVITY or uses_service(q.expr)
 
 
 @dataclass
@@ -127,6 +158,15 @@ class PathResult:
     def metric(self, name: str, **labels: str) -> float:
         return self.metrics.get((name, tuple(sorted(labels.items()))), 0.0)
 
+    def by_label(self, name: str, label: str) -> dict[str, float]:
+        """`name`'s samples summed by one label."""
+        out: dict[str, float] = {}
+        for (n, labels), value in self.metrics.items():
+            if n == name:
+                key = dict(labels)[label]
+                out[key] = out.get(key, 0.0) + value
+        return out
+
 
 def wait_until(what: str, probe: Callable[[], Any], limit: float) -> Any:
     end = time.monotonic() + limit
@@ -139,16 +179,20 @@ def wait_until(what: str, probe: Callable[[], Any], limit: float) -> Any:
 
 
 def service_config(tmp: Path, name: str, served: ServedEngine, rules: bool) -> Path:
+    engines: list[dict[str, Any]] = [
+        {
+            "name": "cpu-0",
+            "agent": served.agent_url,
+            # The alert's `instance` (Prometheus relabels both targets to vLLM's address).
+            "labels": {"instance": served.api_url.removeprefix("http://")},
+        }
+    ]
+    if rules:
+        # Down for good: the embedded evaluator counts its failed scrapes.
+        engines.append({"name": DEAD_ENGINE, "agent": f"http://127.0.0.1:{free_port()}"})
     doc: dict[str, Any] = {
         "database": f"sqlite:///{tmp / f'{name}.db'}",
-        "engines": [
-            {
-                "name": "cpu-0",
-                "agent": served.agent_url,
-                # The alert's `instance` (Prometheus relabels both targets to vLLM's address).
-                "labels": {"instance": served.api_url.removeprefix("http://")},
-            }
-        ],
+        "engines": engines,
         "automation": {"oom-pressure": "auto"},
         "webhook": {"token_file": str(tmp / "webhook.token")},
         "executor": {
@@ -192,8 +236,11 @@ def one_path(
     tmp: Path,
     *args: str,
     port: int | None = None,
+    at_start: Callable[[RunbookServe], None] = lambda svc: None,
+    at_end: Callable[[RunbookServe], None] = lambda svc: None,
 ) -> PathResult:
     with RunbookServe.run(config, tmp / f"serve-{name}.log", *args, port=port) as svc:
+        at_start(svc)
         time.sleep(2)  # quiet scrapes first: the counters' baselines
         start = time.time()
         with ThreadPoolExecutor(REQUESTS) as pool:
@@ -231,6 +278,7 @@ def one_path(
         for family in text_string_to_metric_families(svc.metrics()):
             for s in family.samples:
                 result.metrics[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        at_end(svc)
     return result
 
 
@@ -276,9 +324,47 @@ def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     # A 5 s window for the agent's preemptions_per_minute: the verification sees
     # preemptions stop within seconds (the default 60 s outlasts the test).
     with ServedEngine.run(
-        tiny_model, tmp / "engine.log", env={"VLLM_RUNBOOK_WINDOW_SECONDS": "5"}
+        tiny_model,
+        tmp / "engine.log",
+        env={"VLLM_RUNBOOK_WINDOW_SECONDS": "5"},
+        # The name the dashboards' $model_name is set to (tests/dashboards/live.py).
+        extra_args=["--served-model-name", MODEL],
     ) as served:
         yield served
+
+
+def post_bad_deliveries(prom: PrometheusServer) -> Callable[[RunbookServe], None]:
+    """One delivery without the token, one that is not JSON: both refused, nothing stored.
+
+    Sent once Prometheus has scraped the service's zeros: a counter whose first
+    sample is already 1 shows no increase (the dashboards would miss them)."""
+    rejected = 'vllm_runbook_service_webhooks_rejected_total{reason="auth"}'
+
+    def post(svc: RunbookServe) -> None:
+        wait_until("the service's first scrape", lambda: prom.query(rejected), 15)
+        _post_bad_deliveries(svc)
+
+    return post
+
+
+def _post_bad_deliveries(svc: RunbookServe) -> None:
+    url = svc.url + "/webhooks/alertmanager"
+    bad = [
+        ({"Content-Type": "application/json"}, b'{"version": "4"}', 401),
+        (
+            {"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"},
+            b"{not json",
+            400,
+        ),
+    ]
+    for headers, body, expected in bad:
+        request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=10) as resp:
+                status = resp.status
+        except urllib.error.HTTPError as exc:
+            status = exc.code
+        assert status == expected, (headers, body, status)
 
 
 def test_alert_to_remediation_to_revert_both_paths(
@@ -289,18 +375,36 @@ def test_alert_to_remediation_to_revert_both_paths(
     (tmp_path / "webhook.token").write_text(TOKEN + "\n")
     rule_file = tmp_path / "rules.yml"
     rule_file.write_text(export(load_catalog(), OVERRIDES))
-    port = free_port()
+    port, am_port = free_port(), free_port()
     service = f"127.0.0.1:{port}"
     results = []
+    dashboards: list[TimeRangeResults] = []
+    start = time.time()
+    # Service queries of every dashboard and the whole runbook-activity dashboard,
+    # the way Grafana would run them over the test's time range.
+    queries = every_query(checked_here)
+
+    def scraped(prom: PrometheusServer) -> Callable[[RunbookServe], None]:
+        """Before a service stops: Prometheus has scraped its final counts."""
+        reverted = 'sum(vllm_runbook_service_executions_total{status="reverted"}) >= 1'
+        return lambda svc: wait_until("the revert scraped", lambda: prom.query(reverted), 15)
+
+    def query_dashboards(prom: PrometheusServer) -> Callable[[RunbookServe], None]:
+        def run(svc: RunbookServe) -> None:
+            scraped(prom)(svc)
+            time.sleep(2)  # a second sample of it, for rate() and changes()
+            dashboards.append(run_over_time_range(prom, queries, start, time.time()))
+
+        return run
+
     with AgentWatch(engine.agent_url) as watch:
-        am_config = alertmanager_config(
-            f"http://{service}/webhooks/alertmanager", tmp_path / "webhook.token"
-        )
-        with AlertmanagerServer.run(am_config, tmp_path / "am", alertmanager) as am:
-            prom_config = prometheus_config(
-                engine, rule_file, am.url.removeprefix("http://"), service
+        # Prometheus outlives both paths: it scrapes both services (same port).
+        prom_config = prometheus_config(engine, rule_file, f"127.0.0.1:{am_port}", service)
+        with PrometheusServer.run(prom_config, tmp_path / "prom", prometheus) as prom:
+            am_config = alertmanager_config(
+                f"http://{service}/webhooks/alertmanager", tmp_path / "webhook.token"
             )
-            with PrometheusServer.run(prom_config, tmp_path / "prom", prometheus):
+            with AlertmanagerServer.run(am_config, tmp_path / "am", alertmanager, port=am_port):
                 config = service_config(tmp_path, "a", engine, rules=False)
                 results.append(
                     one_path(
@@ -311,10 +415,24 @@ def test_alert_to_remediation_to_revert_both_paths(
                         tmp_path,
                         "--no-rules",
                         port=port,
+                        at_start=post_bad_deliveries(prom),
+                        at_end=scraped(prom),
                     )
                 )
-        config = service_config(tmp_path, "b", engine, rules=True)
-        results.append(one_path("(b) embedded evaluator", engine, watch, config, tmp_path))
+            # Alertmanager is gone: in (b) Prometheus's alerts reach nobody.
+            config = service_config(tmp_path, "b", engine, rules=True)
+            results.append(
+                one_path(
+                    "(b) embedded evaluator",
+                    engine,
+                    watch,
+                    config,
+                    tmp_path,
+                    port=port,
+                    at_end=query_dashboards(prom),
+                )
+            )
+            seen = seen_by_prometheus(prom, time.time() - start)
     with capsys.disabled():
         print()
         for r in results:
@@ -327,6 +445,83 @@ def test_alert_to_remediation_to_revert_both_paths(
     webhooks = "vllm_runbook_service_webhooks_received_total"
     assert a.metric(webhooks, status="firing") >= 1
     assert a.metric(webhooks, status="resolved") >= 1
+    rejected = "vllm_runbook_service_webhooks_rejected_total"
+    assert a.metric(rejected, reason="auth") == 1
+    assert a.metric(rejected, reason="malformed") == 1
     assert (b.execution["trigger"], b.execution["who"]) == ("alert", "rules:VllmOOMPressure")
     assert b.metric("vllm_runbook_service_rule_evaluation_seconds_count") > 0
     assert b.metric(webhooks, status="firing") == 0  # Alertmanager not involved
+    assert b.metric("vllm_runbook_service_incidents_firing", alert="VllmOOMPressure") == 0
+    scrape_errors = b.by_label("vllm_runbook_service_scrape_errors_total", "target")
+    assert scrape_errors[engine.agent_url + "/metrics"] == 0
+    assert sum(scrape_errors.values()) > 0, "no failed scrape of the engine that is down"
+    # What Prometheus saw of the service over both paths, as the dashboards read it.
+    assert seen == {
+        "executions succeeded": 2,
+        "executions reverted": 2,
+        "rejected auth": 1,
+        "rejected malformed": 1,
+        "dead engine scrape errors": True,
+    }, seen
+    check_dashboards(dashboards)
+
+
+def seen_by_prometheus(prom: PrometheusServer, span: float) -> dict[str, Any]:
+    window = f"{int(span) + 5}s"
+    executions = "vllm_runbook_service_executions_total"
+    rejected = "vllm_runbook_service_webhooks_rejected_total"
+
+    def value(expr: str) -> float:
+        result = prom.query(expr)
+        return float(result[0]["value"][1]) if result else 0.0
+
+    return {
+        # Two service processes, one after the other: the counters restart at 0,
+        # which increase() handles; round() undoes its extrapolation.
+        "executions succeeded": round(
+            value(
+                f'sum(increase({executions}{{runbook="oom-pressure",status="succeeded"}}[{window}]))'
+            )
+        ),
+        "executions reverted": round(
+            value(
+                f'sum(increase({executions}{{runbook="oom-pressure",status="reverted"}}[{window}]))'
+            )
+        ),
+        "rejected auth": round(value(f'sum(increase({rejected}{{reason="auth"}}[{window}]))')),
+        "rejected malformed": round(
+            value(f'sum(increase({rejected}{{reason="malformed"}}[{window}]))')
+        ),
+        "dead engine scrape errors": value(
+            f"sum(increase(vllm_runbook_service_scrape_errors_total[{window}]))"
+        )
+        > 0,
+    }
+
+
+def check_dashboards(dashboards: list[TimeRangeResults]) -> None:
+    """Every service query of every dashboard had data over the test's time range."""
+    [run] = dashboards
+    queries = every_query(checked_here)
+    missing = [f"{name}: {q.where}: {run.expr(q)}" for name, q in queries if not run.has_data(q)]
+    assert not missing, "no data:\n" + "\n".join(missing)
+    activity = [q for name, q in queries if name == ACTIVITY]
+    assert len(activity) >= 15 and len(queries) > len(activity)
+    try:
+        import matplotlib
+    except ImportError:
+        if os.environ.get("CI"):
+            raise AssertionError("matplotlib missing: install the `plots` extra") from None
+        return
+    matplotlib.use("Agg")
+    from tests.dashboards.draw import draw_dashboard
+
+    if ARTIFACTS.exists():
+        shutil.rmtree(ARTIFACTS)
+    ARTIFACTS.mkdir(parents=True)
+    composite, _ = draw_dashboard(
+        load_dashboard(ACTIVITY), run.ranges, run.expr, ARTIFACTS, run.start, run.end
+    )
+    assert composite.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    if os.environ.get("VLLM_RUNBOOK_WRITE_DOCS_PNG"):
+        shutil.copy(composite, REPO_ROOT / "docs" / "runbook-activity.png")

@@ -191,6 +191,45 @@ def test_metrics_of_the_rules_engine_are_exported_at_zero(sqlite_url: str) -> No
     assert "vllm_runbook_service_incidents_firing{" not in text
 
 
+def test_known_label_combinations_start_at_zero() -> None:
+    """Prometheus' increase()/changes() miss an event whose series first appears
+    at 1: every runbook x status, engine x knob and scrape target x reason the
+    service knows is exported at 0 before anything happens."""
+    from prometheus_client import generate_latest
+
+    from runbooks.service.telemetry import COUNTED_STATUSES
+
+    metrics = ServiceMetrics(
+        engine_names={URL: "engine-a"},
+        runbooks=["oom-pressure", "latency-spike"],
+        scrape_targets=[URL + "/metrics"],
+    )
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+        for s in family.samples
+    }
+
+    def zero(name: str, **labels: str) -> bool:
+        return samples.get((name, tuple(sorted(labels.items())))) == 0.0
+
+    for runbook in ("oom-pressure", "latency-spike"):
+        for status in COUNTED_STATUSES:
+            assert zero("vllm_runbook_service_executions_total", runbook=runbook, status=status)
+        assert zero("vllm_runbook_service_detection_to_action_seconds_count", runbook=runbook)
+    for knob in ("max_num_batched_tokens", "max_num_seqs", "policy"):
+        assert zero("vllm_runbook_service_knob_changes_total", engine="engine-a", knob=knob)
+    for reason in ("unreachable", "http_status", "parse"):
+        assert zero(
+            "vllm_runbook_service_scrape_errors_total", target=URL + "/metrics", reason=reason
+        )
+    for status in ("firing", "resolved"):
+        assert zero("vllm_runbook_service_webhooks_received_total", status=status)
+    # Nothing invented: only what was named.
+    runbooks = {dict(k[1])["runbook"] for k in samples if k[0].endswith("executions_total")}
+    assert runbooks == {"oom-pressure", "latency-spike"}
+
+
 def test_embedded_evaluator_handoff_runs_once_and_reverts_on_resolve(service: Service) -> None:
     from rules.config import EngineConfig
     from rules.incidents import IncidentEvent
