@@ -764,8 +764,7 @@ def runbook_activity(notes: Q.RuleNotes) -> dict[str, Any]:
                         "Executions per runbook and status over the dashboard's time range.",
                         [
                             Target(
-                                f"round({increase(executions, '$__range', 'runbook, status')})"
-                                " > 0",
+                                f"round({increase(executions, '$__range', 'runbook, status')}) > 0",
                                 "{{runbook}} {{status}}",
                                 instant=True,
                             )

@@ -1,11 +1,11 @@
 """Running the dashboards' queries against a real Prometheus, the way Grafana would.
 
-Two live tests share this. tests/dashboards/test_dash_live.py checks every
-query that reads the engine's series (collector and vLLM) against a served
-engine under load; tests/service/test_service_e2e.py checks every query that
-reads `runbook serve`'s own series against the end-to-end run, where a real
-alert makes the real service act on the engine. `uses_service` splits the
-queries between them, so together they cover every query of every dashboard.
+Two live tests share this. tests/service/test_service_e2e.py runs every query
+of every dashboard over the time range of the end-to-end run, where a real
+alert makes the real `runbook serve` act on a real engine (graphs as range
+queries, tables at the end). tests/dashboards/test_dash_live.py runs the
+queries on the engine's series at the end of a steady load, when every rate
+and ratio has recent samples; it scrapes no service (`uses_service`).
 """
 
 from __future__ import annotations

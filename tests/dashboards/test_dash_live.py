@@ -8,10 +8,10 @@ engine busy while `runbook set` / `runbook restore` move the knobs, so the
 knob panels and the annotations have a step to show.
 
 The queries that read `runbook serve`'s own series (runbook activity, the
-firing incidents, the executions annotation) are checked by the end-to-end
-test instead (tests/service/test_service_e2e.py), where a real alert makes the
-real service act on the engine; this Prometheus does not scrape a service.
-tests/dashboards/live.py splits the queries between the two.
+firing incidents, the executions annotation) are left to the end-to-end test
+(tests/service/test_service_e2e.py), which runs every query of every
+dashboard over its run, where a real alert makes the real service act on the
+engine; this Prometheus scrapes no service.
 
 The engine-overview panels are also drawn from the real data into PNGs under
 artifacts/dashboards/ (there is no Grafana here). Set
