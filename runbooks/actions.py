@@ -83,8 +83,15 @@ class RestoreKnobs(ActionParams):
 
 
 class SendWarmupRequests(ActionParams):
+    """Send `count` completions of `prompt_tokens` prompt tokens to the engine's
+    vLLM API server (needs its URL: the inventory's `vllm:`, or `--vllm`)."""
+
     count: Annotated[int, Field(ge=1, le=10_000)]
     prompt_tokens: Annotated[int, Field(ge=1)]
+    output_tokens: Annotated[int, Field(ge=1, le=4096)] = 16
+    # At most this many in flight: warm-up must not become the overload it prevents.
+    concurrency: Annotated[int, Field(ge=1, le=64)] = 4
+    timeout_seconds: Annotated[float, Field(gt=0, le=3600)] = 120.0
 
 
 class CaptureDiagnostics(ActionParams):

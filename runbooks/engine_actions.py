@@ -1,7 +1,8 @@
 """The catalog's actions, implemented against the engine agent, and the signals they read.
 
 `engine_registry()` returns the declared registry (`runbooks.actions`) with
-every action that can act through the agent implemented. An action is a plain
+every action implemented: through the agent, and warm-up through the engine's
+vLLM API server (`runbooks.warmup`). An action is a plain
 function `fn(params, ctx) -> ActionOutcome`: `ctx` carries the agent client,
 a fresh `/v1/state`, the dry-run flag and `ctx.begin(before, details)`, which
 the executor turns into a journal row *committed before the action touches
@@ -34,6 +35,7 @@ from runbooks.actions import (
     declared_registry,
 )
 from runbooks.client import EngineClient
+from runbooks.warmup import send_warmup_requests
 
 KNOBS: Final = ("max_num_batched_tokens", "max_num_seqs", "policy")
 
@@ -145,6 +147,8 @@ class ActionContext:
     # Record the before-values (and resolved details) in the journal; must be
     # called before the engine is touched. The executor commits it at once.
     begin: Callable[[dict[str, Any], dict[str, Any]], None]
+    # The engine's vLLM API server (warm-up requests go there), when known.
+    api_url: str | None = None
 
     @property
     def knobs(self) -> dict[str, Any]:
@@ -285,13 +289,12 @@ IMPLEMENTATIONS: Final[Mapping[str, Callable[..., ActionOutcome]]] = {
     "restore_knobs": restore_knobs,
     "capture_diagnostics": capture_diagnostics,
     "advise": advise,
-    # send_warmup_requests needs the engine's vLLM API URL (not the agent's):
-    # left declared-only until the inventory gives the executor that URL.
+    "send_warmup_requests": send_warmup_requests,
 }
 
 
 def engine_registry() -> _Registry:
-    """The catalog's registry with every agent-backed action implemented."""
+    """The catalog's registry with every action implemented."""
     registry = declared_registry()
     for name, fn in IMPLEMENTATIONS.items():
         registry.implement(name, fn)

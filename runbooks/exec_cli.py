@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any, Final
 
-from runbooks.client import CommandRefused, EngineClientError
+from runbooks.client import CommandRefused, EngineClientError, normalize_url
 from runbooks.executor import (
     EXIT_REFUSED,
     EXIT_STORE,
@@ -56,6 +56,11 @@ def add_subcommands(subparsers: Any) -> None:
     p = subparsers.add_parser("exec", help="run a runbook against an engine (guarded, journaled)")
     p.add_argument("name", help="runbook name (see `runbook list`)")
     p.add_argument("--engine", required=True, metavar="URL", help="engine agent URL")
+    p.add_argument(
+        "--vllm",
+        metavar="URL",
+        help="the engine's vLLM API server, for actions that send requests (warmup)",
+    )
     p.add_argument("--dry-run", action="store_true", help="show what would change; change nothing")
     p.add_argument("--yes", action="store_true", help="approve a runbook that requires approval")
     p.add_argument(
@@ -119,13 +124,24 @@ def _executor(args: argparse.Namespace, store: Store) -> Executor:
     registry = engine_registry()
     catalog = load_catalog(args.catalog, registry=registry)
     token = args.token
+    api_urls = {}
+    if getattr(args, "vllm", None):
+        api_urls[normalize_url(args.engine)] = _api_url(args.vllm)
     return Executor(
         store,
         catalog,
         registry,
         client_factory=lambda url: EngineClient(url, token),
         poll_seconds=args.poll_seconds or 0.05,
+        api_urls=api_urls,
     )
+
+
+def _api_url(url: str) -> str:
+    try:
+        return normalize_url(url)
+    except CommandRefused:
+        raise CommandRefused(f"--vllm: not an HTTP URL: {url!r}") from None
 
 
 def _output(args: argparse.Namespace, result: ExecutionResult) -> int:

@@ -211,6 +211,8 @@ class Executor:
     catalog: Catalog | None = None
     registry: ActionRegistry = field(default_factory=engine_registry)
     client_factory: Callable[[str], EngineClient] = EngineClient
+    # Agent URL (normalized) -> the engine's vLLM API server, for warm-up requests.
+    api_urls: Mapping[str, str] = field(default_factory=dict)
     # Seconds between signal reads while waiting (conditions, verification).
     poll_seconds: float = 1.0
     sleep: Callable[[float], None] = time.sleep
@@ -698,7 +700,9 @@ class _Run:
                 )
             )
 
-        ctx = ActionContext(self.client, state, self.dry_run, begin)
+        ctx = ActionContext(
+            self.client, state, self.dry_run, begin, self.x.api_urls.get(self.client.url)
+        )
         outcome: ActionOutcome = self.x.registry.call(step.action, step.params, ctx)
         return outcome
 
@@ -708,6 +712,14 @@ class _Run:
             outcome = self._call(step, details, started)
         except (EngineClientError, ActionError) as error:
             for row in started:
+                self.store.finish_step(row.id, STEP_FAILED, error=_one_line(error))
+            read_only = step.action in self.x.registry and not (
+                self.x.registry.get(step.action).mutating
+            )
+            if read_only and not started:
+                # A read-only action (warm-up) that failed: the journal says which.
+                params = {**step.params, **details}
+                row = self.store.add_step(self.id, step.action, params, status=STEP_APPLYING)
                 self.store.finish_step(row.id, STEP_FAILED, error=_one_line(error))
             if isinstance(error, EngineUnreachable) and started:
                 # The request may have landed before the connection broke:

@@ -51,9 +51,25 @@ def format_table(rows: Iterable[Sequence[Any]], headers: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+def format_warmup(w: Mapping[str, Any]) -> str:
+    """A warm-up step's result: what was sent and what came back."""
+    shape = f"{w.get('prompt_tokens')}+{w.get('output_tokens')} tokens"
+    if not w.get("sent"):
+        return f"would send {w.get('requests')} requests of {shape} to {w.get('api')}"
+    text = (
+        f"sent {w['sent']} requests of {shape} to {w.get('api')}: "
+        f"{w.get('succeeded')} ok, {w.get('failed')} failed in {format_value(w.get('seconds'))} s"
+    )
+    if w.get("first_error"):
+        text += f" (first error: {w['first_error']})"
+    return text
+
+
 def format_change(before: Mapping[str, Any] | None, after: Mapping[str, Any] | None) -> str:
     """`knob: before → after` for every knob either side mentions."""
     before, after = before or {}, after or {}
+    if not before and isinstance(after.get("warmup"), Mapping):
+        return format_warmup(after["warmup"])
     keys = list(before) + [k for k in after if k not in before]
     if not keys:
         return "-"

@@ -128,7 +128,15 @@ def build(
         from runbooks.service.worker import Worker
 
         runner = Worker(
-            store, Executor(store, runbooks, registry), waits=config.executor, metrics=metrics
+            store,
+            Executor(
+                store,
+                runbooks,
+                registry,
+                api_urls={normalize_url(e.agent): e.vllm for e in config.engines if e.vllm},
+            ),
+            waits=config.executor,
+            metrics=metrics,
         )
     leader = None
     if rules and config.engines:

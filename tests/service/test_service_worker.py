@@ -265,3 +265,32 @@ def test_embedded_evaluator_handoff_runs_once_and_reverts_on_resolve(service: Se
     assert service.store.get_execution(done.id).status == REVERTED
     pending = "vllm_runbook_service_executions_total"
     assert service.value(pending, runbook="oom-pressure", status="pending") == 1
+
+
+def test_serve_wires_the_inventory_into_the_executor_and_the_metrics(tmp_path: Path) -> None:
+    """`runbook serve`'s assembly: the inventory's `vllm:` URL reaches the executor
+    (warm-up requests go there), and the metrics start at 0 for its engines."""
+    from runbooks.service.serve_cli import build
+
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    cfg = tmp_path / "runbook.yaml"
+    cfg.write_text(
+        "engines:\n"
+        "  - {name: engine-a, agent: 'http://127.0.0.1:9/', vllm: 'http://127.0.0.1:8000'}\n"
+        "  - {name: engine-b, agent: 'http://127.0.0.1:10'}\n"
+        f"database: sqlite:///{tmp_path / 'j.db'}\n"
+        "webhook: {token_file: token}\n"
+    )
+    _, store, app, worker, _ = build(str(cfg), None, "127.0.0.1")
+    try:
+        assert worker.executor.api_urls == {"http://127.0.0.1:9": "http://127.0.0.1:8000"}
+        text = TestClient(app).get("/metrics").text
+        assert (
+            'vllm_runbook_service_executions_total{runbook="warmup",status="succeeded"} 0.0' in text
+        )
+        assert (
+            'vllm_runbook_service_knob_changes_total{engine="engine-b",knob="policy"} 0.0' in text
+        )
+        assert 'target="http://127.0.0.1:9/metrics"' in text  # the evaluator's scrape errors
+    finally:
+        store.close()

@@ -1,0 +1,134 @@
+"""The `send_warmup_requests` action: real completions through the engine's vLLM API.
+
+The agent lives in the EngineCore process and cannot submit requests, so
+warm-up goes where traffic goes: vLLM's OpenAI-compatible server (the
+inventory's `vllm:` URL, or `runbook exec --vllm`). Each request is a prompt
+of exactly `prompt_tokens` token ids (no tokenizer needed: the completions
+API takes ids), different per request and per run so the prefix cache does
+not turn the prefill into a lookup, and `output_tokens` tokens are generated with
+`ignore_eos` so the decode path runs that many steps. At most `concurrency`
+are in flight. Prompts longer than the model's `max_model_len` allows are
+shortened to fit (reported in the details).
+
+vLLM's `VLLM_API_KEY` in this process's environment is sent as the bearer
+token, as vLLM's server expects it. Read-only for the engine's knobs: nothing
+to revert.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from runbooks.actions import ActionError, SendWarmupRequests
+
+if TYPE_CHECKING:
+    from runbooks.engine_actions import ActionContext, ActionOutcome
+
+# Token ids every vocabulary has (the tiny test model has 512; 0-2 are special there).
+_FIRST_ID, _ID_SPAN = 3, 500
+_PROMPTS = _ID_SPAN * _ID_SPAN  # distinct prompt heads
+
+
+class WarmupFailed(ActionError):
+    """No warm-up request could be served (or the API server is unknown or down)."""
+
+
+def warmup_prompt(index: int, length: int) -> list[int]:
+    """Prompt `index`: `length` token ids whose first two spell `index` (below
+    250,000), so no two prompts share a cached block."""
+    head = [index % _ID_SPAN, (index // _ID_SPAN) % _ID_SPAN]
+    ids = head + [(index * 7919 + j * 104_729 + j * j) % _ID_SPAN for j in range(2, length)]
+    return [_FIRST_ID + t for t in ids[:length]]
+
+
+def _headers() -> dict[str, str]:
+    key = os.environ.get("VLLM_API_KEY", "").strip()
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _model(client: httpx.Client, api_url: str) -> tuple[str, int | None]:
+    """The served model's id and max_model_len from GET /v1/models."""
+    try:
+        response = client.get(f"{api_url}/v1/models")
+    except httpx.HTTPError as exc:
+        raise WarmupFailed(f"vLLM API server {api_url} unreachable: {exc}") from None
+    if response.status_code != 200:
+        raise WarmupFailed(f"vLLM API server {api_url}/v1/models: HTTP {response.status_code}")
+    try:
+        card = response.json()["data"][0]
+        return str(card["id"]), card.get("max_model_len")
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise WarmupFailed(f"{api_url}/v1/models: not a vLLM model list") from None
+
+
+def send_warmup_requests(params: SendWarmupRequests, ctx: ActionContext) -> ActionOutcome:
+    from runbooks.engine_actions import ActionOutcome
+
+    if not ctx.api_url:
+        raise WarmupFailed(
+            "send_warmup_requests needs the engine's vLLM API server URL: set `vllm:` "
+            "for this engine in the inventory, or pass --vllm URL"
+        )
+    api_url = ctx.api_url.rstrip("/")
+    timeout = httpx.Timeout(params.timeout_seconds, connect=10.0)
+    with httpx.Client(timeout=timeout, headers=_headers()) as client:
+        model, max_model_len = _model(client, api_url)
+        prompt_tokens = params.prompt_tokens
+        if max_model_len is not None and prompt_tokens + params.output_tokens > max_model_len:
+            prompt_tokens = max(1, int(max_model_len) - params.output_tokens)
+        plan = {
+            "api": api_url,
+            "model": model,
+            "requests": params.count,
+            "prompt_tokens": prompt_tokens,
+            "output_tokens": params.output_tokens,
+            "concurrency": params.concurrency,
+        }
+        if prompt_tokens != params.prompt_tokens:
+            plan["prompt_tokens_requested"] = params.prompt_tokens
+        if ctx.dry_run:
+            return ActionOutcome(after={"warmup": {**plan, "sent": 0}}, details=plan)
+
+        # A fresh offset per run: a second warm-up is not served from the
+        # blocks the first one left in the prefix cache.
+        offset = secrets.randbelow(_PROMPTS)
+
+        def one(index: int) -> str | None:
+            body = {
+                "model": model,
+                "prompt": warmup_prompt((offset + index) % _PROMPTS, prompt_tokens),
+                "max_tokens": params.output_tokens,
+                "min_tokens": params.output_tokens,
+                "ignore_eos": True,
+                "temperature": 0.0,
+            }
+            try:
+                response = client.post(f"{api_url}/v1/completions", json=body)
+            except httpx.HTTPError as exc:
+                return f"{type(exc).__name__}: {exc}"
+            if response.status_code != 200:
+                return f"HTTP {response.status_code}: {response.text[:200]}"
+            return None
+
+        started = time.monotonic()
+        with ThreadPoolExecutor(min(params.concurrency, params.count)) as pool:
+            errors = [e for e in pool.map(one, range(params.count)) if e is not None]
+        seconds = round(time.monotonic() - started, 3)
+    summary: dict[str, Any] = {
+        **plan,
+        "sent": params.count,
+        "succeeded": params.count - len(errors),
+        "failed": len(errors),
+        "seconds": seconds,
+    }
+    if errors:
+        summary["first_error"] = " ".join(errors[0].split())
+    if len(errors) == params.count:
+        raise WarmupFailed(f"no warm-up request succeeded ({params.count} sent): {errors[0]}")
+    return ActionOutcome(after={"warmup": summary}, details=plan)
