@@ -17,7 +17,9 @@ import logging
 import math
 import os
 import secrets
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import accumulate, repeat
@@ -174,6 +176,18 @@ class EngineCollector:
         self.preemption_window = SlidingWindowRatio(self.settings.window_seconds)
         self.kv_usage_peak = SlidingWindowMax(self.settings.window_seconds)
         self._usable_blocks = self.block_pool.num_gpu_blocks - 1  # minus vLLM's null block
+        # Requests never scheduled yet, in the order they reached the engine:
+        # (request id, wall time of add_request). Only the head is looked at,
+        # once per step; entries behind it that were scheduled or aborted
+        # meanwhile are dropped when they reach it.
+        self._never_scheduled: deque[tuple[str, float]] = deque()
+        from vllm.v1.request import RequestStatus
+
+        self._first_wait = frozenset(s for s in RequestStatus if s.name.startswith("WAITING"))
+        self.oldest_waiting_since: float | None = None  # when the head reached the engine
+        self.wall_clock: Callable[[], float] = time.time
+        self._horizon_lock = threading.Lock()
+        self._horizon_floor = 0.0
         self.control = EngineControl(scheduler, lambda: self.steps)
 
         self._wrap_prefix_cache_stats(kv_manager)
@@ -246,6 +260,7 @@ class EngineCollector:
             stats[key] = None if math.isnan(s.value) else s.value
         preempted, _ = self.preemption_window.sums()
         stats["preemptions_per_minute"] = preempted * 60.0 / self.settings.window_seconds
+        stats["admitted_before_time"] = self.waiting_horizon()[1]
         bounds = self.control.bounds()
         return {
             "engine": {
@@ -287,6 +302,42 @@ class EngineCollector:
         self.prefix_hits += num_hits
         self.hit_window.add(num_hits, num_tokens)
 
+    def on_add_request(self, request: Any) -> None:
+        """A request reached the engine: it waits for its first schedule from now."""
+        since = self.wall_clock()
+        self._never_scheduled.append((request.request_id, since))
+        if self.oldest_waiting_since is None:
+            self.oldest_waiting_since = since
+
+    def _advance_oldest_waiting(self, scheduler: Any) -> None:
+        """Drop the head while it is no longer waiting for its first schedule."""
+        queue, requests = self._never_scheduled, scheduler.requests
+        while queue:
+            request_id, since = queue[0]
+            request = requests.get(request_id)
+            if request is not None and request.status in self._first_wait:
+                self.oldest_waiting_since = since
+                return
+            queue.popleft()
+        self.oldest_waiting_since = None
+
+    def waiting_horizon(self) -> tuple[float, float]:
+        """(age, admitted_before): how long the oldest request waiting for its first
+        schedule has been in the engine (0 when none waits), and the time before
+        which every request the engine received has been scheduled at least once
+        (that request's arrival in the engine, or now when none waits).
+
+        Any thread. `admitted_before` never decreases (a floor under a lock, as
+        HTTP threads race with the engine thread's add): it stands still while a
+        request starves and moves on as the queue is served."""
+        now = self.wall_clock()
+        since = self.oldest_waiting_since
+        age = 0.0 if since is None else max(0.0, now - since)
+        with self._horizon_lock:
+            horizon = max(self._horizon_floor, now if since is None else since)
+            self._horizon_floor = horizon
+        return age, horizon
+
     def on_schedule(self, scheduler: Any, output: Any, elapsed: float, free_before: int) -> None:
         """After schedule(): `request.num_computed_tokens` includes this step.
         `free_before`: free KV blocks when schedule() started."""
@@ -305,6 +356,8 @@ class EngineCollector:
         if preempted:
             self.preemptions += preempted
             self.preemption_window.add(preempted, 0)
+        if self._never_scheduled:
+            self._advance_oldest_waiting(scheduler)
 
         running = scheduler.running
         if not running:
@@ -372,6 +425,7 @@ class EngineCollector:
             Sample(M.UNPADDED_TOKENS, self.unpadded_tokens),
             Sample(M.REQUESTS_RUNNING, len(sched.running)),
             Sample(M.REQUESTS_WAITING, len(sched.waiting) + len(sched.kv_holding_waiting)),
+            Sample(M.OLDEST_WAITING, self.waiting_horizon()[0]),
             Sample(M.PREEMPTIONS, self.preemptions),
             Sample(M.KV_BLOCKS_USED, usable - free),
             Sample(M.KV_BLOCKS_FREE, free),
@@ -475,14 +529,28 @@ class RunbookSchedulerMixin:
         if runbook is None:
             return super().add_request(*args, **kwargs)  # type: ignore[misc]
         with runbook.control.lock:
-            return super().add_request(*args, **kwargs)  # type: ignore[misc]
+            result = super().add_request(*args, **kwargs)  # type: ignore[misc]
+        if runbook.enabled:
+            try:
+                runbook.on_add_request(args[0] if args else kwargs["request"])
+            except Exception as exc:
+                runbook.disable(exc)
+        return result
 
     def finish_requests(self, *args: Any, **kwargs: Any) -> Any:
         runbook = self._runbook
         if runbook is None:
             return super().finish_requests(*args, **kwargs)  # type: ignore[misc]
         with runbook.control.lock:
-            return super().finish_requests(*args, **kwargs)  # type: ignore[misc]
+            result = super().finish_requests(*args, **kwargs)  # type: ignore[misc]
+        if runbook.enabled and runbook._never_scheduled:
+            # An abort of a queued request: the engine may go idle with no step to
+            # notice it, and a stale head would read as a request starving.
+            try:
+                runbook._advance_oldest_waiting(self)
+            except Exception as exc:
+                runbook.disable(exc)
+        return result
 
     def shutdown(self) -> None:
         try:

@@ -121,6 +121,12 @@ REQUESTS_RUNNING = _spec("num_requests_running", "gauge", "Requests in the runni
 REQUESTS_WAITING = _spec(
     "num_requests_waiting", "gauge", "Requests waiting to be scheduled (including preempted ones)."
 )
+OLDEST_WAITING = _spec(
+    "oldest_waiting_seconds",
+    "gauge",
+    "Seconds the oldest request still waiting for its first schedule has been in the engine's "
+    "queue; 0 when none waits. Grows without bound while a request starves.",
+)
 PREEMPTIONS = _spec(
     "preemptions", "counter", "Requests preempted (KV blocks freed, request sent back to waiting)."
 )

@@ -186,6 +186,19 @@ class Panels:
             width=width,
         )
 
+    def oldest_waiting(self, width: int = 12) -> Panel:
+        return Panel(
+            "Oldest waiting request",
+            f"{M.OLDEST_WAITING.help} vLLM's histograms record a request's queue time only "
+            "once it is scheduled, so a starving request is invisible there; here it is a "
+            "line that climbs (e.g. low-priority requests behind a high-priority stream). "
+            "latency-spike switches to FCFS and verifies that the waiting requests get in.",
+            [Target(Q.gauge(M.OLDEST_WAITING), ENGINE_LEGEND)],
+            unit="s",
+            min=0,
+            width=width,
+        )
+
     def error_rate(self) -> Panel:
         n = self.n
         return Panel(
@@ -571,6 +584,7 @@ def engine_overview(notes: Q.RuleNotes) -> dict[str, Any]:
                     p.ttft(),
                     p.inter_token(),
                     p.queue(),
+                    p.oldest_waiting(),
                     p.error_rate(),
                 ],
             ),
@@ -714,6 +728,7 @@ def fleet(notes: Q.RuleNotes) -> dict[str, Any]:
                     p.throughput(8),
                     p.e2e_latency(8),
                     p.queue(8),
+                    p.oldest_waiting(8),
                     p.kv_usage(8),
                     p.preemptions(8),
                     p.hit_ratio(8),

@@ -46,6 +46,7 @@ import httpx
 import yaml
 
 from runbooks.client import EngineClient, EngineClientError
+from runbooks.render import format_signal
 from runbooks.report import (
     History,
     SignalLog,
@@ -505,8 +506,9 @@ class EventFeed:
         if v:
             self._once(
                 (n, "verify"),
-                f"  #{n} verification: {v['signal']} {_fmt(v.get('before'))} → "
-                f"{_fmt(v.get('after'))} ({v.get('outcome')})",
+                f"  #{n} verification: {v['signal']} "
+                f"{format_signal(v['signal'], v.get('before'))} → "
+                f"{format_signal(v['signal'], v.get('after'))} ({v.get('outcome')})",
             )
         if e["status"] not in ("pending", "running", "verifying"):
             why = e.get("error") or e.get("reason") or ""

@@ -56,6 +56,8 @@ MEASURED_SIGNALS: Final = frozenset(
         "kv_hit_ratio",
         "throughput_tokens_per_second",
         "engine_uptime_seconds",
+        "oldest_waiting_seconds",
+        "admitted_before_time",
     }
 )
 
@@ -118,6 +120,8 @@ def signals_from_state(state: Mapping[str, Any]) -> dict[str, Any]:
         "budget_fill_ratio",
         "block_fragmentation_ratio",
         "kv_hit_ratio",
+        "oldest_waiting_seconds",
+        "admitted_before_time",
     ):
         signals[name] = stats.get(name)
     for name in ("num_requests_running", "num_requests_waiting", "kv_blocks_free"):

@@ -59,6 +59,7 @@ from runbooks.engine_actions import (
     SignalReader,
     engine_registry,
 )
+from runbooks.render import format_signal
 from runbooks.spec import Catalog, Condition, Runbook, StepSpec, load_catalog
 from runbooks.store import ExecutionRecord, StepRecord, Store
 from runbooks.store.models import (
@@ -103,6 +104,7 @@ HIGHER_IS_WORSE: Final = frozenset(
         "preemptions_per_minute",
         "p99_latency_seconds",
         "waiting_seconds_p99",
+        "oldest_waiting_seconds",
         "schedule_seconds_p99",
         "kv_cache_usage_ratio",
         "block_fragmentation_ratio",
@@ -810,7 +812,8 @@ class _Run:
             FAILED,
             EXIT_FAILED,
             f"verification: {v.signal} did not {v.direction} within {deadline_s:g} s "
-            f"({_fmt(before)} → {_fmt(value)}); changes kept, `runbook revert {self.id}` "
+            f"({format_signal(v.signal, before)} → {format_signal(v.signal, value)}); "
+            f"changes kept, `runbook revert {self.id}` "
             "restores them",
         )
 

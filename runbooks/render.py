@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
 
@@ -39,6 +40,13 @@ def format_value(value: Any) -> str:
     if isinstance(value, Mapping | list):
         return json.dumps(value, sort_keys=True, separators=(",", ":"))
     return str(value)
+
+
+def format_signal(name: str, value: Any) -> str:
+    """A signal's value for people: a `*_time` signal (Unix seconds) as a UTC clock time."""
+    if name.endswith("_time") and isinstance(value, int | float) and not isinstance(value, bool):
+        return datetime.fromtimestamp(value, UTC).strftime("%H:%M:%S.%f")[:-3] + " UTC"
+    return format_value(value)
 
 
 def format_table(rows: Iterable[Sequence[Any]], headers: Sequence[str]) -> str:
@@ -88,6 +96,7 @@ def make_environment(loader_dir: Path = TEMPLATES_DIR) -> SandboxedEnvironment:
         keep_trailing_newline=True,
     )
     env.filters["value"] = format_value
+    env.filters["signal"] = lambda value, name: format_signal(str(name), value)
     env.filters["table"] = format_table
     env.filters["change"] = format_change
     return env

@@ -41,6 +41,8 @@ from typing import Any, TextIO
 
 from sqlalchemy.engine import make_url
 
+from runbooks.render import format_signal
+
 # Seconds of history compared before and after an execution's changes.
 EFFECT_WINDOW_S = 20.0
 
@@ -317,8 +319,10 @@ def execution_lines(
     verification = execution.get("verification")
     if verification:
         lines.append(
-            f"    verification: {verification['signal']} {_fmt(verification.get('before'))} → "
-            f"{_fmt(verification.get('after'))}: {verification.get('outcome')}"
+            f"    verification: {verification['signal']} "
+            f"{format_signal(verification['signal'], verification.get('before'))} → "
+            f"{format_signal(verification['signal'], verification.get('after'))}: "
+            f"{verification.get('outcome')}"
         )
     if revert is not None:
         changes = "; ".join(_changes(s) for s in applied_steps(revert)) or "nothing to change"

@@ -71,6 +71,15 @@ KNOWN_SIGNALS: Final[Mapping[str, str]] = {
     "budget_fill_ratio": "scheduled tokens / token budget",
     "p99_latency_seconds": "P99 end-to-end request latency",
     "waiting_seconds_p99": "P99 time requests spend waiting before their first schedule",
+    "oldest_waiting_seconds": (
+        "how long the oldest request still waiting for its first schedule has been in the "
+        "engine's queue (0 when none waits)"
+    ),
+    "admitted_before_time": (
+        "Unix time before which every request the engine received has been scheduled at least "
+        "once (the oldest waiting request's arrival in the engine, or now when none waits); "
+        "never decreases, stands still while a request starves"
+    ),
     "throughput_tokens_per_second": "generated + prefilled tokens per second",
     "schedule_seconds_p99": "P99 wall time of scheduler.schedule()",
     "block_fragmentation_ratio": "1 - computed tokens / (blocks held x block_size)",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -184,3 +185,71 @@ def test_async_scheduler_is_hooked_with_the_same_oracles(async_engine: InProcess
     finished = async_engine.run_until_done()
     assert sorted(finished) == ["async-0", "async-1", "async-2"]
     assert async_engine.value(M.SCHEDULED_TOKENS.series_name) == 210 + 2 * 3
+
+
+# -- starvation: the oldest request waiting for its first schedule --
+
+
+@pytest.fixture(scope="module")
+def one_slot_priority_engine(tiny_model: Path) -> Iterator[InProcessEngine]:
+    eng = InProcessEngine.start(tiny_model, scheduling_policy="priority", max_num_seqs=1)
+    yield eng
+    eng.close()
+
+
+def test_oldest_waiting_request_shows_starvation_exactly(
+    one_slot_priority_engine: InProcessEngine,
+) -> None:
+    """One slot, priority policy: `b` (low priority) arrives between two high
+    ones and waits while both are served. The engine's clock is set by the
+    test, so ages are exact: `b` reached the engine at 1001 and it is 1010."""
+    eng = one_slot_priority_engine
+    collector = eng.collector
+    now = [1000.0]
+    collector.wall_clock = lambda: now[0]
+
+    def observed() -> tuple[float | None, float]:
+        return eng.value(M.OLDEST_WAITING.name), collector.state()["stats"]["admitted_before_time"]
+
+    try:
+        assert observed() == (0.0, 1000.0)  # nothing waits: every request was admitted
+        for name, at, priority, offset in (("a", 1000.0, 0, 0), ("b", 1001.0, 10, 50),
+                                           ("c", 1002.0, 0, 100)):  # fmt: skip
+            now[0] = at
+            eng.add(name, 20, max_tokens=3, offset=offset, priority=priority)
+        now[0] = 1010.0
+        assert observed() == (10.0, 1000.0)  # `a` has waited since 1000
+        admitted: list[str] = []
+        seen = []
+        while not admitted or admitted[-1] != "b":
+            eng.step()
+            for r in eng.scheduler.running:
+                name = r.request_id.split("-")[0]
+                if name not in admitted:
+                    admitted.append(name)
+            seen.append(observed())
+        assert admitted == ["a", "c", "b"]
+        # From the first step until `b` got its slot: `b` is the oldest waiting,
+        # 9 s, and nothing after 1001 counts as admitted-before, while `c` (which
+        # arrived later) is served first.
+        assert seen[:-1] == [(9.0, 1001.0)] * (len(seen) - 1)
+        assert len(seen) >= 7  # `a` and `c` each took a prefill and two decode steps
+        assert seen[-1] == (0.0, 1010.0)  # nothing waits: up to now
+        # Never backwards, even when the clock is.
+        now[0] = 1005.0
+        assert observed() == (0.0, 1010.0)
+        eng.run_until_done()
+
+        # A request aborted while queued leaves nothing behind, with no step to follow.
+        now[0] = 2000.0
+        eng.add("busy", 20, max_tokens=50, offset=200)
+        eng.step()
+        eng.add("gone", 20, max_tokens=3, offset=300)
+        now[0] = 2005.0
+        assert observed() == (5.0, 2000.0)
+        eng.engine.abort_request(["gone", "busy"])
+        assert not eng.engine.has_unfinished_requests()
+        assert observed() == (0.0, 2005.0)
+    finally:
+        collector.wall_clock = time.time
+        eng.run_until_done()
