@@ -183,7 +183,11 @@ class EngineCollector:
         self._never_scheduled: deque[tuple[str, float]] = deque()
         from vllm.v1.request import RequestStatus
 
-        self._first_wait = frozenset(s for s in RequestStatus if s.name.startswith("WAITING"))
+        # Waiting for a first schedule: WAITING and the waits before it (grammar,
+        # remote KV). Not WAITING_FOR_STREAMING_REQ: that one ran and waits for input.
+        self._first_wait = frozenset(
+            s for s in RequestStatus if s.name.startswith("WAITING") and "STREAMING" not in s.name
+        )
         self.oldest_waiting_since: float | None = None  # when the head reached the engine
         self.wall_clock: Callable[[], float] = time.time
         self._horizon_lock = threading.Lock()
