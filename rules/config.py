@@ -4,7 +4,7 @@
     engines:                                  # the inventory (default: none)
       - name: llama-0
         agent: http://127.0.0.1:9360          # collector endpoint: metrics + control
-        vllm: http://127.0.0.1:8000           # optional: vLLM's API server (its /metrics)
+        vllm: http://127.0.0.1:8000           # optional: vLLM's API server (/metrics, warm-up)
         labels: {instance: "127.0.0.1:8000"}  # how Alertmanager alerts find this engine
     rules:
       evaluation_interval: 5s
@@ -63,7 +63,7 @@ _EXECUTOR_KEYS = ("verify_seconds", "condition_seconds", "healthy_period_seconds
 class EngineConfig:
     name: str  # the inventory name: the `instance` label of everything scraped from it
     agent: str  # collector agent base URL (no trailing slash)
-    vllm: str | None = None  # vLLM API server base URL, for its /metrics
+    vllm: str | None = None  # vLLM API server base URL: its /metrics, warm-up requests
     labels: Mapping[str, str] = field(default_factory=dict)
 
     def targets(self) -> list[Target]:
