@@ -313,6 +313,13 @@ class EngineCollector:
         if self.oldest_waiting_since is None:
             self.oldest_waiting_since = since
 
+    def on_requests_finished(self, scheduler: Any) -> None:
+        """Requests aborted (finish_requests): a queued one may have been the oldest,
+        and the engine may go idle with no step to notice; a stale head would read
+        as a request starving."""
+        if self._never_scheduled:
+            self._advance_oldest_waiting(scheduler)
+
     def _advance_oldest_waiting(self, scheduler: Any) -> None:
         """Drop the head while it is no longer waiting for its first schedule."""
         queue, requests = self._never_scheduled, scheduler.requests
@@ -547,11 +554,9 @@ class RunbookSchedulerMixin:
             return super().finish_requests(*args, **kwargs)  # type: ignore[misc]
         with runbook.control.lock:
             result = super().finish_requests(*args, **kwargs)  # type: ignore[misc]
-        if runbook.enabled and runbook._never_scheduled:
-            # An abort of a queued request: the engine may go idle with no step to
-            # notice it, and a stale head would read as a request starving.
+        if runbook.enabled:
             try:
-                runbook._advance_oldest_waiting(self)
+                runbook.on_requests_finished(self)
             except Exception as exc:
                 runbook.disable(exc)
         return result

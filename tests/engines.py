@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -136,6 +137,55 @@ def wait_http(url: str, deadline_s: float, proc: subprocess.Popen[bytes] | None 
     raise TimeoutError(f"{url} did not answer within {deadline_s} s")
 
 
+def start_logged(
+    cmd: list[str], log_path: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """`cmd` in its own session (stopping the group stops its children), output to `log_path`."""
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(
+            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+def stop_group(
+    proc: subprocess.Popen[bytes], timeout: float = 30, sig: int = signal.SIGTERM
+) -> None:
+    """`sig` to the process group, SIGKILL after `timeout` s."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+@contextlib.contextmanager
+def logged_process(
+    cmd: list[str],
+    log_path: Path,
+    ready_url: str,
+    deadline_s: float,
+    env: dict[str, str] | None = None,
+    stop_timeout: float = 30,
+    tail: int = 4000,
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A server process for one test: yielded once `ready_url` answers 200, its
+    log's tail printed when anything fails, its process group stopped on exit."""
+    proc = start_logged(cmd, log_path, env)
+    try:
+        wait_http(ready_url, deadline_s, proc)
+        yield proc
+    except BaseException:
+        sys.stderr.write(log_path.read_text(errors="replace")[-tail:])
+        raise
+    finally:
+        stop_group(proc, stop_timeout)
+
+
 @dataclass
 class ServedEngine:
     """vLLM's OpenAI server in a subprocess (its EngineCore in another one)."""
@@ -188,29 +238,9 @@ class ServedEngine:
             "0.2",
             *extra_args,
         ]
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        served = cls(
-            proc, f"http://127.0.0.1:{api_port}", f"http://127.0.0.1:{agent_port}", log_path
-        )
-        try:
-            wait_http(served.api_url + "/health", 240, proc)
-            yield served
-        except BaseException:
-            sys.stderr.write(log_path.read_text(errors="replace")[-4000:])
-            raise
-        finally:
-            import signal
-
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        api_url = f"http://127.0.0.1:{api_port}"
+        with logged_process(cmd, log_path, api_url + "/health", 240, full_env) as proc:
+            yield cls(proc, api_url, f"http://127.0.0.1:{agent_port}", log_path)
 
     def complete(self, prompt_tokens: int, max_tokens: int = 8, offset: int = 0) -> dict[str, Any]:
         import json
@@ -321,24 +351,9 @@ class PrometheusServer:
             "--storage.tsdb.retention.time=1h",
             "--log.level=warn",
         ]
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        server = cls(proc, f"http://127.0.0.1:{port}", log_path)
-        try:
-            wait_http(server.url + "/-/ready", 60, proc)
-            yield server
-        except BaseException:
-            sys.stderr.write(log_path.read_text(errors="replace")[-4000:])
-            raise
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        url = f"http://127.0.0.1:{port}"
+        with logged_process(cmd, log_path, url + "/-/ready", 60, stop_timeout=20) as proc:
+            yield cls(proc, url, log_path)
 
     def api(self, path: str, **params: str | float) -> Any:
         """GET /api/v1/<path>; returns `data`, raises on an error answer."""

@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
 import subprocess
-import sys
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,20 +17,13 @@ from typing import Any
 import yaml
 
 from dashboards.generate import DASHBOARDS_DIR
-from tests.engines import REPO_ROOT, free_port, http_get, wait_http
-
-
-def _stop(proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+from tests.engines import (
+    free_port,
+    http_get,
+    logged_process,
+    runbook_cli_command,
+    runbook_cli_env,
+)
 
 
 def alertmanager_config(webhook_url: str, token_file: Path) -> str:
@@ -77,19 +67,9 @@ class AlertmanagerServer:
             "--cluster.listen-address=",  # no gossip: a single instance, nothing listens
             "--log.level=warn",
         ]
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        server = cls(proc, f"http://127.0.0.1:{port}", log_path)
-        try:
-            wait_http(server.url + "/-/ready", 60, proc)
-            yield server
-        except BaseException:
-            sys.stderr.write(log_path.read_text(errors="replace")[-4000:])
-            raise
-        finally:
-            _stop(proc, 20)
+        url = f"http://127.0.0.1:{port}"
+        with logged_process(cmd, log_path, url + "/-/ready", 60, stop_timeout=20) as proc:
+            yield cls(proc, url, log_path)
 
     def alerts(self) -> list[dict[str, Any]]:
         return list(json.loads(http_get(self.url + "/api/v2/alerts")[1]))
@@ -106,30 +86,20 @@ class RunbookServe:
     @classmethod
     @contextlib.contextmanager
     def run(
-        cls, config: Path, log_path: Path, *args: str, port: int | None = None
+        cls,
+        config: Path,
+        log_path: Path,
+        *args: str,
+        port: int | None = None,
+        env: dict[str, str] | None = None,
     ) -> Iterator[RunbookServe]:
         port = port or free_port()
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(
-                p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p
-            ),
-        }
-        cmd = [sys.executable, "-m", "runbooks.cli", "serve", "--config", str(config),
-               "--port", str(port), *args]  # fmt: skip
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        served = cls(proc, f"http://127.0.0.1:{port}", log_path)
-        try:
-            wait_http(served.url + "/healthz", 90, proc)
-            yield served
-        except BaseException:
-            sys.stderr.write(log_path.read_text(errors="replace")[-6000:])
-            raise
-        finally:
-            _stop(proc, 45)
+        cmd = runbook_cli_command("serve", "--config", str(config), "--port", str(port), *args)
+        url = f"http://127.0.0.1:{port}"
+        with logged_process(
+            cmd, log_path, url + "/healthz", 90, runbook_cli_env(env), stop_timeout=45, tail=6000
+        ) as proc:
+            yield cls(proc, url, log_path)
 
     def get(self, path: str) -> Any:
         status, body = http_get(self.url + path, timeout=10)

@@ -9,11 +9,7 @@ cycle; the leader killed hands over once its lease lapses (the TTL).
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,7 +19,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from runbooks.store import Store, upgrade
-from tests.engines import REPO_ROOT, free_port
+from tests.engines import (
+    free_port,
+    runbook_cli_command,
+    runbook_cli_env,
+    start_logged,
+    stop_group,
+    wait_http,
+)
 
 pytestmark = pytest.mark.service
 
@@ -45,22 +48,14 @@ class Replica:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp_path / f"{name}.log"
-        env = {**os.environ, "RUNBOOK_WEBHOOK_TOKEN": "t", "PYTHONPATH": str(REPO_ROOT)}
-        cmd = [sys.executable, "-m", "runbooks.cli", "serve", "--config", str(config),
-               "--db", db_url, "--port", str(self.port), "--no-worker"]  # fmt: skip
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while not self._answers():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"replica {name} did not start:\n{self.log.read_text()}")
-            time.sleep(0.2)
-
-    def _answers(self) -> bool:
-        with contextlib.suppress(httpx.HTTPError):
-            return httpx.get(self.url + "/healthz", timeout=2).status_code == 200
-        return False
+        cmd = runbook_cli_command("serve", "--config", str(config), "--db", db_url,
+                                  "--port", str(self.port), "--no-worker")  # fmt: skip
+        self.proc = start_logged(cmd, self.log, runbook_cli_env({"RUNBOOK_WEBHOOK_TOKEN": "t"}))
+        try:
+            wait_http(self.url + "/healthz", 60, self.proc)
+        except (RuntimeError, TimeoutError):
+            self.stop()
+            raise RuntimeError(f"replica {name} did not start:\n{self.log.read_text()}") from None
 
     def leads(self) -> bool:
         return bool(httpx.get(self.url + "/healthz", timeout=5).json()["rules_leader"])
@@ -75,13 +70,7 @@ class Replica:
         )
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_group(self.proc, 20, sig)
 
 
 def wait_for(condition: Callable[[], bool], limit: float) -> float:

@@ -5,12 +5,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import os
 import socket
-import subprocess
-import sys
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,8 +25,9 @@ from runbooks.service.webhooks import Router
 from runbooks.spec import load_catalog as load_runbook_catalog
 from runbooks.store import Store, upgrade
 from runbooks.store.models import Execution, WebhookEvent
+from tests.engines import free_port
+from tests.service.processes import RunbookServe
 
-ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "test-webhook-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -250,17 +247,11 @@ def test_fuzzed_payloads_never_5xx_and_4xx_store_nothing(
 # -- two real replicas on PostgreSQL, and the store going down --
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class TcpProxy:
     """A loopback TCP proxy to PostgreSQL that the test can cut and restore."""
 
     def __init__(self, target_port: int = 5432) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.target = target_port
         self.up = threading.Event()
         self._server = socket.create_server(("127.0.0.1", self.port))
@@ -312,42 +303,11 @@ class TcpProxy:
 
 @contextlib.contextmanager
 def replica(db_url: str, config: Path, port: int) -> Iterator[str]:
-    env = {**os.environ, "RUNBOOK_WEBHOOK_TOKEN": TOKEN, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "runbooks.cli",
-            "serve",
-            "--config",
-            str(config),
-            "--db",
-            db_url,
-            "--port",
-            str(port),
-            "--no-rules",
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"replica exited: {proc.stdout.read() if proc.stdout else ''}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError("replica did not start")
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(20)
+    """`runbook serve` on `db_url`, without the rules engine (its log beside `config`)."""
+    log = config.parent / f"replica-{port}.log"
+    with RunbookServe.run(config, log, "--db", db_url, "--no-rules", port=port,
+                          env={"RUNBOOK_WEBHOOK_TOKEN": TOKEN}) as served:  # fmt: skip
+        yield served.url
 
 
 @pytest.mark.service
@@ -358,8 +318,8 @@ def test_duplicate_deliveries_over_two_replicas_make_one_execution(
     cfg = tmp_path / "runbook.yaml"
     cfg.write_text(CONFIG)
     with (
-        replica(fresh_pg_database, cfg, _free_port()) as a,
-        replica(fresh_pg_database, cfg, _free_port()) as b,
+        replica(fresh_pg_database, cfg, free_port()) as a,
+        replica(fresh_pg_database, cfg, free_port()) as b,
     ):
         body = payload(fingerprint="dup-1")
 
@@ -388,7 +348,7 @@ def test_store_down_answers_503_and_the_retry_is_processed(
     cfg = tmp_path / "runbook.yaml"
     cfg.write_text(CONFIG)
     try:
-        with replica(proxied, cfg, _free_port()) as url:
+        with replica(proxied, cfg, free_port()) as url:
             proxy.cut()
             r = httpx.post(
                 url + "/webhooks/alertmanager",
