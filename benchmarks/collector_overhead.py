@@ -1,7 +1,7 @@
 """Collector overhead: the same workload with and without the hook.
 
 Two in-process engines with identical settings live in one process: one
-with vLLM's plain Scheduler, one with `collector.scheduler.RunbookScheduler`
+with vLLM's plain Scheduler, one with `vllm_runbook.collector.scheduler.RunbookScheduler`
 (the plugin is kept out with VLLM_PLUGINS=, so the only difference is the
 hook). Rounds alternate between them, so drift on a shared machine hits both.
 
@@ -42,8 +42,7 @@ WORKLOADS = {16: (16, 48, 192), 256: (256, 48, 64)}  # running: (requests, promp
 def run_workload(llm, running: int, round_no: int) -> tuple[int, float]:  # type: ignore[no-untyped-def]
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
-
-    from collector.tiny_model import prompt_token_ids
+    from vllm_runbook.collector.tiny_model import prompt_token_ids
 
     n, prompt, output = WORKLOADS[running]
     params = SamplingParams(max_tokens=output, ignore_eos=True, temperature=0.0)
@@ -92,14 +91,15 @@ def main() -> None:
     args = parser.parse_args()
 
     from vllm import LLM
-
-    from collector.tiny_model import create_tiny_model
+    from vllm_runbook.collector.tiny_model import create_tiny_model
 
     model = create_tiny_model(Path(tempfile.gettempdir()) / "vllm-runbook-bench-model")
     engines = {
         "without": LLM(model=str(model), **ENGINE_ARGS),
         "with": LLM(
-            model=str(model), scheduler_cls="collector.scheduler.RunbookScheduler", **ENGINE_ARGS
+            model=str(model),
+            scheduler_cls="vllm_runbook.collector.scheduler.RunbookScheduler",
+            **ENGINE_ARGS,
         ),
     }
     for llm in engines.values():  # warm-up

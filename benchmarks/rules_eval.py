@@ -19,11 +19,11 @@ import sys
 import time
 from array import array
 
-from rules.evaluator import Evaluator, store_for_rules
-from rules.incidents import MemoryIncidentSink
-from rules.model import load_catalog
-from rules.signals import SIGNALS
-from rules.window import WindowStore
+from vllm_runbook.rules.evaluator import Evaluator, store_for_rules
+from vllm_runbook.rules.incidents import MemoryIncidentSink
+from vllm_runbook.rules.model import load_catalog
+from vllm_runbook.rules.signals import SIGNALS
+from vllm_runbook.rules.window import WindowStore
 
 SCRAPE = 15.0
 HISTORY = 3600.0

@@ -43,8 +43,8 @@ from sqlalchemy import create_engine, func, select, text
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from runbooks.store import Store, upgrade  # noqa: E402
-from runbooks.store.models import Execution, WebhookEvent  # noqa: E402
+from vllm_runbook.runbooks.store import Store, upgrade  # noqa: E402
+from vllm_runbook.runbooks.store.models import Execution, WebhookEvent  # noqa: E402
 
 TOKEN = "bench-token"
 PG = os.environ.get("RUNBOOK_BENCH_PG", "postgresql+psycopg://postgres@127.0.0.1:5432")
@@ -102,7 +102,7 @@ def serve(db_url: str, config: Path, worker: bool = False):
         [
             sys.executable,
             "-m",
-            "runbooks.cli",
+            "vllm_runbook.runbooks.cli",
             "serve",
             "--config",
             str(config),

@@ -17,12 +17,12 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any
 
-from collector.auth import check_bearer
-from collector.control import ControlError, parse_command
-from collector.server import AgentServer, Request, Response
+from vllm_runbook.collector.auth import check_bearer
+from vllm_runbook.collector.control import ControlError, parse_command
+from vllm_runbook.collector.server import AgentServer, Request, Response
 
 if TYPE_CHECKING:
-    from collector.hook import EngineCollector
+    from vllm_runbook.collector.hook import EngineCollector
 
 logger = logging.getLogger("vllm_runbook.collector")
 

@@ -1,6 +1,6 @@
 """Turns an engine's step statistics into Prometheus samples at scrape time.
 
-The scheduler hook only updates plain numbers (see `collector.hook`); the
+The scheduler hook only updates plain numbers (see `vllm_runbook.collector.hook`); the
 cost of building metric families is paid by the scraping thread, not by the
 engine's step. `StatsExporter` is a prometheus_client custom collector for
 our own endpoint; `MultiprocessMirror` copies the same samples into real
@@ -24,8 +24,7 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
-
-from collector import metrics as M
+from vllm_runbook.collector import metrics as M
 
 logger = logging.getLogger("vllm_runbook.collector")
 

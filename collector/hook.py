@@ -3,7 +3,7 @@
 `RunbookSchedulerMixin` is mixed in front of whatever scheduler class vLLM
 chose (Scheduler, AsyncScheduler, a user class). Each step it times
 `schedule()`, reads the scheduler's own state and updates the metrics of
-`collector.metrics`. It never changes what the scheduler does.
+`vllm_runbook.collector.metrics`. It never changes what the scheduler does.
 
 The engine comes first: any exception in our code disables the collector for
 that engine (one log line, `vllm_runbook_collector_up 0`) and the scheduler
@@ -27,15 +27,14 @@ from operator import attrgetter
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-
-from collector import metrics as M
-from collector.agent import install_routes
-from collector.auth import TokenError, configured_token, generate_token, is_loopback
-from collector.control import EngineControl
-from collector.exporter import MultiprocessMirror, Sample, StatsExporter, close_quietly
-from collector.nvml import NvmlPoller, load_pynvml
-from collector.server import AgentServer
-from collector.window import SlidingWindowMax, SlidingWindowRatio
+from vllm_runbook.collector import metrics as M
+from vllm_runbook.collector.agent import install_routes
+from vllm_runbook.collector.auth import TokenError, configured_token, generate_token, is_loopback
+from vllm_runbook.collector.control import EngineControl
+from vllm_runbook.collector.exporter import MultiprocessMirror, Sample, StatsExporter, close_quietly
+from vllm_runbook.collector.nvml import NvmlPoller, load_pynvml
+from vllm_runbook.collector.server import AgentServer
+from vllm_runbook.collector.window import SlidingWindowMax, SlidingWindowRatio
 
 logger = logging.getLogger("vllm_runbook.collector")
 

@@ -1,5 +1,5 @@
 """Grafana dashboards for vLLM and vllm-runbook, generated from the metric and rule catalogs.
 
-`python -m dashboards.generate` writes the JSON (and the Prometheus rule file)
+`python -m vllm_runbook.dashboards.generate` writes the JSON (and the Prometheus rule file)
 beside this module; see README-section.md for provisioning.
 """

@@ -12,8 +12,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from collector.metrics import MetricSpec
-from rules.signals import ENGINE_LABELS
+from vllm_runbook.collector.metrics import MetricSpec
+from vllm_runbook.rules.signals import ENGINE_LABELS
 
 SCHEMA_VERSION = 39
 DATASOURCE: dict[str, str] = {"type": "prometheus", "uid": "${datasource}"}

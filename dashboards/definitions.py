@@ -2,18 +2,19 @@
 
 Each panel's description says what the signal means and which rule compares
 it against what (`RuleNotes`, read from the rule catalog). Metric names come
-from the catalogs (collector.metrics, runbooks.service_metrics, and the few
-vLLM series in dashboards.catalog); nothing here retypes a metric name.
+from the catalogs (vllm_runbook.collector.metrics,
+vllm_runbook.runbooks.service_metrics, and the few
+vLLM series in vllm_runbook.dashboards.catalog); nothing here retypes a metric name.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from collector import metrics as M
-from dashboards import catalog as V
-from dashboards import queries as Q
-from dashboards.builder import (
+from vllm_runbook.collector import metrics as M
+from vllm_runbook.dashboards import catalog as V
+from vllm_runbook.dashboards import queries as Q
+from vllm_runbook.dashboards.builder import (
     ENGINE_LEGEND,
     Annotation,
     Panel,
@@ -26,8 +27,8 @@ from dashboards.builder import (
     rate,
     selector,
 )
-from runbooks import service_metrics as S
-from runbooks.store.models import REFUSED, REVERTED, ROLLED_BACK
+from vllm_runbook.runbooks import service_metrics as S
+from vllm_runbook.runbooks.store.models import REFUSED, REVERTED, ROLLED_BACK
 
 ENGINE_UID = "vllm-runbook-engine"
 FLEET_UID = "vllm-runbook-fleet"

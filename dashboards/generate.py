@@ -1,8 +1,8 @@
 """Write the generated files of dashboards/: the Grafana dashboards and the
 Prometheus rule file.
 
-    python -m dashboards.generate          # rewrite what changed
-    python -m dashboards.generate --check  # exit 1 listing stale files (CI)
+    python -m vllm_runbook.dashboards.generate          # rewrite what changed
+    python -m vllm_runbook.dashboards.generate --check  # exit 1 listing stale files (CI)
 
 The dashboards take their thresholds from the rule catalog's defaults, and
 the rule file is `runbook rules export --format prometheus` of the same
@@ -19,10 +19,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from dashboards.definitions import DASHBOARDS
-from dashboards.lint import problems
-from dashboards.queries import RuleNotes
-from rules import export, load_catalog
+from vllm_runbook.dashboards.definitions import DASHBOARDS
+from vllm_runbook.dashboards.lint import problems
+from vllm_runbook.dashboards.queries import RuleNotes
+from vllm_runbook.rules import export, load_catalog
 
 DASHBOARDS_DIR = Path(__file__).resolve().parent
 RULE_FILE = "vllm-runbook-rules.yml"
@@ -58,7 +58,9 @@ def stale_files(directory: Path = DASHBOARDS_DIR) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dashboards.generate", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m vllm_runbook.dashboards.generate", description=__doc__
+    )
     parser.add_argument("--check", action="store_true", help="only report stale files")
     parser.add_argument("--out", type=Path, default=DASHBOARDS_DIR, help="target directory")
     args = parser.parse_args(argv)
@@ -73,7 +75,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.check:
         stale = stale_files(args.out)
         for name in stale:
-            print(f"stale: dashboards/{name} (run: python -m dashboards.generate)")
+            print(f"stale: dashboards/{name} (run: python -m vllm_runbook.dashboards.generate)")
         return 1 if stale else 0
     for name, text in render_all().items():
         path = args.out / name

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dashboards import catalog
+from vllm_runbook.dashboards import catalog
 
 GRAFANA_BUILTINS = ("__rate_interval", "__interval", "__range")
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}

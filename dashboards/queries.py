@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from collector import metrics as M
-from dashboards import catalog as V
-from dashboards.builder import BY_ENGINE, RATE, Threshold, quantile, rate, selector
-from rules import Rule, load_catalog
-from rules.model import ParamValue
+from vllm_runbook.collector import metrics as M
+from vllm_runbook.dashboards import catalog as V
+from vllm_runbook.dashboards.builder import BY_ENGINE, RATE, Threshold, quantile, rate, selector
+from vllm_runbook.rules import Rule, load_catalog
+from vllm_runbook.rules.model import ParamValue
 
 
 def per_engine(expr: str, agg: str = "max") -> str:

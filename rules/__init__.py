@@ -15,17 +15,28 @@ service.start(scheduler)                      # refuses (CatalogError) on a brok
 
 from __future__ import annotations
 
-from rules.config import Automation, AutomationMode, Config, EngineConfig, load_config
-from rules.errors import CatalogError, ConfigError, RuleProblem, RulesError
-from rules.evaluator import Evaluator, store_for_rules
-from rules.incidents import IncidentEvent, IncidentSink, MemoryIncidentSink, OpenAlert, engine_name
-from rules.model import RUNBOOK_NAMES, Catalog, Rule, load_catalog
-from rules.promql import export
-from rules.remediation import Dispatcher, Handoff, LoggingRemediationHook, RemediationHook
-from rules.scrape import Scraper, ScrapeResult, Target
-from rules.service import RulesService
-from rules.sql_sink import SqlIncidentSink
-from rules.window import WindowStore
+from vllm_runbook.rules.config import Automation, AutomationMode, Config, EngineConfig, load_config
+from vllm_runbook.rules.errors import CatalogError, ConfigError, RuleProblem, RulesError
+from vllm_runbook.rules.evaluator import Evaluator, store_for_rules
+from vllm_runbook.rules.incidents import (
+    IncidentEvent,
+    IncidentSink,
+    MemoryIncidentSink,
+    OpenAlert,
+    engine_name,
+)
+from vllm_runbook.rules.model import RUNBOOK_NAMES, Catalog, Rule, load_catalog
+from vllm_runbook.rules.promql import export
+from vllm_runbook.rules.remediation import (
+    Dispatcher,
+    Handoff,
+    LoggingRemediationHook,
+    RemediationHook,
+)
+from vllm_runbook.rules.scrape import Scraper, ScrapeResult, Target
+from vllm_runbook.rules.service import RulesService
+from vllm_runbook.rules.sql_sink import SqlIncidentSink
+from vllm_runbook.rules.window import WindowStore
 
 __all__ = [
     "RUNBOOK_NAMES",

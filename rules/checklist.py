@@ -29,10 +29,9 @@ from typing import Any, Literal
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-
-from collector import metrics as M
-from rules.promfuncs import bucket_quantile
-from runbooks.client import CommandRefused, normalize_url
+from vllm_runbook.collector import metrics as M
+from vllm_runbook.rules.promfuncs import bucket_quantile
+from vllm_runbook.runbooks.client import CommandRefused, normalize_url
 
 Status = Literal["pass", "fail", "n/a"]
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3

@@ -14,11 +14,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from rules import checklist
-from rules.config import load_config
-from rules.errors import CatalogError, RulesError
-from rules.model import load_catalog
-from rules.promql import DEFAULT_RUNBOOK_URL_BASE, export
+from vllm_runbook.rules import checklist
+from vllm_runbook.rules.config import load_config
+from vllm_runbook.rules.errors import CatalogError, RulesError
+from vllm_runbook.rules.model import load_catalog
+from vllm_runbook.rules.promql import DEFAULT_RUNBOOK_URL_BASE, export
 
 EXIT_OK = 0
 EXIT_INVALID = 2

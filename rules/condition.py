@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-from rules.signals import Signal
+from vllm_runbook.rules.signals import Signal
 
 OverTimeFn = Literal["avg", "max", "min"]
 ReduceFn = Literal["max", "min", "sum", "spread"]

@@ -36,17 +36,17 @@ from pathlib import Path
 from typing import Literal, get_args
 from urllib.parse import urlsplit
 
-from rules.durations import parse_duration
-from rules.errors import (
+from vllm_runbook.rules.durations import parse_duration
+from vllm_runbook.rules.errors import (
     CatalogError,
     ConfigError,
     RuleProblem,
     RuleSyntaxError,
     UnknownParameterError,
 )
-from rules.model import RUNBOOK_NAMES, Catalog, Rule, load_catalog
-from rules.scrape import Target
-from rules.yamlmarks import MarkedDict, MarkedList, load
+from vllm_runbook.rules.model import RUNBOOK_NAMES, Catalog, Rule, load_catalog
+from vllm_runbook.rules.scrape import Target
+from vllm_runbook.rules.yamlmarks import MarkedDict, MarkedList, load
 
 AutomationMode = Literal["auto", "approve", "notify"]
 AUTOMATION_MODES: tuple[str, ...] = get_args(AutomationMode)

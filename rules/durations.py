@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from rules.errors import DurationError
+from vllm_runbook.rules.errors import DurationError
 
 _UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
 # Units in descending size, each at most once, like Prometheus' own parser.

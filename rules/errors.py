@@ -14,7 +14,7 @@
         └── TemplateError           an annotation template outside the supported subset
 
 Scrape failures are not exceptions to callers: the scraper counts them and
-goes on (see ``rules.scrape``).
+goes on (see ``vllm_runbook.rules.scrape``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A compiled expression maps (engine, time, cycle cache) to None (no value,
 as an empty PromQL result), a float, or {gpu: float} while still per GPU.
 Identical subtrees of different rules compile to one closure with one cache
 slot, so a quantile that three rules read is computed once per engine and
-cycle. Semantics mirror rules.promql line for line.
+cycle. Semantics mirror vllm_runbook.rules.promql line for line.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import operator
 from collections.abc import Callable
 from typing import Union
 
-from rules import condition as C
-from rules.promfuncs import agg_max, agg_min, bucket_quantile, div, extrapolated_rate
-from rules.window import EngineSeries, Series, WindowStore
+from vllm_runbook.rules import condition as C
+from vllm_runbook.rules.promfuncs import agg_max, agg_min, bucket_quantile, div, extrapolated_rate
+from vllm_runbook.rules.window import EngineSeries, Series, WindowStore
 
 Value = Union[float, dict[str, float], None]  # noqa: UP007 (runtime alias)
 Cache = dict[tuple[int, float], Value]

@@ -12,12 +12,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from rules import condition as C
-from rules import template
-from rules.evaluate import Cache, Compiler, Fn
-from rules.incidents import IncidentEvent, IncidentSink, OpenAlert, State
-from rules.model import Rule
-from rules.window import LOOKBACK_SECONDS, EngineKey, WindowStore
+from vllm_runbook.rules import condition as C
+from vllm_runbook.rules import template
+from vllm_runbook.rules.evaluate import Cache, Compiler, Fn
+from vllm_runbook.rules.incidents import IncidentEvent, IncidentSink, OpenAlert, State
+from vllm_runbook.rules.model import Rule
+from vllm_runbook.rules.window import LOOKBACK_SECONDS, EngineKey, WindowStore
 
 TRIM_EVERY_SECONDS = 60.0
 

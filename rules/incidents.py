@@ -2,8 +2,8 @@
 
 The evaluator emits one IncidentEvent per state change of an (alert, engine)
 pair. Sinks implement the IncidentSink Protocol: MemoryIncidentSink here (tests,
-no store), SqlIncidentSink (rules.sql_sink) onto the runbook store, and the
-Dispatcher (rules.remediation) that records, notifies and hands off.
+no store), SqlIncidentSink (vllm_runbook.rules.sql_sink) onto the runbook store, and the
+Dispatcher (vllm_runbook.rules.remediation) that records, notifies and hands off.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from rules.window import EngineKey
+from vllm_runbook.rules.window import EngineKey
 
 State = Literal["pending", "firing", "resolved", "inactive"]
 

@@ -16,11 +16,10 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-
-from rules import condition as C
-from rules import template
-from rules.durations import parse_duration
-from rules.errors import (
+from vllm_runbook.rules import condition as C
+from vllm_runbook.rules import template
+from vllm_runbook.rules.durations import parse_duration
+from vllm_runbook.rules.errors import (
     CatalogError,
     DuplicateRuleError,
     RuleProblem,
@@ -28,8 +27,8 @@ from rules.errors import (
     UnknownParameterError,
     UnknownRunbookError,
 )
-from rules.parse import ConditionParser
-from rules.yamlmarks import MarkedDict, load
+from vllm_runbook.rules.parse import ConditionParser
+from vllm_runbook.rules.yamlmarks import MarkedDict, load
 
 # The runbooks that exist (runbooks/ owns their definitions); None = diagnose only.
 RUNBOOK_NAMES: tuple[str, ...] = (

@@ -1,4 +1,4 @@
-"""YAML condition -> condition tree (rules.condition), with ``$param`` substitution.
+"""YAML condition -> condition tree (vllm_runbook.rules.condition), with ``$param`` substitution.
 
 Forms (a bare string is a gauge's latest value):
 
@@ -22,17 +22,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
-from rules import condition as C
-from rules.durations import parse_duration
-from rules.errors import (
+from vllm_runbook.rules import condition as C
+from vllm_runbook.rules.durations import parse_duration
+from vllm_runbook.rules.errors import (
     DurationError,
     RuleProblem,
     RuleSyntaxError,
     UnknownParameterError,
     UnknownSignalError,
 )
-from rules.signals import SIGNALS, Signal
-from rules.yamlmarks import MarkedDict, line_of
+from vllm_runbook.rules.signals import SIGNALS, Signal
+from vllm_runbook.rules.yamlmarks import MarkedDict, line_of
 
 _COMPARE = {"above": ">", "at_least": ">=", "below": "<", "at_most": "<="}
 _OVER_TIME = {"avg_over_time": "avg", "max_over_time": "max", "min_over_time": "min"}

@@ -3,7 +3,7 @@
 Every leaf is aggregated ``by`` the engine labels (plus `gpu` while a value is
 still per GPU), so binary operators match one engine to itself whatever
 extra labels (job, pod) a deployment's scrape config adds. The in-service
-evaluator (rules.evaluate) implements exactly these semantics.
+evaluator (vllm_runbook.rules.evaluate) implements exactly these semantics.
 """
 
 from __future__ import annotations
@@ -12,11 +12,10 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 
 import yaml
-
-from rules import condition as C
-from rules.durations import format_duration
-from rules.model import Catalog, Rule
-from rules.signals import ENGINE_LABELS
+from vllm_runbook.rules import condition as C
+from vllm_runbook.rules.durations import format_duration
+from vllm_runbook.rules.model import Catalog, Rule
+from vllm_runbook.rules.signals import ENGINE_LABELS
 
 DEFAULT_RUNBOOK_URL_BASE = "runbooks/catalog"
 

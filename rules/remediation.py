@@ -18,8 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from rules.config import Automation, EngineConfig
-from rules.incidents import IncidentEvent, IncidentSink, engine_name
+from vllm_runbook.rules.config import Automation, EngineConfig
+from vllm_runbook.rules.incidents import IncidentEvent, IncidentSink, engine_name
 
 log = logging.getLogger(__name__)
 

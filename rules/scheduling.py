@@ -9,9 +9,8 @@ from typing import Any
 
 from apscheduler.job import Job
 from apscheduler.schedulers.base import BaseScheduler
-
-from rules.evaluator import Evaluator
-from rules.scrape import Scraper
+from vllm_runbook.rules.evaluator import Evaluator
+from vllm_runbook.rules.scrape import Scraper
 
 JOB_ID = "vllm-runbook-rules"
 

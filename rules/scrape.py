@@ -20,9 +20,8 @@ from typing import cast
 import httpx
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.parser import text_string_to_metric_families
-
-from rules.window import Series, WindowStore
-from runbooks import service_metrics as S
+from vllm_runbook.rules.window import Series, WindowStore
+from vllm_runbook.runbooks import service_metrics as S
 
 log = logging.getLogger(__name__)
 

@@ -8,9 +8,9 @@
 every problem if any rule is broken: the service refuses to start rather
 than run with a rule silently dropped.
 
-With `metrics` (the service's, runbooks.service.telemetry) each evaluation's
+With `metrics` (the service's, vllm_runbook.runbooks.service.telemetry) each evaluation's
 wall time, the scrape errors and the firing incidents per alert are exported.
-Several replicas run the cycle through runbooks.service.leader: one at a time.
+Several replicas run the cycle through vllm_runbook.runbooks.service.leader: one at a time.
 """
 
 from __future__ import annotations
@@ -23,20 +23,19 @@ from typing import TYPE_CHECKING
 
 from apscheduler.job import Job
 from apscheduler.schedulers.base import BaseScheduler
-
-from rules.config import Config
-from rules.evaluator import Evaluator, store_for_rules
-from rules.incidents import IncidentEvent, IncidentSink, MemoryIncidentSink
-from rules.model import Rule
-from rules.remediation import Dispatcher, RemediationHook
-from rules.scheduling import schedule_cycle
-from rules.scrape import Scraper
-from rules.sql_sink import SqlIncidentSink
-from rules.window import WindowStore
-from runbooks.store import Store
+from vllm_runbook.rules.config import Config
+from vllm_runbook.rules.evaluator import Evaluator, store_for_rules
+from vllm_runbook.rules.incidents import IncidentEvent, IncidentSink, MemoryIncidentSink
+from vllm_runbook.rules.model import Rule
+from vllm_runbook.rules.remediation import Dispatcher, RemediationHook
+from vllm_runbook.rules.scheduling import schedule_cycle
+from vllm_runbook.rules.scrape import Scraper
+from vllm_runbook.rules.sql_sink import SqlIncidentSink
+from vllm_runbook.rules.window import WindowStore
+from vllm_runbook.runbooks.store import Store
 
 if TYPE_CHECKING:
-    from runbooks.service.telemetry import ServiceMetrics
+    from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
 
 
 @dataclass

@@ -3,7 +3,7 @@
 Rules say ``preemptions`` or ``e2e_latency``; this registry knows that the
 first is the collector's counter ``vllm_runbook_preemptions_total`` and the
 second vLLM's histogram ``vllm:e2e_request_latency_seconds``. Collector names
-come from ``collector.metrics`` so a rename there breaks here, loudly.
+come from ``vllm_runbook.collector.metrics`` so a rename there breaks here, loudly.
 A name not in SIGNALS is an UnknownSignalError at load time.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from collector import metrics as M
+from vllm_runbook.collector import metrics as M
 
 SignalType = Literal["gauge", "counter", "histogram"]
 

@@ -25,8 +25,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 
-from rules.incidents import IncidentEvent, OpenAlert, engine_name
-from runbooks.store import Store, StoreError
+from vllm_runbook.rules.incidents import IncidentEvent, OpenAlert, engine_name
+from vllm_runbook.runbooks.store import Store, StoreError
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from decimal import Decimal
 
-from rules.errors import TemplateError
+from vllm_runbook.rules.errors import TemplateError
 
 _ACTION = re.compile(r"\{\{(.*?)\}\}", re.S)
 _LABEL = re.compile(r"^\$labels\.([A-Za-z_][A-Za-z0-9_]*)$")

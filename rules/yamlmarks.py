@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import yaml
+from vllm_runbook.rules.errors import RuleSyntaxError
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
-
-from rules.errors import RuleSyntaxError
 
 
 class MarkedDict(dict):

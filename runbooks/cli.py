@@ -16,11 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-from rules import cli as rules_cli
-from runbooks import exec_cli, journal_cli, report_cli
-from runbooks.client import CommandRefused, EngineClient, EngineClientError
-from runbooks.service import serve_cli
+from vllm_runbook.rules import cli as rules_cli
+from vllm_runbook.runbooks import exec_cli, journal_cli, report_cli
+from vllm_runbook.runbooks.client import CommandRefused, EngineClient, EngineClientError
+from vllm_runbook.runbooks.service import serve_cli
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_ENGINE = 0, 1, 2, 3
 

@@ -15,8 +15,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
-
-from collector.auth import find_local_token, is_loopback
+from vllm_runbook.collector.auth import find_local_token, is_loopback
 
 
 class EngineClientError(Exception):

@@ -44,10 +44,9 @@ from typing import Any
 
 import httpx
 import yaml
-
-from runbooks.client import EngineClient, EngineClientError
-from runbooks.render import format_signal
-from runbooks.report import (
+from vllm_runbook.runbooks.client import EngineClient, EngineClientError
+from vllm_runbook.runbooks.render import format_signal
+from vllm_runbook.runbooks.report import (
     History,
     SignalLog,
     execution_lines,
@@ -199,7 +198,7 @@ def engine_command(model: Path, port: int) -> list[str]:
 
 def write_runbooks(directory: Path) -> Path:
     """The shipped runbook catalog with the demo's timings (RUNBOOK_TIMINGS)."""
-    from runbooks.spec import CATALOG_DIR
+    from vllm_runbook.runbooks.spec import CATALOG_DIR
 
     if directory.exists():
         shutil.rmtree(directory)
@@ -652,7 +651,7 @@ def _wait(demo: Demo, seconds: float, until: Callable[[], bool] | None = None) -
 
 
 def run(directory: Path, ci: bool) -> int:
-    from collector.tiny_model import create_tiny_model, prompt_token_ids
+    from vllm_runbook.collector.tiny_model import create_tiny_model, prompt_token_ids
 
     t_start = time.monotonic()
     demo = Demo(directory, ci, t_start + STORY_DEADLINE_S)
@@ -705,7 +704,7 @@ def run(directory: Path, ci: bool) -> int:
             [
                 sys.executable,
                 "-m",
-                "runbooks.cli",
+                "vllm_runbook.runbooks.cli",
                 "serve",
                 "--config",
                 str(config),
@@ -875,7 +874,7 @@ def conclude(
 
 def starvation_effect(feed: EventFeed, low: list[Request]) -> tuple[str, str | None] | None:
     """The starved requests' story: (line, problem or None); None without a switch."""
-    from runbooks.report import step_time
+    from vllm_runbook.runbooks.report import step_time
 
     switch = next(
         (
@@ -955,7 +954,7 @@ def _terminate_as_interrupt() -> Iterator[None]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m runbooks.demo", description=__doc__.splitlines()[0]
+        prog="python -m vllm_runbook.runbooks.demo", description=__doc__.splitlines()[0]
     )
     parser.add_argument(
         "--ci",

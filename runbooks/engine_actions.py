@@ -1,8 +1,8 @@
 """The catalog's actions, implemented against the engine agent, and the signals they read.
 
-`engine_registry()` returns the declared registry (`runbooks.actions`) with
+`engine_registry()` returns the declared registry (`vllm_runbook.runbooks.actions`) with
 every action implemented: through the agent, and warm-up through the engine's
-vLLM API server (`runbooks.warmup`). An action is a plain
+vLLM API server (`vllm_runbook.runbooks.warmup`). An action is a plain
 function `fn(params, ctx) -> ActionOutcome`: `ctx` carries the agent client,
 a fresh `/v1/state`, the dry-run flag and `ctx.begin(before, details)`, which
 the executor turns into a journal row *committed before the action touches
@@ -11,7 +11,7 @@ restore). Mutating actions call `begin` exactly once, right before the
 write; an action that finds nothing to change returns `skipped` instead.
 
 `SignalReader` turns `/v1/state` into the signals named by
-`runbooks.spec.KNOWN_SIGNALS`. Signals the agent does not measure (latency
+`vllm_runbook.runbooks.spec.KNOWN_SIGNALS`. Signals the agent does not measure (latency
 percentiles, error and OOM rates, NVML through the state route) read as None:
 the executor reports them as unavailable rather than guessing.
 """
@@ -24,8 +24,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from runbooks.actions import ActionRegistry as _Registry
-from runbooks.actions import (
+from vllm_runbook.runbooks.actions import ActionRegistry as _Registry
+from vllm_runbook.runbooks.actions import (
     Advise,
     CaptureDiagnostics,
     RestoreKnobs,
@@ -34,8 +34,8 @@ from runbooks.actions import (
     SetPolicy,
     declared_registry,
 )
-from runbooks.client import EngineClient
-from runbooks.warmup import send_warmup_requests
+from vllm_runbook.runbooks.client import EngineClient
+from vllm_runbook.runbooks.warmup import send_warmup_requests
 
 KNOBS: Final = ("max_num_batched_tokens", "max_num_seqs", "policy")
 
@@ -107,7 +107,9 @@ class SignalReader:
 
 def signals_from_state(state: Mapping[str, Any]) -> dict[str, Any]:
     """Every known signal from one `/v1/state` answer (None where not measured)."""
-    from runbooks.spec import KNOWN_SIGNALS  # spec imports actions; keep the graph acyclic
+    from vllm_runbook.runbooks.spec import (
+        KNOWN_SIGNALS,  # spec imports actions; keep the graph acyclic
+    )
 
     stats, knobs = state.get("stats", {}), state.get("knobs", {})
     signals: dict[str, Any] = dict.fromkeys(KNOWN_SIGNALS)

@@ -1,6 +1,6 @@
 """CLI pieces for acting on engines: `runbook exec NAME --engine URL` and `runbook revert ID`.
 
-Mounted by `runbooks.cli` with `add_subcommands(subparsers)`. Exit codes:
+Mounted by `vllm_runbook.runbooks.cli` with `add_subcommands(subparsers)`. Exit codes:
 
     0  succeeded (or a dry run)
     1  the execution failed or was rolled back (the journal says why)
@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any, Final
 
-from runbooks.client import CommandRefused, EngineClientError, normalize_url
-from runbooks.executor import (
+from vllm_runbook.runbooks.client import CommandRefused, EngineClientError, normalize_url
+from vllm_runbook.runbooks.executor import (
     EXIT_REFUSED,
     EXIT_STORE,
     ExecutionResult,
@@ -29,9 +29,9 @@ from runbooks.executor import (
     RevertRefused,
     UnknownRunbook,
 )
-from runbooks.render import render_report
-from runbooks.spec import CatalogError, load_catalog
-from runbooks.store import ExecutionNotFound, Store, StoreError, StoreUnavailable
+from vllm_runbook.runbooks.render import render_report
+from vllm_runbook.runbooks.spec import CatalogError, load_catalog
+from vllm_runbook.runbooks.store import ExecutionNotFound, Store, StoreError, StoreUnavailable
 
 EXIT_STORE_ERROR: Final = 1
 
@@ -118,8 +118,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _executor(args: argparse.Namespace, store: Store) -> Executor:
-    from runbooks.client import EngineClient
-    from runbooks.engine_actions import engine_registry
+    from vllm_runbook.runbooks.client import EngineClient
+    from vllm_runbook.runbooks.engine_actions import engine_registry
 
     registry = engine_registry()
     catalog = load_catalog(args.catalog, registry=registry)

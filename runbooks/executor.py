@@ -43,26 +43,25 @@ from datetime import datetime, timedelta
 from typing import Any, Final
 
 from sqlalchemy import select
-
-from runbooks.actions import ActionError, ActionRegistry
-from runbooks.client import (
+from vllm_runbook.runbooks.actions import ActionError, ActionRegistry
+from vllm_runbook.runbooks.client import (
     AuthFailed,
     CommandRefused,
     EngineClient,
     EngineClientError,
     EngineUnreachable,
 )
-from runbooks.engine_actions import (
+from vllm_runbook.runbooks.engine_actions import (
     KNOBS,
     ActionContext,
     ActionOutcome,
     SignalReader,
     engine_registry,
 )
-from runbooks.render import format_signal
-from runbooks.spec import Catalog, Condition, Runbook, StepSpec, load_catalog
-from runbooks.store import ExecutionRecord, StepRecord, Store
-from runbooks.store.models import (
+from vllm_runbook.runbooks.render import format_signal
+from vllm_runbook.runbooks.spec import Catalog, Condition, Runbook, StepSpec, load_catalog
+from vllm_runbook.runbooks.store import ExecutionRecord, StepRecord, Store
+from vllm_runbook.runbooks.store.models import (
     ACTIVE_STATUSES,
     FAILED,
     FINAL_STATUSES,
@@ -289,7 +288,7 @@ class Executor:
     ) -> ExecutionResult:
         """Run an execution another component recorded as pending (the webhook
         records one per alert episode; the service's worker runs it). The
-        caller makes sure one process runs it (see runbooks.service.worker)."""
+        caller makes sure one process runs it (see vllm_runbook.runbooks.service.worker)."""
         record = self.store.get_execution(execution_id)
         spec = self.runbook(record.runbook)
         run = _Run(

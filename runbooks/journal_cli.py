@@ -1,6 +1,6 @@
 """CLI pieces for the journal and the catalog: `db upgrade`, `history`, `list`, `show`.
 
-`runbooks.cli` owns the `runbook` command and mounts these with
+`vllm_runbook.runbooks.cli` owns the `runbook` command and mounts these with
 `add_subcommands(subparsers)`; each handler takes the parsed namespace and
 returns an exit code. Errors are one line on stderr, never a traceback:
 
@@ -24,9 +24,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Final, TextIO
 
-from runbooks.render import format_table, format_value, render_report
-from runbooks.spec import Catalog, CatalogError, Runbook, load_catalog
-from runbooks.store import (
+from vllm_runbook.runbooks.render import format_table, format_value, render_report
+from vllm_runbook.runbooks.spec import Catalog, CatalogError, Runbook, load_catalog
+from vllm_runbook.runbooks.store import (
     ExecutionNotFound,
     Store,
     StoreError,
@@ -292,7 +292,7 @@ def _indent(text: str) -> str:
     return "\n".join(f"  {line}" for line in text.splitlines())
 
 
-# --- standalone entry (tests, and until runbooks.cli mounts these) -----------------
+# --- standalone entry (tests, and until vllm_runbook.runbooks.cli mounts these) -----------------
 
 
 def build_parser() -> argparse.ArgumentParser:

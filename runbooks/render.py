@@ -21,8 +21,7 @@ from typing import Any, Final
 
 from jinja2 import FileSystemLoader, StrictUndefined
 from jinja2.sandbox import SandboxedEnvironment
-
-from runbooks.store import ExecutionRecord
+from vllm_runbook.runbooks.store import ExecutionRecord
 
 TEMPLATES_DIR: Final = Path(__file__).resolve().parent / "templates"
 REPORT_TEMPLATE: Final = "report.txt.j2"

@@ -40,8 +40,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from sqlalchemy.engine import make_url
-
-from runbooks.render import format_signal
+from vllm_runbook.runbooks.render import format_signal
 
 # Seconds of history compared before and after an execution's changes.
 EFFECT_WINDOW_S = 20.0

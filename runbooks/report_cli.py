@@ -2,7 +2,7 @@
 
 The summary comes from the journal (checks, changes, verification, revert);
 the picture and the measured effect need the signal history the demo
-records beside its SQLite database (see runbooks.report). Exit codes: 0 ok;
+records beside its SQLite database (see vllm_runbook.runbooks.report). Exit codes: 0 ok;
 1 no picture (no signal history for that time); 2 unknown execution; 4 store
 unavailable.
 """
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from runbooks.journal_cli import _add_db_option, _guarded
+from vllm_runbook.runbooks.journal_cli import _add_db_option, _guarded
 
 EXIT_OK, EXIT_NO_PICTURE = 0, 1
 # History drawn around the execution, before its finding and after its revert.
@@ -40,7 +40,7 @@ def add_subcommands(subparsers: Any) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from runbooks.report import (
+    from vllm_runbook.runbooks.report import (
         History,
         execution_lines,
         format_phase_table,
@@ -50,7 +50,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         timeline_png,
         ts,
     )
-    from runbooks.store import Store
+    from vllm_runbook.runbooks.store import Store
 
     store = Store(args.db)
     record = store.get_execution(args.id)

@@ -11,8 +11,7 @@ called `engine` it is the engine's name in the service's inventory (e.g.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-from collector.metrics import MetricSpec
+from vllm_runbook.collector.metrics import MetricSpec
 
 PREFIX = "vllm_runbook_service_"
 
@@ -62,7 +61,7 @@ RULE_EVALUATION = _spec(
     "Wall time of one evaluation of the rule catalog by the embedded rules engine.",
     buckets=RULE_EVALUATION_BUCKETS,
 )
-# The rules engine's scraper counts into this one (rules.scrape), by target URL
+# The rules engine's scraper counts into this one (vllm_runbook.rules.scrape), by target URL
 # and reason (unreachable|http_status|parse).
 SCRAPE_ERRORS = _spec(
     "scrape_errors",

@@ -1,7 +1,7 @@
 """Runbook definitions: the pydantic models and the YAML catalog loader.
 
 A runbook is data: the alerts that trigger it, the checks shown before
-acting, typed steps (actions from `runbooks.actions`), the verification that
+acting, typed steps (actions from `vllm_runbook.runbooks.actions`), the verification that
 must succeed, the revert policy and the guardrails. The shipped catalog lives
 in `runbooks/catalog/*.yaml`, one runbook per file.
 
@@ -24,8 +24,7 @@ from typing import Annotated, Any, Final, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-
-from runbooks.actions import ActionRegistry, UnknownAction, declared_registry
+from vllm_runbook.runbooks.actions import ActionRegistry, UnknownAction, declared_registry
 
 CATALOG_DIR: Final = Path(__file__).resolve().parent / "catalog"
 

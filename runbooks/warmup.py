@@ -24,11 +24,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import httpx
-
-from runbooks.actions import ActionError, SendWarmupRequests
+from vllm_runbook.runbooks.actions import ActionError, SendWarmupRequests
 
 if TYPE_CHECKING:
-    from runbooks.engine_actions import ActionContext, ActionOutcome
+    from vllm_runbook.runbooks.engine_actions import ActionContext, ActionOutcome
 
 # Token ids every vocabulary has (the tiny test model has 512; 0-2 are special there).
 _FIRST_ID, _ID_SPAN = 3, 500
@@ -68,7 +67,7 @@ def _model(client: httpx.Client, api_url: str) -> tuple[str, int | None]:
 
 
 def send_warmup_requests(params: SendWarmupRequests, ctx: ActionContext) -> ActionOutcome:
-    from runbooks.engine_actions import ActionOutcome
+    from vllm_runbook.runbooks.engine_actions import ActionOutcome
 
     if not ctx.api_url:
         raise WarmupFailed(

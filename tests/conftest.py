@@ -31,7 +31,7 @@ from tests.engines import InProcessEngine
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from collector.tiny_model import create_tiny_model
+    from vllm_runbook.collector.tiny_model import create_tiny_model
 
     return create_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from collector.tiny_model import prompt_token_ids
+from vllm_runbook.collector.tiny_model import prompt_token_ids
 
 ENGINE_DEFAULTS: dict[str, Any] = dict(
     block_size=32,
@@ -285,7 +285,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def runbook_cli_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "runbooks.cli", *args]
+    return [sys.executable, "-m", "vllm_runbook.runbooks.cli", *args]
 
 
 def runbook_cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -23,13 +23,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
-
-from runbooks.service import telemetry as T
-from runbooks.service.alertmanager import WebhookPayload, unstorable_text
-from runbooks.service.telemetry import ServiceMetrics
-from runbooks.service.webhooks import GroupCommitter, Router
-from runbooks.service.worker import Worker
-from runbooks.store import Store, StoreError, StoreUnavailable
+from vllm_runbook.runbooks.service import telemetry as T
+from vllm_runbook.runbooks.service.alertmanager import WebhookPayload, unstorable_text
+from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
+from vllm_runbook.runbooks.service.webhooks import GroupCommitter, Router
+from vllm_runbook.runbooks.service.worker import Worker
+from vllm_runbook.runbooks.store import Store, StoreError, StoreUnavailable
 
 log = logging.getLogger("vllm_runbook.service")
 

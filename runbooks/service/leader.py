@@ -22,11 +22,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from runbooks.store import Store, StoreError
+from vllm_runbook.runbooks.store import Store, StoreError
 
 if TYPE_CHECKING:
-    from rules.service import RulesService
-    from runbooks.service.telemetry import ServiceMetrics
+    from vllm_runbook.rules.service import RulesService
+    from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
 
 log = logging.getLogger("vllm_runbook.service")
 

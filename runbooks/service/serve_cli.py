@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from collector.auth import TokenError, is_loopback, runtime_dir
+from vllm_runbook.collector.auth import TokenError, is_loopback, runtime_dir
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_STORE = 0, 1, 2, 4
 
@@ -55,7 +55,7 @@ def _read_secret(path: Path, what: str) -> str:
 def credentials_from(config: Any, host: str) -> Any:
     """The webhook's credentials: configured, or a generated token stored
     0600 in the runtime directory (loopback only)."""
-    from runbooks.service.app import Credentials
+    from vllm_runbook.runbooks.service.app import Credentials
 
     webhook = config.webhook
     if webhook.token_file is not None:
@@ -94,20 +94,20 @@ def build(
 ) -> tuple[Any, Any, Any, Any, Any]:
     """Config, store (migrated), app, worker and rules leader (neither started);
     raises the errors the CLI maps."""
-    from rules.config import load_config
-    from runbooks.client import normalize_url
-    from runbooks.service.app import create_app
-    from runbooks.service.telemetry import ServiceMetrics
-    from runbooks.service.webhooks import Router
-    from runbooks.spec import load_catalog as load_runbooks
-    from runbooks.store import Store, upgrade
+    from vllm_runbook.rules.config import load_config
+    from vllm_runbook.runbooks.client import normalize_url
+    from vllm_runbook.runbooks.service.app import create_app
+    from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
+    from vllm_runbook.runbooks.service.webhooks import Router
+    from vllm_runbook.runbooks.spec import load_catalog as load_runbooks
+    from vllm_runbook.runbooks.store import Store, upgrade
 
     config = load_config(config_path)
     url = db or config.database
     upgrade(url)
     store = Store(url)
     alert_runbooks = {r.alert: r.runbook for r in config.load_rules()}
-    from runbooks.engine_actions import engine_registry
+    from vllm_runbook.runbooks.engine_actions import engine_registry
 
     registry = engine_registry()
     runbooks = load_runbooks(catalog, registry=registry)
@@ -124,8 +124,8 @@ def build(
     )
     runner = None
     if worker:
-        from runbooks.executor import Executor
-        from runbooks.service.worker import Worker
+        from vllm_runbook.runbooks.executor import Executor
+        from vllm_runbook.runbooks.service.worker import Worker
 
         runner = Worker(
             store,
@@ -140,9 +140,9 @@ def build(
         )
     leader = None
     if rules and config.engines:
-        from rules.service import RulesService
-        from runbooks.service.leader import RulesLeader
-        from runbooks.service.worker import ExecutorHook
+        from vllm_runbook.rules.service import RulesService
+        from vllm_runbook.runbooks.service.leader import RulesLeader
+        from vllm_runbook.runbooks.service.worker import ExecutorHook
 
         hook = ExecutorHook(store, runner) if runner is not None else None
         RulesService.from_config(config).close()  # a broken catalog fails the start, not a cycle
@@ -164,11 +164,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
     from apscheduler.schedulers.background import BackgroundScheduler
-
-    from rules.errors import CatalogError, ConfigError
-    from rules.scheduling import schedule_cycle
-    from runbooks.spec import CatalogError as RunbookCatalogError
-    from runbooks.store import StoreUnavailable
+    from vllm_runbook.rules.errors import CatalogError, ConfigError
+    from vllm_runbook.rules.scheduling import schedule_cycle
+    from vllm_runbook.runbooks.spec import CatalogError as RunbookCatalogError
+    from vllm_runbook.runbooks.store import StoreUnavailable
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -1,4 +1,4 @@
-"""The service's own metrics (runbooks.service_metrics), fed from what it did.
+"""The service's own metrics (vllm_runbook.runbooks.service_metrics), fed from what it did.
 
 One ServiceMetrics per process, on its own registry, shared by the app (webhooks),
 the worker (executions, knob changes, detection-to-action) and the rules
@@ -22,11 +22,10 @@ from collections.abc import Iterable, Mapping
 from typing import cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-from runbooks import service_metrics as S
-from runbooks.engine_actions import KNOBS
-from runbooks.store import ExecutionRecord, StepRecord
-from runbooks.store.models import (
+from vllm_runbook.runbooks import service_metrics as S
+from vllm_runbook.runbooks.engine_actions import KNOBS
+from vllm_runbook.runbooks.store import ExecutionRecord, StepRecord
+from vllm_runbook.runbooks.store.models import (
     FAILED,
     REFUSED,
     REVERTED,

@@ -28,12 +28,11 @@ from typing import Any, cast
 from sqlalchemy import Table, insert, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
-
-from rules.config import Automation, EngineConfig
-from runbooks.client import normalize_url
-from runbooks.service.alertmanager import Alert, WebhookPayload
-from runbooks.store import Store, StoreError, StoreUnavailable
-from runbooks.store.models import Execution, WebhookEvent, episode_key, utcnow
+from vllm_runbook.rules.config import Automation, EngineConfig
+from vllm_runbook.runbooks.client import normalize_url
+from vllm_runbook.runbooks.service.alertmanager import Alert, WebhookPayload
+from vllm_runbook.runbooks.store import Store, StoreError, StoreUnavailable
+from vllm_runbook.runbooks.store.models import Execution, WebhookEvent, episode_key, utcnow
 
 log = logging.getLogger("vllm_runbook.service")
 

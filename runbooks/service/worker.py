@@ -17,10 +17,10 @@ import threading
 from datetime import datetime
 from typing import Any
 
-from rules.config import ExecutorConfig
-from runbooks.executor import Executor
-from runbooks.service.telemetry import ServiceMetrics
-from runbooks.store import Store, StoreError
+from vllm_runbook.rules.config import ExecutorConfig
+from vllm_runbook.runbooks.executor import Executor
+from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
+from vllm_runbook.runbooks.store import Store, StoreError
 
 log = logging.getLogger("vllm_runbook.service")
 
@@ -162,7 +162,7 @@ class ExecutorHook:
         return fingerprint, datetime.fromtimestamp(fired, UTC)
 
     def on_firing(self, handoff: Any) -> None:
-        from runbooks.client import normalize_url
+        from vllm_runbook.runbooks.client import normalize_url
 
         if handoff.engine is None:
             log.warning(
@@ -188,7 +188,7 @@ class ExecutorHook:
         self.worker.wake()
 
     def on_resolved(self, handoff: Any) -> None:
-        from runbooks.client import normalize_url
+        from vllm_runbook.runbooks.client import normalize_url
 
         if handoff.engine is None:
             return

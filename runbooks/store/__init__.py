@@ -1,28 +1,33 @@
 """The runbook store: journal of executions, incidents, webhook events, leases.
 
-from runbooks.store import Store, upgrade
+from vllm_runbook.runbooks.store import Store, upgrade
 upgrade(url)                  # once, or on service start
 store = Store(url)            # url: explicit > $RUNBOOK_DB_URL > SQLite in the data dir
 """
 
 from __future__ import annotations
 
-from runbooks.store.database import ENV_VAR, default_sqlite_path, display_url, resolve_url
-from runbooks.store.errors import (
+from vllm_runbook.runbooks.store.database import (
+    ENV_VAR,
+    default_sqlite_path,
+    display_url,
+    resolve_url,
+)
+from vllm_runbook.runbooks.store.errors import (
     ExecutionNotFound,
     IllegalTransition,
     SchemaMissing,
     StoreError,
     StoreUnavailable,
 )
-from runbooks.store.journal import (
+from vllm_runbook.runbooks.store.journal import (
     ExecutionRecord,
     IncidentRecord,
     StepRecord,
     Store,
     process_alive,
 )
-from runbooks.store.models import (
+from vllm_runbook.runbooks.store.models import (
     ACTIVE_STATUSES,
     EXECUTION_STATUSES,
     EXECUTION_TRANSITIONS,
@@ -35,7 +40,7 @@ from runbooks.store.models import (
     WebhookEvent,
     episode_key,
 )
-from runbooks.store.schema import current_revision, head_revision, upgrade
+from vllm_runbook.runbooks.store.schema import current_revision, head_revision, upgrade
 
 __all__ = [
     "ACTIVE_STATUSES",

@@ -15,8 +15,7 @@ from typing import Any, Final
 
 from sqlalchemy import Engine, create_engine, event, exc
 from sqlalchemy.engine import URL, make_url
-
-from runbooks.store.errors import SchemaMissing, StoreError, StoreUnavailable
+from vllm_runbook.runbooks.store.errors import SchemaMissing, StoreError, StoreUnavailable
 
 ENV_VAR: Final = "RUNBOOK_DB_URL"
 SQLITE_BUSY_TIMEOUT_MS: Final = 10_000

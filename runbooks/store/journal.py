@@ -25,16 +25,15 @@ from typing import Any, Final
 from sqlalchemy import Engine, case, delete, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, selectinload, sessionmaker
-
-from runbooks.store.database import (
+from vllm_runbook.runbooks.store.database import (
     WRITE_OPTION,
     display_url,
     make_engine,
     resolve_url,
     translated_errors,
 )
-from runbooks.store.errors import ExecutionNotFound, IllegalTransition, StoreError
-from runbooks.store.models import (
+from vllm_runbook.runbooks.store.errors import ExecutionNotFound, IllegalTransition, StoreError
+from vllm_runbook.runbooks.store.models import (
     ACTIVE_STATUSES,
     EXECUTION_STATUSES,
     EXECUTION_TRANSITIONS,

@@ -13,8 +13,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Final
 
-from runbooks.store.database import display_url, make_engine, resolve_url, translated_errors
-from runbooks.store.errors import StoreError, StoreUnavailable
+from vllm_runbook.runbooks.store.database import (
+    display_url,
+    make_engine,
+    resolve_url,
+    translated_errors,
+)
+from vllm_runbook.runbooks.store.errors import StoreError, StoreUnavailable
 
 MIGRATIONS_DIR: Final = Path(__file__).resolve().parent / "migrations"
 VERSIONS_DIR: Final = MIGRATIONS_DIR / "versions"
@@ -84,8 +89,7 @@ def _render_item(type_: str, obj: Any, autogen_context: Any) -> str | bool:
     # Migrations must not import application types: they would then break when
     # the type moves. UTCDateTime is a plain DATETIME in the database.
     from sqlalchemy import JSON
-
-    from runbooks.store.models import UTCDateTime
+    from vllm_runbook.runbooks.store.models import UTCDateTime
 
     if type_ != "type":
         return False
@@ -101,7 +105,7 @@ def _render_item(type_: str, obj: Any, autogen_context: Any) -> str | bool:
 
 def run_migrations(context: Any) -> None:
     """What env.py does, for both the packaged and the top-level alembic/ dir."""
-    from runbooks.store.models import Base
+    from vllm_runbook.runbooks.store.models import Base
 
     config = context.config
     url = resolve_url(config.get_main_option("sqlalchemy.url") or None)

@@ -17,10 +17,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from dashboards import catalog, lint
-from dashboards.definitions import DASHBOARDS
-from dashboards.generate import DASHBOARDS_DIR
-from runbooks.service_metrics import SERVICE_METRICS
+from vllm_runbook.dashboards import catalog, lint
+from vllm_runbook.dashboards.definitions import DASHBOARDS
+from vllm_runbook.dashboards.generate import DASHBOARDS_DIR
+from vllm_runbook.runbooks.service_metrics import SERVICE_METRICS
+
 from tests.engines import PrometheusServer
 
 MODEL = "tiny-llama"

@@ -6,7 +6,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from dashboards.generate import DASHBOARDS_DIR, RULE_FILE
+from vllm_runbook.dashboards.generate import DASHBOARDS_DIR, RULE_FILE
+
 from tests.engines import require_tool
 
 

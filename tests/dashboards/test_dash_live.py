@@ -32,11 +32,11 @@ from typing import Any
 
 import pytest
 import yaml
+from vllm_runbook.collector import metrics as M
+from vllm_runbook.dashboards import lint
+from vllm_runbook.dashboards.definitions import DASHBOARDS
+from vllm_runbook.dashboards.generate import DASHBOARDS_DIR
 
-from collector import metrics as M
-from dashboards import lint
-from dashboards.definitions import DASHBOARDS
-from dashboards.generate import DASHBOARDS_DIR
 from tests.dashboards.live import MODEL, finite, gpu_only, substitute, uses_service
 from tests.dashboards.live import load as lint_load
 from tests.engines import PrometheusServer, ServedEngine, require_tool, runbook_cli

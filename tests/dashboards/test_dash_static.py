@@ -12,14 +12,13 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
-
-from collector import metrics as M
-from dashboards import catalog, lint
-from dashboards.definitions import DASHBOARDS, ENGINE_UID, engine_overview
-from dashboards.generate import DASHBOARDS_DIR, RULE_FILE, render_all, stale_files
-from dashboards.queries import RuleNotes
-from rules import load_catalog
-from runbooks import service_metrics as S
+from vllm_runbook.collector import metrics as M
+from vllm_runbook.dashboards import catalog, lint
+from vllm_runbook.dashboards.definitions import DASHBOARDS, ENGINE_UID, engine_overview
+from vllm_runbook.dashboards.generate import DASHBOARDS_DIR, RULE_FILE, render_all, stale_files
+from vllm_runbook.dashboards.queries import RuleNotes
+from vllm_runbook.rules import load_catalog
+from vllm_runbook.runbooks import service_metrics as S
 
 KNOBS = (M.MAX_NUM_BATCHED_TOKENS, M.MAX_NUM_SEQS, M.SCHEDULER_POLICY)
 
@@ -37,7 +36,7 @@ def test_checked_in_files_match_a_fresh_render() -> None:
     fresh = render_all()
     assert set(fresh) == {*DASHBOARDS, RULE_FILE}
     stale = [n for n, text in fresh.items() if (DASHBOARDS_DIR / n).read_text() != text]
-    assert not stale, f"stale: {stale}; run `python -m dashboards.generate` and commit"
+    assert not stale, f"stale: {stale}; run `python -m vllm_runbook.dashboards.generate` and commit"
     assert stale_files() == []
 
 

@@ -48,7 +48,7 @@ def test_demo_story_detects_fixes_and_reverts(tmp_path: Path) -> None:
     env.update(CI="true", PYTHONPATH=str(REPO_ROOT))
     directory = tmp_path / "demo"
     proc = subprocess.run(
-        [sys.executable, "-m", "runbooks.demo", "--dir", str(directory)],
+        [sys.executable, "-m", "vllm_runbook.runbooks.demo", "--dir", str(directory)],
         cwd=REPO_ROOT,
         env=env,
         stdin=subprocess.DEVNULL,

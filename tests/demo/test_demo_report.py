@@ -9,11 +9,16 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-
-from runbooks.cli import main
-from runbooks.report import History, execution_lines, percentile, phase_rows, signals_path_for
-from runbooks.store import Store, upgrade
-from runbooks.store.models import RUNNING, SUCCEEDED, VERIFYING, Execution
+from vllm_runbook.runbooks.cli import main
+from vllm_runbook.runbooks.report import (
+    History,
+    execution_lines,
+    percentile,
+    phase_rows,
+    signals_path_for,
+)
+from vllm_runbook.runbooks.store import Store, upgrade
+from vllm_runbook.runbooks.store.models import RUNNING, SUCCEEDED, VERIFYING, Execution
 
 ENGINE = "http://127.0.0.1:9360"
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from vllm_runbook.collector import metrics as M
 
-from collector import metrics as M
 from tests.engines import InProcessEngine, http_get
 
 pytestmark = pytest.mark.engine
@@ -18,8 +18,7 @@ pytestmark = pytest.mark.engine
 
 def test_hook_is_mixed_into_vllms_scheduler(engine: InProcessEngine) -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
-
-    from collector.hook import RunbookSchedulerMixin
+    from vllm_runbook.collector.hook import RunbookSchedulerMixin
 
     assert isinstance(engine.scheduler, RunbookSchedulerMixin)
     assert isinstance(engine.scheduler, Scheduler)
@@ -167,7 +166,7 @@ def test_preemptions_equal_the_schedulers_own_count(small_kv_engine: InProcessEn
 @pytest.fixture(scope="module")
 def async_engine(tiny_model: Path) -> Iterator[InProcessEngine]:
     eng = InProcessEngine.start(
-        tiny_model, scheduler_cls="collector.scheduler.RunbookAsyncScheduler"
+        tiny_model, scheduler_cls="vllm_runbook.collector.scheduler.RunbookAsyncScheduler"
     )
     yield eng
     eng.close()

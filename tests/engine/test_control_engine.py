@@ -13,9 +13,9 @@ from typing import Any
 
 import httpx
 import pytest
+from vllm_runbook.collector import metrics as M
+from vllm_runbook.collector.auth import find_local_token
 
-from collector import metrics as M
-from collector.auth import find_local_token
 from tests.engines import InProcessEngine, runbook_cli, while_stepping
 
 pytestmark = pytest.mark.engine

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from vllm_runbook.collector import metrics as M
 
-from collector import metrics as M
 from tests.engines import InProcessEngine
 
 pytestmark = pytest.mark.engine

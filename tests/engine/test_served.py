@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from vllm_runbook.collector import metrics as M
 
-from collector import metrics as M
 from tests.engines import ServedEngine, http_get, runbook_cli
 
 pytestmark = [pytest.mark.engine, pytest.mark.served]
@@ -103,7 +103,7 @@ def test_explicit_scheduler_cls_without_the_plugin(tiny_model: Path, tmp_path: P
         tiny_model,
         tmp_path / "serve.log",
         env={"VLLM_PLUGINS": ""},
-        extra_args=["--scheduler-cls", "collector.scheduler.RunbookScheduler"],
+        extra_args=["--scheduler-cls", "vllm_runbook.collector.scheduler.RunbookScheduler"],
     ) as served:
         assert served.complete(40, max_tokens=3)["usage"]["completion_tokens"] == 3
         status, text = http_get(served.agent_url + "/metrics")

@@ -8,8 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from runbooks.store import Store, upgrade
+from vllm_runbook.runbooks.store import Store, upgrade
 
 
 @pytest.fixture(scope="session")

@@ -22,8 +22,8 @@ from typing import Any
 import httpx
 import pytest
 from exec_harness import cli, cli_background, cli_json
+from vllm_runbook.runbooks.store import Store
 
-from runbooks.store import Store
 from tests.engines import InProcessEngine, free_port
 
 pytestmark = pytest.mark.engine

@@ -13,10 +13,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-
-from runbooks.client import CommandRefused, EngineUnreachable
-from runbooks.engine_actions import engine_registry, kv_capacity_seqs
-from runbooks.executor import (
+from vllm_runbook.runbooks.client import CommandRefused, EngineUnreachable
+from vllm_runbook.runbooks.engine_actions import engine_registry, kv_capacity_seqs
+from vllm_runbook.runbooks.executor import (
     ExecutionResult,
     Executor,
     RevertRefused,
@@ -24,8 +23,8 @@ from runbooks.executor import (
     engine_lock_name,
     format_duration,
 )
-from runbooks.spec import Catalog, Runbook, load_catalog
-from runbooks.store import Store
+from vllm_runbook.runbooks.spec import Catalog, Runbook, load_catalog
+from vllm_runbook.runbooks.store import Store
 
 URL = "http://127.0.0.1:9360"
 STARTUP = {"max_num_batched_tokens": 512, "max_num_seqs": 32, "policy": "priority"}

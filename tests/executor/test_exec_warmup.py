@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from vllm_runbook.collector import metrics as M
+from vllm_runbook.runbooks.store import Store
+from vllm_runbook.runbooks.store.models import FAILED, SUCCEEDED
+from vllm_runbook.runbooks.warmup import warmup_prompt
 
-from collector import metrics as M
-from runbooks.store import Store
-from runbooks.store.models import FAILED, SUCCEEDED
-from runbooks.warmup import warmup_prompt
 from tests.engines import ServedEngine, free_port, http_get, runbook_cli
 
 pytestmark = [pytest.mark.engine, pytest.mark.served]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 import time
 
-from runbooks.store import Store
+from vllm_runbook.runbooks.store import Store
 
 POINTS = ("created", "running", "applying", "applied", "verifying")
 

@@ -6,8 +6,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
-from runbooks.actions import (
+from vllm_runbook.runbooks.actions import (
     ActionNotImplemented,
     Advise,
     DuplicateAction,
@@ -15,7 +14,7 @@ from runbooks.actions import (
     UnknownAction,
     declared_registry,
 )
-from runbooks.spec import CATALOG_DIR, CatalogError, load_catalog
+from vllm_runbook.runbooks.spec import CATALOG_DIR, CatalogError, load_catalog
 
 EXPECTED = {
     "batch-too-large",

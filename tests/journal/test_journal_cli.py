@@ -6,9 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-
-from runbooks.journal_cli import main
-from runbooks.store import Store
+from vllm_runbook.runbooks.journal_cli import main
+from vllm_runbook.runbooks.store import Store
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

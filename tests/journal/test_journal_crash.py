@@ -10,8 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from runbooks.store import Store
+from vllm_runbook.runbooks.store import Store
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,7 +39,15 @@ def run_until(url: str, point: str) -> int:
 
 def cli_history(url: str) -> dict[str, object]:
     out = subprocess.run(
-        [sys.executable, "-m", "runbooks.journal_cli", "history", "--db", url, "--json"],
+        [
+            sys.executable,
+            "-m",
+            "vllm_runbook.runbooks.journal_cli",
+            "history",
+            "--db",
+            url,
+            "--json",
+        ],
         capture_output=True,
         text=True,
         cwd=ROOT,

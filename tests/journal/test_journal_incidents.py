@@ -7,8 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 
 import pytest
-
-from runbooks.store import IncidentRecord, Store
+from vllm_runbook.runbooks.store import IncidentRecord, Store
 
 T0 = datetime(2026, 3, 1, 12, 0, 0, 250000, tzinfo=UTC)
 

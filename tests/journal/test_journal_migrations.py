@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine, inspect
+from vllm_runbook.runbooks.store import Store, StoreError, current_revision, head_revision, upgrade
+from vllm_runbook.runbooks.store.schema import alembic_config
 
 from alembic import command
-from runbooks.store import Store, StoreError, current_revision, head_revision, upgrade
-from runbooks.store.schema import alembic_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TABLES = {"alembic_version", "executions", "steps", "incidents", "webhook_events", "leases"}
@@ -66,7 +66,9 @@ def test_programmatic_upgrade_is_idempotent_and_reversible(tmp_path: Path) -> No
 @pytest.mark.service
 def test_programmatic_upgrade_postgres_from_two_processes(fresh_pg_database: str) -> None:
     # Two replicas starting at once: the advisory lock serialises them.
-    code = "import sys; from runbooks.store import upgrade; print(upgrade(sys.argv[1]))"
+    code = (
+        "import sys; from vllm_runbook.runbooks.store import upgrade; print(upgrade(sys.argv[1]))"
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     procs = [
         subprocess.Popen(
@@ -97,7 +99,9 @@ def test_upgrade_of_a_newer_database_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_migrations_located_without_the_repository(tmp_path: Path) -> None:
     # As from an installed package: another cwd, no alembic.ini anywhere near.
-    code = "import sys; from runbooks.store import upgrade; print(upgrade(sys.argv[1]))"
+    code = (
+        "import sys; from vllm_runbook.runbooks.store import upgrade; print(upgrade(sys.argv[1]))"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code, f"sqlite:///{tmp_path}/i.db"],
         capture_output=True,

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import pytest
 from jinja2.exceptions import SecurityError
-
-from runbooks.render import format_table, render_notification, render_report, render_string
-from runbooks.store import Store
+from vllm_runbook.runbooks.render import (
+    format_table,
+    render_notification,
+    render_report,
+    render_string,
+)
+from vllm_runbook.runbooks.store import Store
 
 
 @pytest.fixture

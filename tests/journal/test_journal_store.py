@@ -9,8 +9,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-
-from runbooks.store import (
+from vllm_runbook.runbooks.store import (
     EXECUTION_STATUSES,
     EXECUTION_TRANSITIONS,
     ExecutionNotFound,

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine, text
-
-from runbooks.store import Store, upgrade
+from vllm_runbook.runbooks.store import Store, upgrade
 
 PG_SERVER = os.environ.get("RUNBOOK_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432")
 

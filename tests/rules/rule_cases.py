@@ -13,8 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from rule_harness import Case, series
-
-from collector import metrics as M
+from vllm_runbook.collector import metrics as M
 
 KV_HIT = M.KV_HIT_RATIO.series_name
 FRAG = M.BLOCK_FRAGMENTATION.series_name

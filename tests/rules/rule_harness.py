@@ -15,12 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-
-from rules.durations import format_duration
-from rules.evaluator import Evaluator, store_for_rules
-from rules.incidents import MemoryIncidentSink
-from rules.model import Rule
-from rules.promql import export
+from vllm_runbook.rules.durations import format_duration
+from vllm_runbook.rules.evaluator import Evaluator, store_for_rules
+from vllm_runbook.rules.incidents import MemoryIncidentSink
+from vllm_runbook.rules.model import Rule
+from vllm_runbook.rules.promql import export
 
 SCRAPE = 30.0
 EVAL = 30.0

@@ -8,8 +8,7 @@ import pytest
 from rule_cases import CASES
 from rule_harness import EVAL, promtool_required, promtool_version, run_evaluator, run_promtool
 from rule_harness import select_rule as select
-
-from rules.model import load_catalog
+from vllm_runbook.rules.model import load_catalog
 
 RULES = load_catalog().bind()
 PROMTOOL = promtool_version()

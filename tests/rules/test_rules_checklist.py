@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 from rule_server import Routes, serve
-
-from rules.checklist import Scrape, parse_exposition, run_checklist
-from runbooks.cli import main
+from vllm_runbook.rules.checklist import Scrape, parse_exposition, run_checklist
+from vllm_runbook.runbooks.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = 'model_name="tiny",engine="0"'
@@ -297,7 +296,7 @@ def test_usage_errors_exit_2(
 def test_usage_error_as_an_operator_sees_it() -> None:
     # A separate process, as typed: one line, no traceback.
     proc = subprocess.run(
-        [sys.executable, "-m", "runbooks.cli", "check"],
+        [sys.executable, "-m", "vllm_runbook.runbooks.cli", "check"],
         capture_output=True,
         text=True,
         timeout=60,

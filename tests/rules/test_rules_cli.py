@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 from rule_harness import promtool_required
-
-from rules.cli import add_subcommands
+from vllm_runbook.rules.cli import add_subcommands
 
 
 def run(argv: list[str]) -> int:

@@ -6,8 +6,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
-from rules.config import (
+from vllm_runbook.rules.config import (
     Automation,
     Config,
     EngineConfig,
@@ -15,9 +14,9 @@ from rules.config import (
     WebhookConfig,
     load_config,
 )
-from rules.errors import CatalogError, ConfigError
-from rules.model import load_catalog
-from rules.scrape import Target
+from vllm_runbook.rules.errors import CatalogError, ConfigError
+from vllm_runbook.rules.model import load_catalog
+from vllm_runbook.rules.scrape import Target
 
 FULL = """\
 database: postgresql+psycopg://runbook@db/runbook

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 
-from rules import condition as C
-from rules.evaluator import Evaluator, store_for_rules
-from rules.incidents import MemoryIncidentSink
-from rules.model import Rule
-from rules.signals import SIGNALS
-from rules.window import WindowStore
+from vllm_runbook.rules import condition as C
+from vllm_runbook.rules.evaluator import Evaluator, store_for_rules
+from vllm_runbook.rules.incidents import MemoryIncidentSink
+from vllm_runbook.rules.model import Rule
+from vllm_runbook.rules.signals import SIGNALS
+from vllm_runbook.rules.window import WindowStore
 
 ENGINE = {"model_name": "m", "engine": "0"}
 WAITING = SIGNALS["requests_waiting"].metric

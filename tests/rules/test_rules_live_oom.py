@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 import yaml
 from apscheduler.schedulers.background import BackgroundScheduler
+from vllm_runbook.rules.config import load_config
+from vllm_runbook.rules.remediation import Handoff
+from vllm_runbook.rules.service import RulesService
+from vllm_runbook.runbooks.cli import main
+from vllm_runbook.runbooks.store import Store, upgrade
 
-from rules.config import load_config
-from rules.remediation import Handoff
-from rules.service import RulesService
-from runbooks.cli import main
-from runbooks.store import Store, upgrade
 from tests.engines import InProcessEngine
 
 pytestmark = pytest.mark.engine

@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from rules.errors import (
+from vllm_runbook.rules.errors import (
     CatalogError,
     DuplicateRuleError,
     DurationError,
@@ -16,7 +15,7 @@ from rules.errors import (
     UnknownRunbookError,
     UnknownSignalError,
 )
-from rules.model import RUNBOOK_NAMES, load_catalog
+from vllm_runbook.rules.model import RUNBOOK_NAMES, load_catalog
 
 GOOD = """\
 rules:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from array import array
 
-from rules.promfuncs import agg_max, agg_min, bucket_quantile, div, extrapolated_rate
+from vllm_runbook.rules.promfuncs import agg_max, agg_min, bucket_quantile, div, extrapolated_rate
 
 
 def rate(ts: list[float], vs: list[float], start: float, end: float) -> float | None:

@@ -6,12 +6,11 @@ import socket
 from datetime import timedelta
 
 from apscheduler.schedulers.background import BackgroundScheduler
-
-from rules.evaluator import Evaluator, store_for_rules
-from rules.incidents import MemoryIncidentSink
-from rules.model import load_catalog
-from rules.scheduling import run_cycle, schedule
-from rules.scrape import Scraper, Target
+from vllm_runbook.rules.evaluator import Evaluator, store_for_rules
+from vllm_runbook.rules.incidents import MemoryIncidentSink
+from vllm_runbook.rules.model import load_catalog
+from vllm_runbook.rules.scheduling import run_cycle, schedule
+from vllm_runbook.rules.scrape import Scraper, Target
 
 
 def test_schedule_adds_one_coalescing_interval_job() -> None:

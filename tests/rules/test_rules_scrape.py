@@ -9,12 +9,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
-
-from collector import metrics as M
-from rules.evaluator import Evaluator, store_for_rules
-from rules.incidents import MemoryIncidentSink
-from rules.model import load_catalog
-from rules.scrape import Scraper, Target
+from vllm_runbook.collector import metrics as M
+from vllm_runbook.rules.evaluator import Evaluator, store_for_rules
+from vllm_runbook.rules.incidents import MemoryIncidentSink
+from vllm_runbook.rules.model import load_catalog
+from vllm_runbook.rules.scrape import Scraper, Target
 
 RULES = load_catalog().bind({"VllmOOMPressure": {"for": "0s"}})
 

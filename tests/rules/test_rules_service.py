@@ -13,14 +13,13 @@ import yaml
 from apscheduler.schedulers.background import BackgroundScheduler
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from rule_server import Routes, serve
-
-from collector import metrics as M
-from rules.config import Automation, EngineConfig, load_config
-from rules.errors import CatalogError
-from rules.incidents import IncidentEvent, MemoryIncidentSink
-from rules.remediation import Dispatcher, Handoff
-from rules.service import RulesService
-from runbooks.store import Store
+from vllm_runbook.collector import metrics as M
+from vllm_runbook.rules.config import Automation, EngineConfig, load_config
+from vllm_runbook.rules.errors import CatalogError
+from vllm_runbook.rules.incidents import IncidentEvent, MemoryIncidentSink
+from vllm_runbook.rules.remediation import Dispatcher, Handoff
+from vllm_runbook.rules.service import RulesService
+from vllm_runbook.runbooks.store import Store
 
 LABELS = {"model_name": "tiny", "engine": "0"}
 
@@ -201,7 +200,7 @@ def test_automation_decides_the_hand_off(
 def test_a_failing_hook_never_breaks_recording(caplog: pytest.LogCaptureFixture) -> None:
     hook, memory = RecordingHook(fail=True), MemoryIncidentSink()
     dispatcher = Dispatcher([memory], Automation(default="auto"), hook)
-    with caplog.at_level(logging.ERROR, logger="rules.remediation"):
+    with caplog.at_level(logging.ERROR, logger="vllm_runbook.rules.remediation"):
         dispatcher.record(event("firing"))
     assert [e.state for e in memory.events] == ["firing"]
     assert "remediation hook on_firing failed for VllmOOMPressure/critical@cpu-0#10.000" in (

@@ -5,13 +5,13 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from rules import condition as C
-from rules.evaluator import Evaluator, store_for_rules
-from rules.incidents import engine_name
-from rules.model import Rule
-from rules.signals import SIGNALS
-from rules.sql_sink import SqlIncidentSink
-from runbooks.store import Store, StoreUnavailable
+from vllm_runbook.rules import condition as C
+from vllm_runbook.rules.evaluator import Evaluator, store_for_rules
+from vllm_runbook.rules.incidents import engine_name
+from vllm_runbook.rules.model import Rule
+from vllm_runbook.rules.signals import SIGNALS
+from vllm_runbook.rules.sql_sink import SqlIncidentSink
+from vllm_runbook.runbooks.store import Store, StoreUnavailable
 
 WAITING = SIGNALS["requests_waiting"].metric
 T0 = 1_700_000_000.0

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runbooks.client import CommandRefused
+from vllm_runbook.runbooks.client import CommandRefused
 
 URL = "http://127.0.0.1:9"  # the inventory's agent (nothing listens there)
 STARTUP = {"max_num_batched_tokens": 512, "max_num_seqs": 32, "policy": "fcfs"}

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from vllm_runbook.dashboards.generate import DASHBOARDS_DIR
 
-from dashboards.generate import DASHBOARDS_DIR
 from tests.engines import (
     free_port,
     http_get,

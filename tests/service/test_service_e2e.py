@@ -39,13 +39,13 @@ from typing import Any
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from vllm_runbook.collector import metrics as M
+from vllm_runbook.dashboards import lint
+from vllm_runbook.dashboards.generate import DASHBOARDS_DIR
+from vllm_runbook.rules.model import load_catalog
+from vllm_runbook.rules.promql import export
+from vllm_runbook.runbooks.store.models import REFUSED, REVERTED, STEP_APPLIED, SUCCEEDED
 
-from collector import metrics as M
-from dashboards import lint
-from dashboards.generate import DASHBOARDS_DIR
-from rules.model import load_catalog
-from rules.promql import export
-from runbooks.store.models import REFUSED, REVERTED, STEP_APPLIED, SUCCEEDED
 from tests.dashboards.live import (
     MODEL,
     TimeRangeResults,

@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from vllm_runbook.runbooks.store import Store, upgrade
 
-from runbooks.store import Store, upgrade
 from tests.engines import (
     free_port,
     runbook_cli_command,

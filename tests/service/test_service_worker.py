@@ -14,16 +14,16 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
+from vllm_runbook.rules.config import ExecutorConfig, load_config
+from vllm_runbook.runbooks.executor import Executor
+from vllm_runbook.runbooks.service.app import Credentials, create_app
+from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
+from vllm_runbook.runbooks.service.webhooks import Router
+from vllm_runbook.runbooks.service.worker import Worker
+from vllm_runbook.runbooks.spec import load_catalog as load_runbook_catalog
+from vllm_runbook.runbooks.store import Store
+from vllm_runbook.runbooks.store.models import REFUSED, REVERTED, STEP_APPLIED, SUCCEEDED
 
-from rules.config import ExecutorConfig, load_config
-from runbooks.executor import Executor
-from runbooks.service.app import Credentials, create_app
-from runbooks.service.telemetry import ServiceMetrics
-from runbooks.service.webhooks import Router
-from runbooks.service.worker import Worker
-from runbooks.spec import load_catalog as load_runbook_catalog
-from runbooks.store import Store
-from runbooks.store.models import REFUSED, REVERTED, STEP_APPLIED, SUCCEEDED
 from tests.service.fake_agent import STARTUP, URL, Clock, FakeAgent
 from tests.service.test_service_webhooks import AUTH, CONFIG, TOKEN, payload
 
@@ -196,8 +196,7 @@ def test_known_label_combinations_start_at_zero() -> None:
     at 1: every runbook x status, engine x knob and scrape target x reason the
     service knows is exported at 0 before anything happens."""
     from prometheus_client import generate_latest
-
-    from runbooks.service.telemetry import COUNTED_STATUSES
+    from vllm_runbook.runbooks.service.telemetry import COUNTED_STATUSES
 
     metrics = ServiceMetrics(
         engine_names={URL: "engine-a"},
@@ -231,10 +230,10 @@ def test_known_label_combinations_start_at_zero() -> None:
 
 
 def test_embedded_evaluator_handoff_runs_once_and_reverts_on_resolve(service: Service) -> None:
-    from rules.config import EngineConfig
-    from rules.incidents import IncidentEvent
-    from rules.remediation import Handoff
-    from runbooks.service.worker import ExecutorHook
+    from vllm_runbook.rules.config import EngineConfig
+    from vllm_runbook.rules.incidents import IncidentEvent
+    from vllm_runbook.rules.remediation import Handoff
+    from vllm_runbook.runbooks.service.worker import ExecutorHook
 
     first_seen = time.time() - 12.0
     incident = IncidentEvent(
@@ -270,7 +269,7 @@ def test_embedded_evaluator_handoff_runs_once_and_reverts_on_resolve(service: Se
 def test_serve_wires_the_inventory_into_the_executor_and_the_metrics(tmp_path: Path) -> None:
     """`runbook serve`'s assembly: the inventory's `vllm:` URL reaches the executor
     (warm-up requests go there), and the metrics start at 0 for its engines."""
-    from runbooks.service.serve_cli import build
+    from vllm_runbook.runbooks.service.serve_cli import build
 
     (tmp_path / "token").write_text(TOKEN + "\n")
     cfg = tmp_path / "runbook.yaml"

@@ -1,16 +1,16 @@
 """The rule catalog and the runbook catalog name each other: keep them in step.
 
-`runbooks.spec.KNOWN_ALERTS` and `rules.model.RUNBOOK_NAMES` are the two
+`vllm_runbook.runbooks.spec.KNOWN_ALERTS` and `vllm_runbook.rules.model.RUNBOOK_NAMES` are the two
 packages' contract with each other (each validates its YAML against the
 other's names without loading it); these checks stop them from drifting.
 """
 
 from __future__ import annotations
 
-from rules import RUNBOOK_NAMES
-from rules import load_catalog as load_rules
-from runbooks.spec import KNOWN_ALERTS
-from runbooks.spec import load_catalog as load_runbooks
+from vllm_runbook.rules import RUNBOOK_NAMES
+from vllm_runbook.rules import load_catalog as load_rules
+from vllm_runbook.runbooks.spec import KNOWN_ALERTS
+from vllm_runbook.runbooks.spec import load_catalog as load_runbooks
 
 
 def test_names_agree() -> None:

@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from runbooks.cli import UsageError, main, parse_assignments, read_engines_file
+from vllm_runbook.runbooks.cli import UsageError, main, parse_assignments, read_engines_file
 
 
 def test_engines_file_plain_and_yaml(tmp_path: Path) -> None:

@@ -8,17 +8,16 @@ from types import SimpleNamespace
 
 import pytest
 from prometheus_client import CollectorRegistry
-
-from collector import metrics as M
-from collector.hook import (
+from vllm_runbook.collector import metrics as M
+from vllm_runbook.collector.hook import (
     CollectorSettings,
     RunbookSchedulerMixin,
     check_vllm_version,
     predicted_padded_tokens,
     with_collector,
 )
-from collector.nvml import NvmlPoller, visible_gpu_indices
-from collector.window import SlidingWindowRatio
+from vllm_runbook.collector.nvml import NvmlPoller, visible_gpu_indices
+from vllm_runbook.collector.window import SlidingWindowRatio
 
 
 class FakeClock:

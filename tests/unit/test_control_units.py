@@ -7,9 +7,14 @@ import threading
 from types import SimpleNamespace
 
 import pytest
-
-from collector.auth import check_bearer, find_local_token, generate_token, is_loopback
-from collector.control import BoundsError, Command, ControlError, EngineControl, parse_command
+from vllm_runbook.collector.auth import check_bearer, find_local_token, generate_token, is_loopback
+from vllm_runbook.collector.control import (
+    BoundsError,
+    Command,
+    ControlError,
+    EngineControl,
+    parse_command,
+)
 
 
 def fake_scheduler(chunked: bool = True, budget: int = 512, seqs: int = 32, spec: object = None):
@@ -171,8 +176,8 @@ def test_generated_token_is_private(tmp_path) -> None:  # type: ignore[no-untype
 
 
 def test_agent_token_policy(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from collector.auth import TokenError
-    from collector.hook import agent_token
+    from vllm_runbook.collector.auth import TokenError
+    from vllm_runbook.collector.hook import agent_token
 
     assert agent_token("127.0.0.1", {}) is None  # loopback: generate one
     with pytest.raises(TokenError, match="not loopback"):

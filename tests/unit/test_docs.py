@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from collector import metrics as M
+from vllm_runbook.collector import metrics as M
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 
@@ -17,6 +17,6 @@ def test_readme_lists_every_metric() -> None:
 
 def test_readme_shows_the_two_commands_and_the_default_port() -> None:
     assert "make demo" in README and "make test" in README
-    from collector.hook import DEFAULT_PORT
+    from vllm_runbook.collector.hook import DEFAULT_PORT
 
     assert f"`{DEFAULT_PORT}`" in README

@@ -1,6 +1,7 @@
 """Alembic environment for the migrations shipped in the package."""
 
+from vllm_runbook.runbooks.store.schema import run_migrations
+
 from alembic import context
-from runbooks.store.schema import run_migrations
 
 run_migrations(context)
