@@ -7,7 +7,7 @@ seconds instead of minutes). A cycle is then: append one scrape's samples
 for every engine (ingest), evaluate the 17 rules for every engine
 (evaluate). Prints the median of 5 cycles and the process' memory growth.
 
-    PYTHONPATH=. python benchmarks/rules_eval.py [ENGINES ...]
+    python benchmarks/rules_eval.py [ENGINES ...]
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ def free_port() -> int:
 @contextlib.contextmanager
 def serve(db_url: str, config: Path, worker: bool = False):
     port = free_port()
-    env = {**os.environ, "RUNBOOK_WEBHOOK_TOKEN": TOKEN, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "RUNBOOK_WEBHOOK_TOKEN": TOKEN}
     proc = subprocess.Popen(
         [
             sys.executable,

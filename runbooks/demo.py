@@ -673,9 +673,6 @@ def run(directory: Path, ci: bool) -> int:
     runtime = Path(tempfile.mkdtemp(prefix="runbook-demo-"))
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p
-        ),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1",  # the EngineCore in its own process
         # No pinning of the model worker to a core: on a small machine shared
         # with other work the scheduler balances better than a fixed core.

@@ -289,8 +289,7 @@ def runbook_cli_command(*args: str) -> list[str]:
 
 
 def runbook_cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "PYTHONPATH": path, **(extra or {})}
+    return {**os.environ, **(extra or {})}
 
 
 def while_stepping(engine: InProcessEngine, proc: subprocess.Popen[str] | Any) -> None:

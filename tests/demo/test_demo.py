@@ -45,7 +45,7 @@ def test_demo_story_detects_fixes_and_reverts(tmp_path: Path) -> None:
         for k, v in os.environ.items()
         if not k.startswith(("VLLM_", "RUNBOOK_")) or k == "VLLM_CPU_KVCACHE_SPACE"
     }
-    env.update(CI="true", PYTHONPATH=str(REPO_ROOT))
+    env.update(CI="true")
     directory = tmp_path / "demo"
     proc = subprocess.run(
         [sys.executable, "-m", "vllm_runbook.runbooks.demo", "--dir", str(directory)],

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run_until(url: str, point: str) -> int:
     """Start the crash worker, wait until it reaches `point`, SIGKILL it."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = dict(os.environ)
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.journal.crash_worker", url, point],
         stdout=subprocess.PIPE,
@@ -51,7 +51,7 @@ def cli_history(url: str) -> dict[str, object]:
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env=dict(os.environ),
         timeout=60,
     )
     assert out.returncode == 0, out.stderr

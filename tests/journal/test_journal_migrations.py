@@ -25,7 +25,7 @@ def alembic(url: str, *args: str) -> subprocess.CompletedProcess[str]:
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env={**os.environ, "RUNBOOK_DB_URL": url, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "RUNBOOK_DB_URL": url},
         timeout=120,
     )
 
@@ -69,7 +69,7 @@ def test_programmatic_upgrade_postgres_from_two_processes(fresh_pg_database: str
     code = (
         "import sys; from vllm_runbook.runbooks.store import upgrade; print(upgrade(sys.argv[1]))"
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = dict(os.environ)
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", code, fresh_pg_database],
@@ -107,7 +107,7 @@ def test_migrations_located_without_the_repository(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env=dict(os.environ),
         timeout=120,
     )
     assert (out.returncode, out.stdout) == (0, "0001\n"), out.stderr
