@@ -47,6 +47,10 @@ from vllm_runbook.runbooks.store import Store, upgrade  # noqa: E402
 from vllm_runbook.runbooks.store.models import Execution, WebhookEvent  # noqa: E402
 
 TOKEN = "bench-token"
+# The table's header row, as docs/benchmarks.md shows it (a test compares them).
+HEADER = (
+    "store       load               deliveries/s   alerts/s   p50 ms   p99 ms    acked  errors lost"
+)
 PG = os.environ.get("RUNBOOK_BENCH_PG", "postgresql+psycopg://postgres@127.0.0.1:5432")
 CONFIG = """\
 engines:
@@ -279,15 +283,7 @@ def main() -> None:
         f"one uvicorn process, worker {'on' if args.worker else 'off'}, {os.cpu_count()} CPUs; "
         "latency from when a delivery was due to its 2xx (stored)"
     )
-    head = ["store", "load", "deliveries/s", "alerts/s", "p50 ms", "p99 ms", "acked", "errors"]
-    widths = [11, 18, 12, 10, 8, 8, 8, 7]
-    print(
-        " ".join(
-            f"{h:<{w}}" if i < 2 else f"{h:>{w}}"
-            for i, (h, w) in enumerate(zip(head, widths, strict=True))
-        )
-        + " lost"
-    )
+    print(HEADER)
     for store, done, lost in results:
         for phase in done:
             print(row(store, phase, args.alerts, lost))

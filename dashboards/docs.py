@@ -1,0 +1,277 @@
+"""Rewrite the generated regions of the reference pages in docs/.
+
+    python -m vllm_runbook.dashboards.docs          # rewrite the stale regions
+    python -m vllm_runbook.dashboards.docs --check  # exit 1 naming the stale pages (CI)
+
+A page marks a region with `<!-- BEGIN generated:NAME -->` and
+`<!-- END generated:NAME -->`; everything between them is replaced by the
+output of the generator NAME (below), built from the same catalogs the code
+runs on: the metric declarations, the rule catalog, the runbook catalog and
+the CLI's argparse parser. Text outside the markers is never touched.
+
+It lives in dashboards/ because that is the one layer allowed to import all
+the others (collector, rules, runbooks), as the dashboard generator does.
+The pages belong to a source checkout, not to the installed package: the
+default root is the checkout this module sits in (`--root` names another).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+from vllm_runbook.collector import metrics as collector_metrics
+from vllm_runbook.collector.metrics import MetricSpec
+from vllm_runbook.rules import load_catalog as load_rule_catalog
+from vllm_runbook.runbooks import service_metrics
+from vllm_runbook.runbooks.spec import Runbook
+from vllm_runbook.runbooks.spec import load_catalog as load_runbook_catalog
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMAND = "python -m vllm_runbook.dashboards.docs"
+# argparse wraps its help at the terminal's width; the page must not depend on it.
+HELP_COLUMNS = "100"
+
+_REGION = re.compile(
+    r"(?P<begin><!-- BEGIN generated:(?P<name>[a-z0-9-]+) -->\n)"
+    r"(?P<body>.*?)"
+    r"(?P<end><!-- END generated:(?P=name) -->)",
+    re.DOTALL,
+)
+_MARKER = re.compile(r"<!-- (BEGIN|END) generated:([^ ]*) -->")
+
+
+class DocsError(Exception):
+    """A page whose markers the generator cannot pair or does not know."""
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def _number(value: object) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def metric_table(specs: Sequence[MetricSpec]) -> str:
+    rows = [
+        "| series | type | labels besides `model_name`, `engine` | meaning |",
+        "|---|---|---|---|",
+    ]
+    for spec in specs:
+        labels = ", ".join(f"`{label}`" for label in spec.extra_labels)
+        meaning = spec.help + (" GPU-only." if spec.gpu_only else "")
+        rows.append(f"| `{spec.series_name}` | {spec.type} | {labels} | {_cell(meaning)} |")
+    return "\n".join(rows) + "\n"
+
+
+def service_metric_table(specs: Sequence[MetricSpec]) -> str:
+    rows = ["| series | type | labels | meaning |", "|---|---|---|---|"]
+    for spec in specs:
+        labels = ", ".join(f"`{label}`" for label in spec.extra_labels)
+        rows.append(f"| `{spec.series_name}` | {spec.type} | {labels} | {_cell(spec.help)} |")
+    return "\n".join(rows) + "\n"
+
+
+def gen_metrics() -> str:
+    return metric_table(collector_metrics.ALL_METRICS)
+
+
+def gen_service_metrics() -> str:
+    return service_metric_table(service_metrics.SERVICE_METRICS)
+
+
+def gen_alerts() -> str:
+    catalog = load_rule_catalog()
+    rows = [
+        "| alert | severity | default parameters | for | runbook | file |",
+        "|---|---|---|---|---|---|",
+    ]
+    for located in catalog.specs:
+        spec = located.spec
+        params = dict(spec.parameters)
+        for_ = str(spec.for_)
+        if for_.startswith("$"):
+            for_ = str(params.get(for_[1:], for_))
+        params.pop("for", None)
+        shown = ", ".join(f"{k} {_number(v)}" for k, v in params.items())
+        runbook = f"`{spec.runbook}`" if spec.runbook else "(diagnose only)"
+        rows.append(
+            f"| {spec.alert} | {spec.severity} | {_cell(shown)} | {for_} | {runbook} "
+            f"| `{Path(located.file).name}` |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def _percent(fraction: float) -> str:
+    return f"{fraction * 100:g} %"
+
+
+def _verification(runbook: Runbook) -> str:
+    v = runbook.verification
+    if v is None:
+        return "—"
+    text = f"`{v.signal}` must {v.direction} within {v.deadline_seconds} s"
+    if v.rollback_if_worse:
+        worse = ", ".join(f"`{s}`" for s in v.rollback_if_worse)
+        text += f"; rolls back if {worse} got worse"
+    return text
+
+
+def _revert(runbook: Runbook) -> str:
+    r = runbook.revert
+    if not r.on_resolve:
+        return "—"
+    if r.stepwise:
+        stages = " → ".join(_percent(f) for f in r.stepwise)
+        return f"on resolve, stepwise {stages}, {r.healthy_period_seconds} s apart"
+    return "on resolve"
+
+
+def _guardrails(runbook: Runbook) -> str:
+    g = runbook.guardrails
+    text = (
+        f"cooldown {g.cooldown_seconds} s, ≤ {g.max_runs_per_hour} runs/h, "
+        f"≤ {g.max_concurrent_engines} engine(s) at once"
+    )
+    return text + (", approval required" if g.requires_approval else "")
+
+
+def gen_runbooks() -> str:
+    catalog = load_runbook_catalog()
+    rows = [
+        "| runbook | triggered by | steps | verification | revert | guardrails |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, runbook in catalog.items():
+        triggers = ", ".join(runbook.triggers) or "(manual)"
+        steps = "; ".join(
+            f"`{step.action}`" + (f": {step.description}" if step.description else "")
+            for step in runbook.steps
+        )
+        rows.append(
+            f"| `{name}` | {triggers} | {_cell(steps)} | {_cell(_verification(runbook))} "
+            f"| {_revert(runbook)} | {_guardrails(runbook)} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+@contextlib.contextmanager
+def _help_width() -> Iterator[None]:
+    before = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = HELP_COLUMNS
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = before
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    out: list[argparse.ArgumentParser] = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out.append(sub)
+                out.extend(_subparsers(sub))
+    return out
+
+
+def gen_cli() -> str:
+    # Imported here: the CLI pulls in the service (FastAPI) and the store.
+    from vllm_runbook.runbooks.cli import build_parser
+
+    with _help_width():
+        parser = build_parser()
+        parts = ["```text\n$ runbook --help\n" + parser.format_help() + "```\n"]
+        for sub in _subparsers(parser):
+            parts.append(f"\n### `{sub.prog}`\n\n```text\n{sub.format_help()}```\n")
+    return "".join(parts)
+
+
+GENERATORS: dict[str, Callable[[], str]] = {
+    "metrics": gen_metrics,
+    "service-metrics": gen_service_metrics,
+    "alerts": gen_alerts,
+    "runbooks": gen_runbooks,
+    "cli": gen_cli,
+}
+
+
+def render(text: str, page: str = "page", cache: dict[str, str] | None = None) -> str:
+    """The page with every generated region rewritten."""
+    cache = {} if cache is None else cache
+    begins = [m for m in _MARKER.finditer(text) if m.group(1) == "BEGIN"]
+    regions = list(_REGION.finditer(text))
+    if len(begins) != len(regions) or len(_MARKER.findall(text)) != 2 * len(regions):
+        raise DocsError(f"{page}: unpaired generated-region marker")
+    out: list[str] = []
+    pos = 0
+    for region in regions:
+        name = region.group("name")
+        if name not in GENERATORS:
+            raise DocsError(
+                f"{page}: unknown generated region {name!r} (known: {', '.join(GENERATORS)})"
+            )
+        if name not in cache:
+            cache[name] = GENERATORS[name]()
+        out.append(text[pos : region.end("begin")])
+        out.append(cache[name])
+        pos = region.start("end")
+    out.append(text[pos:])
+    return "".join(out)
+
+
+def pages(root: Path = ROOT) -> list[Path]:
+    directory = root / "docs"
+    if not directory.is_dir():
+        raise DocsError(f"no docs/ under {root}: run from a source checkout or pass --root")
+    return sorted(directory.glob("*.md"))
+
+
+def stale_pages(root: Path = ROOT, *, write: bool = False) -> list[str]:
+    """The pages whose generated regions differ from a fresh render (rewritten if `write`)."""
+    cache: dict[str, str] = {}
+    stale = []
+    for path in pages(root):
+        text = path.read_text(encoding="utf-8")
+        shown = path.relative_to(root).as_posix()
+        fresh = render(text, shown, cache)
+        if fresh != text:
+            stale.append(shown)
+            if write:
+                path.write_text(fresh, encoding="utf-8")
+    return stale
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog=COMMAND, description="Rewrite the generated regions of docs/*.md."
+    )
+    parser.add_argument("--check", action="store_true", help="exit 1 if a page is stale")
+    parser.add_argument("--root", type=Path, default=ROOT, help="the source checkout")
+    args = parser.parse_args(argv)
+    try:
+        stale = stale_pages(args.root, write=not args.check)
+    except DocsError as exc:
+        print(f"docs: error: {exc}", file=sys.stderr)
+        return 2
+    if args.check:
+        if stale:
+            print(f"stale: {', '.join(stale)} (run `{COMMAND}`)", file=sys.stderr)
+            return 1
+        return 0
+    for name in stale:
+        print(f"wrote {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
