@@ -3,7 +3,7 @@
     python -m vllm_runbook.dashboards.docs          # rewrite the stale regions
     python -m vllm_runbook.dashboards.docs --check  # exit 1 naming the stale pages (CI)
 
-A page marks a region with `<!-- BEGIN generated:NAME -->` and
+A page marks a region with the lines `<!-- BEGIN generated:NAME -->` and
 `<!-- END generated:NAME -->`; everything between them is replaced by the
 output of the generator NAME (below), built from the same catalogs the code
 runs on: the metric declarations, the rule catalog, the runbook catalog and
@@ -37,13 +37,14 @@ COMMAND = "python -m vllm_runbook.dashboards.docs"
 # argparse wraps its help at the terminal's width; the page must not depend on it.
 HELP_COLUMNS = "100"
 
+# A marker is a line of its own (a marker quoted in prose is not one).
 _REGION = re.compile(
-    r"(?P<begin><!-- BEGIN generated:(?P<name>[a-z0-9-]+) -->\n)"
+    r"^(?P<begin><!-- BEGIN generated:(?P<name>[a-z0-9-]+) -->\n)"
     r"(?P<body>.*?)"
-    r"(?P<end><!-- END generated:(?P=name) -->)",
-    re.DOTALL,
+    r"^(?P<end><!-- END generated:(?P=name) -->)$",
+    re.DOTALL | re.MULTILINE,
 )
-_MARKER = re.compile(r"<!-- (BEGIN|END) generated:([^ ]*) -->")
+_MARKER = re.compile(r"^<!-- (BEGIN|END) generated:(\S*) -->$", re.MULTILINE)
 
 
 class DocsError(Exception):
