@@ -59,9 +59,7 @@ def render(overlay: str) -> list[Object]:
 
 
 def one(objects: list[Object], kind: str, name: str | None = None) -> Object:
-    found = [
-        o for o in objects if o["kind"] == kind and name in (None, o["metadata"]["name"])
-    ]
+    found = [o for o in objects if o["kind"] == kind and name in (None, o["metadata"]["name"])]
     assert len(found) == 1, f"{len(found)} objects of kind {kind} named {name}"
     return found[0]
 

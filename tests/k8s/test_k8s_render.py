@@ -29,9 +29,7 @@ CORE_KINDS = Counter({"ServiceAccount": 1, "ConfigMap": 1, "Deployment": 1, "Ser
 EXPECTED_KINDS = {
     "minimal": CORE_KINDS,
     "default": CORE_KINDS + OPERATOR_KINDS + Counter({"ConfigMap": 3}),
-    "ha": CORE_KINDS
-    + OPERATOR_KINDS
-    + Counter({"ConfigMap": 3, "PodDisruptionBudget": 1}),
+    "ha": CORE_KINDS + OPERATOR_KINDS + Counter({"ConfigMap": 3, "PodDisruptionBudget": 1}),
 }
 RELEASE_LABEL = {"release": "kube-prometheus-stack"}
 

@@ -80,7 +80,9 @@ def test_export_sets_name_namespace_and_labels(
         "namespace": "monitoring",
         "labels": {"release": "prom", "team": "llm"},
     }
-    oom = next(r for g in doc["spec"]["groups"] for r in g["rules"] if r["alert"] == "VllmOOMPressure")
+    oom = next(
+        r for g in doc["spec"]["groups"] for r in g["rules"] if r["alert"] == "VllmOOMPressure"
+    )
     assert oom["annotations"]["runbook_url"] == "https://runbooks.example/vllm/oom-pressure"
 
 
