@@ -12,6 +12,7 @@ the CRD does not know would be dropped, and the difference names it.
 
 from __future__ import annotations
 
+import copy
 import functools
 import subprocess
 import sys
@@ -45,17 +46,18 @@ def render_dir(path: Path) -> list[Object]:
     )
     if done.returncode != 0:
         raise AssertionError(f"kubectl kustomize {path} failed:\n{done.stderr}")
-    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    return [doc for doc in yaml.load_all(done.stdout, Loader=loader) if doc]
 
 
 @functools.cache
-def _rendered(overlay: str) -> str:
-    return yaml.safe_dump_all(render_dir(DEPLOY / overlay))
+def _rendered(overlay: str) -> list[Object]:
+    return render_dir(DEPLOY / overlay)
 
 
 def render(overlay: str) -> list[Object]:
     """The overlay's objects (a fresh copy: tests may change it)."""
-    return [doc for doc in yaml.safe_load_all(_rendered(overlay)) if doc]
+    return copy.deepcopy(_rendered(overlay))
 
 
 def one(objects: list[Object], kind: str, name: str | None = None) -> Object:

@@ -177,3 +177,32 @@ def test_secrets_reach_the_service(overlay: str) -> None:
     assert volumes["secrets"]["secret"]["items"] == [
         {"key": "webhook-token", "path": "webhook-token"}
     ]
+
+
+def test_the_example_engine_is_valid_and_what_the_podmonitor_scrapes() -> None:
+    import re
+
+    import yaml
+
+    from tests.k8s.manifests import DEPLOY
+
+    text = (DEPLOY / "examples" / "vllm-engine.yaml").read_text(encoding="utf-8")
+    engine = [doc for doc in yaml.safe_load_all(text) if doc]
+    assert [o["kind"] for o in engine] == ["Service", "StatefulSet"]
+    for version in KUBERNETES_VERSIONS:
+        assert [p for o in engine for p in kubernetes_problems(o, version)] == []
+    pods = one(render("default"), "PodMonitor")
+    template = one(engine, "StatefulSet")["spec"]["template"]
+    assert matches(pods["spec"]["selector"]["matchLabels"], template["metadata"]["labels"])
+    keep = re.compile(pods["spec"]["podMetricsEndpoints"][0]["relabelings"][0]["regex"])
+    (vllm,) = template["spec"]["containers"]
+    agents = {p["name"]: p["containerPort"] for p in vllm["ports"] if keep.fullmatch(p["name"])}
+    assert agents == {"runbook-dp0": 9360}
+    env = {e["name"]: e for e in vllm["env"]}
+    assert env["VLLM_RUNBOOK_HOST"]["value"] == "0.0.0.0"
+    serve_env = {e["name"]: e for e in container(render("default"))["env"]}
+    assert env["VLLM_RUNBOOK_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        k: v
+        for k, v in serve_env["VLLM_RUNBOOK_TOKEN"]["valueFrom"]["secretKeyRef"].items()
+        if k != "optional"
+    }
