@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -206,3 +207,42 @@ def test_the_example_engine_is_valid_and_what_the_podmonitor_scrapes() -> None:
         for k, v in serve_env["VLLM_RUNBOOK_TOKEN"]["valueFrom"]["secretKeyRef"].items()
         if k != "optional"
     }
+
+
+COMPONENT_KINDS = {
+    "components/servicemonitor": "ServiceMonitor",
+    "components/engine-podmonitor": "PodMonitor",
+    "components/prometheusrule": "PrometheusRule",
+    "components/alertmanagerconfig": "AlertmanagerConfig",
+    "../../dashboards": "ConfigMap",
+}
+
+
+@pytest.mark.parametrize("dropped", sorted(COMPONENT_KINDS))
+def test_each_optional_piece_switches_off_alone(dropped: str, tmp_path: Path) -> None:
+    """The default overlay without one of its components renders the rest."""
+    import os
+
+    import yaml
+
+    from tests.k8s.manifests import DEPLOY, render_dir
+
+    default = yaml.safe_load((DEPLOY / "default" / "kustomization.yaml").read_text())
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+
+    def moved(path: str) -> str:
+        return os.path.relpath((DEPLOY / "default" / path).resolve(), overlay)
+
+    kept = [c for c in default["components"] if c != f"../{dropped}"]
+    assert len(kept) == len(default["components"]) - 1
+    default["resources"] = [moved(p) for p in default["resources"]]
+    default["components"] = [moved(p) for p in kept]
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump(default))
+    objects = render_dir(overlay)
+    expected = EXPECTED_KINDS["default"] - Counter({COMPONENT_KINDS[dropped]: 1})
+    if dropped == "../../dashboards":
+        expected -= Counter({"ConfigMap": 2})
+    assert Counter(o["kind"] for o in objects) == expected
+    no_rules = "--no-rules" in container(objects)["args"]
+    assert no_rules is (dropped != "components/prometheusrule")

@@ -23,8 +23,11 @@ CATALOG_RULES = 17
 
 
 def test_the_checked_in_prometheusrule_is_fresh() -> None:
-    # Regenerate: runbook rules export --format prometheus-operator -o <this file>
-    assert RULE_RESOURCE.read_text(encoding="utf-8") == export_prometheus_rule(load_catalog())
+    fresh = export_prometheus_rule(load_catalog())
+    assert RULE_RESOURCE.read_text(encoding="utf-8") == fresh, (
+        "stale: runbook rules export --format prometheus-operator "
+        "-o deploy/kubernetes/components/prometheusrule/prometheusrule.yaml"
+    )
 
 
 @pytest.mark.parametrize("overlay", ["default", "ha"])
