@@ -18,6 +18,11 @@ from vllm_runbook.rules import checklist
 from vllm_runbook.rules.config import load_config
 from vllm_runbook.rules.errors import CatalogError, RulesError
 from vllm_runbook.rules.model import load_catalog
+from vllm_runbook.rules.prometheus_operator import (
+    DEFAULT_NAME,
+    export_prometheus_rule,
+    parse_label,
+)
 from vllm_runbook.rules.promql import DEFAULT_RUNBOOK_URL_BASE, export
 
 EXIT_OK = 0
@@ -32,8 +37,15 @@ def add_subcommands(subparsers: Any) -> argparse.ArgumentParser:
     rules = subparsers.add_parser("rules", help="the alert rule catalog")
     sub = rules.add_subparsers(dest="rules_command", metavar="{export,check}", required=True)
 
-    exp = sub.add_parser("export", help="write the catalog as a Prometheus rule file")
-    exp.add_argument("--format", choices=["prometheus"], default="prometheus")
+    exp = sub.add_parser(
+        "export", help="write the catalog as a Prometheus rule file or a PrometheusRule"
+    )
+    exp.add_argument(
+        "--format",
+        choices=["prometheus", "prometheus-operator"],
+        default="prometheus",
+        help="prometheus: a rule file; prometheus-operator: a PrometheusRule resource",
+    )
     exp.add_argument(
         "--rules",
         dest="rules_dir",
@@ -45,6 +57,20 @@ def add_subcommands(subparsers: Any) -> argparse.ArgumentParser:
         "--config", type=Path, default=None, help="configuration file whose rules.overrides apply"
     )
     exp.add_argument("--runbook-url-base", default=DEFAULT_RUNBOOK_URL_BASE)
+    operator = exp.add_argument_group("prometheus-operator")
+    operator.add_argument(
+        "--name", default=None, help=f"the PrometheusRule's name (default {DEFAULT_NAME})"
+    )
+    operator.add_argument("--namespace", default=None, help="its namespace (default: none)")
+    operator.add_argument(
+        "--label",
+        dest="labels",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a label for the Operator's ruleSelector, e.g. release=kube-prometheus-stack "
+        "(repeatable)",
+    )
     exp.add_argument(
         "-o", "--output", type=Path, default=None, help="file to write (default: stdout)"
     )
@@ -70,10 +96,26 @@ def add_subcommands(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    operator_options = args.name is not None or args.namespace is not None or args.labels
+    if args.format != "prometheus-operator" and operator_options:
+        print(
+            "rules export: --name, --namespace and --label need --format prometheus-operator",
+            file=sys.stderr,
+        )
+        return EXIT_INVALID
     try:
         config = load_config(args.config)
         rules = config.bind(load_catalog(args.rules_dir or config.catalog))
-        text = export(rules, runbook_url_base=args.runbook_url_base)
+        if args.format == "prometheus-operator":
+            text = export_prometheus_rule(
+                rules,
+                name=args.name or DEFAULT_NAME,
+                namespace=args.namespace,
+                labels=dict(parse_label(text) for text in args.labels),
+                runbook_url_base=args.runbook_url_base,
+            )
+        else:
+            text = export(rules, runbook_url_base=args.runbook_url_base)
     except RulesError as exc:
         return _fail(exc)
     if args.output is None:

@@ -4,6 +4,8 @@
     ├── CatalogError                a rule catalog (or its overrides) is broken; carries
     │                               one RuleProblem per mistake, never drops a rule
     │   └── ConfigError             the configuration file is broken (same shape: problems)
+    ├── ResourceNameError           a Kubernetes name, namespace or label the export
+    │                               would write and the API server would refuse
     └── RuleProblem                 one mistake, located as ``file:line: rule NAME: msg``
         ├── RuleSyntaxError         malformed YAML or a field of the wrong shape
         ├── UnknownSignalError      a condition names a signal the registry lacks
@@ -22,6 +24,10 @@ from __future__ import annotations
 
 class RulesError(Exception):
     """Base class of the rules package's errors."""
+
+
+class ResourceNameError(RulesError):
+    """A Kubernetes object name, namespace or label that the API server would refuse."""
 
 
 class RuleProblem(RulesError):
