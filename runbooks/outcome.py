@@ -1,6 +1,9 @@
 """What an execution (or a revert) ends with: exit codes, the result, and
-the errors that end one early. Shared by executor.py, guardrails.py and
-revert.py, which import nothing from each other at this level."""
+the errors that end one early.
+
+The bottom of the executor's modules: outcome <- guardrails <- revert <-
+executor (revert only names the executor's types, for mypy).
+"""
 
 from __future__ import annotations
 
@@ -64,6 +67,7 @@ class Abort(Exception):
 
 
 def engine_error_exit(error: EngineClientError) -> int:
+    """The exit code for an engine error: 3 unreachable/auth, 2 refused, else 1."""
     if isinstance(error, EngineUnreachable | AuthFailed):
         return EXIT_ENGINE
     if isinstance(error, CommandRefused):
@@ -72,5 +76,6 @@ def engine_error_exit(error: EngineClientError) -> int:
 
 
 def one_line(error: BaseException) -> str:
+    """An error as one line for the journal and the terminal."""
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
