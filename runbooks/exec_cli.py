@@ -26,10 +26,10 @@ from vllm_runbook.runbooks.executor import (
     EXIT_STORE,
     ExecutionResult,
     Executor,
-    RevertRefused,
     UnknownRunbook,
 )
 from vllm_runbook.runbooks.render import render_report
+from vllm_runbook.runbooks.revert import RevertRefused
 from vllm_runbook.runbooks.spec import CatalogError, load_catalog
 from vllm_runbook.runbooks.store import ExecutionNotFound, Store, StoreError, StoreUnavailable
 

@@ -25,7 +25,6 @@ from vllm_runbook.runbooks.store.journal import (
     IncidentRecord,
     StepRecord,
     Store,
-    process_alive,
 )
 from vllm_runbook.runbooks.store.models import (
     ACTIVE_STATUSES,
@@ -40,6 +39,7 @@ from vllm_runbook.runbooks.store.models import (
     WebhookEvent,
     episode_key,
 )
+from vllm_runbook.runbooks.store.processes import process_alive, process_start
 from vllm_runbook.runbooks.store.schema import current_revision, head_revision, upgrade
 
 __all__ = [
@@ -69,6 +69,7 @@ __all__ = [
     "episode_key",
     "head_revision",
     "process_alive",
+    "process_start",
     "resolve_url",
     "upgrade",
 ]

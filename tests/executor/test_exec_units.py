@@ -15,14 +15,9 @@ from typing import Any
 import pytest
 from vllm_runbook.runbooks.client import CommandRefused, EngineUnreachable
 from vllm_runbook.runbooks.engine_actions import engine_registry, kv_capacity_seqs
-from vllm_runbook.runbooks.executor import (
-    ExecutionResult,
-    Executor,
-    RevertRefused,
-    _stage_values,
-    engine_lock_name,
-    format_duration,
-)
+from vllm_runbook.runbooks.executor import ExecutionResult, Executor
+from vllm_runbook.runbooks.guardrails import engine_lock_name, format_duration
+from vllm_runbook.runbooks.revert import RevertRefused, stage_values
 from vllm_runbook.runbooks.spec import Catalog, Runbook, load_catalog
 from vllm_runbook.runbooks.store import Store
 
@@ -389,12 +384,12 @@ def test_stepwise_revert_halts_when_the_signal_gets_worse(make: Any) -> None:
 def test_stage_values_and_durations() -> None:
     start = {"max_num_batched_tokens": 128, "max_num_seqs": 8, "policy": "fcfs"}
     targets = {"max_num_batched_tokens": 512, "max_num_seqs": 32, "policy": "priority"}
-    assert _stage_values(start, targets, 0.5) == {
+    assert stage_values(start, targets, 0.5) == {
         "max_num_batched_tokens": 320,
         "max_num_seqs": 20,
         "policy": "fcfs",
     }
-    assert _stage_values(start, targets, 1.0) == targets
+    assert stage_values(start, targets, 1.0) == targets
     assert [format_duration(s) for s in (0.2, 59, 61, 3599.5, 3725)] == [
         "1s",
         "59s",

@@ -207,26 +207,50 @@ def test_checks_and_verification_round_trip(store: Store) -> None:
     assert (got.checks, got.verification) == (checks, verification)
 
 
-def test_cooldown_and_rate_queries_count_real_runs_only(store: Store) -> None:
-    assert store.last_execution("oom-pressure", "llama-0") is None
+def test_guardrail_queries_count_real_runs_only(store: Store) -> None:
+    assert store.last_run_started("oom-pressure", "llama-0") is None
     real = cli_run(store)
-    store.transition(real.id, "running")
+    started = store.transition(real.id, "running").started_at
     store.transition(real.id, "succeeded")
     dry = cli_run(store, dry_run=True)
     store.transition(dry.id, "running")
     refused = cli_run(store)
     store.transition(refused.id, "refused", reason="cooldown: 290 s left")
     cli_run(store)  # pending, never started
-    cli_run(store, engine="llama-1")
-    last = store.last_execution("oom-pressure", "llama-0")
-    assert last is not None and last.id == real.id
+    other = cli_run(store, engine="llama-1")
+    store.transition(other.id, "running")
+    # A revert restores: it neither extends the cooldown nor counts as a run.
+    revert = cli_run(store, reverts_id=real.id)
+    store.transition(revert.id, "running")
+    assert store.last_run_started("oom-pressure", "llama-0") == started
+    assert store.last_run_started("latency-spike", "llama-0") is None
     hour_ago = datetime.now(UTC) - timedelta(hours=1)
-    assert store.count_runs_since("oom-pressure", "llama-0", hour_ago) == 1
-    assert store.count_runs_since("oom-pressure", "llama-0", datetime.now(UTC)) == 0
-    assert store.count_runs_since("latency-spike", "llama-0", hour_ago) == 0
-    # pending (never started) and the llama-1 run count as under remediation;
-    # the dry run does not.
+    assert store.runs_started_since("oom-pressure", "llama-0", hour_ago) == [started]
+    assert store.runs_started_since("oom-pressure", "llama-0", datetime.now(UTC)) == []
+    assert store.runs_started_since("latency-spike", "llama-0", hour_ago) == []
+    with pytest.raises(ValueError, match="timezone-aware"):
+        store.runs_started_since("oom-pressure", "llama-0", datetime(2026, 1, 1))
+    # Running or verifying, real, not a revert: llama-1's run. The revert on
+    # llama-0, the dry run and the pending run do not count.
+    assert store.engines_under_remediation() == {"llama-1"}
+    assert store.engines_under_remediation(other_than="llama-1") == set()
+    again = cli_run(store)
+    store.transition(again.id, "running")
+    store.transition(again.id, "verifying")
     assert store.engines_under_remediation() == {"llama-0", "llama-1"}
+    assert store.engines_under_remediation(other_than="llama-0") == {"llama-1"}
+    assert store.runs_started_since("oom-pressure", "llama-0", hour_ago) == [
+        started,
+        store.get_execution(again.id).started_at,
+    ]
+
+
+def test_find_episode(store: Store) -> None:
+    first, _ = alert_run(store)
+    found = store.find_episode("oom-pressure", "llama-0", "fp1", STARTS)
+    assert found is not None and found.id == first.id
+    assert store.find_episode("oom-pressure", "llama-0", "fp2", STARTS) is None
+    assert store.find_episode("oom-pressure", "llama-1", "fp1", STARTS) is None
 
 
 def test_list_filters_and_order(store: Store) -> None:

@@ -1,0 +1,182 @@
+"""What must hold before and while a runbook acts on an engine.
+
+- the engine lock: a lease per engine, so two executions on one engine never
+  interleave, across processes and replicas; a lock left by a dead process is
+  taken over;
+- admission: a store-wide lease that serialises the guardrail checks and the
+  move to running, so the blast-radius count cannot be raced past;
+- the refusals: approval, cooldown per (runbook, engine), max runs per hour,
+  blast radius (the store answers the queries, this module words them);
+- the circuit breaker's comparisons: which way is worse for each signal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any, Final
+
+from vllm_runbook.runbooks.outcome import EXIT_FAILED, EXIT_REFUSED, Abort, EngineBusy
+from vllm_runbook.runbooks.spec import Runbook
+from vllm_runbook.runbooks.store import Store
+from vllm_runbook.runbooks.store.models import FAILED, FINAL_STATUSES, REFUSED, utcnow
+
+# Lease lengths: the engine lock is renewed at every poll, so its TTL only
+# bounds how long a hung (not dead) process blocks the engine.
+ENGINE_LOCK_TTL_S: Final = 60.0
+ADMISSION_TTL_S: Final = 15.0
+ADMISSION_WAIT_S: Final = 15.0
+ADMISSION_LEASE: Final = "executor-admission"
+
+# Signals where a higher value is worse (the circuit breaker's direction).
+HIGHER_IS_WORSE: Final = frozenset(
+    {
+        "error_rate",
+        "oom_rate",
+        "preemptions_per_minute",
+        "p99_latency_seconds",
+        "waiting_seconds_p99",
+        "oldest_waiting_seconds",
+        "schedule_seconds_p99",
+        "kv_cache_usage_ratio",
+        "block_fragmentation_ratio",
+        "num_requests_waiting",
+    }
+)
+
+
+def worse(signal: str, value: Any, baseline: Any, direction: str | None = None) -> bool:
+    """Whether `value` is worse than `baseline` for this signal."""
+    if value is None or baseline is None:
+        return False
+    if direction is not None:  # the verification signal: worse = the wrong way
+        return bool(value > baseline) if direction == "decrease" else bool(value < baseline)
+    return bool(value > baseline) if signal in HIGHER_IS_WORSE else bool(value < baseline)
+
+
+def improved(value: Any, baseline: Any, direction: str) -> bool:
+    """Whether `value` moved the way the verification asks (`direction`)."""
+    if value is None or baseline is None:
+        return False
+    return bool(value < baseline) if direction == "decrease" else bool(value > baseline)
+
+
+def format_duration(seconds: float) -> str:
+    """`9m 58s`, `1h 02m`, `42s`: remaining times for refusals."""
+    seconds = max(0, math.ceil(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h {minutes:02d}m"
+    return f"{minutes}m {secs:02d}s" if minutes else f"{secs}s"
+
+
+def engine_lock_name(engine_url: str) -> str:
+    # Lease names are short; engine URLs are not.
+    return "engine-lock:" + hashlib.sha256(engine_url.encode()).hexdigest()[:40]
+
+
+@contextlib.contextmanager
+def engine_lock(store: Store, engine_url: str, execution_id: int) -> Iterator[Callable[[], None]]:
+    """Hold the engine's lease for this execution; yields a renew function.
+
+    Raises EngineBusy when a live execution holds it. A lease whose
+    holder execution is finished or was interrupted (its process died on
+    this host) is taken over: a SIGKILLed `runbook exec` must not block
+    `runbook revert` for the TTL. The renew function raises Abort when the
+    lease lapsed.
+    """
+    name, holder = engine_lock_name(engine_url), f"execution:{execution_id}"
+    if not store.acquire_lease(name, holder, ENGINE_LOCK_TTL_S):
+        current = store.lease_holder(name)
+        if not _stale_holder(store, current):
+            raise EngineBusy(f"engine busy: {_holder_text(store, current)} holds its lock")
+        if current is not None:
+            store.release_lease(name, current)
+        # Atomic: of several processes taking over at once, one wins.
+        if not store.acquire_lease(name, holder, ENGINE_LOCK_TTL_S):
+            current = store.lease_holder(name)
+            raise EngineBusy(f"engine busy: {_holder_text(store, current)} holds its lock")
+
+    def renew() -> None:
+        if not store.renew_lease(name, holder, ENGINE_LOCK_TTL_S):
+            raise Abort(FAILED, EXIT_FAILED, "lost the engine lock (lease expired)")
+
+    try:
+        yield renew
+    finally:
+        with contextlib.suppress(Exception):
+            store.release_lease(name, holder)
+
+
+def _stale_holder(store: Store, holder: str | None) -> bool:
+    if holder is None:
+        return True  # expired between our two calls
+    prefix, _, number = holder.partition(":")
+    if prefix != "execution" or not number.isdigit():
+        return False
+    try:
+        record = store.get_execution(int(number))
+    except LookupError:
+        return True
+    return record.interrupted or record.status in FINAL_STATUSES
+
+
+def _holder_text(store: Store, holder: str | None) -> str:
+    prefix, _, number = (holder or "").partition(":")
+    if prefix == "execution" and number.isdigit():
+        with contextlib.suppress(LookupError):
+            r = store.get_execution(int(number))
+            return f"execution #{r.id} ({r.runbook}, {r.status}, by {r.who})"
+    return holder or "another execution"
+
+
+@contextlib.contextmanager
+def admission(store: Store, execution_id: int, clock: Callable[[], float]) -> Iterator[None]:
+    """Serialise guardrail checks + the move to running across processes,
+    so the blast-radius count cannot be raced past."""
+    holder = f"execution:{execution_id}"
+    end = clock() + ADMISSION_WAIT_S
+    while not store.acquire_lease(ADMISSION_LEASE, holder, ADMISSION_TTL_S):
+        if clock() >= end:
+            raise Abort(REFUSED, EXIT_REFUSED, "admission busy: try again")
+        time.sleep(0.05)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            store.release_lease(ADMISSION_LEASE, holder)
+
+
+def guardrail_refusal(store: Store, spec: Runbook, engine: str, approved: bool) -> str | None:
+    """The first guardrail that refuses this run now, as one sentence; None if all pass."""
+    g = spec.guardrails
+    if g.requires_approval and not approved:
+        return f"runbook {spec.name} requires approval: rerun with --yes"
+    now = utcnow()
+    last = store.last_run_started(spec.name, engine)
+    recent = store.runs_started_since(spec.name, engine, now - timedelta(hours=1))
+    others = store.engines_under_remediation(other_than=engine)
+    if last is not None and g.cooldown_seconds:
+        remaining = (last + timedelta(seconds=g.cooldown_seconds) - now).total_seconds()
+        if remaining > 0:
+            return (
+                f"cooldown: {spec.name} ran on this engine at {last:%H:%M:%SZ}; "
+                f"{format_duration(remaining)} left of {g.cooldown_seconds} s"
+            )
+    if len(recent) >= g.max_runs_per_hour:
+        wait = (recent[0] + timedelta(hours=1) - now).total_seconds()
+        return (
+            f"max runs per hour: {len(recent)} of {g.max_runs_per_hour} in the last hour; "
+            f"next allowed in {format_duration(wait)}"
+        )
+    if len(others) >= g.max_concurrent_engines:
+        return (
+            f"blast radius: {len(others)} other engine(s) under remediation "
+            f"(at most {g.max_concurrent_engines} at once for {spec.name})"
+        )
+    return None

@@ -1,0 +1,294 @@
+"""Reverting an execution: restore the knob values it recorded before acting.
+
+    executor.revert(execution_id)                       # all the way back, at once
+    executor.revert(execution_id, stepwise=True)        # in the runbook's stages
+    executor.revert_on_resolve(runbook, engine, fingerprint, starts_at)   # the service
+
+A revert is itself an execution (`reverts_id` = the original), journaled like
+a run and holding the engine lock. Stepwise, it moves the knobs back in the
+runbook's stages (e.g. 50 % then 100 %), watching a healthy period between
+stages and halting when the verification or a guarded signal gets worse.
+The run's own rollback (a failing step, the circuit breaker) restores with
+`restore_targets` too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from vllm_runbook.runbooks.client import EngineClientError
+from vllm_runbook.runbooks.engine_actions import KNOBS
+from vllm_runbook.runbooks.guardrails import engine_lock, worse
+from vllm_runbook.runbooks.outcome import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_REFUSED,
+    EngineBusy,
+    ExecutionResult,
+    engine_error_exit,
+    one_line,
+)
+from vllm_runbook.runbooks.spec import Runbook
+from vllm_runbook.runbooks.store import ExecutionRecord, StepRecord
+from vllm_runbook.runbooks.store.models import (
+    ACTIVE_STATUSES,
+    FAILED,
+    REFUSED,
+    REVERTED,
+    ROLLED_BACK,
+    RUNNING,
+    STEP_APPLIED,
+    STEP_FAILED,
+    STEP_INTERRUPTED,
+    STEP_REVERTED,
+    STEP_SKIPPED,
+    SUCCEEDED,
+)
+
+if TYPE_CHECKING:  # the executor imports this module; a revert is given its executor
+    from vllm_runbook.runbooks.executor import Executor, Run
+
+
+class RevertRefused(Exception):
+    """The execution cannot be reverted (already reverted, dry run, still running…)."""
+
+
+def revertible_steps(record: ExecutionRecord) -> list[StepRecord]:
+    """Steps whose effect may be on the engine: applied, or interrupted mid-apply."""
+    return [
+        s
+        for s in record.steps
+        if s.status in (STEP_APPLIED, STEP_INTERRUPTED)
+        and s.before
+        and any(k in KNOBS for k in s.before)
+    ]
+
+
+def restore_targets(steps: list[StepRecord]) -> dict[str, Any]:
+    """Per knob, the before-value of the first step that touched it."""
+    targets: dict[str, Any] = {}
+    for step in sorted(steps, key=lambda s: s.ordinal):
+        for knob, value in (step.before or {}).items():
+            if knob in KNOBS:
+                targets.setdefault(knob, value)
+    return targets
+
+
+def revert_on_resolve(
+    executor: Executor,
+    runbook: str,
+    engine_url: str,
+    fingerprint: str,
+    starts_at: datetime,
+    *,
+    who: str = "alertmanager",
+    healthy_period_seconds: float | None = None,
+) -> ExecutionResult | None:
+    """The service's hook for a resolved alert: revert the episode's
+    execution (stepwise where the runbook says so) if the runbook opts in
+    and it changed something. None when there is nothing to revert.
+    `healthy_period_seconds` overrides the runbook's wait between stages."""
+    spec = executor.runbook(runbook)
+    engine = executor.client_factory(engine_url).url
+    record = executor.store.find_episode(runbook, engine, fingerprint, starts_at)
+    if (
+        record is None
+        or not spec.revert.on_resolve
+        or record.dry_run
+        or record.status not in (SUCCEEDED, FAILED)
+        or not revertible_steps(record)
+    ):
+        return None
+    return executor.revert(
+        record.id,
+        who=who,
+        trigger="rule",
+        stepwise=bool(spec.revert.stepwise),
+        healthy_period_seconds=healthy_period_seconds,
+        reason=f"alert {fingerprint} (since {starts_at.isoformat()}) resolved",
+    )
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:g}" if isinstance(value, int | float) else str(value)
+
+
+class Revert:
+    """Restore one execution's recorded before-values (itself journaled)."""
+
+    def __init__(
+        self, executor: Executor, execution_id: int, who: str, trigger: str, reason: str | None
+    ) -> None:
+        if trigger not in ("cli", "rule"):
+            raise ValueError("a revert is triggered by 'cli' or 'rule'")
+        self.x = executor
+        self.store = executor.store
+        self.target_id = execution_id
+        self.who = who
+        self.trigger = trigger
+        self.reason = reason
+
+    def run(self, stepwise: bool, healthy_period_seconds: float | None) -> ExecutionResult:
+        self.store.recover_interrupted()
+        original = self.store.get_execution(self.target_id)
+        refusal = self._refusal(original)
+        client = self.x.client_factory(original.engine)
+        if refusal is not None:
+            raise RevertRefused(refusal)
+        why = f"revert of execution #{original.id}" + (f": {self.reason}" if self.reason else "")
+        record, _ = self.store.create_execution(
+            original.runbook,
+            original.engine,
+            trigger=self.trigger,
+            who=self.who,
+            reverts_id=original.id,
+            reason=why,
+        )
+        spec = (
+            self.x.runbook(original.runbook)
+            if self._known(original)
+            else _placeholder(original.runbook)
+        )
+        run = self.x.new_run(spec, client, record.id, dry_run=False, approved=True)
+        try:
+            with engine_lock(self.store, client.url, record.id) as renew:
+                run.renew = renew
+                return self._restore(run, original, stepwise, healthy_period_seconds)
+        except EngineBusy as busy:
+            return run.finish(REFUSED, EXIT_REFUSED, str(busy))
+
+    def _known(self, original: ExecutionRecord) -> bool:
+        return self.x.catalog is not None and original.runbook in self.x.catalog
+
+    def _refusal(self, original: ExecutionRecord) -> str | None:
+        if original.reverts_id is not None:
+            return f"execution #{original.id} is itself a revert (of #{original.reverts_id})"
+        if original.dry_run:
+            return f"execution #{original.id} was a dry run: it changed nothing"
+        if original.status == REVERTED:
+            return f"execution #{original.id} is already reverted"
+        if original.status == ROLLED_BACK:
+            return f"execution #{original.id} was already rolled back"
+        if original.status in ACTIVE_STATUSES:
+            return f"execution #{original.id} is still {original.status}"
+        if original.status not in (SUCCEEDED, FAILED):
+            return f"execution #{original.id} is {original.status}: nothing to revert"
+        if not revertible_steps(original):
+            return f"execution #{original.id} changed no knob: nothing to revert"
+        return None
+
+    def _restore(
+        self,
+        run: Run,
+        original: ExecutionRecord,
+        stepwise: bool,
+        healthy_period_seconds: float | None,
+    ) -> ExecutionResult:
+        store = self.store
+        steps = revertible_steps(original)
+        targets = restore_targets(steps)
+        spec = run.spec
+        fractions: tuple[float, ...] = spec.revert.stepwise if stepwise else ()
+        fractions = fractions or (1.0,)
+        healthy = (
+            spec.revert.healthy_period_seconds
+            if healthy_period_seconds is None
+            else healthy_period_seconds
+        )
+        store.transition(run.id, RUNNING)
+        try:
+            run.checks()
+            start = {k: run.reader.last_state["knobs"][k] for k in targets}  # type: ignore[index]
+            for stage, fraction in enumerate(fractions):
+                goal = stage_values(start, targets, fraction)
+                state = run.client.state()
+                before = {k: state["knobs"][k] for k in goal}
+                changes = {k: v for k, v in goal.items() if before[k] != v}
+                params = {"of_execution": original.id, "fraction": fraction}
+                if not changes:
+                    store.add_step(
+                        run.id,
+                        "revert_knobs",
+                        {**params, "note": "already there"},
+                        status=STEP_SKIPPED,
+                    )
+                else:
+                    row = store.add_step(run.id, "revert_knobs", params, before=before)
+                    try:
+                        result = run.client.set_knobs(**changes)
+                    except EngineClientError as error:
+                        store.finish_step(row.id, STEP_FAILED, error=one_line(error))
+                        raise
+                    store.finish_step(
+                        row.id,
+                        STEP_APPLIED,
+                        after={k: result["after"][k] for k in goal},
+                        applied_at_step=int(result["effective_from_step"]),
+                    )
+                if stage < len(fractions) - 1:
+                    problem = self._unhealthy(run, healthy)
+                    if problem is not None:
+                        return run.finish(
+                            FAILED,
+                            EXIT_FAILED,
+                            f"stepwise revert halted after {fraction:.0%}: {problem}; "
+                            f"execution #{original.id} is left partly restored",
+                        )
+        except EngineClientError as error:
+            return run.finish(FAILED, engine_error_exit(error), one_line(error))
+        for step in steps:
+            store.finish_step(step.id, STEP_REVERTED)
+        store.transition(original.id, REVERTED, reason=f"reverted by execution #{run.id}")
+        return run.finish(SUCCEEDED, EXIT_OK, f"execution #{original.id} reverted")
+
+    def _unhealthy(self, run: Run, seconds: float) -> str | None:
+        """Watch a healthy period; the first worsening signal, or None."""
+        v = run.spec.verification
+        watched = ([v.signal] if v else []) + list(v.rollback_if_worse if v else ())
+        baseline = run.reader.read()
+        end = self.x.clock() + seconds
+        while self.x.clock() < end:
+            self.x.wait(min(self.x.poll_seconds, end - self.x.clock()), run.renew)
+            now = run.reader.read()
+            for signal in watched:
+                direction = v.direction if v and signal == v.signal else None
+                if worse(signal, now.get(signal), baseline.get(signal), direction):
+                    return f"{signal} got worse ({_fmt(baseline[signal])} → {_fmt(now[signal])})"
+        return None
+
+
+def stage_values(
+    start: Mapping[str, Any], targets: Mapping[str, Any], fraction: float
+) -> dict[str, Any]:
+    """Knob values `fraction` of the way from `start` back to `targets`.
+
+    Numbers move proportionally (rounded towards the target); the policy is
+    not a number and switches back at the last stage.
+    """
+    goal: dict[str, Any] = {}
+    for knob, target in targets.items():
+        current = start[knob]
+        if fraction >= 1.0 or current == target:
+            goal[knob] = target
+        elif isinstance(target, int) and isinstance(current, int):
+            step = (target - current) * fraction
+            goal[knob] = current + (math.ceil(step) if step > 0 else math.floor(step))
+        else:
+            goal[knob] = current
+    return goal
+
+
+def _placeholder(name: str) -> Runbook:
+    """A stand-in for a runbook no longer in the catalog (revert needs no more)."""
+    return Runbook.model_validate(
+        {
+            "name": name,
+            "description": "(not in the catalog)",
+            "steps": [{"action": "advise", "params": {"text": "-"}}],
+        }
+    )

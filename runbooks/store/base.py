@@ -1,0 +1,71 @@
+"""The store's plumbing: one database engine, transactions, the dialect's insert.
+
+The tables' methods live beside it (executions.py, leases.py, incidents.py);
+`Store` (journal.py) is all of them over one engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Engine
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session, sessionmaker
+from vllm_runbook.runbooks.store.database import (
+    WRITE_OPTION,
+    display_url,
+    make_engine,
+    resolve_url,
+    translated_errors,
+)
+from vllm_runbook.runbooks.store.errors import StoreError
+
+
+def iso(value: datetime | None) -> str | None:
+    """A record's time in its JSON form."""
+    return None if value is None else value.isoformat()
+
+
+class StoreBase:
+    """A database (SQLite file or PostgreSQL) and transactions on it."""
+
+    def __init__(self, url: str | None = None, *, engine: Engine | None = None) -> None:
+        self.url = resolve_url(url)
+        self.engine = engine if engine is not None else make_engine(self.url)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._write_sessions = sessionmaker(
+            self.engine.execution_options(**{WRITE_OPTION: True}), expire_on_commit=False
+        )
+
+    def __repr__(self) -> str:
+        return f"Store({display_url(self.url)!r})"
+
+    @property
+    def dialect(self) -> str:
+        return self.engine.dialect.name
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    @contextmanager
+    def session(self, *, write: bool = False) -> Iterator[Session]:
+        """A transaction: commits on success, rolls back on error.
+
+        `write=True` takes SQLite's write lock at BEGIN so concurrent writers
+        wait on the busy timeout rather than failing mid-transaction.
+        """
+        factory = self._write_sessions if write else self._sessions
+        with translated_errors(self.url), factory() as session, session.begin():
+            yield session
+
+    def _insert(self) -> Any:
+        # ON CONFLICT DO NOTHING exists in both dialects we support; it makes
+        # the duplicate-webhook path one statement with no exception to catch.
+        if self.dialect == "postgresql":
+            return postgresql.insert
+        if self.dialect == "sqlite":
+            return sqlite.insert
+        raise StoreError(f"unsupported database dialect {self.dialect!r}")

@@ -1,0 +1,517 @@
+"""The journal of runbook executions and their steps.
+
+Every call is its own transaction and commits before it returns. That is the
+crash-safety contract the executor builds on: it records a step as
+`applying` with the knob values *before* acting, and as `applied` with the
+values after, so a SIGKILL at any instant leaves a journal that says what may
+have changed and what to restore.
+
+Everything handed out is an immutable record (`ExecutionRecord`,
+`StepRecord`), never a live ORM object: callers cannot lazy-load after the
+session closed, and the records serialise to stable JSON.
+
+The guardrail queries (cooldown, runs per hour, blast radius) are here too:
+the executor asks them, under its admission lease, before it acts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Final
+
+from sqlalchemy import Select, func, select, update
+from sqlalchemy.orm import Session, selectinload
+from vllm_runbook.runbooks.store.base import StoreBase, iso
+from vllm_runbook.runbooks.store.errors import ExecutionNotFound, IllegalTransition, StoreError
+from vllm_runbook.runbooks.store.models import (
+    ACTIVE_STATUSES,
+    EXECUTION_STATUSES,
+    EXECUTION_TRANSITIONS,
+    FINAL_STATUSES,
+    INTERRUPTED_REASON,
+    REFUSED,
+    RUNNING,
+    STEP_APPLIED,
+    STEP_APPLYING,
+    STEP_FAILED,
+    STEP_INTERRUPTED,
+    STEP_PLANNED,
+    STEP_REVERTED,
+    STEP_SKIPPED,
+    STEP_STATUSES,
+    TRIGGER_SOURCES,
+    VERIFYING,
+    Execution,
+    Step,
+    episode_key,
+    utcnow,
+)
+from vllm_runbook.runbooks.store.processes import HOSTNAME, process_alive, process_start
+
+# What add_step may start a step as, and what finish_step may end it as.
+_STEP_START_STATUSES: Final = frozenset({STEP_APPLYING, STEP_PLANNED, STEP_SKIPPED})
+_STEP_FINISH_STATUSES: Final = {
+    STEP_APPLYING: frozenset({STEP_APPLIED, STEP_FAILED}),
+    STEP_APPLIED: frozenset({STEP_REVERTED}),
+    STEP_INTERRUPTED: frozenset({STEP_REVERTED}),
+}
+
+# --- records ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    id: int
+    execution_id: int
+    ordinal: int
+    action: str
+    params: dict[str, Any]
+    before: dict[str, Any] | None
+    after: dict[str, Any] | None
+    status: str
+    error: str | None
+    applied_at_step: int | None
+    started_at: datetime
+    finished_at: datetime | None
+
+    @classmethod
+    def from_row(cls, row: Step) -> StepRecord:
+        return cls(
+            id=row.id,
+            execution_id=row.execution_id,
+            ordinal=row.ordinal,
+            action=row.action,
+            params=dict(row.params or {}),
+            before=row.before,
+            after=row.after,
+            status=row.status,
+            error=row.error,
+            applied_at_step=row.applied_at_step,
+            started_at=row.started_at,
+            finished_at=row.finished_at,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "ordinal": self.ordinal,
+            "action": self.action,
+            "params": self.params,
+            "before": self.before,
+            "after": self.after,
+            "status": self.status,
+            "error": self.error,
+            "applied_at_step": self.applied_at_step,
+            "started_at": iso(self.started_at),
+            "finished_at": iso(self.finished_at),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutionRecord:
+    id: int
+    runbook: str
+    engine: str
+    trigger: str
+    who: str
+    alert_fingerprint: str | None
+    alert_starts_at: datetime | None
+    dry_run: bool
+    status: str
+    reason: str | None
+    error: str | None
+    checks: dict[str, Any] | None
+    verification: dict[str, Any] | None
+    reverts_id: int | None
+    hostname: str | None
+    pid: int | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    # True when the row says active but its process is gone (judged on the
+    # host that ran it only): the journal's honest answer after a crash.
+    interrupted: bool = False
+    steps: tuple[StepRecord, ...] = field(default=())
+
+    @classmethod
+    def from_row(cls, row: Execution, *, with_steps: bool = True) -> ExecutionRecord:
+        interrupted = (
+            row.status in ACTIVE_STATUSES
+            and row.hostname == HOSTNAME
+            and row.pid is not None
+            and not process_alive(row.pid, row.pid_start)
+        )
+        return cls(
+            id=row.id,
+            runbook=row.runbook,
+            engine=row.engine,
+            trigger=row.trigger,
+            who=row.who,
+            alert_fingerprint=row.alert_fingerprint,
+            alert_starts_at=row.alert_starts_at,
+            dry_run=row.dry_run,
+            status=row.status,
+            reason=row.reason,
+            error=row.error,
+            checks=row.checks,
+            verification=row.verification,
+            reverts_id=row.reverts_id,
+            hostname=row.hostname,
+            pid=row.pid,
+            created_at=row.created_at,
+            started_at=row.started_at,
+            finished_at=row.finished_at,
+            interrupted=interrupted,
+            steps=tuple(StepRecord.from_row(s) for s in row.steps) if with_steps else (),
+        )
+
+    @property
+    def display_status(self) -> str:
+        """The status to show a person: 'interrupted' when the run died."""
+        return INTERRUPTED_REASON if self.interrupted else self.status
+
+    def to_dict(self) -> dict[str, Any]:
+        """Stable JSON shape for `--json` and the service's API."""
+        return {
+            "id": self.id,
+            "runbook": self.runbook,
+            "engine": self.engine,
+            "trigger": self.trigger,
+            "who": self.who,
+            "alert_fingerprint": self.alert_fingerprint,
+            "alert_starts_at": iso(self.alert_starts_at),
+            "dry_run": self.dry_run,
+            "status": self.status,
+            "display_status": self.display_status,
+            "interrupted": self.interrupted,
+            "reason": self.reason,
+            "error": self.error,
+            "checks": self.checks,
+            "verification": self.verification,
+            "reverts_id": self.reverts_id,
+            "hostname": self.hostname,
+            "pid": self.pid,
+            "created_at": iso(self.created_at),
+            "started_at": iso(self.started_at),
+            "finished_at": iso(self.finished_at),
+            "steps": [s.to_dict() for s in self.steps],
+        }
+
+
+class ExecutionStore(StoreBase):
+    """Executions, their steps, and what the guardrails ask of them."""
+
+    def create_execution(
+        self,
+        runbook: str,
+        engine: str,
+        *,
+        trigger: str,
+        who: str,
+        dry_run: bool = False,
+        alert_fingerprint: str | None = None,
+        alert_starts_at: datetime | None = None,
+        reason: str | None = None,
+        reverts_id: int | None = None,
+    ) -> tuple[ExecutionRecord, bool]:
+        """Record a new pending execution; returns (record, created).
+
+        For trigger 'alert' the (runbook, engine, fingerprint, startsAt)
+        episode is unique: a duplicate delivery returns the existing execution
+        with created=False, race-free across processes and replicas.
+        """
+        if trigger not in TRIGGER_SOURCES:
+            raise ValueError(f"trigger {trigger!r} not in {TRIGGER_SOURCES}")
+        key: str | None = None
+        if trigger == "alert":
+            if not alert_fingerprint or alert_starts_at is None:
+                raise ValueError("an alert-triggered execution needs a fingerprint and startsAt")
+            # One execution per episode (the evaluator's incidents are recorded
+            # as alert episodes too); the schema checks key <=> trigger 'alert'.
+            key = episode_key(runbook, engine, alert_fingerprint, alert_starts_at)
+        now = utcnow()
+        values = {
+            "runbook": runbook,
+            "engine": engine,
+            "trigger": trigger,
+            "who": who,
+            "dry_run": dry_run,
+            "alert_fingerprint": alert_fingerprint,
+            "alert_starts_at": alert_starts_at,
+            "episode_key": key,
+            "status": "pending",
+            "reason": reason,
+            "reverts_id": reverts_id,
+            "hostname": HOSTNAME,
+            "pid": os.getpid(),
+            "pid_start": process_start(os.getpid()),
+            "created_at": now,
+            "updated_at": now,
+        }
+        with self.session(write=True) as s:
+            if key is None:
+                row = Execution(**values)
+                s.add(row)
+                s.flush()
+                return ExecutionRecord.from_row(row), True
+            stmt = (
+                self._insert()(Execution)
+                .values(**values)
+                .on_conflict_do_nothing(index_elements=["episode_key"])
+                .returning(Execution.id)
+            )
+            new_id = s.execute(stmt).scalar_one_or_none()
+            created = new_id is not None
+            found = s.scalars(
+                select(Execution)
+                .where(Execution.episode_key == key)
+                .options(selectinload(Execution.steps))
+            ).one()
+            return ExecutionRecord.from_row(found), created
+
+    def transition(
+        self,
+        execution_id: int,
+        new_status: str,
+        error: str | None = None,
+        *,
+        reason: str | None = None,
+    ) -> ExecutionRecord:
+        """Move an execution along its state machine; illegal moves raise.
+
+        Entering 'running' stamps the current process as the runner (so a
+        crash can be recognised later); a final status stamps finished_at.
+        """
+        if new_status not in EXECUTION_STATUSES:
+            raise ValueError(f"status {new_status!r} not in {EXECUTION_STATUSES}")
+        with self.session(write=True) as s:
+            row = self._get_locked(s, execution_id)
+            if new_status not in EXECUTION_TRANSITIONS[row.status]:
+                raise IllegalTransition(execution_id, row.status, new_status)
+            now = utcnow()
+            row.status = new_status
+            if new_status == RUNNING:
+                row.started_at = now
+                row.hostname, row.pid = HOSTNAME, os.getpid()
+                row.pid_start = process_start(row.pid)
+            if new_status in FINAL_STATUSES and row.finished_at is None:
+                row.finished_at = now
+            if error is not None:
+                row.error = error
+            if reason is not None:
+                row.reason = reason
+            s.flush()
+            return ExecutionRecord.from_row(row)
+
+    def record_checks(self, execution_id: int, checks: dict[str, Any]) -> None:
+        """Store the diagnostics gathered before acting (shown in reports)."""
+        with self.session(write=True) as s:
+            self._get_locked(s, execution_id).checks = checks
+
+    def record_verification(self, execution_id: int, verification: dict[str, Any]) -> None:
+        """Store the verification outcome (signal before/after, deadline, verdict)."""
+        with self.session(write=True) as s:
+            self._get_locked(s, execution_id).verification = verification
+
+    def _get_locked(self, s: Session, execution_id: int) -> Execution:
+        row = s.get(Execution, execution_id, with_for_update=True)
+        if row is None:
+            raise ExecutionNotFound(execution_id)
+        return row
+
+    def get_execution(self, execution_id: int) -> ExecutionRecord:
+        with self.session() as s:
+            row = s.get(Execution, execution_id, options=[selectinload(Execution.steps)])
+            if row is None:
+                raise ExecutionNotFound(execution_id)
+            return ExecutionRecord.from_row(row)
+
+    def list_executions(
+        self, engine: str | None = None, *, runbook: str | None = None, limit: int = 50
+    ) -> list[ExecutionRecord]:
+        """Newest first, with their steps."""
+        query = select(Execution).options(selectinload(Execution.steps))
+        if engine is not None:
+            query = query.where(Execution.engine == engine)
+        if runbook is not None:
+            query = query.where(Execution.runbook == runbook)
+        query = query.order_by(Execution.id.desc()).limit(limit)
+        with self.session() as s:
+            return [ExecutionRecord.from_row(r) for r in s.scalars(query)]
+
+    def find_episode(
+        self, runbook: str, engine: str, fingerprint: str, starts_at: datetime
+    ) -> ExecutionRecord | None:
+        """The execution an alert episode started, if any."""
+        key = episode_key(runbook, engine, fingerprint, starts_at)
+        query = (
+            select(Execution)
+            .where(Execution.episode_key == key)
+            .options(selectinload(Execution.steps))
+        )
+        with self.session() as s:
+            row = s.scalars(query).first()
+            return None if row is None else ExecutionRecord.from_row(row)
+
+    # --- guardrail queries (asked under the executor's admission lease) ---------------
+
+    @staticmethod
+    def _real_runs(runbook: str, engine: str) -> Select[datetime | None]:
+        # What counts for cooldown and rate limits: runs that started for real.
+        # Dry runs changed nothing, refusals never ran, and a revert restores
+        # (it is not remediation and must not extend the cooldown).
+        return select(Execution.started_at).where(
+            Execution.runbook == runbook,
+            Execution.engine == engine,
+            Execution.dry_run.is_(False),
+            Execution.status != REFUSED,
+            Execution.started_at.is_not(None),
+            Execution.reverts_id.is_(None),
+        )
+
+    def last_run_started(self, runbook: str, engine: str) -> datetime | None:
+        """When the latest real run of a runbook on an engine started (the cooldown)."""
+        query = self._real_runs(runbook, engine).order_by(Execution.started_at.desc()).limit(1)
+        with self.session() as s:
+            return s.scalar(query)
+
+    def runs_started_since(self, runbook: str, engine: str, since: datetime) -> list[datetime]:
+        """Start times of the real runs started at or after `since`, oldest
+        first (max runs per hour: how many, and when the oldest leaves the hour)."""
+        if since.tzinfo is None:
+            raise ValueError("since must be timezone-aware")
+        query = (
+            self._real_runs(runbook, engine)
+            .where(Execution.started_at >= since)
+            .order_by(Execution.started_at)
+        )
+        with self.session() as s:
+            return [started for started in s.scalars(query) if started is not None]
+
+    def engines_under_remediation(self, *, other_than: str | None = None) -> set[str]:
+        """Engines with a real remediation running or verifying (the blast radius).
+
+        Pending executions have not acted yet, dry runs never act, and a
+        revert restores; `other_than` leaves out the engine asking.
+        """
+        query = select(Execution.engine).where(
+            Execution.status.in_((RUNNING, VERIFYING)),
+            Execution.dry_run.is_(False),
+            Execution.reverts_id.is_(None),
+        )
+        if other_than is not None:
+            query = query.where(Execution.engine != other_than)
+        with self.session() as s:
+            return set(s.scalars(query.distinct()))
+
+    def recover_interrupted(self) -> list[int]:
+        """Mark active executions whose process died on this host as failed.
+
+        Steps left 'applying' become 'interrupted' (their effect is unknown;
+        their before-values still allow a revert). Executions run from other
+        hosts are left alone: their liveness cannot be judged from here.
+        Returns the ids marked.
+        """
+        query = select(Execution.id, Execution.pid, Execution.pid_start).where(
+            Execution.status.in_(ACTIVE_STATUSES), Execution.hostname == HOSTNAME
+        )
+        with self.session() as s:
+            candidates = [
+                row.id
+                for row in s.execute(query)
+                if row.pid is not None and not process_alive(row.pid, row.pid_start)
+            ]
+        recovered: list[int] = []
+        for execution_id in candidates:
+            with self.session(write=True) as s:
+                row = self._get_locked(s, execution_id)
+                # Re-check under the lock: another process may have got there.
+                if row.status not in ACTIVE_STATUSES:
+                    continue
+                now = utcnow()
+                row.status, row.error, row.finished_at = "failed", INTERRUPTED_REASON, now
+                s.execute(
+                    update(Step)
+                    .where(Step.execution_id == execution_id, Step.status == STEP_APPLYING)
+                    .values(
+                        status=STEP_INTERRUPTED,
+                        error="process died while applying; effect unknown",
+                        finished_at=now,
+                    )
+                )
+                recovered.append(execution_id)
+        return recovered
+
+    # --- steps -------------------------------------------------------------------
+
+    def add_step(
+        self,
+        execution_id: int,
+        action: str,
+        params: dict[str, Any] | None = None,
+        *,
+        before: dict[str, Any] | None = None,
+        after: dict[str, Any] | None = None,
+        status: str = STEP_APPLYING,
+        error: str | None = None,
+    ) -> StepRecord:
+        """Record a step, committed before the caller acts.
+
+        Call with status 'applying' and the before-values *before* running the
+        action: if the process dies during it, the journal still holds what
+        to restore. 'planned' (dry-run) and 'skipped' steps are final at once.
+        """
+        if status not in _STEP_START_STATUSES:
+            raise ValueError(f"a step starts as one of {sorted(_STEP_START_STATUSES)}")
+        with self.session(write=True) as s:
+            execution = self._get_locked(s, execution_id)
+            if execution.status not in ACTIVE_STATUSES:
+                raise StoreError(f"execution {execution_id} is {execution.status}: no more steps")
+            last = s.scalar(select(func.max(Step.ordinal)).where(Step.execution_id == execution_id))
+            now = utcnow()
+            row = Step(
+                execution_id=execution_id,
+                ordinal=(last or 0) + 1,
+                action=action,
+                params=params or {},
+                before=before,
+                after=after,
+                status=status,
+                error=error,
+                started_at=now,
+                finished_at=None if status == STEP_APPLYING else now,
+            )
+            s.add(row)
+            s.flush()
+            return StepRecord.from_row(row)
+
+    def finish_step(
+        self,
+        step_id: int,
+        status: str,
+        *,
+        after: dict[str, Any] | None = None,
+        error: str | None = None,
+        applied_at_step: int | None = None,
+    ) -> StepRecord:
+        """Close a step: applying → applied | failed, or applied → reverted."""
+        if status not in STEP_STATUSES:
+            raise ValueError(f"step status {status!r} not in {STEP_STATUSES}")
+        with self.session(write=True) as s:
+            row = s.get(Step, step_id, with_for_update=True)
+            if row is None:
+                raise StoreError(f"no step with id {step_id}")
+            if status not in _STEP_FINISH_STATUSES.get(row.status, frozenset()):
+                raise StoreError(f"step {step_id}: cannot go from {row.status!r} to {status!r}")
+            row.status = status
+            row.finished_at = utcnow()
+            if after is not None:
+                row.after = after
+            if error is not None:
+                row.error = error
+            if applied_at_step is not None:
+                row.applied_at_step = applied_at_step
+            s.flush()
+            return StepRecord.from_row(row)
