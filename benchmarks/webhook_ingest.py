@@ -25,9 +25,7 @@ import contextlib
 import itertools
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -39,12 +37,9 @@ from pathlib import Path
 
 import httpx
 from sqlalchemy import create_engine, func, select, text
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from vllm_runbook.runbooks.store import Store, upgrade  # noqa: E402
-from vllm_runbook.runbooks.store.models import Execution, WebhookEvent  # noqa: E402
+from vllm_runbook.runbooks.processes import free_port, logged_process
+from vllm_runbook.runbooks.store import Store, upgrade
+from vllm_runbook.runbooks.store.models import Execution, WebhookEvent
 
 TOKEN = "bench-token"
 # The table's header row, as docs/benchmarks.md shows it (a test compares them).
@@ -92,46 +87,29 @@ def delivery(n_alerts: int, seq: int) -> dict:
     }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
-def serve(db_url: str, config: Path, worker: bool = False):
+def serve(db_url: str, config: Path, worker: bool = False) -> Iterator[str]:
+    """`runbook serve` on `db_url`, its log beside `config` (its tail shown if it fails)."""
     port = free_port()
     env = {**os.environ, "RUNBOOK_WEBHOOK_TOKEN": TOKEN}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "vllm_runbook.runbooks.cli",
-            "serve",
-            "--config",
-            str(config),
-            "--db",
-            db_url,
-            "--port",
-            str(port),
-            "--no-rules",
-            *([] if worker else ["--no-worker"]),
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm_runbook.runbooks.cli",
+        "serve",
+        "--config",
+        str(config),
+        "--db",
+        db_url,
+        "--port",
+        str(port),
+        "--no-rules",
+        *([] if worker else ["--no-worker"]),
+    ]
     url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(300):
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                    break
-            time.sleep(0.1)
+    log = config.parent / f"serve-{port}.log"
+    with logged_process(cmd, log, url + "/healthz", 60, env, stop_timeout=20):
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(20)
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 from vllm_runbook.rules import cli as rules_cli
-from vllm_runbook.runbooks import exec_cli, journal_cli, report_cli
+from vllm_runbook.runbooks import demo, exec_cli, journal_cli, report_cli
 from vllm_runbook.runbooks.client import CommandRefused, EngineClient, EngineClientError
 from vllm_runbook.runbooks.service import serve_cli
 
@@ -261,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     rules_cli.add_subcommands(sub)
     serve_cli.add_subcommands(sub)
     report_cli.add_subcommands(sub)
+    demo.add_subcommands(sub)
     return parser
 
 

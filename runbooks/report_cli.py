@@ -87,7 +87,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         where = path if path is not None else "(none beside a server database: use --signals)"
         print(
             f"\nrunbook: no signal history around execution #{record.id} in {where}: no picture "
-            "(`make demo` records one; see runbooks/DEMO.md)",
+            "(`runbook demo` records one; see runbooks/DEMO.md)",
             file=sys.stderr,
         )
         return EXIT_NO_PICTURE

@@ -1,12 +1,13 @@
-"""Helpers that start and drive real vLLM CPU engines for the tests."""
+"""Helpers that start and drive real vLLM CPU engines for the tests.
+
+Server processes are started, waited for and stopped by
+vllm_runbook.runbooks.processes (shared with the demo and the benchmarks)."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from vllm_runbook.collector.tiny_model import prompt_token_ids
+
+# One implementation for the tests, the demo and the benchmarks; `free_port` is
+# imported from here by many tests.
+from vllm_runbook.runbooks.processes import free_port, logged_process
 
 ENGINE_DEFAULTS: dict[str, Any] = dict(
     block_size=32,
@@ -111,79 +116,12 @@ class InProcessEngine:
         gc.collect()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
             return resp.status, resp.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
-
-
-def wait_http(url: str, deadline_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
-        with contextlib.suppress(OSError):
-            if http_get(url, timeout=2)[0] == 200:
-                return
-        time.sleep(0.5)
-    raise TimeoutError(f"{url} did not answer within {deadline_s} s")
-
-
-def start_logged(
-    cmd: list[str], log_path: Path, env: dict[str, str] | None = None
-) -> subprocess.Popen[bytes]:
-    """`cmd` in its own session (stopping the group stops its children), output to `log_path`."""
-    with open(log_path, "wb") as log:
-        return subprocess.Popen(
-            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-
-def stop_group(
-    proc: subprocess.Popen[bytes], timeout: float = 30, sig: int = signal.SIGTERM
-) -> None:
-    """`sig` to the process group, SIGKILL after `timeout` s."""
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, sig)
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-
-
-@contextlib.contextmanager
-def logged_process(
-    cmd: list[str],
-    log_path: Path,
-    ready_url: str,
-    deadline_s: float,
-    env: dict[str, str] | None = None,
-    stop_timeout: float = 30,
-    tail: int = 4000,
-) -> Iterator[subprocess.Popen[bytes]]:
-    """A server process for one test: yielded once `ready_url` answers 200, its
-    log's tail printed when anything fails, its process group stopped on exit."""
-    proc = start_logged(cmd, log_path, env)
-    try:
-        wait_http(ready_url, deadline_s, proc)
-        yield proc
-    except BaseException:
-        sys.stderr.write(log_path.read_text(errors="replace")[-tail:])
-        raise
-    finally:
-        stop_group(proc, stop_timeout)
 
 
 @dataclass

@@ -1,19 +1,19 @@
-"""`make demo` as CI runs it: the whole story on a real CPU engine and a real
-`runbook serve`, ending by itself with exit 0 and a timeline picture."""
+"""`runbook demo` (`make demo`) as CI runs it: the whole story on a real CPU
+engine and a real `runbook serve`, ending by itself with exit 0 and a timeline
+picture. It runs from a directory of its own, not the checkout."""
 
 from __future__ import annotations
 
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.engine, pytest.mark.service]
+from tests.engines import runbook_cli_command
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.engine, pytest.mark.service]
 
 # What the terminal must show, in this order (the service's events as they happen).
 STORY = [
@@ -48,8 +48,8 @@ def test_demo_story_detects_fixes_and_reverts(tmp_path: Path) -> None:
     env.update(CI="true")
     directory = tmp_path / "demo"
     proc = subprocess.run(
-        [sys.executable, "-m", "vllm_runbook.runbooks.demo", "--dir", str(directory)],
-        cwd=REPO_ROOT,
+        runbook_cli_command("demo", "--dir", str(directory)),
+        cwd=tmp_path,
         env=env,
         stdin=subprocess.DEVNULL,
         capture_output=True,
@@ -75,7 +75,7 @@ def test_demo_story_detects_fixes_and_reverts(tmp_path: Path) -> None:
 
     (picture,) = re.findall(r"timeline picture: (.+)", out)
     png = Path(picture.strip())
-    png = png if png.is_absolute() else REPO_ROOT / png
+    png = png if png.is_absolute() else tmp_path / png
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (directory / "runbook.signals.jsonl").stat().st_size > 0
     # Every process it started is gone: nothing listens on its ports any more.

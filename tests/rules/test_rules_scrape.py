@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -14,6 +13,7 @@ from vllm_runbook.rules.evaluator import Evaluator, store_for_rules
 from vllm_runbook.rules.incidents import MemoryIncidentSink
 from vllm_runbook.rules.model import load_catalog
 from vllm_runbook.rules.scrape import Scraper, Target
+from vllm_runbook.runbooks.processes import free_port
 
 RULES = load_catalog().bind({"VllmOOMPressure": {"for": "0s"}})
 
@@ -55,12 +55,6 @@ def server() -> Iterator[tuple[str, Exposition]]:
     finally:
         httpd.shutdown()
         httpd.server_close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_scrape_feeds_the_evaluator(server: tuple[str, Exposition]) -> None:

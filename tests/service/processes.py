@@ -16,14 +16,9 @@ from typing import Any
 
 import yaml
 from vllm_runbook.dashboards.generate import DASHBOARDS_DIR
+from vllm_runbook.runbooks.processes import free_port, logged_process
 
-from tests.engines import (
-    free_port,
-    http_get,
-    logged_process,
-    runbook_cli_command,
-    runbook_cli_env,
-)
+from tests.engines import http_get, runbook_cli_command, runbook_cli_env
 
 
 def alertmanager_config(webhook_url: str, token_file: Path) -> str:

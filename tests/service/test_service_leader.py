@@ -17,16 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from vllm_runbook.runbooks.processes import free_port, start_logged, stop_group, wait_http
 from vllm_runbook.runbooks.store import Store, upgrade
 
-from tests.engines import (
-    free_port,
-    runbook_cli_command,
-    runbook_cli_env,
-    start_logged,
-    stop_group,
-    wait_http,
-)
+from tests.engines import runbook_cli_command, runbook_cli_env
 
 pytestmark = pytest.mark.service
 

@@ -19,13 +19,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import func, select
 from vllm_runbook.rules.config import load_config
+from vllm_runbook.runbooks.processes import free_port
 from vllm_runbook.runbooks.service.app import Credentials, create_app
 from vllm_runbook.runbooks.service.webhooks import Router
 from vllm_runbook.runbooks.spec import load_catalog as load_runbook_catalog
 from vllm_runbook.runbooks.store import Store, upgrade
 from vllm_runbook.runbooks.store.models import Execution, WebhookEvent
 
-from tests.engines import free_port
 from tests.service.processes import RunbookServe
 
 TOKEN = "test-webhook-token"

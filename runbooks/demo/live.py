@@ -1,0 +1,240 @@
+"""What the demo shows as it happens: the service's events (EventFeed), one
+line of engine signals a second (Monitor), both through the console (Demo)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from vllm_runbook.runbooks.client import EngineClient, EngineClientError
+from vllm_runbook.runbooks.demo.config import LOW
+from vllm_runbook.runbooks.demo.traffic import Traffic
+from vllm_runbook.runbooks.render import format_signal
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return "n/a" if value is None else str(value)
+
+
+class EventFeed:
+    """Polls the service's API and prints each new incident state and execution event."""
+
+    def __init__(self, service: str, out: Callable[[str], None]) -> None:
+        self.service = service
+        self.out = out
+        self.printed: set[tuple[int, str]] = set()  # (incident id, state) already shown
+        self.fired: set[str] = set()  # alerts seen firing (or resolved: they fired before)
+        self.executions: dict[int, dict[str, Any]] = {}
+        self.seen: set[tuple[Any, ...]] = set()
+
+    def start(self) -> EventFeed:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.poll()  # the last events
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            self.poll()
+
+    def poll(self) -> None:
+        try:
+            # Executions first: every execution seen then has its finding
+            # already recorded as firing in the incidents read after it.
+            executions = httpx.get(self.service + "/api/executions?limit=200", timeout=5).json()
+            incidents = httpx.get(self.service + "/api/incidents", timeout=5).json()
+        except (httpx.HTTPError, ValueError):
+            return
+        for inc in sorted(incidents, key=lambda i: i["id"]):
+            # A pending finding that clears is discarded; a resolved one fired
+            # first, even if it fired and resolved between two polls.
+            states = {"firing": ["firing"], "resolved": ["firing", "resolved"]}
+            for state in states.get(inc["state"], []):
+                if (inc["id"], state) in self.printed:
+                    continue
+                self.printed.add((inc["id"], state))
+                self.fired.add(inc["alert"])
+                verb = "fired" if state == "firing" else "resolved"
+                self.out(
+                    f"finding {inc['alert']} {verb} on {inc['engine']} "
+                    f"(value {_fmt(inc['value'])}, {inc['severity']})"
+                )
+        for e in sorted(executions, key=lambda e: e["id"]):
+            self.executions[e["id"]] = e
+            self._execution(e)
+
+    def _once(self, key: tuple[Any, ...], line: str) -> None:
+        if key not in self.seen:
+            self.seen.add(key)
+            self.out(line)
+
+    def _execution(self, e: dict[str, Any]) -> None:
+        n = e["id"]
+        if e.get("reverts_id") is not None:
+            self._once((n, "new"), f"  revert #{n} of #{e['reverts_id']}: {e.get('reason') or ''}")
+        else:
+            alert = str(e["who"]).removeprefix("rules:")
+            self._once(
+                (n, "new"),
+                f"  runbook {e['runbook']} chosen for {alert} (automation auto) → execution #{n}",
+            )
+        if e.get("checks") and e.get("reverts_id") is None:
+            checks = ", ".join(f"{k} {_fmt(v.get('value'))}" for k, v in e["checks"].items())
+            self._once((n, "checks"), f"  #{n} checks: {checks}")
+        for s in e.get("steps", []):
+            before, after = s.get("before") or {}, s.get("after") or {}
+            if s["status"] == "skipped":
+                note = (s.get("params") or {}).get("note", "")
+                self._once((n, s["id"], "skip"), f"  #{n} {s['action']}: skipped, {note}")
+            elif s["status"] in ("applying", "applied", "reverted") and before:
+                self._once(
+                    (n, s["id"], "before"),
+                    f"  #{n} action {s['action']}: before "
+                    + ", ".join(f"{k}={_fmt(v)}" for k, v in before.items()),
+                )
+            if s["status"] in ("applied", "reverted") and after:
+                where = f" (engine step {s['applied_at_step']})" if s.get("applied_at_step") else ""
+                self._once(
+                    (n, s["id"], "after"),
+                    f"  #{n} action {s['action']}: after "
+                    + ", ".join(f"{k}={_fmt(v)}" for k, v in after.items())
+                    + where,
+                )
+        v = e.get("verification")
+        if v:
+            self._once(
+                (n, "verify"),
+                f"  #{n} verification: {v['signal']} "
+                f"{format_signal(v['signal'], v.get('before'))} → "
+                f"{format_signal(v['signal'], v.get('after'))} ({v.get('outcome')})",
+            )
+        if e["status"] not in ("pending", "running", "verifying"):
+            why = e.get("error") or e.get("reason") or ""
+            self._once((n, e["status"]), f"  #{n} {e['status']}" + (f": {why}" if why else ""))
+
+
+@dataclass
+class Demo:
+    directory: Path
+    ci: bool
+    deadline: float
+    print_lock: threading.Lock = field(default_factory=threading.Lock)
+    started: float = field(default_factory=time.time)
+
+    def say(self, line: str, *, event: bool = False) -> None:
+        stamp = f"{time.time() - self.started:5.0f}s "
+        if event and not self.ci:
+            line = f"\033[1;36m{line}\033[0m"
+        with self.print_lock:
+            print(stamp + line, flush=True)
+
+    def phase_banner(self, name: str, what: str) -> None:
+        line = f"── {name}: {what}"
+        if not self.ci:
+            line = f"\033[1m{line}\033[0m"
+        self.say(line)
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+class Monitor:
+    """One line of signals per second, the service's events, and the signal history."""
+
+    def __init__(self, demo: Demo, client: EngineClient, traffic: Traffic, feed: EventFeed) -> None:
+        self.demo, self.client, self.traffic, self.feed = demo, client, traffic, feed
+        self.state: dict[str, Any] | None = None
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self._last_preemptions: float | None = None
+
+    def start(self) -> Monitor:
+        self.thread.start()
+        return self
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+
+    def _run(self) -> None:
+        next_tick = time.monotonic()
+        while not self.stop.is_set():
+            # One line a second; after a stall (a busy machine) carry on, don't catch up.
+            next_tick = max(next_tick + 1.0, time.monotonic())
+            with contextlib.suppress(EngineClientError, KeyError, TypeError):
+                self._sample()
+            self.stop.wait(max(0.0, next_tick - time.monotonic()))
+
+    def _sample(self) -> None:
+        asked = time.time()
+        state = self.client.state()
+        self.state = state
+        now = time.time()
+        s, k = state["stats"], state["knobs"]
+        flying = self.traffic.in_flight()
+        oldest = max((now - r.t0 for r in flying), default=0.0)
+        oldest_low = max((now - r.t0 for r in flying if r.priority == LOW), default=0.0)
+        rps = self.traffic.completed_since(now - 5) / 5
+        preemptions = s.get("preemptions_total") or 0.0
+        delta = 0.0 if self._last_preemptions is None else preemptions - self._last_preemptions
+        self._last_preemptions = preemptions
+        sample = {
+            "t": now,
+            "engine": self.client.url,
+            "phase": self.traffic.phase,
+            "rps": rps,
+            "kv_hit_ratio": s.get("kv_hit_ratio"),
+            "block_fragmentation_ratio": s.get("block_fragmentation_ratio"),
+            "kv_cache_usage_ratio": s.get("kv_cache_usage_ratio"),
+            "preemptions_total": preemptions,
+            "requests_running": s.get("num_requests_running"),
+            "requests_waiting": s.get("num_requests_waiting"),
+            "max_num_batched_tokens": k["max_num_batched_tokens"],
+            "max_num_seqs": k["max_num_seqs"],
+            "policy": k["policy"],
+            "oldest_request_s": oldest,
+            "oldest_low_priority_s": oldest_low,
+            "state_s": now - asked,  # how long the agent took to answer
+        }
+        self.traffic.log.write("sample", **sample)
+        hit = s.get("kv_hit_ratio")
+        self.demo.say(
+            f"{self.traffic.phase:<11} {rps:5.1f} req/s  hit {_pct(hit):>4}  "
+            f"frag {_pct(s.get('block_fragmentation_ratio'), 1):>5}  "
+            f"KV {_pct(s.get('kv_cache_usage_ratio')):>4}  "
+            f"preempt {preemptions:4.0f} (+{delta:.0f})  "
+            f"run {s.get('num_requests_running') or 0:3.0f} "
+            f"wait {s.get('num_requests_waiting') or 0:3.0f}  "
+            f"budget {k['max_num_batched_tokens']:4d}  seqs {k['max_num_seqs']:3d}  "
+            f"{k['policy']}"
+        )
+
+
+def _pct(value: Any, digits: int = 0) -> str:
+    return "n/a" if value is None else f"{100 * value:.{digits}f}%"
+
+
+def runs_of(feed: EventFeed, runbook: str) -> list[dict[str, Any]]:
+    """The runbook's executions that ran (not reverts, not refused)."""
+    return [
+        e
+        for e in feed.executions.values()
+        if e["runbook"] == runbook and e.get("reverts_id") is None and e["status"] != "refused"
+    ]
+
+
+def finished(e: dict[str, Any]) -> bool:
+    return e["status"] not in ("pending", "running", "verifying")

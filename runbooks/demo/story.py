@@ -1,0 +1,272 @@
+"""The story: start the engine and the service, drive the four phases, stop
+everything on the way out (also on Ctrl-C and SIGTERM)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from vllm_runbook.runbooks.client import EngineClient, EngineClientError
+from vllm_runbook.runbooks.demo.config import (
+    BLOCK_SIZE,
+    BURST_AFTER_FIX_S,
+    BURST_MAX_S,
+    COLLECTOR_WINDOW_S,
+    EVALUATION_INTERVAL,
+    KV_BLOCKS,
+    LOW,
+    MAX_NUM_SEQS,
+    RECOVERY_MAX_S,
+    RECOVERY_MIN_S,
+    STARVATION_AFTER_FIX_S,
+    STARVATION_MAX_S,
+    STEADY_S,
+    STORY_DEADLINE_S,
+    STREAM_CLIENTS,
+    engine_command,
+    write_config,
+    write_runbooks,
+)
+from vllm_runbook.runbooks.demo.live import Demo, EventFeed, Monitor, finished, runs_of
+from vllm_runbook.runbooks.demo.summary import conclude
+from vllm_runbook.runbooks.demo.traffic import (
+    Request,
+    Traffic,
+    long_request,
+    steady_request,
+    stream_request,
+)
+from vllm_runbook.runbooks.processes import (
+    NotReady,
+    ProcessExited,
+    free_port,
+    start_logged,
+    stop_group,
+    wait_http,
+)
+from vllm_runbook.runbooks.report import SignalLog, signals_path_for
+
+
+class DemoFailed(Exception):
+    """The demo could not set up (engine or service did not start)."""
+
+
+@dataclass
+class Process:
+    """A server the demo started: its name for messages, the process, its log."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        """SIGTERM the process group, SIGKILL after 20 s."""
+        stop_group(self.proc, 20)
+
+
+def spawn(name: str, cmd: list[str], env: dict[str, str], log: Path) -> Process:
+    return Process(name, start_logged(cmd, log, env), log)
+
+
+def wait_healthy(process: Process, url: str, deadline_s: float) -> None:
+    try:
+        wait_http(url, deadline_s, process.proc, interval=1.0)
+    except ProcessExited as exc:
+        raise DemoFailed(
+            f"{process.name} exited with {exc.returncode}; see {process.log}"
+        ) from None
+    except NotReady:
+        raise DemoFailed(
+            f"{process.name} did not answer {url} in time; see {process.log}"
+        ) from None
+
+
+def _queued(client: EngineClient, seqs: int) -> bool:
+    """Every slot busy and a few more requests waiting."""
+    try:
+        stats = client.state()["stats"]
+    except EngineClientError:
+        return False
+    running = stats.get("num_requests_running") or 0
+    return running >= seqs and (stats.get("num_requests_waiting") or 0) >= 2
+
+
+def _wait(demo: Demo, seconds: float, until: Callable[[], bool] | None = None) -> bool:
+    """Sleep up to `seconds` (never past the story's deadline); True if `until` held."""
+    end = time.monotonic() + min(seconds, max(0.0, demo.left()))
+    while time.monotonic() < end:
+        if until is not None and until():
+            return True
+        time.sleep(0.5)
+    return until is not None and until()
+
+
+def run(directory: Path, ci: bool) -> int:
+    from vllm_runbook.collector.tiny_model import create_tiny_model, prompt_token_ids
+
+    t_start = time.monotonic()
+    demo = Demo(directory, ci, t_start + STORY_DEADLINE_S)
+    directory.mkdir(parents=True, exist_ok=True)
+    db_path = (directory / "runbook.db").resolve()
+    db_url = f"sqlite:///{db_path}"
+    signals = signals_path_for(db_url)
+    assert signals is not None
+    for stale in (db_path, signals, directory / "demo-timeline.png"):
+        stale.unlink(missing_ok=True)
+
+    demo.say("creating the tiny local model (random weights, no download)")
+    model = create_tiny_model(directory / "tiny-llama")
+    api_port, agent_port, service_port = free_port(), free_port(), free_port()
+    api, agent = f"http://127.0.0.1:{api_port}", f"http://127.0.0.1:{agent_port}"
+    service = f"http://127.0.0.1:{service_port}"
+    runbooks_dir = write_runbooks(directory / "runbooks")
+    config = write_config(directory / "runbook.yaml", db_url, agent, api)
+    runtime = Path(tempfile.mkdtemp(prefix="runbook-demo-"))
+    env = {
+        **os.environ,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",  # the EngineCore in its own process
+        # No pinning of the model worker to a core: on a small machine shared
+        # with other work the scheduler balances better than a fixed core.
+        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+        "VLLM_RUNBOOK_PORT": str(agent_port),
+        "VLLM_RUNBOOK_HOST": "127.0.0.1",
+        "VLLM_RUNBOOK_WINDOW_SECONDS": str(COLLECTOR_WINDOW_S),
+        "VLLM_RUNBOOK_RUNTIME_DIR": str(runtime),  # the agent's token, found by the service
+        "RUNBOOK_WEBHOOK_TOKEN": os.urandom(16).hex(),  # loopback webhook, unused here
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    env.pop("VLLM_RUNBOOK_TOKEN", None)
+    os.environ["VLLM_RUNBOOK_RUNTIME_DIR"] = str(runtime)  # this process's EngineClient
+
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, runtime, ignore_errors=True)
+        demo.say(
+            f"starting vLLM (CPU, {KV_BLOCKS} KV blocks of {BLOCK_SIZE}, max_num_seqs "
+            f"{MAX_NUM_SEQS}, policy priority) and `runbook serve` (SQLite, rules every "
+            f"{EVALUATION_INTERVAL}); logs in {directory}/"
+        )
+        engine = spawn("vLLM", engine_command(model, api_port), env, directory / "vllm.log")
+        stack.callback(lambda: _stop(demo, engine))
+        serve = spawn(
+            "runbook serve",
+            [
+                sys.executable,
+                "-m",
+                "vllm_runbook.runbooks.cli",
+                "serve",
+                "--config",
+                str(config),
+                "--port",
+                str(service_port),
+                "--catalog",
+                str(runbooks_dir),
+            ],
+            env,
+            directory / "service.log",
+        )
+        stack.callback(lambda: _stop(demo, serve))
+        wait_healthy(serve, service + "/healthz", 120)
+        wait_healthy(engine, api + "/health", 240)
+        client = EngineClient(agent)
+        startup = client.state()["startup"]
+        demo.say(f"engine up after {time.monotonic() - t_start:.0f} s; startup knobs {startup}")
+
+        log = SignalLog(signals)
+        stack.callback(log.close)
+        traffic = Traffic(api, "tiny-llama", log)
+        stack.callback(traffic.close)
+        feed = EventFeed(service, lambda line: demo.say(line, event=True))
+        monitor = Monitor(demo, client, traffic, feed).start()
+        stack.callback(monitor.close)
+        feed.start()
+        stack.callback(feed.close)
+        low: list[Request] = []
+
+        def enter(name: str, what: str) -> None:
+            traffic.phase = name
+            log.write("phase", t=time.time(), name=name)
+            demo.phase_banner(name, what)
+
+        # 1. steady
+        enter("steady", "4 clients, mixed lengths, a shared 128-token system prompt")
+        steady = traffic.clients(4, steady_request)
+        _wait(demo, STEADY_S)
+        steady.stop()
+
+        # 2. long burst until oom-pressure acted and its effect shows
+        enter("long-burst", "16 clients, 500-750 token prompts: the KV cache overflows")
+        burst = traffic.clients(16, long_request)
+        fixed_at: list[float] = []
+
+        def oom_done() -> bool:
+            runs = [e for e in runs_of(feed, "oom-pressure") if finished(e)]
+            if runs and not fixed_at:
+                fixed_at.append(time.monotonic())
+            return bool(fixed_at) and time.monotonic() - fixed_at[0] >= BURST_AFTER_FIX_S
+
+        _wait(demo, BURST_MAX_S, oom_done)
+        burst.stop()  # long requests still in flight are cancelled
+
+        # 3. starvation until latency-spike acted and the starved requests got through
+        enter(
+            "starvation",
+            f"{STREAM_CLIENTS} high-priority clients; 8 low-priority requests wait behind them",
+        )
+        # A few more high-priority requests than slots, then the low ones, then
+        # the rest of the stream: under `priority` the low ones wait as long as
+        # any high one does; in arrival order only the first few are ahead.
+        seqs = int(client.state()["knobs"]["max_num_seqs"])
+        first = traffic.clients(seqs + 4, stream_request)
+        _wait(demo, 30, lambda: _queued(client, seqs))
+        low.extend(traffic.send(prompt_token_ids(64, 97 * i), 16, LOW) for i in range(8))
+        _wait(demo, 0.5)
+        rest = traffic.clients(STREAM_CLIENTS - seqs - 4, stream_request)
+        served_at: list[float] = []
+
+        def starved_served() -> bool:
+            runs = [e for e in runs_of(feed, "latency-spike") if finished(e)]
+            if runs and len(low) == 8 and all(r.t1 is not None for r in low) and not served_at:
+                served_at.append(time.monotonic())
+            return bool(served_at) and time.monotonic() - served_at[0] >= STARVATION_AFTER_FIX_S
+
+        _wait(demo, STARVATION_MAX_S, starved_served)
+        first.stop()
+        rest.stop()
+
+        # 4. recovery until every change is reverted
+        enter("recovery", "4 steady clients; the findings resolve, the service reverts")
+        recovery = traffic.clients(4, steady_request)
+        t_recovery = time.monotonic()
+
+        def all_reverted() -> bool:
+            runs = runs_of(feed, "oom-pressure") + runs_of(feed, "latency-spike")
+            reverted = bool(runs) and all(e["status"] == "reverted" for e in runs)
+            return reverted and time.monotonic() - t_recovery >= RECOVERY_MIN_S
+
+        _wait(demo, RECOVERY_MAX_S, all_reverted)
+        recovery.stop()
+        _wait(demo, 2)
+        final = client.state()
+        monitor.close()
+        feed.close()
+        traffic.close()
+        story_s = time.monotonic() - t_start
+
+    return conclude(demo, signals, feed, traffic, low, final, story_s, agent)
+
+
+def _stop(demo: Demo, process: Process) -> None:
+    if process.alive():
+        demo.say(f"stopping {process.name}")
+    process.stop()

@@ -1,0 +1,143 @@
+"""The end of the story: the summary table, the executions, the timeline
+picture, and the verdict (exit 0 when detected, fixed, verified, reverted)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from vllm_runbook.runbooks.demo.live import Demo, EventFeed, runs_of
+from vllm_runbook.runbooks.demo.traffic import Request, Traffic
+from vllm_runbook.runbooks.report import (
+    History,
+    execution_lines,
+    format_phase_table,
+    phase_rows,
+    reverts_of,
+    timeline_png,
+)
+
+
+def conclude(
+    demo: Demo,
+    signals: Path,
+    feed: EventFeed,
+    traffic: Traffic,
+    low: list[Request],
+    final: dict[str, Any],
+    story_s: float,
+    agent: str,
+) -> int:
+    history = History.load(signals)
+    executions = sorted(feed.executions.values(), key=lambda e: e["id"])
+    reverts = reverts_of(executions)
+    origin = history.samples[0]["t"] if history.samples else None
+    print("\nsummary (times from the first sample)")
+    for line in format_phase_table(phase_rows(history)):
+        print("  " + line)
+    print()
+    for e in executions:
+        if e.get("reverts_id") is None:
+            for line in execution_lines(e, reverts.get(e["id"]), history, origin):
+                print("  " + line)
+    starved = starvation_effect(feed, low)
+    if starved is not None:
+        print("  " + starved[0])
+
+    picture = demo.directory / "demo-timeline.png"
+    try:
+        timeline_png(
+            history,
+            executions,
+            picture,
+            title="vllm-runbook demo: KV pressure and starvation, detected, fixed, reverted",
+        )
+        print(f"\ntimeline picture: {picture}")
+    except Exception as exc:  # the story's verdict does not depend on the picture
+        print(f"\ntimeline picture not drawn: {exc}")
+        picture = Path()
+    print(f"journal: runbook history --db sqlite:///{demo.directory / 'runbook.db'}")
+    if executions:
+        print(
+            f"one execution: runbook report {executions[0]['id']} "
+            f"--db sqlite:///{demo.directory / 'runbook.db'}"
+        )
+
+    problems = story_problems(feed, traffic, low, final, picture)
+    if starved is not None and starved[1]:
+        # Timing on a loaded machine decides whether the low-priority requests
+        # were still stuck when the policy switched; the story (detection,
+        # action, recovery) does not depend on it, so say it, don't fail.
+        print(f"note: {starved[1]}")
+    print(f"\nstory: {story_s:.0f} s")
+    if problems:
+        print("demo: FAILED: " + "; ".join(problems))
+        return 1
+    print("demo: ok: detected, fixed, verified and reverted")
+    return 0
+
+
+def starvation_effect(feed: EventFeed, low: list[Request]) -> tuple[str, str | None] | None:
+    """The starved requests' story: (line, problem or None); None without a switch."""
+    from vllm_runbook.runbooks.report import step_time
+
+    switch = next(
+        (
+            s
+            for e in runs_of(feed, "latency-spike")
+            for s in e.get("steps", [])
+            if s["action"] == "set_policy" and s["status"] in ("applied", "reverted")
+        ),
+        None,
+    )
+    done = [r for r in low if r.t1 is not None and r.ok]
+    if switch is None or not done:
+        return None
+    switched = step_time(switch) or 0.0
+    early = [r for r in done if (r.t1 or 0.0) < switched]
+    waited = max(min(switched, r.t1 or switched) - r.t0 for r in done)
+    served = max((r.t1 or 0.0) - switched for r in done)
+    line = (
+        f"starved: {len(low)} low-priority requests waited {waited:.1f} s under `priority` "
+        f"behind the high-priority stream; all done {served:.1f} s after the switch to FCFS"
+    )
+    if early:
+        return line, f"no starvation: {len(early)} low-priority requests done before the switch"
+    return line, None
+
+
+def story_problems(
+    feed: EventFeed,
+    traffic: Traffic,
+    low: list[Request],
+    final: dict[str, Any],
+    picture: Path,
+) -> list[str]:
+    problems = []
+    fired = feed.fired
+    for alert, runbook in (
+        ("VllmOOMPressure", "oom-pressure"),
+        ("VllmHotPathBacklog", "latency-spike"),
+    ):
+        if alert not in fired:
+            problems.append(f"no detection: {alert} never fired")
+        runs = runs_of(feed, runbook)
+        acted = [e for e in runs if any(s["status"] in ("applied", "reverted") for s in e["steps"])]
+        if not acted:
+            problems.append(f"no action: {runbook} changed nothing")
+        elif not all(e["status"] == "reverted" for e in acted):
+            states = ", ".join(f"#{e['id']} {e['status']}" for e in acted)
+            problems.append(f"no recovery: {runbook} not reverted ({states})")
+    oom = [e for e in runs_of(feed, "oom-pressure") if e.get("verification")]
+    if oom and oom[0]["verification"].get("outcome") != "improved":
+        problems.append("oom-pressure: preemptions did not fall")
+    if len(low) < 8 or not all(r.ok for r in low):
+        problems.append("the starved low-priority requests did not all complete")
+    failed = [r for r in traffic.requests if r.ok is False]
+    if failed:
+        problems.append(f"{len(failed)} requests failed (first: {failed[0].error})")
+    if final["knobs"] != final["startup"]:
+        problems.append(f"knobs not back at startup: {final['knobs']} vs {final['startup']}")
+    if not picture.is_file():
+        problems.append("no timeline picture")
+    return problems
