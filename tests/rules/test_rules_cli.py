@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 from rule_harness import promtool_required
-from vllm_runbook.rules.cli import add_subcommands
+from vllm_runbook.runbooks.rules_cli import add_subcommands
 
 
 def run(argv: list[str]) -> int:

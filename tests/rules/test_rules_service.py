@@ -18,7 +18,7 @@ from vllm_runbook.rules.config import Automation, EngineConfig, load_config
 from vllm_runbook.rules.errors import CatalogError
 from vllm_runbook.rules.incidents import IncidentEvent, MemoryIncidentSink
 from vllm_runbook.rules.remediation import Dispatcher, Handoff
-from vllm_runbook.rules.service import RulesService
+from vllm_runbook.runbooks.service.rules_service import RulesService
 from vllm_runbook.runbooks.store import Store
 
 LABELS = {"model_name": "tiny", "engine": "0"}
@@ -72,9 +72,9 @@ def test_refuses_to_start_with_a_broken_catalog(tmp_path: Path) -> None:
     shown = str(catalog / "bad.yaml")
     # Every broken rule is named; none is dropped silently; nothing was scheduled.
     assert [str(p) for p in info.value.problems] == [
-        f"{shown}:6: rule VllmX: unknown runbook 'no-such-runbook' (known: oom-pressure, "
-        "latency-spike, throughput-drop, batch-too-large, kv-hit-low, warmup, memory-leak, "
-        "restore; or null for diagnose-only)",
+        f"{shown}:6: rule VllmX: unknown runbook 'no-such-runbook' (known: batch-too-large, "
+        "kv-hit-low, latency-spike, memory-leak, oom-pressure, restore, throughput-drop, "
+        "warmup; or null for diagnose-only)",
         f"{shown}:15: rule VllmY: unknown signal 'nope'",
     ]
     assert scheduler.get_jobs() == []
