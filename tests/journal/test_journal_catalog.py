@@ -6,6 +6,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from vllm_runbook.rules.model import load_catalog as load_rules
 from vllm_runbook.runbooks.actions import (
     ActionNotImplemented,
     Advise,
@@ -14,7 +15,6 @@ from vllm_runbook.runbooks.actions import (
     UnknownAction,
     declared_registry,
 )
-from vllm_runbook.rules.model import load_catalog as load_rules
 from vllm_runbook.runbooks.spec import CATALOG_DIR, CatalogError, load_catalog
 
 EXPECTED = {

@@ -4,7 +4,6 @@ against a list typed into the other package, so a deployment may rename both."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +49,9 @@ def test_without_names_nothing_is_checked_with_them_each_name_is() -> None:
     assert len(load_rules(runbooks=None).specs) == len(load_rules(runbooks=list(runbooks)).specs)
     with pytest.raises(RuleCatalogError) as rinfo:
         load_rules(runbooks=["warmup"])
-    assert any("unknown runbook 'oom-pressure' (known: warmup;" in str(p) for p in rinfo.value.problems)
+    assert any(
+        "unknown runbook 'oom-pressure' (known: warmup;" in str(p) for p in rinfo.value.problems
+    )
 
 
 def renamed_catalogs(tmp_path: Path) -> tuple[Path, Path]:
@@ -138,16 +139,21 @@ def test_serve_automates_a_catalog_under_new_alert_and_runbook_names(tmp_path: P
 
 
 def test_each_catalog_is_refused_against_a_catalog_that_lacks_its_names(tmp_path: Path) -> None:
-    rules_dir, runbooks_dir = renamed_catalogs(tmp_path)
-    # Renamed runbooks beside the shipped rules: the trigger names an alert they lack.
+    rules_dir, _ = renamed_catalogs(tmp_path)
+    # Runbooks triggered by an alert the shipped rules lack.
+    alert_only = tmp_path / "alert-only"
+    alert_only.mkdir()
+    for f in sorted(RUNBOOKS_DIR.glob("*.yaml")):
+        text = f.read_text(encoding="utf-8").replace("VllmOOMPressure", "ClusterKVExhausted")
+        (alert_only / f.name).write_text(text, encoding="utf-8")
     with pytest.raises(RunbookCatalogError) as info:
-        load_deployment(write_config(tmp_path, None), [runbooks_dir])
+        load_deployment(write_config(tmp_path, None), [alert_only])
     assert str(info.value).endswith(
-        "runbook kv-relief: triggers: Value error, unknown alert 'ClusterKVExhausted'"
+        "runbook oom-pressure: triggers: Value error, unknown alert 'ClusterKVExhausted'"
     )
     # Renamed rules beside the shipped runbooks: the rules name a runbook they lack.
-    shutil.rmtree(runbooks_dir)
     with pytest.raises(RuleCatalogError) as rinfo:
         load_deployment(write_config(tmp_path, rules_dir), None)
     messages = [str(p) for p in rinfo.value.problems]
-    assert messages and all("unknown runbook 'kv-relief' (known: batch-too-large," in m for m in messages)
+    assert len(messages) == 2  # VllmOOMRateHigh and ClusterKVExhausted
+    assert all("unknown runbook 'kv-relief' (known: batch-too-large," in m for m in messages)
