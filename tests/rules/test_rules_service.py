@@ -217,3 +217,27 @@ def test_start_schedules_one_job_at_the_configured_interval(tmp_path: Path) -> N
         1,
         True,
     )
+
+
+def test_the_service_counts_scrape_errors_into_its_exported_metric(tmp_path: Path) -> None:
+    """The rules' scraper knows no service metric: the service injects its counter."""
+    from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
+
+    from tests.engines import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    config = load_config(write_config(tmp_path, {"engines": [{"name": "gone", "agent": url}]}))
+    metrics = ServiceMetrics(scrape_targets=[url + "/metrics"])
+    service = RulesService.from_config(config, metrics=metrics, scrape_timeout=1.0)
+    try:
+        service.run_cycle(now=100.0)
+        service.run_cycle(now=101.0)
+    finally:
+        service.close()
+    sample = metrics.registry.get_sample_value
+    labels = {"target": url + "/metrics"}
+    assert (
+        sample("vllm_runbook_service_scrape_errors_total", {**labels, "reason": "unreachable"}) == 2
+    )
+    assert sample("vllm_runbook_service_scrape_errors_total", {**labels, "reason": "parse"}) == 0
+    assert service.scraper.error_counts == {(url + "/metrics", "unreachable"): 2}
