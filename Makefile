@@ -61,6 +61,7 @@ lint: setup typecheck-tree
 	$(PY) -m ruff check collector rules runbooks dashboards tests benchmarks
 	$(PY) -m ruff format --check collector rules runbooks dashboards tests benchmarks
 	$(PY) -m mypy
+	PYTHONPATH=build/ns $(VENV)/bin/lint-imports --no-cache
 
 # Exactly the commands docs/benchmarks.md shows above its tables (a test compares them).
 bench: setup

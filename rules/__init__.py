@@ -7,10 +7,13 @@ evaluator = Evaluator(rules, store, MemoryIncidentSink())
 scraper = Scraper(store, [Target("http://127.0.0.1:8000/metrics", "llama-0")])
 scraper.scrape_once(); evaluator.evaluate()  # or scheduling.schedule(...)
 text = export(catalog, overrides)            # Prometheus rule file
-
 config = load_config("runbook.yaml")          # the deployment's file, ConfigError if broken
-service = RulesService.from_config(config, store=Store(url), hook=executor_hook)
-service.start(scheduler)                      # refuses (CatalogError) on a broken catalog
+
+This layer knows no store, no web service and no agent client: the service
+that wires the rules to the store (RulesService, SqlIncidentSink) lives in
+vllm_runbook.runbooks.service. A rule's `runbook` label is checked against
+the runbook names it is given (`load_catalog(path, runbooks=names)`): the
+runbooks layer passes those of the runbook catalog it deploys.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from vllm_runbook.rules.incidents import (
     OpenAlert,
     engine_name,
 )
-from vllm_runbook.rules.model import RUNBOOK_NAMES, Catalog, Rule, load_catalog
+from vllm_runbook.rules.model import Catalog, Rule, load_catalog
 from vllm_runbook.rules.promql import export
 from vllm_runbook.rules.remediation import (
     Dispatcher,
@@ -34,12 +37,9 @@ from vllm_runbook.rules.remediation import (
     RemediationHook,
 )
 from vllm_runbook.rules.scrape import Scraper, ScrapeResult, Target
-from vllm_runbook.rules.service import RulesService
-from vllm_runbook.rules.sql_sink import SqlIncidentSink
 from vllm_runbook.rules.window import WindowStore
 
 __all__ = [
-    "RUNBOOK_NAMES",
     "Automation",
     "AutomationMode",
     "Catalog",
@@ -59,10 +59,8 @@ __all__ = [
     "Rule",
     "RuleProblem",
     "RulesError",
-    "RulesService",
     "ScrapeResult",
     "Scraper",
-    "SqlIncidentSink",
     "Target",
     "WindowStore",
     "engine_name",

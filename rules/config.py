@@ -44,7 +44,8 @@ from vllm_runbook.rules.errors import (
     RuleSyntaxError,
     UnknownParameterError,
 )
-from vllm_runbook.rules.model import RUNBOOK_NAMES, Catalog, Rule, load_catalog
+from vllm_runbook.rules.model import Catalog, Rule, load_catalog
+from vllm_runbook.rules.premerge_runbook_names import RUNBOOK_NAMES
 from vllm_runbook.rules.scrape import Target
 from vllm_runbook.rules.yamlmarks import MarkedDict, MarkedList, load
 

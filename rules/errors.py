@@ -10,7 +10,7 @@
         ├── RuleSyntaxError         malformed YAML or a field of the wrong shape
         ├── UnknownSignalError      a condition names a signal the registry lacks
         ├── DurationError           a duration that does not parse (``5 minutes``)
-        ├── UnknownRunbookError     a runbook name outside RUNBOOK_NAMES
+        ├── UnknownRunbookError     a runbook name the deployed runbook catalog lacks
         ├── UnknownParameterError   ``$name`` or an override for a parameter not declared
         ├── DuplicateRuleError      the same alert and severity defined twice
         └── TemplateError           an annotation template outside the supported subset

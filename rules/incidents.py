@@ -2,7 +2,7 @@
 
 The evaluator emits one IncidentEvent per state change of an (alert, engine)
 pair. Sinks implement the IncidentSink Protocol: MemoryIncidentSink here (tests,
-no store), SqlIncidentSink (vllm_runbook.rules.sql_sink) onto the runbook store, and the
+no store), SqlIncidentSink (vllm_runbook.runbooks.service.sql_sink) onto the runbook store, and the
 Dispatcher (vllm_runbook.rules.remediation) that records, notifies and hands off.
 """
 

@@ -4,13 +4,16 @@ A rule file is ``{rules: [RULE, ...]}``; the group of a rule is its file's
 stem. Each rule declares `parameters` with defaults; ``$name`` in the
 condition and `for`, and ``{{ $params.name }}`` in templates, refer to them.
 A deployment overrides them with ``{AlertName: {param: value}}``.
+A rule's `runbook` (None = diagnose only) names a runbook of the catalog it is
+deployed with: the caller passes that catalog's names (`runbooks=`); this
+package owns no list of them.
 Every problem is collected and raised as one CatalogError; nothing is dropped.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -29,18 +32,6 @@ from vllm_runbook.rules.errors import (
 )
 from vllm_runbook.rules.parse import ConditionParser
 from vllm_runbook.rules.yamlmarks import MarkedDict, load
-
-# The runbooks that exist (runbooks/ owns their definitions); None = diagnose only.
-RUNBOOK_NAMES: tuple[str, ...] = (
-    "oom-pressure",
-    "latency-spike",
-    "throughput-drop",
-    "batch-too-large",
-    "kv-hit-low",
-    "warmup",
-    "memory-leak",
-    "restore",
-)
 
 CATALOG_DIR = Path(__file__).parent / "catalog"
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -146,8 +137,17 @@ class Catalog:
         return rules
 
 
-def load_catalog(path: str | Path | None = None, *, display_root: Path | None = None) -> Catalog:
-    """Read a rule directory (every *.yaml, sorted) or one file; validate with defaults."""
+def load_catalog(
+    path: str | Path | None = None,
+    *,
+    display_root: Path | None = None,
+    runbooks: Collection[str] | None = None,
+) -> Catalog:
+    """Read a rule directory (every *.yaml, sorted) or one file; validate with defaults.
+
+    With `runbooks` (the names of the runbook catalog the rules are deployed
+    with) each rule's `runbook` must be one of them; None checks no name.
+    """
     root = Path(path) if path is not None else CATALOG_DIR
     files = sorted(root.glob("*.yaml")) if root.is_dir() else [root]
     if not files:
@@ -157,7 +157,7 @@ def load_catalog(path: str | Path | None = None, *, display_root: Path | None = 
     for f in files:
         shown = _display(f, display_root)
         try:
-            loaded, found = _load_file(f, shown)
+            loaded, found = _load_file(f, shown, runbooks)
             specs.extend(loaded)
             problems.extend(found)
         except RuleProblem as exc:
@@ -183,7 +183,9 @@ def _display(f: Path, root: Path | None) -> str:
         return str(f)
 
 
-def _load_file(path: Path, shown: str) -> tuple[list[LocatedSpec], list[RuleProblem]]:
+def _load_file(
+    path: Path, shown: str, runbooks: Collection[str] | None
+) -> tuple[list[LocatedSpec], list[RuleProblem]]:
     """The file's valid specs and the problems of the others (checked further later)."""
     doc = load(path.read_text(encoding="utf-8"), shown)
     if (
@@ -207,10 +209,10 @@ def _load_file(path: Path, shown: str) -> tuple[list[LocatedSpec], list[RuleProb
         except ValidationError as exc:
             problems.extend(_pydantic_problems(exc, raw, shown, name))
             continue
-        if spec.runbook is not None and spec.runbook not in RUNBOOK_NAMES:
+        if runbooks is not None and spec.runbook is not None and spec.runbook not in runbooks:
             problems.append(
                 UnknownRunbookError(
-                    f"unknown runbook {spec.runbook!r} (known: {', '.join(RUNBOOK_NAMES)}; "
+                    f"unknown runbook {spec.runbook!r} (known: {', '.join(runbooks) or 'none'}; "
                     "or null for diagnose-only)",
                     file=shown,
                     line=raw.line_of("runbook"),

@@ -1,8 +1,9 @@
 """Scraper: Prometheus text exposition from engine endpoints into the WindowStore.
 
 A target that cannot be reached, answers non-200 or sends text that does not
-parse is counted (``vllm_runbook_service_scrape_errors_total{target,reason}``,
-declared with the service's metrics: `runbook serve` exports it), logged once
+parse is counted (`error_counts`, and the `on_error(target_url, reason)`
+callback the service injects: `runbook serve` exports it as
+``vllm_runbook_service_scrape_errors_total{target,reason}``), logged once
 per change of state, and its series go stale; the scrape loop itself never
 raises for a target's fault. Whether each target's latest scrape worked is
 kept in `up` (not exported: Prometheus has its own `up` for the targets it
@@ -13,15 +14,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
 
 import httpx
-from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.parser import text_string_to_metric_families
 from vllm_runbook.rules.window import Series, WindowStore
-from vllm_runbook.runbooks import service_metrics as S
 
 log = logging.getLogger(__name__)
 
@@ -49,18 +48,18 @@ class Scraper:
         *,
         client: httpx.Client | None = None,
         timeout: float = 5.0,
-        registry: CollectorRegistry | None = None,
-        errors: Counter | None = None,
+        on_error: Callable[[str, str], None] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        """`errors`: the service's scrape-error counter (S.SCRAPE_ERRORS), when
-        the service exports it; else one is built on `registry` (or a private one)."""
+        """`on_error(target_url, reason)` is called for each failed scrape (the
+        service counts them into its exported metric); `error_counts` keeps
+        the same counts by (target URL, reason) in any case."""
         self.store = store
         self.targets = list(targets)
         self.client = client or httpx.Client(timeout=timeout)
         self.clock = clock
-        self.registry = registry or CollectorRegistry()
-        self.errors = errors or cast(Counter, S.build(S.SCRAPE_ERRORS, self.registry))
+        self.on_error = on_error
+        self.error_counts: Counter[tuple[str, str]] = Counter()
         self.up: dict[str, bool] = {}  # target URL -> whether its latest scrape worked
         self._failing: dict[str, str] = {}
 
@@ -101,7 +100,9 @@ class Scraper:
         return count
 
     def _failed(self, target: Target, now: float, reason: str, error: str) -> ScrapeResult:
-        self.errors.labels(target.url, reason).inc()
+        self.error_counts[(target.url, reason)] += 1
+        if self.on_error is not None:
+            self.on_error(target.url, reason)
         self.up[target.url] = False
         self.store.mark_source_down(target.url, now)
         if self._failing.get(target.url) != error:

@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from vllm_runbook.rules import cli as rules_cli
-from vllm_runbook.runbooks import demo, exec_cli, journal_cli, report_cli
+from vllm_runbook.runbooks import demo, exec_cli, journal_cli, report_cli, rules_cli
 from vllm_runbook.runbooks.client import CommandRefused, EngineClient, EngineClientError
 from vllm_runbook.runbooks.service import serve_cli
 

@@ -61,7 +61,8 @@ RULE_EVALUATION = _spec(
     "Wall time of one evaluation of the rule catalog by the embedded rules engine.",
     buckets=RULE_EVALUATION_BUCKETS,
 )
-# The rules engine's scraper counts into this one (vllm_runbook.rules.scrape), by target URL
+# The rules engine's scraper reports into this one (its on_error, ServiceMetrics.scrape_failed),
+# by target URL
 # and reason (unreachable|http_status|parse).
 SCRAPE_ERRORS = _spec(
     "scrape_errors",

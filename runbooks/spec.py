@@ -17,38 +17,24 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from vllm_runbook.runbooks.actions import ActionRegistry, UnknownAction, declared_registry
 
 CATALOG_DIR: Final = Path(__file__).resolve().parent / "catalog"
-
-# Alert names of DESIGN.md's anomaly table (the rules catalog generates them).
-KNOWN_ALERTS: Final = frozenset(
-    {
-        "VllmKVCacheHitRatioLow",
-        "VllmKVFragmentationSuspected",
-        "VllmBatchTooLarge",
-        "VllmOOMPressure",
-        "VllmLatencySpike",
-        "VllmThroughputDrop",
-        "VllmPaddingHigh",
-        "VllmBatchUtilizationLow",
-        "VllmBlockFragmentationHigh",
-        "VllmGPUMemoryLeak",
-        "VllmGPUComputeSkew",
-        "VllmGPUMemoryImbalance",
-        "VllmInsufficientWarmup",
-        "VllmHotPathBacklog",
-        "VllmOOMRateHigh",
-        "VllmErrorRateHigh",
-    }
-)
 
 # The signals a check, condition or verification may read. The executor
 # computes each from the engine's agent (collector metrics) or vLLM's own
@@ -192,10 +178,14 @@ class Runbook(_Strict):
 
     @field_validator("triggers")
     @classmethod
-    def _known_alerts(cls, triggers: tuple[str, ...]) -> tuple[str, ...]:
-        for alert in triggers:
-            if alert not in KNOWN_ALERTS:
-                raise ValueError(f"unknown alert {alert!r}")
+    def _known_alerts(cls, triggers: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
+        # The alert names of the rule catalog the runbooks are loaded with
+        # (validation context "alerts"); without one no name is checked.
+        alerts = (info.context or {}).get("alerts")
+        if alerts is not None:
+            for alert in triggers:
+                if alert not in alerts:
+                    raise ValueError(f"unknown alert {alert!r}")
         return triggers
 
     @field_validator("checks")
@@ -300,9 +290,15 @@ def _format_loc(loc: Path_) -> str:
 
 
 def load_runbook_file(
-    path: Path, registry: ActionRegistry | None = None
+    path: Path,
+    registry: ActionRegistry | None = None,
+    *,
+    alerts: Collection[str] | None = None,
 ) -> tuple[Runbook | None, list[CatalogProblem]]:
-    """Parse and validate one runbook file; returns (runbook or None, problems)."""
+    """Parse and validate one runbook file; returns (runbook or None, problems).
+
+    With `alerts` (the rule catalog's alert names) every trigger must be one of them.
+    """
     registry = registry if registry is not None else declared_registry()
     shown = _display(path)
     try:
@@ -330,7 +326,8 @@ def load_runbook_file(
         problems.append(CatalogProblem(shown, marked.line_of(loc), name, message))
 
     try:
-        runbook: Runbook | None = Runbook.model_validate(data)
+        context = {"alerts": alerts} if alerts is not None else None
+        runbook: Runbook | None = Runbook.model_validate(data, context=context)
     except ValidationError as e:
         runbook = None
         for error in e.errors():
@@ -374,10 +371,16 @@ class Catalog(Mapping[str, Runbook]):
 
 
 def load_catalog(
-    directories: Iterable[Path] | None = None, registry: ActionRegistry | None = None
+    directories: Iterable[Path] | None = None,
+    registry: ActionRegistry | None = None,
+    *,
+    alerts: Collection[str] | None = None,
 ) -> Catalog:
     """Load every `*.yaml` / `*.yml` runbook under the directories (default: the shipped one).
 
+    With `alerts` (the alert names of the rule catalog the runbooks are loaded
+    with) each trigger must name one of them; None checks no trigger name
+    (vllm_runbook.runbooks.catalogs loads both catalogs together).
     Raises CatalogError listing every problem in every file.
     """
     registry = registry if registry is not None else declared_registry()
@@ -391,7 +394,7 @@ def load_catalog(
             continue
         files = sorted(p for p in directory.iterdir() if p.suffix in {".yaml", ".yml"})
         for path in files:
-            runbook, file_problems = load_runbook_file(path, registry)
+            runbook, file_problems = load_runbook_file(path, registry, alerts=alerts)
             problems.extend(file_problems)
             if runbook is None:
                 continue

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from vllm_runbook.runbooks.store import Store, StoreError
 
 if TYPE_CHECKING:
-    from vllm_runbook.rules.service import RulesService
+    from vllm_runbook.runbooks.service.rules_service import RulesService
     from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
 
 log = logging.getLogger("vllm_runbook.service")

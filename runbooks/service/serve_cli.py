@@ -94,27 +94,26 @@ def build(
 ) -> tuple[Any, Any, Any, Any, Any]:
     """Config, store (migrated), app, worker and rules leader (neither started);
     raises the errors the CLI maps."""
-    from vllm_runbook.rules.config import load_config
+    from vllm_runbook.runbooks.catalogs import load_deployment
     from vllm_runbook.runbooks.client import normalize_url
+    from vllm_runbook.runbooks.engine_actions import engine_registry
     from vllm_runbook.runbooks.service.app import create_app
     from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
     from vllm_runbook.runbooks.service.webhooks import Router
-    from vllm_runbook.runbooks.spec import load_catalog as load_runbooks
     from vllm_runbook.runbooks.store import Store, upgrade
 
-    config = load_config(config_path)
+    # The configuration, the rule catalog it names and the runbook catalog
+    # (--catalog), each checked against the others: names come from them.
+    registry = engine_registry()
+    deployment = load_deployment(config_path, catalog, registry)
+    config, runbooks = deployment.config, deployment.runbooks
     url = db or config.database
     upgrade(url)
     store = Store(url)
-    alert_runbooks = {r.alert: r.runbook for r in config.load_rules()}
-    from vllm_runbook.runbooks.engine_actions import engine_registry
-
-    registry = engine_registry()
-    runbooks = load_runbooks(catalog, registry=registry)
     router = Router(
         engines=config.engines,
         automation=config.automation,
-        alert_runbooks=alert_runbooks,
+        alert_runbooks=deployment.alert_runbooks,
         known_runbooks=frozenset(runbooks),
     )
     metrics = ServiceMetrics(
@@ -140,15 +139,19 @@ def build(
         )
     leader = None
     if rules and config.engines:
-        from vllm_runbook.rules.service import RulesService
         from vllm_runbook.runbooks.service.leader import RulesLeader
+        from vllm_runbook.runbooks.service.rules_service import RulesService
         from vllm_runbook.runbooks.service.worker import ExecutorHook
 
         hook = ExecutorHook(store, runner) if runner is not None else None
-        RulesService.from_config(config).close()  # a broken catalog fails the start, not a cycle
+        names = list(runbooks)
+        # a broken catalog fails the start, not a cycle
+        RulesService.from_config(config, runbooks=names).close()
         leader = RulesLeader(
             store,
-            lambda: RulesService.from_config(config, store=store, hook=hook, metrics=metrics),
+            lambda: RulesService.from_config(
+                config, store=store, hook=hook, metrics=metrics, runbooks=names
+            ),
             config.leader_lease,
             metrics=metrics,
         )

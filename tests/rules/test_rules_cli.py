@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 from rule_harness import promtool_required
-from vllm_runbook.rules.cli import add_subcommands
+from vllm_runbook.runbooks.rules_cli import add_subcommands
 
 
 def run(argv: list[str]) -> int:
@@ -76,3 +76,33 @@ def test_export_passes_promtool_check_rules(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS: 17 rules found" in result.stdout
+
+
+def test_rule_labels_are_checked_against_the_runbook_catalog_given(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from vllm_runbook.rules.model import CATALOG_DIR as RULES_DIR
+    from vllm_runbook.runbooks.spec import CATALOG_DIR as RUNBOOKS_DIR
+
+    rules, runbooks = tmp_path / "rules", tmp_path / "runbooks"
+    for src, dst in ((RULES_DIR, rules), (RUNBOOKS_DIR, runbooks)):
+        dst.mkdir()
+        for f in src.glob("*.yaml"):
+            text = f.read_text(encoding="utf-8").replace("oom-pressure", "kv-relief")
+            (dst / f.name).write_text(text, encoding="utf-8")
+    assert run(["rules", "check", str(rules), "--catalog", str(runbooks)]) == 0
+    assert capsys.readouterr().out == "ok: 17 rules (16 alerts) in 4 files\n"
+    # Against the shipped runbook catalog the renamed label names nothing.
+    assert run(["rules", "check", str(rules)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and all(
+        "unknown runbook 'kv-relief' (known: batch-too-large, kv-hit-low, latency-spike," in line
+        for line in err
+    )
+    assert run(["rules", "export", "--rules", str(rules), "--catalog", str(runbooks)]) == 0
+    assert "runbook: kv-relief" in capsys.readouterr().out
+    # A broken runbook catalog: one message, exit 2, no traceback.
+    (runbooks / "oom-pressure.yaml").write_text("name: [\n", encoding="utf-8")
+    assert run(["rules", "check", str(rules), "--catalog", str(runbooks)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("invalid runbook catalog:\n") and "Traceback" not in err

@@ -15,7 +15,11 @@ from vllm_runbook.rules.errors import (
     UnknownRunbookError,
     UnknownSignalError,
 )
-from vllm_runbook.rules.model import RUNBOOK_NAMES, load_catalog
+from vllm_runbook.rules.model import load_catalog
+from vllm_runbook.runbooks.spec import load_catalog as load_runbooks
+
+# The shipped runbook catalog's names: what the rules are deployed with.
+RUNBOOK_NAMES = list(load_runbooks())
 
 GOOD = """\
 rules:
@@ -39,7 +43,7 @@ def write(tmp_path: Path, text: str, name: str = "kv.yaml") -> Path:
 
 def problems(tmp_path: Path, text: str) -> list:
     with pytest.raises(CatalogError) as info:
-        load_catalog(write(tmp_path, text), display_root=tmp_path)
+        load_catalog(write(tmp_path, text), display_root=tmp_path, runbooks=RUNBOOK_NAMES)
     return info.value.problems
 
 
@@ -75,7 +79,7 @@ def test_unknown_runbook(tmp_path: Path) -> None:
     [p] = problems(tmp_path, GOOD.replace("runbook: kv-hit-low", "runbook: reboot"))
     assert isinstance(p, UnknownRunbookError)
     assert str(p).startswith(
-        "kv.yaml:4: rule VllmFoo: unknown runbook 'reboot' (known: oom-pressure,"
+        "kv.yaml:4: rule VllmFoo: unknown runbook 'reboot' (known: batch-too-large, kv-hit-low,"
     )
 
 

@@ -18,7 +18,7 @@ from vllm_runbook.rules.config import Automation, EngineConfig, load_config
 from vllm_runbook.rules.errors import CatalogError
 from vllm_runbook.rules.incidents import IncidentEvent, MemoryIncidentSink
 from vllm_runbook.rules.remediation import Dispatcher, Handoff
-from vllm_runbook.rules.service import RulesService
+from vllm_runbook.runbooks.service.rules_service import RulesService
 from vllm_runbook.runbooks.store import Store
 
 LABELS = {"model_name": "tiny", "engine": "0"}
@@ -72,9 +72,9 @@ def test_refuses_to_start_with_a_broken_catalog(tmp_path: Path) -> None:
     shown = str(catalog / "bad.yaml")
     # Every broken rule is named; none is dropped silently; nothing was scheduled.
     assert [str(p) for p in info.value.problems] == [
-        f"{shown}:6: rule VllmX: unknown runbook 'no-such-runbook' (known: oom-pressure, "
-        "latency-spike, throughput-drop, batch-too-large, kv-hit-low, warmup, memory-leak, "
-        "restore; or null for diagnose-only)",
+        f"{shown}:6: rule VllmX: unknown runbook 'no-such-runbook' (known: batch-too-large, "
+        "kv-hit-low, latency-spike, memory-leak, oom-pressure, restore, throughput-drop, "
+        "warmup; or null for diagnose-only)",
         f"{shown}:15: rule VllmY: unknown signal 'nope'",
     ]
     assert scheduler.get_jobs() == []
@@ -217,3 +217,27 @@ def test_start_schedules_one_job_at_the_configured_interval(tmp_path: Path) -> N
         1,
         True,
     )
+
+
+def test_the_service_counts_scrape_errors_into_its_exported_metric(tmp_path: Path) -> None:
+    """The rules' scraper knows no service metric: the service injects its counter."""
+    from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
+
+    from tests.engines import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    config = load_config(write_config(tmp_path, {"engines": [{"name": "gone", "agent": url}]}))
+    metrics = ServiceMetrics(scrape_targets=[url + "/metrics"])
+    service = RulesService.from_config(config, metrics=metrics, scrape_timeout=1.0)
+    try:
+        service.run_cycle(now=100.0)
+        service.run_cycle(now=101.0)
+    finally:
+        service.close()
+    sample = metrics.registry.get_sample_value
+    labels = {"target": url + "/metrics"}
+    assert (
+        sample("vllm_runbook_service_scrape_errors_total", {**labels, "reason": "unreachable"}) == 2
+    )
+    assert sample("vllm_runbook_service_scrape_errors_total", {**labels, "reason": "parse"}) == 0
+    assert service.scraper.error_counts == {(url + "/metrics", "unreachable"): 2}

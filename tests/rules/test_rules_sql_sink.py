@@ -10,7 +10,7 @@ from vllm_runbook.rules.evaluator import Evaluator, store_for_rules
 from vllm_runbook.rules.incidents import engine_name
 from vllm_runbook.rules.model import Rule
 from vllm_runbook.rules.signals import SIGNALS
-from vllm_runbook.rules.sql_sink import SqlIncidentSink
+from vllm_runbook.runbooks.service.sql_sink import SqlIncidentSink
 from vllm_runbook.runbooks.store import Store, StoreUnavailable
 
 WAITING = SIGNALS["requests_waiting"].metric

@@ -1,6 +1,10 @@
 """`runbook rules export`, `runbook rules check` and `runbook check`, as pieces for the
 runbook CLI.
 
+The rules' `runbook` labels (and the configuration's `automation:` keys) are
+checked against the runbook catalog the rules are deployed with: `--catalog DIR`
+(repeatable), by default the shipped one.
+
 Each command returns an exit code: 0 ok, 2 for a usage or validation error,
 reported on stderr as one line per problem and never as a traceback
 (`runbook check` adds 1 for a failed check and 3 for an unreachable engine).
@@ -10,12 +14,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from vllm_runbook.rules import checklist
-from vllm_runbook.rules.config import load_config
 from vllm_runbook.rules.errors import CatalogError, RulesError
 from vllm_runbook.rules.model import load_catalog
 from vllm_runbook.rules.prometheus_operator import (
@@ -24,6 +25,9 @@ from vllm_runbook.rules.prometheus_operator import (
     parse_label,
 )
 from vllm_runbook.rules.promql import DEFAULT_RUNBOOK_URL_BASE, export
+from vllm_runbook.runbooks import check_cli
+from vllm_runbook.runbooks.catalogs import load_config, runbook_names
+from vllm_runbook.runbooks.spec import CatalogError as RunbookCatalogError
 
 EXIT_OK = 0
 EXIT_INVALID = 2
@@ -74,6 +78,7 @@ def add_subcommands(subparsers: Any) -> argparse.ArgumentParser:
     exp.add_argument(
         "-o", "--output", type=Path, default=None, help="file to write (default: stdout)"
     )
+    _runbook_catalog(exp)
     exp.set_defaults(func=cmd_export)
 
     check = sub.add_parser("check", help="validate a rule directory or file")
@@ -90,9 +95,30 @@ def add_subcommands(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         help="also validate this configuration's rules.overrides",
     )
+    _runbook_catalog(check)
     check.set_defaults(func=cmd_check)
-    checklist.add_subcommand(subparsers)
+    check_cli.add_subcommand(subparsers)
     return rules
+
+
+def _runbook_catalog(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--catalog",
+        metavar="DIR",
+        type=Path,
+        action="append",
+        help="runbook catalog the rules' runbook labels must name (repeatable; "
+        "default: the shipped one)",
+    )
+
+
+def _runbooks(args: argparse.Namespace) -> list[str] | None:
+    """The runbook catalog's names; None (reported) when the catalog is broken."""
+    try:
+        return runbook_names(args.catalog)
+    except RunbookCatalogError as exc:
+        print(f"invalid runbook catalog:\n{exc}", file=sys.stderr)
+        return None
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -103,9 +129,12 @@ def cmd_export(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_INVALID
+    runbooks = _runbooks(args)
+    if runbooks is None:
+        return EXIT_INVALID
     try:
-        config = load_config(args.config)
-        rules = config.bind(load_catalog(args.rules_dir or config.catalog))
+        config = load_config(args.config, runbooks)
+        rules = config.bind(load_catalog(args.rules_dir or config.catalog, runbooks=runbooks))
         if args.format == "prometheus-operator":
             text = export_prometheus_rule(
                 rules,
@@ -130,20 +159,18 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    runbooks = _runbooks(args)
+    if runbooks is None:
+        return EXIT_INVALID
     try:
-        config = load_config(args.config)
-        catalog = load_catalog(args.path or config.catalog)
+        config = load_config(args.config, runbooks)
+        catalog = load_catalog(args.path or config.catalog, runbooks=runbooks)
         rules = config.bind(catalog)
     except RulesError as exc:
         return _fail(exc)
     files = len({r.file for r in rules})
     print(f"ok: {len(rules)} rules ({len(catalog.alerts)} alerts) in {files} files")
     return EXIT_OK
-
-
-def load_overrides(path: Path | None) -> Mapping[str, Mapping[str, object]]:
-    """`rules.overrides` of a configuration file ({} without one)."""
-    return load_config(path).overrides
 
 
 def _fail(exc: RulesError) -> int:

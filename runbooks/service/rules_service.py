@@ -1,12 +1,14 @@
-"""The embedded rules engine, wired from the configuration in one place.
+"""The embedded rules engine, wired from the configuration to the store in one place.
 
     config = load_config(path)                          # ConfigError if the file is broken
-    service = RulesService.from_config(config, store=Store(url), hook=executor_hook)
+    service = RulesService.from_config(config, store=Store(url), hook=executor_hook,
+                                       runbooks=names)  # the deployed runbook catalog's
     service.start(scheduler)                            # scrape + evaluate every interval
 
 `from_config` binds the whole catalog first and raises CatalogError with
-every problem if any rule is broken: the service refuses to start rather
-than run with a rule silently dropped.
+every problem if any rule is broken (a `runbook` label outside `runbooks`,
+default the shipped runbook catalog's names, included): the service refuses
+to start rather than run with a rule silently dropped.
 
 With `metrics` (the service's, vllm_runbook.runbooks.service.telemetry) each evaluation's
 wall time, the scrape errors and the firing incidents per alert are exported.
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -30,8 +32,9 @@ from vllm_runbook.rules.model import Rule
 from vllm_runbook.rules.remediation import Dispatcher, RemediationHook
 from vllm_runbook.rules.scheduling import schedule_cycle
 from vllm_runbook.rules.scrape import Scraper
-from vllm_runbook.rules.sql_sink import SqlIncidentSink
 from vllm_runbook.rules.window import WindowStore
+from vllm_runbook.runbooks.catalogs import load_rules, runbook_names
+from vllm_runbook.runbooks.service.sql_sink import SqlIncidentSink
 from vllm_runbook.runbooks.store import Store
 
 if TYPE_CHECKING:
@@ -60,13 +63,14 @@ class RulesService:
         clock: Callable[[], float] = time.time,
         scrape_timeout: float = 5.0,
         metrics: ServiceMetrics | None = None,
+        runbooks: Collection[str] | None = None,
     ) -> RulesService:
         """Build everything; CatalogError (nothing built) when the catalog is broken.
 
         With a `store` incidents go to its incidents table; without one they
         stay in memory (tests, a dry look at a fleet).
         """
-        rules = config.load_rules()
+        rules = load_rules(config, runbook_names() if runbooks is None else runbooks)
         windows = store_for_rules(rules)
         targets = [t for engine in config.engines for t in engine.targets()]
         scraper = Scraper(
@@ -74,7 +78,7 @@ class RulesService:
             targets,
             timeout=scrape_timeout,
             clock=clock,
-            errors=metrics.scrape_errors if metrics is not None else None,
+            on_error=metrics.scrape_failed if metrics is not None else None,
         )
         recorder: SqlIncidentSink | MemoryIncidentSink = (
             SqlIncidentSink(store, clock=clock) if store is not None else MemoryIncidentSink()

@@ -1,0 +1,145 @@
+"""`runbook check`: the seeds' production checklist against one live engine.
+
+The checks themselves (what is measured, the limits, the report) are
+vllm_runbook.rules.checklist; this samples the engine's agent (and vLLM's
+/metrics with --vllm) over HTTP and maps the outcome to an exit code:
+0 every check passed or n/a, 1 a check failed, 2 usage error, 3 unreachable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+from vllm_runbook.rules.checklist import (
+    Samples,
+    Scrape,
+    as_json,
+    format_results,
+    parse_exposition,
+    run_checklist,
+    with_note,
+)
+from vllm_runbook.runbooks.client import CommandRefused, normalize_url
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+
+
+class Unreachable(Exception):
+    """The agent (or the vLLM server) did not answer as expected."""
+
+
+def _get(client: httpx.Client, url: str, what: str) -> httpx.Response:
+    try:
+        response = client.get(url)
+    except httpx.HTTPError as exc:
+        raise Unreachable(f"{what} {url} unreachable: {type(exc).__name__}: {exc}") from None
+    if response.status_code != 200:
+        raise Unreachable(f"{what} {url} answered HTTP {response.status_code}")
+    return response
+
+
+def fetch_state(client: httpx.Client, agent: str) -> dict[str, Any]:
+    response = _get(client, agent + "/v1/state", "engine agent")
+    try:
+        state = response.json()
+    except ValueError:
+        state = None
+    engine = state.get("engine") if isinstance(state, dict) else None
+    if not isinstance(engine, dict) or not {"model_name", "engine"} <= engine.keys():
+        raise Unreachable(f"{agent} is not a vllm-runbook agent (no engine in /v1/state)")
+    return dict(state)
+
+
+def scrape(client: httpx.Client, agent: str, vllm: str | None, model: str, engine: str) -> Scrape:
+    at = time.time()
+    match = {"model_name": model, "engine": engine}
+    texts = [(agent, "engine agent")] + ([(vllm, "vLLM server")] if vllm else [])
+    parsed: list[Samples] = []
+    for base, what in texts:
+        text = _get(client, base + "/metrics", what).text
+        try:
+            parsed.append(parse_exposition(text, **match))
+        except ValueError as exc:
+            raise Unreachable(f"{what} {base}/metrics is not Prometheus text: {exc}") from None
+    return Scrape(at, parsed[0], parsed[1] if vllm else None)
+
+
+def sample(
+    agent: str,
+    vllm: str | None,
+    *,
+    scrapes: int,
+    interval: float,
+    timeout: float = 10.0,
+    sleep: Callable[[float], None] = time.sleep,
+) -> tuple[dict[str, Any], list[Scrape]]:
+    with httpx.Client(timeout=timeout) as client:
+        state = fetch_state(client, agent)
+        model, engine = str(state["engine"]["model_name"]), str(state["engine"]["engine"])
+        out = []
+        for i in range(scrapes):
+            if i:
+                sleep(interval)
+            out.append(scrape(client, agent, vllm, model, engine))
+    return state, out
+
+
+def add_subcommand(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("check", help="the production checklist against a live engine")
+    p.add_argument("--engine", required=True, metavar="URL", help="engine agent URL")
+    p.add_argument("--vllm", metavar="URL", help="vLLM API server URL (latency, finished requests)")
+    p.add_argument("--sla-seconds", type=float, default=1.0, help="P99 latency SLA (default 1.0)")
+    p.add_argument(
+        "--interval", type=float, default=2.0, help="seconds between scrapes (default 2)"
+    )
+    p.add_argument("--scrapes", type=int, default=3, help="scrapes to take, >= 2 (default 3)")
+    p.add_argument("--timeout", type=float, default=10.0, help="HTTP timeout in seconds")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_check)
+    return p
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    try:
+        agent = normalize_url(args.engine)
+        vllm = normalize_url(args.vllm) if args.vllm else None
+    except CommandRefused as exc:
+        print(f"runbook: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    bad = [
+        msg
+        for msg, wrong in (
+            ("--scrapes must be at least 2", args.scrapes < 2),
+            ("--interval must be positive", not args.interval > 0),
+            ("--sla-seconds must be positive", not args.sla_seconds > 0),
+            ("--timeout must be positive", not args.timeout > 0),
+        )
+        if wrong
+    ]
+    if bad:
+        print(f"runbook: error: {bad[0]}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        state, scrapes = sample(
+            agent, vllm, scrapes=args.scrapes, interval=args.interval, timeout=args.timeout
+        )
+    except Unreachable as exc:
+        print(f"runbook: error: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    model, engine = str(state["engine"]["model_name"]), str(state["engine"]["engine"])
+    results = run_checklist(scrapes, model, engine, args.sla_seconds)
+    if not state.get("collector_up", True):
+        note = "collector disabled on the engine: its gauges are stale"
+        results = [r if r.status == "n/a" else with_note(r, note) for r in results]
+    failed = sum(r.status == "fail" for r in results)
+    if args.json:
+        print(json.dumps(as_json(agent, vllm, model, engine, scrapes, results), indent=2))
+    else:
+        print(format_results(agent, model, engine, scrapes, results))
+    return EXIT_FAILED if failed else EXIT_OK
