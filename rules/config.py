@@ -185,15 +185,8 @@ def load_config(path: str | Path | None, *, runbooks: Collection[str] | None = N
     if doc is None:
         return Config(path=path)
     if not isinstance(doc, MarkedDict):
-        raise ConfigError(
-            [
-                RuleSyntaxError(
-                    "a configuration file is a mapping (database, engines, rules, ...)",
-                    file=shown,
-                    line=1,
-                )
-            ]
-        )
+        msg = "a configuration file is a mapping (database, engines, rules, ...)"
+        raise ConfigError([RuleSyntaxError(msg, file=shown, line=1)])
     try:
         model = _File.model_validate(doc, context={"runbooks": runbooks})
     except ValidationError as exc:
@@ -328,9 +321,10 @@ class _Rules(_Section):
     evaluation_interval: Duration = DEFAULT_EVALUATION_INTERVAL
     leader_lease: Duration | None = None
     catalog: Text | None = None
-    overrides: dict[str, Annotated[dict[str, object], BeforeValidator(_override)]] = Field(
-        default_factory=dict
-    )
+    overrides: dict[
+        Annotated[str, BeforeValidator(str)],  # an alert name YAML read as a number
+        Annotated[dict[str, object], BeforeValidator(_override)],
+    ] = Field(default_factory=dict)
 
     @field_validator("leader_lease")
     @classmethod
@@ -369,7 +363,7 @@ class _File(_Section):
     engines: Annotated[list[_Engine], WrapValidator(_unique_names)] = Field(default_factory=list)
     rules: _Rules = Field(default_factory=_Rules)
     automation: dict[
-        Annotated[str, AfterValidator(_runbook_key)],
+        Annotated[str, BeforeValidator(str), AfterValidator(_runbook_key)],
         Annotated[AutomationMode, BeforeValidator(_mode)],
     ] = Field(default_factory=dict)
     webhook: _Webhook = Field(default_factory=_Webhook)
@@ -391,7 +385,7 @@ _TYPE_ERRORS = {"list_type", "dict_type", "model_type", "model_attributes_type"}
 def _problem(err: ErrorDetails, doc: MarkedDict, file: str) -> RuleProblem:
     """One pydantic error as `file:line: message`, the line found by walking the YAML."""
     loc = tuple(p for p in err["loc"] if p != "[key]")  # a bad mapping key: at that key
-    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+    where, line, node = _walk(doc, loc)
     kind, msg = err["type"], err["msg"]
     if kind == "phrase":
         text = f"{where} {msg}"
@@ -400,35 +394,41 @@ def _problem(err: ErrorDetails, doc: MarkedDict, file: str) -> RuleProblem:
     elif kind == "whole":
         text = msg
     elif kind == "extra_forbidden":
-        section = _SECTIONS[tuple(p for p in loc[:-1] if isinstance(p, str))]
-        text = f"unknown key {where} (allowed: {', '.join(section.model_fields)})"
+        section = _SECTIONS.get(tuple(p for p in loc[:-1] if isinstance(p, str)))
+        allowed = f" (allowed: {', '.join(section.model_fields)})" if section else ""
+        text = f"unknown key {where}{allowed}"
     elif kind == "missing":
         text = f"{where} is required"
     elif kind == "list_type":
         text = f"{where} must be a list of {{name, agent, vllm, labels}}"
     elif kind in _TYPE_ERRORS:
-        item = " with name and agent" if loc and isinstance(loc[-1], int) else ""
+        item = " with name and agent" if where.endswith("]") else ""
         text = f"{where} must be a mapping{item}"
     else:  # pydantic's own wording, still located
         text = f"{where}: {msg}" if where else msg
-    return RuleSyntaxError(text, file=file, line=_line(doc, loc, whole=kind not in _TYPE_ERRORS))
+    if kind not in _TYPE_ERRORS and isinstance(node, MarkedDict):
+        line = node.line  # a problem with a mapping's contents: its first line
+    return RuleSyntaxError(text, file=file, line=line)
 
 
-def _line(doc: MarkedDict, loc: tuple[str | int, ...], *, whole: bool) -> int:
-    """The line of the key at `loc`; of a mapping's first key for its contents' problems."""
+def _walk(doc: MarkedDict, loc: tuple[str | int, ...]) -> tuple[str, int, object]:
+    """The dotted path of `loc` (``engines[1].name``), its key's line and the node there."""
+    where, line = "", doc.line
     node: object = doc
-    line = doc.line
     for part in loc:
+        if isinstance(node, MarkedList) and isinstance(part, int) and part < len(node):
+            where, line, node = (
+                f"{where}[{part}]",
+                getattr(node[part], "line", node.line),
+                node[part],
+            )
+            continue
+        where = f"{where}.{part}" if where else str(part)
         if isinstance(node, MarkedDict) and part in node:
             line, node = node.line_of(part), node[part]
-        elif isinstance(node, MarkedList) and isinstance(part, int) and part < len(node):
-            line = getattr(node[part], "line", None) or node.line
-            node = node[part]
         else:
-            break
-    if whole and isinstance(node, MarkedDict):
-        return node.line
-    return line
+            node = None  # not in the file (a missing key): the enclosing line
+    return where, line, node
 
 
 def _build(model: _File, doc: MarkedDict, path: Path) -> Config:
@@ -455,5 +455,5 @@ def _build(model: _File, doc: MarkedDict, path: Path) -> Config:
         ),
         executor=ExecutorConfig(**model.executor.model_dump()),
         leader_lease=rules.leader_lease or default_leader_lease(rules.evaluation_interval),
-        override_lines={str(a): lines.get(a, 0) for a in rules.overrides},
+        override_lines={str(a): line for a, line in lines.items()},
     )
