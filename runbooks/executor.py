@@ -43,6 +43,7 @@ from datetime import datetime, timedelta
 from typing import Any, Final
 
 from sqlalchemy import select
+from vllm_runbook.rules.durations import format_duration
 from vllm_runbook.runbooks.actions import ActionError, ActionRegistry
 from vllm_runbook.runbooks.client import (
     AuthFailed,
@@ -151,16 +152,6 @@ class _Abort(Exception):
         self.status = status
         self.exit_code = exit_code
         self.message = message
-
-
-def format_duration(seconds: float) -> str:
-    """`9m 58s`, `1h 02m`, `42s`: remaining times for refusals."""
-    seconds = max(0, math.ceil(seconds))
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours}h {minutes:02d}m"
-    return f"{minutes}m {secs:02d}s" if minutes else f"{secs}s"
 
 
 def describe_condition(when: Condition) -> str:
@@ -477,13 +468,13 @@ class Executor:
             if remaining > 0:
                 return (
                     f"cooldown: {spec.name} ran on this engine at {last:%H:%M:%SZ}; "
-                    f"{format_duration(remaining)} left of {g.cooldown_seconds} s"
+                    f"{format_duration(math.ceil(remaining))} left of {g.cooldown_seconds} s"
                 )
         if len(recent) >= g.max_runs_per_hour:
             wait = (recent[0] + timedelta(hours=1) - now).total_seconds()
             return (
                 f"max runs per hour: {len(recent)} of {g.max_runs_per_hour} in the last hour; "
-                f"next allowed in {format_duration(wait)}"
+                f"next allowed in {format_duration(math.ceil(wait))}"
             )
         if len(others) >= g.max_concurrent_engines:
             return (
