@@ -23,8 +23,12 @@
 
 Every key has a default, so no file at all is a valid one-machine setup.
 Relative paths are relative to the file. Unknown keys are errors (a typo must
-not silently fall back to a default); every problem is reported at once, as
-``file:line: message``.
+not silently fall back to a default); every problem is reported at once, in
+file order, as ``file:line: message``. The schema is the pydantic models below
+(one per section); `_problem` turns each of their errors into that line.
+Runbook names under `automation` are checked against the names the caller
+passes (`load_config(path, runbooks=...)`): this layer does not know the
+runbook catalog.
 """
 
 from __future__ import annotations
@@ -280,8 +284,8 @@ class _Section(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _absent_if_null(cls, data: Any) -> Any:
-        if isinstance(data, Mapping):
-            return {k: v for k, v in data.items() if v is not None}
+        if isinstance(data, Mapping):  # an unknown key stays, to be reported
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
         return data
 
 

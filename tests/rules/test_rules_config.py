@@ -282,6 +282,13 @@ def test_null_values_are_the_defaults(tmp_path: Path) -> None:
         """,
     )
     assert load_config(path) == Config(path=path)
+    path = write(tmp_path, "databse:\nrules: {catalgo: null}\n")
+    assert problems(path) == [  # a misspelt key is an error even with no value
+        f"{path}:1: unknown key databse (allowed: database, engines, rules, automation, webhook, "
+        "executor)",
+        f"{path}:2: unknown key rules.catalgo (allowed: evaluation_interval, leader_lease, "
+        "catalog, overrides)",
+    ]
 
 
 def test_override_problems_point_into_the_config_file(tmp_path: Path) -> None:
