@@ -23,19 +23,36 @@
 
 Every key has a default, so no file at all is a valid one-machine setup.
 Relative paths are relative to the file. Unknown keys are errors (a typo must
-not silently fall back to a default); every problem is reported at once, as
-``file:line: message``.
+not silently fall back to a default); every problem is reported at once, in
+file order, as ``file:line: message``. The schema is the pydantic models below
+(one per section); `_problem` turns each of their errors into that line.
+Runbook names under `automation` are checked against the names the caller
+passes (`load_config(path, runbooks=...)`): this layer does not know the
+runbook catalog.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 from urllib.parse import urlsplit
 
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    WrapValidator,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import ErrorDetails, InitErrorDetails, PydanticCustomError
 from vllm_runbook.rules.durations import parse_duration
 from vllm_runbook.rules.errors import (
     CatalogError,
@@ -45,7 +62,6 @@ from vllm_runbook.rules.errors import (
     UnknownParameterError,
 )
 from vllm_runbook.rules.model import Catalog, Rule, load_catalog
-from vllm_runbook.rules.premerge_runbook_names import RUNBOOK_NAMES
 from vllm_runbook.rules.scrape import Target
 from vllm_runbook.rules.yamlmarks import MarkedDict, MarkedList, load
 
@@ -56,8 +72,6 @@ DEFAULT_EVALUATION_INTERVAL = 5.0
 # database) is replaced within this time; a cycle must take less.
 MIN_LEADER_LEASE = 15.0
 _ENGINE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
-_TOP_KEYS = ("database", "engines", "rules", "automation", "webhook", "executor")
-_EXECUTOR_KEYS = ("verify_seconds", "condition_seconds", "healthy_period_seconds")
 
 
 @dataclass(frozen=True)
@@ -155,8 +169,11 @@ class Config:
         return problem.located(file=str(self.path), line=self.override_lines.get(alert or ""))
 
 
-def load_config(path: str | Path | None) -> Config:
-    """Read and validate a configuration file; None gives the defaults."""
+def load_config(path: str | Path | None, *, runbooks: Collection[str] | None = None) -> Config:
+    """Read and validate a configuration file; None gives the defaults.
+
+    `runbooks`: the runbook names the automation section may name (the caller
+    knows the runbook catalog, this layer does not); None accepts any name."""
     if path is None:
         return Config()
     path = Path(path)
@@ -169,228 +186,278 @@ def load_config(path: str | Path | None) -> Config:
         doc = load(text, shown)
     except RuleProblem as exc:
         raise ConfigError([exc]) from None
-    reader = _Reader(shown, path.parent)
-    config = reader.config(doc, path)
-    if reader.problems:
-        raise ConfigError(reader.problems)
-    return config
+    if doc is None:
+        return Config(path=path)
+    if not isinstance(doc, MarkedDict):
+        msg = "a configuration file is a mapping (database, engines, rules, ...)"
+        raise ConfigError([RuleSyntaxError(msg, file=shown, line=1)])
+    try:
+        model = _File.model_validate(doc, context={"runbooks": runbooks})
+    except ValidationError as exc:
+        problems = [_problem(err, doc, shown) for err in exc.errors()]
+        problems.sort(key=lambda p: p.line or 0)  # file order, whichever check found it
+        raise ConfigError(problems) from None
+    return _build(model, doc, path)
 
 
-class _Reader:
-    """Validates the document, collecting every problem instead of stopping at the first."""
+# -- the file's schema -----------------------------------------------------------------
+# Validators raise PydanticCustomError whose type says how the message joins the
+# key's dotted path: "phrase" -> `PATH message`, "detail" -> `PATH: message`,
+# "whole" -> `message` (it names its section itself). `_problem` adds file:line.
 
-    def __init__(self, file: str, base: Path) -> None:
-        self.file = file
-        self.base = base
-        self.problems: list[RuleProblem] = []
 
-    def fail(self, msg: str, line: int | None) -> None:
-        self.problems.append(RuleSyntaxError(msg, file=self.file, line=line))
+def _phrase(message: str) -> PydanticCustomError:
+    return PydanticCustomError("phrase", message)
 
-    def mapping(self, parent: MarkedDict, key: str) -> MarkedDict | None:
-        value = parent.get(key)
-        if value is None:
-            return None
-        if not isinstance(value, MarkedDict):
-            self.fail(f"{key} must be a mapping", parent.line_of(key))
-            return None
-        return value
 
-    def unknown_keys(self, node: MarkedDict, allowed: tuple[str, ...], where: str) -> None:
-        for key in node:
-            if key not in allowed:
-                self.fail(
-                    f"unknown key {where}{key!s} (allowed: {', '.join(allowed)})", node.line_of(key)
-                )
+def _detail(message: str) -> PydanticCustomError:
+    return PydanticCustomError("detail", message)
 
-    def string(
-        self, node: MarkedDict, key: str, what: str, *, required: bool = False
-    ) -> str | None:
-        value = node.get(key)
-        if value is None:
-            if required:
-                self.fail(f"{what} is required", node.line)
-            return None
-        if not isinstance(value, str) or not value.strip():
-            self.fail(f"{what} must be a non-empty string, got {value!r}", node.line_of(key))
-            return None
-        return value.strip()
 
-    def url(self, node: MarkedDict, key: str, what: str, *, required: bool = False) -> str | None:
-        value = self.string(node, key, what, required=required)
-        if value is None:
-            return None
-        parts = urlsplit(value)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            self.fail(f"{what} must be an http(s) URL, got {value!r}", node.line_of(key))
-            return None
-        return value.rstrip("/")
+def _text(value: object) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise _phrase(f"must be a non-empty string, got {value!r}")
+    return value.strip()
 
-    def duration(self, node: MarkedDict, key: str, what: str) -> float | None:
-        if node.get(key) is None:
-            return None
-        try:
-            return parse_duration(node[key])
-        except RuleProblem as exc:
-            self.fail(f"{what}: {exc.message}", node.line_of(key))
-            return None
 
-    def path(self, node: MarkedDict, key: str, what: str) -> Path | None:
-        value = self.string(node, key, what)
-        return None if value is None else self.base / value
+def _url(value: str) -> str:
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise _phrase(f"must be an http(s) URL, got {value!r}")
+    return value.rstrip("/")
 
-    # -- sections ----------------------------------------------------------------
-    def config(self, doc: object, path: Path) -> Config:
-        if doc is None:
-            return Config(path=path)
-        if not isinstance(doc, MarkedDict):
-            self.fail("a configuration file is a mapping (database, engines, rules, ...)", 1)
-            return Config(path=path)
-        self.unknown_keys(doc, _TOP_KEYS, "")
-        database = self.string(doc, "database", "database")
-        engines = self.engines(doc)
-        rules = self.mapping(doc, "rules")
-        interval, catalog, overrides, lines = self.rules(rules)
-        lease = default_leader_lease(interval)
-        if rules is not None and rules.get("leader_lease") is not None:
-            lease = self.duration(rules, "leader_lease", "rules.leader_lease") or lease
-            if lease < 2 * interval:
-                self.fail(
-                    f"rules.leader_lease ({lease:g} s) must be at least twice "
-                    f"rules.evaluation_interval ({interval:g} s): the leader renews it every cycle",
-                    rules.line_of("leader_lease"),
-                )
-        return Config(
-            path=path,
-            database=database,
-            engines=engines,
-            evaluation_interval=interval,
-            catalog=catalog,
-            overrides=overrides,
-            automation=self.automation(self.mapping(doc, "automation")),
-            webhook=self.webhook(self.mapping(doc, "webhook")),
-            executor=self.executor(self.mapping(doc, "executor")),
-            leader_lease=lease,
-            override_lines=lines,
-        )
 
-    def engines(self, doc: MarkedDict) -> tuple[EngineConfig, ...]:
-        raw = doc.get("engines")
-        if raw is None:
-            return ()
-        if not isinstance(raw, MarkedList):
-            self.fail(
-                "engines must be a list of {name, agent, vllm, labels}", doc.line_of("engines")
+def _engine_name(value: str) -> str:
+    if not _ENGINE_NAME.match(value):
+        raise _phrase(f"{value!r}: use letters, digits, _ . : -")
+    return value
+
+
+def _duration(value: object) -> float:
+    try:
+        return parse_duration(value)
+    except RuleProblem as exc:
+        raise _detail(exc.message) from None
+
+
+def _labels(value: object) -> dict[str, str]:
+    if not isinstance(value, Mapping):
+        raise _phrase("must be a mapping")
+    bad = [k for k, v in value.items() if not isinstance(k, str) or not isinstance(v, str)]
+    if bad:
+        raise _detail(f"keys and values must be strings ({bad})")
+    return dict(value)
+
+
+def _mode(value: object) -> object:
+    if value not in AUTOMATION_MODES:
+        raise _detail(f"{value!r} is not one of {', '.join(AUTOMATION_MODES)}")
+    return value
+
+
+def _runbook_key(name: str, info: ValidationInfo) -> str:
+    known: Collection[str] | None = (info.context or {}).get("runbooks")
+    if name == "default" or known is None or name in known:
+        return name
+    raise PydanticCustomError(
+        "whole",
+        f"automation: unknown runbook {name!r} (known: {', '.join(sorted(known))}, or default)",
+    )
+
+
+def _override(value: object) -> dict[str, object]:
+    if not isinstance(value, Mapping):
+        raise _detail("expected {parameter: value}")
+    return dict(value)
+
+
+Text = Annotated[str, BeforeValidator(_text)]
+Url = Annotated[str, BeforeValidator(_text), AfterValidator(_url)]
+Duration = Annotated[float, BeforeValidator(_duration)]
+
+
+class _Section(BaseModel):
+    """A mapping of the file: unknown keys are errors; `key:` with no value is the default."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _absent_if_null(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):  # an unknown key stays, to be reported
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
+
+
+class _Engine(_Section):
+    name: Annotated[str, BeforeValidator(_text), AfterValidator(_engine_name)]
+    agent: Url
+    vllm: Url | None = None
+    labels: Annotated[dict[str, str], BeforeValidator(_labels)] = Field(default_factory=dict)
+
+
+def _unique_names(value: Any, handler: Any) -> list[_Engine]:
+    """Engine names are unique: checked even when other engine entries are broken."""
+    errors: list[InitErrorDetails] = []
+    seen: dict[str, int] = {}
+    for i, item in enumerate(value if isinstance(value, MarkedList) else ()):
+        raw = item.get("name") if isinstance(item, MarkedDict) else None
+        if not isinstance(raw, str) or not _ENGINE_NAME.match(name := raw.strip()):
+            continue  # the name's own validation reports it
+        if name in seen:
+            dup = _phrase(f"{name!r} already used at line {seen[name]}")
+            errors.append({"type": dup, "loc": (i, "name"), "input": raw})
+        else:
+            seen[name] = item.line_of("name")
+    try:
+        engines: list[_Engine] = handler(value)
+    except ValidationError as exc:
+        errors += [
+            {"type": PydanticCustomError(e["type"], e["msg"]), "loc": e["loc"], "input": e["input"]}
+            for e in exc.errors()
+        ]
+    if errors:
+        raise ValidationError.from_exception_data("engines", errors)
+    return engines
+
+
+class _Rules(_Section):
+    evaluation_interval: Duration = DEFAULT_EVALUATION_INTERVAL
+    leader_lease: Duration | None = None
+    catalog: Text | None = None
+    overrides: dict[
+        Annotated[str, BeforeValidator(str)],  # an alert name YAML read as a number
+        Annotated[dict[str, object], BeforeValidator(_override)],
+    ] = Field(default_factory=dict)
+
+    @field_validator("leader_lease")
+    @classmethod
+    def _renewed_in_time(cls, lease: float | None, info: ValidationInfo) -> float | None:
+        interval = info.data.get("evaluation_interval")
+        if lease is not None and interval is not None and lease < 2 * interval:
+            raise _phrase(
+                f"({lease:g} s) must be at least twice rules.evaluation_interval "
+                f"({interval:g} s): the leader renews it every cycle"
             )
-            return ()
-        out: list[EngineConfig] = []
-        seen: dict[str, int] = {}
-        for i, item in enumerate(raw):
-            where = f"engines[{i}]"
-            if not isinstance(item, MarkedDict):
-                self.fail(f"{where} must be a mapping with name and agent", raw.line)
-                continue
-            self.unknown_keys(item, ("name", "agent", "vllm", "labels"), f"{where}.")
-            name = self.string(item, "name", f"{where}.name", required=True)
-            if name is not None and not _ENGINE_NAME.match(name):
-                self.fail(
-                    f"{where}.name {name!r}: use letters, digits, _ . : -", item.line_of("name")
-                )
-                name = None
-            if name is not None and name in seen:
-                self.fail(
-                    f"{where}.name {name!r} already used at line {seen[name]}", item.line_of("name")
-                )
-                name = None
-            elif name is not None:
-                seen[name] = item.line_of("name")
-            agent = self.url(item, "agent", f"{where}.agent", required=True)
-            vllm = self.url(item, "vllm", f"{where}.vllm")
-            labels = self.labels(item, where)
-            if name is not None and agent is not None:
-                out.append(EngineConfig(name, agent, vllm, labels))
-        return tuple(out)
+        return lease
 
-    def labels(self, item: MarkedDict, where: str) -> dict[str, str]:
-        raw = self.mapping(item, "labels")
-        if raw is None:
-            return {}
-        bad = [k for k, v in raw.items() if not isinstance(k, str) or not isinstance(v, str)]
-        if bad:
-            self.fail(f"{where}.labels: keys and values must be strings ({bad})", raw.line)
-            return {}
-        return dict(raw)
 
-    def rules(
-        self, node: MarkedDict | None
-    ) -> tuple[float, Path | None, dict[str, dict[str, object]], dict[str, int]]:
-        if node is None:
-            return DEFAULT_EVALUATION_INTERVAL, None, {}, {}
-        self.unknown_keys(
-            node, ("evaluation_interval", "leader_lease", "catalog", "overrides"), "rules."
-        )
-        interval = DEFAULT_EVALUATION_INTERVAL
-        if node.get("evaluation_interval") is not None:
-            try:
-                interval = parse_duration(node["evaluation_interval"])
-            except RuleProblem as exc:
-                self.fail(
-                    f"rules.evaluation_interval: {exc.message}", node.line_of("evaluation_interval")
-                )
-        catalog = self.path(node, "catalog", "rules.catalog")
-        raw = self.mapping(node, "overrides")
-        overrides: dict[str, dict[str, object]] = {}
-        lines: dict[str, int] = {}
-        for alert, params in (raw or {}).items():
-            line = raw.line_of(alert) if raw is not None else None
-            if not isinstance(params, MarkedDict):
-                self.fail(f"rules.overrides.{alert}: expected {{parameter: value}}", line)
-                continue
-            overrides[str(alert)] = dict(params)
-            lines[str(alert)] = line or 0
-        return interval, catalog, overrides, lines
+class _Webhook(_Section):
+    token_file: Text | None = None
+    username: Text | None = None
+    password_file: Text | None = None
 
-    def automation(self, node: MarkedDict | None) -> Automation:
-        if node is None:
-            return Automation()
-        modes: dict[str, AutomationMode] = {}
-        default: AutomationMode = "notify"
-        for key, value in node.items():
-            line = node.line_of(key)
-            if value not in AUTOMATION_MODES:
-                self.fail(
-                    f"automation.{key}: {value!r} is not one of {', '.join(AUTOMATION_MODES)}",
-                    line,
-                )
-                continue
-            if key == "default":
-                default = value
-            elif key in RUNBOOK_NAMES:
-                modes[key] = value
-            else:
-                self.fail(
-                    f"automation: unknown runbook {key!r} (known: {', '.join(RUNBOOK_NAMES)}, "
-                    "or default)",
-                    line,
-                )
-        return Automation(modes, default)
+    @model_validator(mode="after")
+    def _one_scheme(self) -> _Webhook:
+        if self.token_file is not None and (self.username or self.password_file):
+            raise _detail("give token_file or username + password_file, not both")
+        if (self.username is None) != (self.password_file is None):
+            raise _detail("basic auth needs both username and password_file")
+        return self
 
-    def webhook(self, node: MarkedDict | None) -> WebhookConfig:
-        if node is None:
-            return WebhookConfig()
-        self.unknown_keys(node, ("token_file", "username", "password_file"), "webhook.")
-        token_file = self.path(node, "token_file", "webhook.token_file")
-        username = self.string(node, "username", "webhook.username")
-        password_file = self.path(node, "password_file", "webhook.password_file")
-        if token_file is not None and (username or password_file):
-            self.fail("webhook: give token_file or username + password_file, not both", node.line)
-        elif (username is None) != (password_file is None):
-            self.fail("webhook: basic auth needs both username and password_file", node.line)
-        return WebhookConfig(token_file, username, password_file)
 
-    def executor(self, node: MarkedDict | None) -> ExecutorConfig:
-        if node is None:
-            return ExecutorConfig()
-        self.unknown_keys(node, _EXECUTOR_KEYS, "executor.")
-        waits = {k: self.duration(node, k, f"executor.{k}") for k in _EXECUTOR_KEYS}
-        return ExecutorConfig(**waits)
+class _Executor(_Section):
+    verify_seconds: Duration | None = None
+    condition_seconds: Duration | None = None
+    healthy_period_seconds: Duration | None = None
+
+
+class _File(_Section):
+    database: Text | None = None
+    engines: Annotated[list[_Engine], WrapValidator(_unique_names)] = Field(default_factory=list)
+    rules: _Rules = Field(default_factory=_Rules)
+    automation: dict[
+        Annotated[str, BeforeValidator(str), AfterValidator(_runbook_key)],
+        Annotated[AutomationMode, BeforeValidator(_mode)],
+    ] = Field(default_factory=dict)
+    webhook: _Webhook = Field(default_factory=_Webhook)
+    executor: _Executor = Field(default_factory=_Executor)
+
+
+# The model whose keys an `unknown key` message lists, by the mapping's path.
+_SECTIONS: dict[tuple[str, ...], type[BaseModel]] = {
+    (): _File,
+    ("engines",): _Engine,
+    ("rules",): _Rules,
+    ("webhook",): _Webhook,
+    ("executor",): _Executor,
+}
+# Errors about the value's own type: located at its key even when it is a mapping.
+_TYPE_ERRORS = {"list_type", "dict_type", "model_type", "model_attributes_type"}
+
+
+def _problem(err: ErrorDetails, doc: MarkedDict, file: str) -> RuleProblem:
+    """One pydantic error as `file:line: message`, the line found by walking the YAML."""
+    loc = tuple(p for p in err["loc"] if p != "[key]")  # a bad mapping key: at that key
+    where, line, node = _walk(doc, loc)
+    kind, msg = err["type"], err["msg"]
+    if kind == "phrase":
+        text = f"{where} {msg}"
+    elif kind == "detail":
+        text = f"{where}: {msg}"
+    elif kind == "whole":
+        text = msg
+    elif kind == "extra_forbidden":
+        section = _SECTIONS.get(tuple(p for p in loc[:-1] if isinstance(p, str)))
+        allowed = f" (allowed: {', '.join(section.model_fields)})" if section else ""
+        text = f"unknown key {where}{allowed}"
+    elif kind == "missing":
+        text = f"{where} is required"
+    elif kind == "list_type":
+        text = f"{where} must be a list of {{name, agent, vllm, labels}}"
+    elif kind in _TYPE_ERRORS:
+        item = " with name and agent" if where.endswith("]") else ""
+        text = f"{where} must be a mapping{item}"
+    else:  # pydantic's own wording, still located
+        text = f"{where}: {msg}" if where else msg
+    if kind not in _TYPE_ERRORS and isinstance(node, MarkedDict):
+        line = node.line  # a problem with a mapping's contents: its first line
+    return RuleSyntaxError(text, file=file, line=line)
+
+
+def _walk(doc: MarkedDict, loc: tuple[str | int, ...]) -> tuple[str, int, object]:
+    """The dotted path of `loc` (``engines[1].name``), its key's line and the node there."""
+    where, line = "", doc.line
+    node: object = doc
+    for part in loc:
+        if isinstance(node, MarkedList) and isinstance(part, int) and part < len(node):
+            where, line, node = (
+                f"{where}[{part}]",
+                getattr(node[part], "line", node.line),
+                node[part],
+            )
+            continue
+        where = f"{where}.{part}" if where else str(part)
+        if isinstance(node, MarkedDict) and part in node:
+            line, node = node.line_of(part), node[part]
+        else:
+            node = None  # not in the file (a missing key): the enclosing line
+    return where, line, node
+
+
+def _build(model: _File, doc: MarkedDict, path: Path) -> Config:
+    """The validated file as the Config the rest of the code uses."""
+    base = path.parent
+    rules, hook = model.rules, model.webhook
+    modes = dict(model.automation)
+    default = modes.pop("default", "notify")
+    raw_rules = doc.get("rules")
+    raw_overrides = raw_rules.get("overrides") if isinstance(raw_rules, MarkedDict) else None
+    lines = raw_overrides.key_lines if isinstance(raw_overrides, MarkedDict) else {}
+    return Config(
+        path=path,
+        database=model.database,
+        engines=tuple(EngineConfig(e.name, e.agent, e.vllm, e.labels) for e in model.engines),
+        evaluation_interval=rules.evaluation_interval,
+        catalog=None if rules.catalog is None else base / rules.catalog,
+        overrides=rules.overrides,
+        automation=Automation(modes, default),
+        webhook=WebhookConfig(
+            None if hook.token_file is None else base / hook.token_file,
+            hook.username,
+            None if hook.password_file is None else base / hook.password_file,
+        ),
+        executor=ExecutorConfig(**model.executor.model_dump()),
+        leader_lease=rules.leader_lease or default_leader_lease(rules.evaluation_interval),
+        override_lines={str(a): line for a, line in lines.items()},
+    )

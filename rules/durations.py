@@ -31,7 +31,11 @@ def parse_duration(text: object) -> float:
 
 
 def format_duration(seconds: float) -> str:
-    """The shortest exact Prometheus spelling of `seconds` (``90`` -> ``1m30s``)."""
+    """The shortest exact Prometheus spelling of `seconds` (``90`` -> ``1m30s``).
+
+    The one duration formatter: PromQL windows and `for:` (Prometheus parses
+    them back, so exact to the millisecond), and times shown to people (the
+    executor's refusals round up to whole seconds first: ``9m58s``)."""
     ms = round(seconds * 1000)
     if ms <= 0:
         return "0s"

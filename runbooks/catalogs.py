@@ -18,11 +18,9 @@ given with `--catalog` (default: the shipped one).
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
 
 from vllm_runbook.rules import config as rules_config
 from vllm_runbook.rules.config import Config
@@ -59,15 +57,8 @@ def runbook_names(
 
 
 def load_config(path: str | Path | None, runbooks: Collection[str]) -> Config:
-    """The configuration file, its `automation:` keys checked against `runbooks`.
-
-    Until rules/config.py's `load_config(path, *, runbooks=...)` is merged the
-    keyword is passed only when the loader takes it (before, it checks the keys itself).
-    """
-    loader = cast(Callable[..., Config], rules_config.load_config)
-    if "runbooks" in inspect.signature(loader).parameters:
-        return loader(path, runbooks=list(runbooks))
-    return loader(path)
+    """The configuration file, its `automation:` keys checked against `runbooks`."""
+    return rules_config.load_config(path, runbooks=list(runbooks))
 
 
 def load_rules(

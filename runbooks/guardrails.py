@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, Final
 
+from vllm_runbook.rules.durations import format_duration
 from vllm_runbook.runbooks.outcome import EXIT_FAILED, EXIT_REFUSED, Abort, EngineBusy
 from vllm_runbook.runbooks.spec import Runbook
 from vllm_runbook.runbooks.store import Store
@@ -63,16 +64,6 @@ def improved(value: Any, baseline: Any, direction: str) -> bool:
     if value is None or baseline is None:
         return False
     return bool(value < baseline) if direction == "decrease" else bool(value > baseline)
-
-
-def format_duration(seconds: float) -> str:
-    """`9m 58s`, `1h 02m`, `42s`: remaining times for refusals."""
-    seconds = max(0, math.ceil(seconds))
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours}h {minutes:02d}m"
-    return f"{minutes}m {secs:02d}s" if minutes else f"{secs}s"
 
 
 def engine_lock_name(engine_url: str) -> str:
@@ -166,13 +157,13 @@ def guardrail_refusal(store: Store, spec: Runbook, engine: str, approved: bool) 
         if remaining > 0:
             return (
                 f"cooldown: {spec.name} ran on this engine at {last:%H:%M:%SZ}; "
-                f"{format_duration(remaining)} left of {g.cooldown_seconds} s"
+                f"{format_duration(max(0, math.ceil(remaining)))} left of {g.cooldown_seconds} s"
             )
     if len(recent) >= g.max_runs_per_hour:
         wait = (recent[0] + timedelta(hours=1) - now).total_seconds()
         return (
             f"max runs per hour: {len(recent)} of {g.max_runs_per_hour} in the last hour; "
-            f"next allowed in {format_duration(wait)}"
+            f"next allowed in {format_duration(max(0, math.ceil(wait)))}"
         )
     if len(others) >= g.max_concurrent_engines:
         return (

@@ -8,15 +8,17 @@ stats, so each rule is checked exactly and fast; the real engine tests
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from vllm_runbook.rules.durations import format_duration, parse_duration
 from vllm_runbook.runbooks.client import CommandRefused, EngineUnreachable
 from vllm_runbook.runbooks.engine_actions import engine_registry, kv_capacity_seqs
 from vllm_runbook.runbooks.executor import ExecutionResult, Executor
-from vllm_runbook.runbooks.guardrails import engine_lock_name, format_duration
+from vllm_runbook.runbooks.guardrails import engine_lock_name
 from vllm_runbook.runbooks.revert import RevertRefused, stage_values
 from vllm_runbook.runbooks.spec import Catalog, Runbook, load_catalog
 from vllm_runbook.runbooks.store import Store
@@ -273,7 +275,10 @@ def test_approval_cooldown_and_rate_limit(make: Any) -> None:
     assert executor.execute(cooled, URL).record.status == "failed"  # ran (no improvement)
     again = executor.execute(cooled, URL)
     assert again.record.status == "refused"
-    assert "left of 600 s" in (again.message or "")
+    # The time left, rounded up to whole seconds, spelled as a duration (`9m58s`).
+    left = re.search(r"; (\w+) left of 600 s$", again.message or "")
+    assert left and left[1] == format_duration(parse_duration(left[1]))
+    assert 0 < parse_duration(left[1]) <= 600 and parse_duration(left[1]) % 1 == 0
 
     limited = runbook(name="limited", guardrails={"cooldown_seconds": 0, "max_runs_per_hour": 2})
     for _ in range(2):
@@ -282,6 +287,8 @@ def test_approval_cooldown_and_rate_limit(make: Any) -> None:
     third = executor.execute(limited, URL)
     assert third.record.status == "refused"
     assert "max runs per hour: 2 of 2" in (third.message or "")
+    wait = re.search(r"next allowed in (\w+)$", third.message or "")
+    assert wait and 0 < parse_duration(wait[1]) <= 3600 and parse_duration(wait[1]) % 1 == 0
 
 
 def test_blast_radius_counts_other_engines_under_remediation(make: Any, store: Store) -> None:
@@ -381,7 +388,7 @@ def test_stepwise_revert_halts_when_the_signal_gets_worse(make: Any) -> None:
     assert executor.store.get_execution(run.record.id).status == "succeeded"  # not reverted
 
 
-def test_stage_values_and_durations() -> None:
+def test_stage_values() -> None:
     start = {"max_num_batched_tokens": 128, "max_num_seqs": 8, "policy": "fcfs"}
     targets = {"max_num_batched_tokens": 512, "max_num_seqs": 32, "policy": "priority"}
     assert stage_values(start, targets, 0.5) == {
@@ -390,10 +397,3 @@ def test_stage_values_and_durations() -> None:
         "policy": "fcfs",
     }
     assert stage_values(start, targets, 1.0) == targets
-    assert [format_duration(s) for s in (0.2, 59, 61, 3599.5, 3725)] == [
-        "1s",
-        "59s",
-        "1m 01s",
-        "1h 00m",
-        "1h 02m",
-    ]

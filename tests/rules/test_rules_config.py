@@ -45,9 +45,13 @@ def write(tmp_path: Path, text: str) -> Path:
     return path
 
 
-def problems(path: Path) -> list[str]:
+# The runbook catalog is the caller's (runbooks/): these tests pass one of their own.
+RUNBOOKS = ("oom-pressure", "latency-spike", "warmup")
+
+
+def problems(path: Path, runbooks: tuple[str, ...] | None = RUNBOOKS) -> list[str]:
     with pytest.raises(ConfigError) as info:
-        load_config(path)
+        load_config(path, runbooks=runbooks)
     return [str(p) for p in info.value.problems]
 
 
@@ -137,11 +141,25 @@ def test_every_problem_named_with_file_and_line(tmp_path: Path) -> None:
         f"{path}:10: rules.evaluation_interval: bad duration '5 minutes': expected e.g. '30s', "
         "'5m', '1h30m'",
         f"{path}:12: automation.oom-pressure: 'yes-please' is not one of auto, approve, notify",
-        f"{path}:13: automation: unknown runbook 'no-such-runbook' (known: oom-pressure, "
-        "latency-spike, throughput-drop, batch-too-large, kv-hit-low, warmup, memory-leak, "
-        "restore, or default)",
+        f"{path}:13: automation: unknown runbook 'no-such-runbook' (known: latency-spike, "
+        "oom-pressure, warmup, or default)",
         f"{path}:15: webhook: give token_file or username + password_file, not both",
     ]
+
+
+def test_automation_names_checked_only_against_a_given_catalog(tmp_path: Path) -> None:
+    path = write(tmp_path, "automation: {my-own-runbook: auto, default: approve}\n")
+    assert load_config(path).automation == Automation({"my-own-runbook": "auto"}, "approve")
+    assert problems(path) == [
+        f"{path}:1: automation: unknown runbook 'my-own-runbook' (known: latency-spike, "
+        "oom-pressure, warmup, or default)"
+    ]
+    assert problems(path, runbooks=()) == [
+        f"{path}:1: automation: unknown runbook 'my-own-runbook' (known: , or default)"
+    ]
+    assert load_config(path, runbooks={"my-own-runbook"}).automation.mode("my-own-runbook") == (
+        "auto"
+    )
 
 
 def test_executor_waits_and_leader_lease(tmp_path: Path) -> None:
@@ -168,12 +186,12 @@ def test_executor_waits_and_leader_lease(tmp_path: Path) -> None:
           healthy_period: 5s
         """,
     )
-    assert problems(path) == [
+    assert problems(path) == [  # in file order
         f"{path}:1: rules.leader_lease (3 s) must be at least twice rules.evaluation_interval "
         "(2 s): the leader renews it every cycle",
+        f"{path}:3: executor.verify_seconds: bad duration 10: give a unit, e.g. '10s'",
         f"{path}:4: unknown key executor.healthy_period (allowed: verify_seconds, "
         "condition_seconds, healthy_period_seconds)",
-        f"{path}:3: executor.verify_seconds: bad duration 10: give a unit, e.g. '10s'",
     ]
 
 
@@ -194,6 +212,83 @@ def test_invalid_yaml_and_wrong_shapes(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(tmp_path / "missing.yaml")
     assert str(info.value) == f"{tmp_path / 'missing.yaml'}: cannot read: No such file or directory"
+
+
+def test_shapes_and_values_inside_sections(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """\
+        database: 5
+        engines:
+          - 7
+          - name: "bad name"
+            agent: http://h:1
+            port: 80
+          - {name: ok, agent: "  ", labels: [a]}
+        rules:
+          catalog: ""
+          overrides:
+            VllmOOMPressure: 3
+        automation: [oom-pressure]
+        webhook:
+          username: u
+        executor:
+          condition_seconds:
+        """,
+    )
+    assert problems(path) == [
+        f"{path}:1: database must be a non-empty string, got 5",
+        f"{path}:3: engines[0] must be a mapping with name and agent",
+        f"{path}:4: engines[1].name 'bad name': use letters, digits, _ . : -",
+        f"{path}:6: unknown key engines[1].port (allowed: name, agent, vllm, labels)",
+        f"{path}:7: engines[2].agent must be a non-empty string, got '  '",
+        f"{path}:7: engines[2].labels must be a mapping",
+        f"{path}:9: rules.catalog must be a non-empty string, got ''",
+        f"{path}:11: rules.overrides.VllmOOMPressure: expected {{parameter: value}}",
+        f"{path}:12: automation must be a mapping",
+        f"{path}:14: webhook: basic auth needs both username and password_file",
+    ]
+
+
+def test_duplicate_names_found_besides_other_problems(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """\
+        engines:
+          - {name: a, agent: http://h:1}
+          - {name: " a ", agent: nope}
+          - {name: b, agent: http://h:3, vllm: ftp://h}
+          - {name: a, agent: http://h:4}
+        """,
+    )
+    assert problems(path) == [
+        f"{path}:3: engines[1].name 'a' already used at line 2",
+        f"{path}:3: engines[1].agent must be an http(s) URL, got 'nope'",
+        f"{path}:4: engines[2].vllm must be an http(s) URL, got 'ftp://h'",
+        f"{path}:5: engines[3].name 'a' already used at line 2",
+    ]
+
+
+def test_null_values_are_the_defaults(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """\
+        database:
+        engines:
+        rules: {evaluation_interval: null, catalog: null}
+        automation:
+        webhook:
+        executor: {verify_seconds: null}
+        """,
+    )
+    assert load_config(path) == Config(path=path)
+    path = write(tmp_path, "databse:\nrules: {catalgo: null}\n")
+    assert problems(path) == [  # a misspelt key is an error even with no value
+        f"{path}:1: unknown key databse (allowed: database, engines, rules, automation, webhook, "
+        "executor)",
+        f"{path}:2: unknown key rules.catalgo (allowed: evaluation_interval, leader_lease, "
+        "catalog, overrides)",
+    ]
 
 
 def test_override_problems_point_into_the_config_file(tmp_path: Path) -> None:

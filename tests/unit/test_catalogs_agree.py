@@ -33,13 +33,6 @@ def test_the_shipped_catalogs_load_together_and_name_each_other() -> None:
             assert any(r.alert == alert and r.runbook == name for r in rules), (name, alert)
 
 
-def test_the_transitional_automation_list_is_the_shipped_catalog() -> None:
-    # rules/config.py checks `automation:` keys against it until load_config(runbooks=) lands.
-    from vllm_runbook.rules.premerge_runbook_names import RUNBOOK_NAMES
-
-    assert sorted(RUNBOOK_NAMES) == list(load_runbooks())
-
-
 def test_without_names_nothing_is_checked_with_them_each_name_is() -> None:
     runbooks = load_runbooks(alerts=None)  # no alert names given: triggers unchecked
     assert len(runbooks) == 8
