@@ -279,6 +279,8 @@ class EngineCollector:
                 "started_at": self.start_time,
                 "step": self.steps,
                 "vllm_version": _vllm_version(),
+                # Which scheduler vLLM picked (RunbookAsyncScheduler on GPU by default).
+                "scheduler_class": type(self.scheduler).__name__,
             },
             "collector_up": self.enabled,
             "knobs": self.control.knobs(),

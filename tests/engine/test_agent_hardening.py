@@ -140,6 +140,9 @@ def test_bodies_that_are_not_json_are_refused(guarded_engine: InProcessEngine) -
         r = httpx.post(url, content=body, headers=auth, timeout=60)
         assert r.status_code == 400 and "not JSON" in r.json()["error"]
     assert guarded_engine.collector.control.knobs()["max_num_seqs"] == 64
+    # The state names the scheduler vLLM picked (the GPU check expects the async one).
+    state = httpx.get(guarded_engine.collector.server.url + "/v1/state", timeout=60).json()
+    assert state["engine"]["scheduler_class"] == "RunbookScheduler"
 
 
 def test_policy_switch_while_paused_loses_no_request(guarded_engine: InProcessEngine) -> None:
