@@ -5,8 +5,11 @@ with vLLM's plain Scheduler, one with `vllm_runbook.collector.scheduler.RunbookS
 (the plugin is kept out with VLLM_PLUGINS=, so the only difference is the
 hook). Rounds alternate between them, so drift on a shared machine hits both.
 
-Prints output tokens/s of both and their ratio, then the median per-step hook
-cost (on_schedule + on_update) at 16 and at 256 running requests.
+Prints output tokens/s of both and their ratio, then what the whole hook costs
+per step at 16 and at 256 running requests: every wrapper (the scheduler lock,
+schedule/update_from_output/add_request/finish_requests with their callbacks,
+the prefix-cache wrapper), measured as time in the mixin's methods minus time
+in vLLM's methods they call, per step and as a share of the engine step.
 
     .venv/bin/python benchmarks/collector_overhead.py [--rounds 5]
 """
@@ -27,7 +30,9 @@ os.environ.setdefault("VLLM_RUNBOOK_PORT", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # The table's header row, as docs/benchmarks.md shows it (a test compares them).
-HEADER = " running | tok/s without | tok/s with |  ratio | hook µs/step | steps"
+HEADER = (
+    " running | tok/s without | tok/s with |  ratio | hook µs/step | share of step | steps"
+)
 
 ENGINE_ARGS = dict(
     block_size=32,
@@ -59,33 +64,64 @@ def run_workload(llm, running: int, round_no: int) -> tuple[int, float]:  # type
     return sum(len(o.outputs[0].token_ids) for o in outs), elapsed
 
 
-def hook_costs(llm, running: int) -> list[float]:  # type: ignore[no-untyped-def]
-    """Per-step µs spent in the hook, for steps with `running` requests."""
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+HOOKED_METHODS = ("schedule", "update_from_output", "add_request", "finish_requests")
+
+
+def hook_costs(llm, running: int) -> tuple[float, float, int]:  # type: ignore[no-untyped-def]
+    """What the whole hook costs the "with" engine on one workload: every
+    wrapper (the scheduler lock, schedule/update_from_output/add_request/
+    finish_requests and their on_* callbacks, the prefix-cache wrapper) as the
+    time spent in the mixin's methods minus the time in vLLM's own methods
+    they call. Returns (µs per step, share of the engine step's wall time,
+    steps)."""
+    from vllm_runbook.collector.hook import RunbookSchedulerMixin
+
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
     collector = scheduler._runbook
-    on_schedule, on_update = collector.on_schedule, collector.on_update
-    per_step: dict[int, float] = {}
-    step = [0]
+    base = RunbookSchedulerMixin
+    vllm_cls = next(c for c in type(scheduler).__mro__ if c.__module__.startswith("vllm.v1"))
+    spent = {"outer": 0.0, "inner": 0.0, "prefix": 0.0, "step": 0.0}
+    steps = [0]
+    saved = {}
 
-    def timed_schedule(sched, output, elapsed, free_before):  # type: ignore[no-untyped-def]
-        step[0] += 1
+    def timed(fn, key: str):  # type: ignore[no-untyped-def]
+        def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[key] += time.perf_counter() - t
+
+        return wrapper
+
+    for name in HOOKED_METHODS:
+        saved[(base, name)] = base.__dict__[name]
+        saved[(vllm_cls, name)] = vllm_cls.__dict__[name]
+        setattr(base, name, timed(base.__dict__[name], "outer"))
+        setattr(vllm_cls, name, timed(vllm_cls.__dict__[name], "inner"))
+    # The prefix-cache wrapper runs inside vLLM's schedule() (counted as
+    # "inner" there): its own part is the lookup callback.
+    collector.on_prefix_lookup = timed(collector.on_prefix_lookup, "prefix")
+    original_step = engine.step
+
+    def step():  # type: ignore[no-untyped-def]
+        steps[0] += 1
         t = time.perf_counter()
-        on_schedule(sched, output, elapsed, free_before)
-        if len(sched.running) == running:
-            per_step[step[0]] = time.perf_counter() - t
+        try:
+            return original_step()
+        finally:
+            spent["step"] += time.perf_counter() - t
 
-    def timed_update(sched, so, mro):  # type: ignore[no-untyped-def]
-        t = time.perf_counter()
-        on_update(sched, so, mro)
-        if step[0] in per_step:
-            per_step[step[0]] += time.perf_counter() - t
-
-    collector.on_schedule, collector.on_update = timed_schedule, timed_update
+    engine.step = step
     try:
         run_workload(llm, running, 10_000)
     finally:
-        del collector.on_schedule, collector.on_update
-    return [v * 1e6 for v in per_step.values()]
+        for (cls, name), fn in saved.items():
+            setattr(cls, name, fn)
+        del collector.on_prefix_lookup, engine.step
+    hook = spent["outer"] - spent["inner"] + spent["prefix"]
+    return hook / steps[0] * 1e6, hook / spent["step"], steps[0]
 
 
 def main() -> None:
@@ -116,19 +152,17 @@ def main() -> None:
             for name in order:
                 tokens, elapsed = run_workload(engines[name], running, r + 1)
                 tps[name].append(tokens / elapsed)
-        costs = hook_costs(engines["with"], running)
+        per_step, share, steps = hook_costs(engines["with"], running)
         without, with_ = statistics.median(tps["without"]), statistics.median(tps["with"])
-        rows.append(
-            (running, without, with_, with_ / without, statistics.median(costs), len(costs))
-        )
+        rows.append((running, without, with_, with_ / without, per_step, share, steps))
 
     print(f"\ncollector overhead, tiny CPU model, {args.rounds} alternated rounds (medians)")
     print(HEADER)
-    print("-" * 70)
-    for running, without, with_, ratio, cost, n in rows:
+    print("-" * len(HEADER))
+    for running, without, with_, ratio, cost, share, n in rows:
         print(
             f"{running:>8} | {without:>13.0f} | {with_:>10.0f} | {ratio:>6.3f} | "
-            f"{cost:>12.1f} | {n:>5}"
+            f"{cost:>12.1f} | {100 * share:>12.2f}% | {n:>5}"
         )
 
 

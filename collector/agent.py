@@ -31,21 +31,29 @@ def install_routes(server: AgentServer, collector: EngineCollector, token: str) 
     def state(request: Request) -> Response:
         return Response.json(200, collector.state())
 
+    def bearer(request: Request) -> Response | None:
+        # Checked on the request line and headers, before the body is read.
+        if check_bearer(request.headers.get("authorization"), token):
+            return None
+        return Response(
+            401,
+            b'{"error": "missing or wrong bearer token"}\n',
+            headers={"WWW-Authenticate": 'Bearer realm="vllm-runbook"'},
+        )
+
     def write(restore: bool) -> Any:
         def handler(request: Request) -> Response:
-            if not check_bearer(request.headers.get("authorization"), token):
-                return Response(
-                    401,
-                    b'{"error": "missing or wrong bearer token"}\n',
-                    headers={"WWW-Authenticate": 'Bearer realm="vllm-runbook"'},
-                )
             if not collector.enabled:
                 return Response.json(503, {"error": f"collector disabled: {collector.error}"})
             try:
-                command = parse_command(request.json(), restore=restore)
-                result = collector.control.submit(command, idle=collector.engine_idle)
+                body = request.json()
             except json.JSONDecodeError as exc:
                 return Response.json(400, {"error": f"request body is not JSON: {exc.msg}"})
+            except (ValueError, RecursionError):  # not UTF-8; nested beyond reason
+                return Response.json(400, {"error": "request body is not JSON"})
+            try:
+                command = parse_command(body, restore=restore)
+                result = collector.control.submit(command, idle=collector.engine_idle)
             except ControlError as exc:
                 return Response.json(exc.status, {"error": str(exc), **exc.details})
             if result["changes"] and not result["dry_run"]:
@@ -62,3 +70,5 @@ def install_routes(server: AgentServer, collector: EngineCollector, token: str) 
     server.routes[("GET", "/v1/state")] = state
     server.routes[("POST", "/v1/knobs")] = write(restore=False)
     server.routes[("POST", "/v1/restore")] = write(restore=True)
+    for route in (("POST", "/v1/knobs"), ("POST", "/v1/restore")):
+        server.guards[route] = bearer

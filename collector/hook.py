@@ -21,7 +21,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate, repeat
 from operator import attrgetter
 from typing import Any
@@ -33,7 +33,7 @@ from vllm_runbook.collector.auth import TokenError, configured_token, generate_t
 from vllm_runbook.collector.control import EngineControl
 from vllm_runbook.collector.exporter import MultiprocessMirror, Sample, StatsExporter, close_quietly
 from vllm_runbook.collector.nvml import NvmlPoller, load_pynvml
-from vllm_runbook.collector.server import AgentServer
+from vllm_runbook.collector.server import AgentServer, ServerLimits
 from vllm_runbook.collector.window import SlidingWindowMax, SlidingWindowRatio
 
 logger = logging.getLogger("vllm_runbook.collector")
@@ -48,6 +48,7 @@ class CollectorSettings:
     port: int | None = DEFAULT_PORT  # None: no HTTP endpoint; 0: any free port
     window_seconds: float = 60.0
     nvml_interval: float = 5.0
+    server_limits: ServerLimits = field(default_factory=ServerLimits)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> CollectorSettings:
@@ -59,6 +60,7 @@ class CollectorSettings:
             port=port,
             window_seconds=float(env.get("VLLM_RUNBOOK_WINDOW_SECONDS", "60")),
             nvml_interval=float(env.get("VLLM_RUNBOOK_NVML_INTERVAL", "5")),
+            server_limits=ServerLimits.from_env(env),
         )
 
 
@@ -226,7 +228,7 @@ class EngineCollector:
             logger.error("vllm-runbook: agent not started: %s", exc)
             return None
         try:
-            server = AgentServer(host, port, self.registry)
+            server = AgentServer(host, port, self.registry, limits=self.settings.server_limits)
         except OSError as exc:
             logger.warning(
                 "vllm-runbook: cannot serve on %s:%d (%s); set VLLM_RUNBOOK_PORT", host, port, exc
@@ -249,8 +251,12 @@ class EngineCollector:
         return server.start()
 
     def engine_idle(self) -> bool:
-        """No request running or waiting: schedule() may not be called again
-        (finished ids may still be pending; the scheduler lock covers that)."""
+        """The engine will not call schedule() for now: no request to run, or
+        the scheduler is paused (PAUSED_ALL counts no unfinished request while
+        its queues still hold them). A command is then applied from the HTTP
+        thread — safe because every scheduler method that touches the queues
+        (schedule, update_from_output, add_request, finish_requests,
+        reset_prefix_cache) runs under the same lock as the command."""
         return self.scheduler.get_num_unfinished_requests() == 0
 
     def state(self) -> dict[str, Any]:
@@ -273,6 +279,8 @@ class EngineCollector:
                 "started_at": self.start_time,
                 "step": self.steps,
                 "vllm_version": _vllm_version(),
+                # Which scheduler vLLM picked (RunbookAsyncScheduler on GPU by default).
+                "scheduler_class": type(self.scheduler).__name__,
             },
             "collector_up": self.enabled,
             "knobs": self.control.knobs(),
@@ -559,6 +567,16 @@ class RunbookSchedulerMixin:
             except Exception as exc:
                 runbook.disable(exc)
         return result
+
+    def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> Any:
+        # With reset_running_requests it preempts every running request onto
+        # `waiting`: a policy switch rebuilding that queue at the same time
+        # (the HTTP thread, while the engine is paused) would lose them.
+        runbook = self._runbook
+        if runbook is None:
+            return super().reset_prefix_cache(*args, **kwargs)  # type: ignore[misc]
+        with runbook.control.lock:
+            return super().reset_prefix_cache(*args, **kwargs)  # type: ignore[misc]
 
     def shutdown(self) -> None:
         try:

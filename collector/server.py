@@ -1,18 +1,32 @@
 """The agent's HTTP endpoint inside the engine process: /metrics (and routes
 added by the control plane).
 
-A stdlib ThreadingHTTPServer on a daemon thread: no event loop to share with
-vLLM, nothing to install, and a slow client never blocks the scheduler.
+A stdlib HTTP server on a daemon thread: no event loop to share with vLLM,
+nothing to install, and a slow client never blocks the scheduler. It runs in
+someone else's serving process, so every client is bounded (`ServerLimits`):
+- at most `max_connections` handler threads; an excess connection waits
+  `queue_seconds` for a slot, then gets a 503 and is closed;
+- a silent socket times out after `idle_timeout`; a request (line, headers,
+  body) that has not fully arrived `request_timeout` after its handler started
+  reading is cut off (a client trickling one byte at a time gains nothing);
+- a protected route checks its credentials before a byte of the body is read;
+  Content-Length must be a plain number (400), present where a body is
+  required (411) and small (413);
+- a broken client is a closed connection, never a traceback in the engine log.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
+import socket
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass, field, replace
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -22,6 +36,31 @@ from prometheus_client.exposition import choose_encoder
 logger = logging.getLogger("vllm_runbook.collector")
 
 MAX_BODY_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one client may cost the engine process."""
+
+    max_connections: int = 16
+    queue_seconds: float = 1.0
+    idle_timeout: float = 10.0
+    request_timeout: float = 15.0
+    max_body_bytes: int = MAX_BODY_BYTES
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> ServerLimits:
+        """VLLM_RUNBOOK_AGENT_MAX_CONNECTIONS and VLLM_RUNBOOK_AGENT_TIMEOUT (the
+        idle timeout; a request gets 1.5× it). ValueError on a bad value."""
+        env = dict(os.environ) if env is None else env
+        default = cls()
+        connections = int(env.get("VLLM_RUNBOOK_AGENT_MAX_CONNECTIONS", default.max_connections))
+        timeout = float(env.get("VLLM_RUNBOOK_AGENT_TIMEOUT", default.idle_timeout))
+        if connections < 1 or not timeout > 0:
+            raise ValueError(
+                "VLLM_RUNBOOK_AGENT_MAX_CONNECTIONS must be ≥ 1 and VLLM_RUNBOOK_AGENT_TIMEOUT > 0"
+            )
+        return cls(max_connections=connections, idle_timeout=timeout, request_timeout=1.5 * timeout)
 
 
 @dataclass
@@ -51,10 +90,117 @@ class Response:
 
 
 Handler = Callable[[Request], Response]
+# Looks at a request's line and headers (no body yet): a refusal, or None to go on.
+Guard = Callable[[Request], Response | None]
+
+
+def body_length(method: str, headers: dict[str, str], limit: int) -> int | Response:
+    """The body's length from the headers, or the refusal to send."""
+    if "transfer-encoding" in headers:
+        return Response.json(411, {"error": "chunked bodies are not accepted; send Content-Length"})
+    text = headers.get("content-length")
+    if text is None:
+        if method == "POST":
+            return Response.json(411, {"error": "Content-Length is required"})
+        return 0
+    text = text.strip()
+    # int() would take "+5", " 5", "5_0" and "٥"; HTTP takes ASCII digits only.
+    if not (text.isascii() and text.isdigit()) or len(text) > 18:
+        return Response.json(400, {"error": "Content-Length must be a non-negative integer"})
+    length = int(text)
+    if length > limit:
+        return Response.json(413, {"error": f"request body too large (limit {limit} bytes)"})
+    return length
+
+
+class _BoundedHTTPServer(HTTPServer):
+    """One daemon thread per connection, at most `limits.max_connections` at once."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type, limits: ServerLimits) -> None:
+        self.limits = limits
+        self.refused_connections = 0
+        self._slots = threading.BoundedSemaphore(limits.max_connections)
+        # Sockets of handlers still reading a request → when to cut them off.
+        self._deadlines: dict[socket.socket, float] = {}
+        self._deadlines_lock = threading.Lock()
+        self._closing = threading.Event()
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(timeout=self.limits.queue_seconds):
+            self._refuse(request)
+            return
+        try:
+            threading.Thread(
+                target=self._serve_connection,
+                args=(request, client_address),
+                name="vllm-runbook-agent-conn",
+                daemon=True,
+            ).start()
+        except RuntimeError:  # cannot start a thread: drop this client, keep serving
+            self._slots.release()
+            self.shutdown_request(request)
+
+    def _serve_connection(self, request: Any, client_address: Any) -> None:
+        try:
+            self.finish_request(request, client_address)
+        except Exception:
+            self.handle_error(request, client_address)
+        finally:
+            self.disarm(request)
+            self.shutdown_request(request)
+            self._slots.release()
+
+    def _refuse(self, request: socket.socket) -> None:
+        self.refused_connections += 1
+        body = b'{"error": "too many connections; retry"}\n'
+        head = (
+            "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n"
+        )
+        with contextlib.suppress(OSError):
+            request.settimeout(0.2)
+            request.sendall(head.encode() + body)
+        self.shutdown_request(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # The default prints a traceback to the engine's stderr.
+        logger.debug("vllm-runbook agent: connection from %s failed", client_address, exc_info=True)
+
+    # -- request deadlines ------------------------------------------------------
+
+    def arm(self, sock: socket.socket) -> None:
+        with self._deadlines_lock:
+            self._deadlines[sock] = time.monotonic() + self.limits.request_timeout
+
+    def disarm(self, sock: socket.socket) -> None:
+        with self._deadlines_lock:
+            self._deadlines.pop(sock, None)
+
+    def reap_forever(self) -> None:
+        """Shut down sockets whose request did not arrive in time: their
+        handler's blocked read returns at once."""
+        interval = min(0.25, self.limits.request_timeout / 4)
+        while not self._closing.wait(interval):
+            now = time.monotonic()
+            with self._deadlines_lock:
+                late = [s for s, deadline in self._deadlines.items() if deadline <= now]
+                for sock in late:
+                    del self._deadlines[sock]
+            for sock in late:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def server_close(self) -> None:
+        self._closing.set()
+        super().server_close()
 
 
 class AgentServer:
-    """Serves `routes` ((METHOD, path) → handler) plus GET /metrics of `registry`."""
+    """Serves `routes` ((METHOD, path) → handler) plus GET /metrics of `registry`.
+    A route in `guards` is refused before its body is read when its guard says so."""
 
     def __init__(
         self,
@@ -62,16 +208,21 @@ class AgentServer:
         port: int,
         registry: CollectorRegistry,
         before_scrape: Callable[[], None] | None = None,
+        limits: ServerLimits | None = None,
     ) -> None:
         self.registry = registry
         self.before_scrape = before_scrape
+        self.limits = limits or ServerLimits()
         self.routes: dict[tuple[str, str], Handler] = {("GET", "/metrics"): self._metrics}
-        self._httpd = ThreadingHTTPServer((host, port), self._handler_class())
-        self._httpd.daemon_threads = True
+        self.guards: dict[tuple[str, str], Guard] = {}
+        self._httpd = _BoundedHTTPServer((host, port), self._handler_class(), self.limits)
         address = self._httpd.server_address
         self.host, self.port = str(address[0]), int(address[1])
         self._thread = threading.Thread(
             target=self._httpd.serve_forever, name="vllm-runbook-agent", daemon=True
+        )
+        self._reaper = threading.Thread(
+            target=self._httpd.reap_forever, name="vllm-runbook-agent-reaper", daemon=True
         )
 
     @property
@@ -79,8 +230,14 @@ class AgentServer:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
 
+    @property
+    def refused_connections(self) -> int:
+        """Connections answered 503 because every handler slot was busy."""
+        return self._httpd.refused_connections
+
     def start(self) -> AgentServer:
         self._thread.start()
+        self._reaper.start()
         return self
 
     def close(self) -> None:
@@ -93,13 +250,27 @@ class AgentServer:
         encoder, content_type = choose_encoder(request.headers.get("accept", ""))
         return Response(200, encoder(self.registry), content_type)
 
+    def route(self, method: str, path: str) -> Handler | Response:
+        """The handler for (method, path), or the 404/405 to answer."""
+        handler = self.routes.get((method, path))
+        if handler is not None:
+            return handler
+        allowed = [m for (m, p) in self.routes if p == path]
+        if allowed:
+            return Response.json(405, {"error": f"method not allowed; use {allowed[0]}"})
+        return Response.json(404, {"error": f"no such path: {path}"})
+
+    def guard(self, request: Request) -> Response | None:
+        check = self.guards.get((request.method, request.path))
+        return check(request) if check is not None else None
+
     def dispatch(self, request: Request) -> Response:
-        handler = self.routes.get((request.method, request.path))
-        if handler is None:
-            allowed = [m for (m, p) in self.routes if p == request.path]
-            if allowed:
-                return Response.json(405, {"error": f"method not allowed; use {allowed[0]}"})
-            return Response.json(404, {"error": f"no such path: {request.path}"})
+        handler = self.route(request.method, request.path)
+        if isinstance(handler, Response):
+            return handler
+        refusal = self.guard(request)
+        if refusal is not None:
+            return refusal
         try:
             return handler(request)
         except Exception:  # a bug in a handler must not kill the server thread
@@ -108,26 +279,69 @@ class AgentServer:
 
     def _handler_class(self) -> type[BaseHTTPRequestHandler]:
         server = self
+        httpd_limits = self.limits
 
         class _Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
             server_version = "vllm-runbook-agent"
+            # HTTP/0.9 answers have no status line: a garbled request line gets a real 400.
+            default_request_version = "HTTP/1.1"
+            timeout = httpd_limits.idle_timeout  # socket timeout for every read and write
+
+            def handle_one_request(self) -> None:
+                server._httpd.arm(self.connection)
+                try:
+                    super().handle_one_request()
+                except OSError:  # reset, timed out, cut off at the deadline
+                    self.close_connection = True
+                finally:
+                    server._httpd.disarm(self.connection)
 
             def _serve(self, method: str) -> None:
                 parts = urlsplit(self.path)
-                length = int(self.headers.get("content-length") or 0)
-                if length > MAX_BODY_BYTES:
-                    self._send(Response.json(413, {"error": "request body too large"}))
-                    return
-                body = self.rfile.read(length) if length else b""
-                request = Request(
+                head = Request(
                     method=method,
                     path=parts.path.rstrip("/") or "/",
                     query=parse_qs(parts.query),
                     headers={k.lower(): v for k, v in self.headers.items()},
-                    body=body,
+                    body=b"",
                 )
-                self._send(server.dispatch(request))
+                handler = server.route(head.method, head.path)
+                if isinstance(handler, Response):
+                    self._refuse(handler, head)
+                    return
+                refusal = server.guard(head)  # before a byte of the body is read
+                if refusal is not None:
+                    self._refuse(refusal, head)
+                    return
+                declared = {v.strip() for v in self.headers.get_all("content-length") or []}
+                if len(declared) > 1:
+                    self._refuse(Response.json(400, {"error": "conflicting Content-Length"}), head)
+                    return
+                length = body_length(method, head.headers, httpd_limits.max_body_bytes)
+                if isinstance(length, Response):
+                    self._refuse(length, head)
+                    return
+                body = self.rfile.read(length) if length else b""
+                if len(body) < length:  # the client went away or was cut off
+                    self.close_connection = True
+                    return
+                # The request is in: a handler may take long (a control command
+                # waits for a step boundary) and must not be cut off.
+                server._httpd.disarm(self.connection)
+                try:
+                    response = handler(replace(head, body=body))
+                except Exception:  # a bug in a handler must not kill the server thread
+                    logger.exception("vllm-runbook agent: handler for %s failed", head.path)
+                    response = Response.json(500, {"error": "internal error (see engine log)"})
+                self._send(response)
+
+            def _refuse(self, response: Response, head: Request) -> None:
+                # An unread body would be parsed as the next request: close.
+                if "content-length" in head.headers or "transfer-encoding" in head.headers:
+                    self.close_connection = True
+                    response.headers = {**response.headers, "Connection": "close"}
+                self._send(response)
 
             def _send(self, response: Response) -> None:
                 self.send_response(response.status)

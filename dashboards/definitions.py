@@ -107,8 +107,8 @@ class Panels:
             "from vLLM's own counters. "
             + n.note(
                 "VllmThroughputDrop",
-                "fires when generation throughput over {window} is at least {drop_pct} below its "
-                "{baseline} baseline while requests wait, for {for}",
+                "fires when generation throughput over {window} is at least {drop_pct} below the "
+                "{baseline} that ended {window} + {for} earlier while requests wait, for {for}",
             )
             + " "
             + n.note(
@@ -139,7 +139,8 @@ class Panels:
             + n.note(
                 "VllmBatchTooLarge",
                 "fires when the P99 rose by {latency_rise_pct} against {earlier} earlier while the "
-                "prefix hit ratio fell by {hit_fall_pct} against its {baseline} baseline",
+                "prefix hit ratio fell by {hit_fall_pct} against the {baseline} that ended "
+                "{window} + {for} earlier",
             ),
             p50_p99(V.E2E_REQUEST_LATENCY),
             unit="s",
@@ -363,9 +364,9 @@ class Panels:
             "It grows with the number of requests and blocks the scheduler walks. "
             + n.note(
                 "VllmKVFragmentationSuspected",
-                "fires when the mean over {window} rose by {schedule_rise_pct} against its "
-                "{baseline} baseline while generation throughput fell by {throughput_fall_pct}, "
-                "for {for}",
+                "fires when the mean over {window} rose by {schedule_rise_pct} against the "
+                "{baseline} that ended {window} + {for} earlier while generation throughput fell "
+                "by {throughput_fall_pct}, for {for}",
             ),
             [
                 Target(Q.mean_schedule_seconds(), "mean " + ENGINE_LEGEND),

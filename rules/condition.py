@@ -152,6 +152,20 @@ def leaves(node: Expr | Condition, offset: float = 0.0) -> Iterator[tuple[Leaf, 
             yield node, offset
 
 
+def reach(expr: Expr) -> float:
+    """How far back `expr` reads: the largest offset + window among its leaves."""
+    return max(
+        (offset + getattr(leaf, "window", 0.0) for leaf, offset in leaves(expr)), default=0.0
+    )
+
+
+def baseline(expr: Expr, span: float, for_seconds: float) -> Offset:
+    """`expr` over a `span` window that ends where `expr`'s own windows and the
+    rule's `for` period begin: a change must not be in the baseline it is
+    compared with, for as long as the rule needs it to hold."""
+    return Offset(with_window(expr, span), reach(expr) + for_seconds)
+
+
 def with_window(expr: Expr, window: float) -> Expr:
     """`expr` with every window replaced: the same measure over a baseline window."""
     match expr:

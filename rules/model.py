@@ -305,7 +305,7 @@ def _bind(located: LocatedSpec, override: Mapping[str, object]) -> Rule:
             params[name] = value
     for_value = ConditionParser(params, raw.line_of("for")).value(spec.for_)
     for_seconds = _for_seconds(for_value, raw.line_of("for"))
-    parser = ConditionParser(params, raw.line_of("condition"))
+    parser = ConditionParser(params, raw.line_of("condition"), for_seconds)
     condition = parser.condition(raw["condition"])
     for key in ("summary", "description"):
         try:

@@ -11,7 +11,8 @@ Forms (a bare string is a gauge's latest value):
                   {max|min|sum|spread: EXPR, over: gpu}
                   {offset: EXPR, by: 30m}
                   {change: EXPR, vs_earlier: 30m}    EXPR now / EXPR 30m ago
-                  {change: EXPR, vs_baseline: 1h}    EXPR now / EXPR over a 1h window
+                  {change: EXPR, vs_baseline: 1h}    EXPR now / EXPR over the 1h that
+                                                     ends before EXPR's window and `for`
     conditions    {expr: EXPR, above|at_least|below|at_most: NUMBER}
                   {rising|falling: EXPR, vs_earlier|vs_baseline: D, by_at_least: X}
                   {all: [COND, ...]} | {any: [COND, ...]}
@@ -53,9 +54,12 @@ _EXPR_KINDS = (
 class ConditionParser:
     """Parses one rule's condition; `params` are the bound parameter values."""
 
-    def __init__(self, params: Mapping[str, object], line: int | None = None) -> None:
+    def __init__(
+        self, params: Mapping[str, object], line: int | None = None, for_seconds: float = 0.0
+    ) -> None:
         self.params = params
         self.line = line
+        self.for_seconds = for_seconds  # the rule's `for`: baselines end before it
 
     # -- helpers ---------------------------------------------------------------
     def fail(
@@ -203,7 +207,7 @@ class ConditionParser:
         if vs[0] == "vs_earlier":
             return C.Ratio(now, C.Offset(now, span))
         try:
-            return C.Ratio(now, C.with_window(now, span))
+            return C.Ratio(now, C.baseline(now, span, self.for_seconds))
         except ValueError as exc:
             self.fail(str(exc), node)
 
@@ -254,9 +258,9 @@ class _Line:
 
 
 def parse_condition(
-    raw: object, params: Mapping[str, object], line: int | None = None
+    raw: object, params: Mapping[str, object], line: int | None = None, for_seconds: float = 0.0
 ) -> C.Condition:
-    return ConditionParser(params, line).condition(raw)
+    return ConditionParser(params, line, for_seconds).condition(raw)
 
 
 def signals_used(cond: C.Condition) -> set[Signal]:

@@ -21,6 +21,7 @@ from vllm_runbook.runbooks.client import CommandRefused, EngineClient, EngineCli
 from vllm_runbook.runbooks.service import serve_cli
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_ENGINE = 0, 1, 2, 3
+DEFAULT_TIMEOUT = 35.0  # a knob change may wait up to 30 s for a step boundary
 
 
 class UsageError(Exception):
@@ -41,6 +42,8 @@ def read_engines_file(path: str) -> list[str]:
         text = Path(path).read_text()
     except OSError as exc:
         raise UsageError(f"cannot read engines file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"engines file {path} is not UTF-8 text") from None
     if path.endswith((".yaml", ".yml")):
         try:
             data = yaml.safe_load(text) or {}
@@ -172,7 +175,7 @@ def parse_assignments(items: Sequence[str]) -> dict[str, Any]:
 def cmd_status(args: argparse.Namespace) -> int:
     states = []
     for url in engine_urls(args):
-        client = EngineClient(url, args.token)
+        client = EngineClient(url, args.token, timeout=args.timeout)
         states.append((client.url, client.state()))
     if args.json:
         print(json.dumps([{"url": u, **s} for u, s in states], indent=2, sort_keys=True))
@@ -185,7 +188,7 @@ def _each_engine(args: argparse.Namespace, action: Any) -> int:
     code, results = EXIT_OK, []
     for url in engine_urls(args):
         try:
-            client = EngineClient(url, args.token)
+            client = EngineClient(url, args.token, timeout=args.timeout)
             result = action(client)
         except EngineClientError as exc:
             print(f"runbook: error: {exc}", file=sys.stderr)
@@ -210,6 +213,16 @@ def cmd_restore(args: argparse.Namespace) -> int:
     return _each_engine(args, lambda c: c.restore(dry_run=args.dry_run))
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError("must be a number of seconds > 0")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="runbook", description="vLLM observability and runbook automation")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -229,6 +242,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--token",
             help="agent token (default: VLLM_RUNBOOK_TOKEN, or the token a local agent stored)",
+        )
+        p.add_argument(
+            "--timeout",
+            type=_positive_seconds,
+            default=DEFAULT_TIMEOUT,
+            metavar="S",
+            help=f"seconds to wait for each engine's answer (default {DEFAULT_TIMEOUT:g})",
         )
         p.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -277,6 +297,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except EngineClientError as exc:
         print(f"runbook: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except UnicodeDecodeError as exc:
+        # A binary file where text (a config, a rule or runbook file) was expected.
+        print(f"runbook: error: a file given is not UTF-8 text ({exc.reason})", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
 

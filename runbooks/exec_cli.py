@@ -51,6 +51,13 @@ def _non_negative(text: str) -> float:
     return value
 
 
+def _positive(text: str) -> float:
+    value = _non_negative(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError("must be > 0")
+    return value
+
+
 def add_subcommands(subparsers: Any) -> None:
     """Mount `exec` and `revert` on the `runbook` command's subparsers."""
     p = subparsers.add_parser("exec", help="run a runbook against an engine (guarded, journaled)")
@@ -105,6 +112,13 @@ def add_subcommands(subparsers: Any) -> None:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token", help="agent token (default: VLLM_RUNBOOK_TOKEN or the local one)")
+    p.add_argument(
+        "--timeout",
+        type=_positive,
+        default=35.0,
+        metavar="S",
+        help="seconds to wait for each answer of the engine's agent (default 35)",
+    )
     p.add_argument("--who", help="who is acting (default: the login name)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--db", metavar="URL", help="database URL (default: $RUNBOOK_DB_URL or SQLite)")
@@ -123,7 +137,7 @@ def _executor(args: argparse.Namespace, store: Store) -> Executor:
 
     registry = engine_registry()
     catalog = load_catalog(args.catalog, registry=registry)
-    token = args.token
+    token, timeout = args.token, args.timeout
     api_urls = {}
     if getattr(args, "vllm", None):
         api_urls[normalize_url(args.engine)] = _api_url(args.vllm)
@@ -131,7 +145,7 @@ def _executor(args: argparse.Namespace, store: Store) -> Executor:
         store,
         catalog,
         registry,
-        client_factory=lambda url: EngineClient(url, token),
+        client_factory=lambda url: EngineClient(url, token, timeout=timeout),
         poll_seconds=args.poll_seconds or 0.05,
         api_urls=api_urls,
     )

@@ -5,6 +5,9 @@ GET  /healthz                 liveness, and whether the store answers
 GET  /metrics                 the service's own metrics
 GET  /api/executions          the journal (JSON)
 GET  /api/incidents           incidents recorded by the rule evaluator (JSON)
+
+The /api reads show engines, alert labels and reasons. Bound off loopback
+(`protect_reads`) they need credentials: the webhook's, or the read token.
 """
 
 from __future__ import annotations
@@ -78,10 +81,30 @@ def create_app(
     *,
     metrics: ServiceMetrics | None = None,
     status: Callable[[], dict[str, Any]] | None = None,
+    protect_reads: bool = False,
+    read_credentials: Credentials | None = None,
 ) -> FastAPI:
-    """The app; `status` adds to /healthz (e.g. whether this replica leads the rules)."""
+    """The app; `status` adds to /healthz (e.g. whether this replica leads the rules).
+    `protect_reads`: /api reads need `credentials` or `read_credentials`
+    (`runbook serve` sets it when bound off loopback)."""
     if not credentials.token and not credentials.password:
         raise ValueError("the webhook needs a token or basic-auth credentials")
+
+    def may_read(request: Request) -> bool:
+        if not protect_reads:
+            return True
+        header = request.headers.get("authorization")
+        return credentials.check(header) or (
+            read_credentials is not None and read_credentials.check(header)
+        )
+
+    def unauthorized() -> JSONResponse:
+        return JSONResponse(
+            {"error": "unauthorized"},
+            status_code=401,
+            headers={"WWW-Authenticate": 'Bearer realm="vllm-runbook"'},
+        )
+
     metrics = metrics or ServiceMetrics()
     committer = GroupCommitter(store, router)
     app = FastAPI(title="vllm-runbook", version="0.1.0")
@@ -156,7 +179,9 @@ def create_app(
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/api/executions")
-    def executions(engine: str | None = None, limit: int = 50) -> Response:
+    def executions(request: Request, engine: str | None = None, limit: int = 50) -> Response:
+        if not may_read(request):
+            return unauthorized()
         try:
             rows = store.list_executions(engine, limit=max(1, min(limit, 1000)))
         except StoreError as exc:
@@ -164,7 +189,9 @@ def create_app(
         return JSONResponse([r.to_dict() for r in rows])
 
     @app.get("/api/incidents")
-    def incidents(open_only: bool = False) -> Response:
+    def incidents(request: Request, open_only: bool = False) -> Response:
+        if not may_read(request):
+            return unauthorized()
         try:
             rows = store.list_incidents(open_only=open_only)
         except StoreError as exc:

@@ -19,7 +19,7 @@ def add_subcommands(subparsers: Any) -> None:
     p = subparsers.add_parser("serve", help="Alertmanager webhooks, rule evaluation, remediation")
     p.add_argument("--config", metavar="FILE", help="configuration file (default: built-in)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    p.add_argument("--port", type=_port, default=8080, help="port (default 8080)")
     p.add_argument(
         "--db",
         metavar="URL",
@@ -40,6 +40,24 @@ def add_subcommands(subparsers: Any) -> None:
         help="record executions but run none (another replica runs them)",
     )
     p.set_defaults(func=cmd_serve)
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number (0-65535)")
+    return port
+
+
+def read_credentials_from_env() -> Any:
+    """An optional token that may read the /api routes but not post webhooks."""
+    from vllm_runbook.runbooks.service.app import Credentials
+
+    token = os.environ.get("RUNBOOK_READ_TOKEN", "").strip()
+    return Credentials(token=token) if token else None
 
 
 def _read_secret(path: Path, what: str) -> str:
@@ -157,7 +175,15 @@ def build(
         )
     status = (lambda: {"rules_leader": leader.is_leader}) if leader is not None else None
     app = create_app(
-        store, router, credentials_from(config, host), runner, metrics=metrics, status=status
+        store,
+        router,
+        credentials_from(config, host),
+        runner,
+        metrics=metrics,
+        status=status,
+        # Off loopback the journal's reads (engines, alert labels, reasons) need credentials.
+        protect_reads=not is_loopback(host),
+        read_credentials=read_credentials_from_env(),
     )
     return config, store, app, runner, leader
 

@@ -64,8 +64,12 @@ CASES: tuple[Case, ...] = (
     # (promtool's notation has no `NaNxN`: the NaNs are spelled out.)
     Case("VllmKVCacheHitRatioLow", "quiet", (series(KV_HIT, "0.9x19" + " NaN" * 41),), 1200, None),
     # From sample 121 schedule() takes 100 ms instead of 1 ms and generation stops.
-    # Mean-time ratio >= 1.5 at once; throughput 5m/1h <= 0.9 from sample 122
-    # (3660 s; 3630 s with left-open ranges), `for` 10m -> 4260 (4230).
+    # Mean-time ratio >= 1.5 at once. The baseline is the hour ending 15m (window
+    # + `for`) back, which reaches before the first sample: its rate is
+    # extrapolated only half an interval past the data (at 3720 s: 282000 over
+    # 2820 s of samples -> 283500 / 3600 = 78.75/s, not 100/s). Throughput over
+    # 5m: 18000 / 300 = 60/s at 3720 -> 0.76 <= 0.9 (at 3660: 80 / 77.1 = 1.04).
+    # True from 3720 (3690 left-open), `for` 10m -> 4320 (4290).
     Case(
         "VllmKVFragmentationSuspected",
         "fire",
@@ -75,8 +79,8 @@ CASES: tuple[Case, ...] = (
             series(GEN, "0+3000x120 360000x119"),
         ),
         2 * H,
-        4260,
-        fires_at_left_open=4230,
+        4320,
+        fires_at_left_open=4290,
     ),
     # Same slow-down, throughput steady: not fragmentation.
     Case(
@@ -263,7 +267,11 @@ CASES: tuple[Case, ...] = (
         2 * H,
         None,
     ),
-    # Throughput halves from sample 121; 5m/1h <= 0.9 from sample 123 (3690 s) -> 3990.
+    # Throughput halves from sample 121. Baseline: the hour ending 10m (window +
+    # `for`) back, extrapolated past the first sample as above: at 3750 s,
+    # 315000 over 3150 s -> 316500 / 3600 = 87.9/s; over 5m 22500 / 300 = 75/s
+    # -> 0.853 <= 0.9 (at 3720: 80 / 87.1 = 0.919). True from 3750 (3720
+    # left-open) -> 4050 (4020).
     Case(
         "VllmThroughputDrop",
         "fire",
@@ -272,8 +280,8 @@ CASES: tuple[Case, ...] = (
             series(WAITING, "2x240"),
         ),
         2 * H,
-        3990,
-        fires_at_left_open=3960,
+        4050,
+        fires_at_left_open=4020,
     ),
     # Same drop with an empty queue: demand fell, not the engine.
     Case(
@@ -387,6 +395,104 @@ CASES: tuple[Case, ...] = (
             series(GPU_UTIL, "0.6x19 0.5x40", gpu="1"),
         ),
         1800,
+        None,
+    ),
+    # -- baselines end before the comparison window and the `for` period --
+    # Each rule that compares with a trailing baseline gets a sustained step at
+    # 1.1x its threshold, held for twice its `for` after 90 min of steady history
+    # (the step is between samples 180 and 181, 5400 s), and the same step at
+    # 0.9x, which must not fire. A 5m window holds 10 intervals; the ratio
+    # passes 1.1x a threshold only once all 10 are after the step (9 of 10 give
+    # e.g. 0.9 * 2670 + 0.1 * 3000 = 2703 of 3000 = 0.901 > 0.9): true from
+    # 5700 s. The baseline (the hour that ends `window + for` before now) holds
+    # none of the step until 5400 + 5m + `for`, after the rule has fired.
+    # Schedule time x1.55 (threshold x1.5), throughput x0.89 (threshold 0.9):
+    # true from 5700, `for` 10m -> 6300.
+    Case(
+        "VllmKVFragmentationSuspected",
+        "fire-1.1x-threshold",
+        (
+            series(SCHED_COUNT, "0+100x220"),
+            series(SCHED_SUM, "0+0.1x180 18.155+0.155x40"),
+            series(GEN, "0+3000x180 542670+2670x40"),
+        ),
+        5400 + 2 * 600 + 60,
+        6300,
+        fires_at_left_open=6270,
+    ),
+    # The case: +70 % schedule time, -25 % throughput, sustained for an
+    # hour; with the baseline absorbing the rise this never fired. 8 of 10
+    # intervals after the step pass both (1.56, 0.8): true from 5640, -> 6240.
+    Case(
+        "VllmKVFragmentationSuspected",
+        "fire-sustained-70pct",
+        (
+            series(SCHED_COUNT, "0+100x300"),
+            series(SCHED_SUM, "0+0.1x180 18.17+0.17x120"),
+            series(GEN, "0+3000x180 542250+2250x120"),
+        ),
+        5400 + 3600,
+        6240,
+        fires_at_left_open=6210,
+    ),
+    # x1.45 and x0.91: below both thresholds.
+    Case(
+        "VllmKVFragmentationSuspected",
+        "quiet-0.9x-threshold",
+        (
+            series(SCHED_COUNT, "0+100x220"),
+            series(SCHED_SUM, "0+0.1x180 18.145+0.145x40"),
+            series(GEN, "0+3000x180 542730+2730x40"),
+        ),
+        5400 + 2 * 600 + 60,
+        None,
+    ),
+    # Throughput x0.89 (drop 0.1), requests waiting: true from 5700, `for` 5m -> 6000.
+    Case(
+        "VllmThroughputDrop",
+        "fire-1.1x-threshold",
+        (
+            series(GEN, "0+3000x180 542670+2670x21"),
+            series(WAITING, "2x201"),
+        ),
+        5400 + 2 * 300 + 60,
+        6000,
+        fires_at_left_open=5970,
+    ),
+    Case(
+        "VllmThroughputDrop",
+        "quiet-0.9x-threshold",
+        (
+            series(GEN, "0+3000x180 542730+2730x21"),
+            series(WAITING, "2x201"),
+        ),
+        5400 + 2 * 300 + 60,
+        None,
+    ),
+    # Hit ratio 0.9 -> 0.801 (x0.89, hit_fall 0.1) while P99 latency moves from the
+    # 0.5 s bucket to the 2.5 s one (far above x1.5 of 30m earlier): true from 5700,
+    # `for` 5m -> 6000.
+    Case(
+        "VllmBatchTooLarge",
+        "fire-1.1x-threshold",
+        (
+            series(M.PREFIX_CACHE_QUERIES.series_name, "0+1000x201"),
+            series(M.PREFIX_CACHE_HITS.series_name, "0+900x180 162801+801x21"),
+            *latency(181, 202),
+        ),
+        5400 + 2 * 300 + 60,
+        6000,
+        fires_at_left_open=5970,
+    ),
+    Case(
+        "VllmBatchTooLarge",
+        "quiet-0.9x-threshold",
+        (
+            series(M.PREFIX_CACHE_QUERIES.series_name, "0+1000x201"),
+            series(M.PREFIX_CACHE_HITS.series_name, "0+900x180 162819+819x21"),
+            *latency(181, 202),
+        ),
+        5400 + 2 * 300 + 60,
         None,
     ),
 )
