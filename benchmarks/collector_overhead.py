@@ -30,9 +30,7 @@ os.environ.setdefault("VLLM_RUNBOOK_PORT", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # The table's header row, as docs/benchmarks.md shows it (a test compares them).
-HEADER = (
-    " running | tok/s without | tok/s with |  ratio | hook µs/step | share of step | steps"
-)
+HEADER = " running | tok/s without | tok/s with |  ratio | hook µs/step | share of step | steps"
 
 ENGINE_ARGS = dict(
     block_size=32,
