@@ -112,7 +112,7 @@ class RulesService:
         return events
 
     def close(self) -> None:
-        self.scraper.client.close()
+        self.scraper.close()
 
     def start(self, scheduler: BaseScheduler) -> Job:
         """Run the cycle every `rules.evaluation_interval` on `scheduler`."""

@@ -13,7 +13,7 @@ from vllm_runbook.collector import metrics as M
 from vllm_runbook.rules.evaluator import Evaluator, store_for_rules
 from vllm_runbook.rules.incidents import MemoryIncidentSink
 from vllm_runbook.rules.model import load_catalog
-from vllm_runbook.rules.scrape import Scraper, Target
+from vllm_runbook.rules.scrape import NO_BACKOFF, Scraper, Target
 
 RULES = load_catalog().bind({"VllmOOMPressure": {"for": "0s"}})
 
@@ -86,7 +86,7 @@ def test_unreachable_target_is_counted_not_raised(server: tuple[str, Exposition]
     url, exp = server
     dead = Target(f"http://127.0.0.1:{free_port()}/metrics", "gone")
     store = store_for_rules(RULES)
-    scraper = Scraper(store, [dead, Target(url, "llama-0")], timeout=2.0)
+    scraper = Scraper(store, [dead, Target(url, "llama-0")], timeout=2.0, backoff=NO_BACKOFF)
     exp.usage.labels(model_name="tiny", engine="0").set(0.5)
     results = scraper.scrape_once(now=1.0)
     assert [(r.ok, r.reason) for r in results] == [(False, "unreachable"), (True, None)]
@@ -97,6 +97,7 @@ def test_unreachable_target_is_counted_not_raised(server: tuple[str, Exposition]
     )
     assert value == 2.0
     assert scraper.up == {dead.url: False, url: True}
+    scraper.close()
 
 
 def test_http_error_and_garbage_are_counted(server: tuple[str, Exposition]) -> None:
