@@ -9,7 +9,8 @@ every problem if any rule is broken: the service refuses to start rather
 than run with a rule silently dropped.
 
 With `metrics` (the service's, vllm_runbook.runbooks.service.telemetry) each evaluation's
-wall time, the scrape errors and the firing incidents per alert are exported.
+wall time, the scrape errors and durations per target and the firing incidents per alert
+are exported.
 Several replicas run the cycle through vllm_runbook.runbooks.service.leader: one at a time.
 """
 
@@ -75,6 +76,7 @@ class RulesService:
             timeout=scrape_timeout,
             clock=clock,
             errors=metrics.scrape_errors if metrics is not None else None,
+            observer=metrics,
         )
         recorder: SqlIncidentSink | MemoryIncidentSink = (
             SqlIncidentSink(store, clock=clock) if store is not None else MemoryIncidentSink()

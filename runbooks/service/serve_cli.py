@@ -146,6 +146,7 @@ def build(
 
         hook = ExecutorHook(store, runner) if runner is not None else None
         RulesService.from_config(config).close()  # a broken catalog fails the start, not a cycle
+        metrics.rules_evaluation_interval.set(config.evaluation_interval)
         leader = RulesLeader(
             store,
             lambda: RulesService.from_config(config, store=store, hook=hook, metrics=metrics),

@@ -13,11 +13,14 @@ import socket
 import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
+import yaml
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from vllm_runbook.collector import metrics as M
+from vllm_runbook.rules.config import load_config
 from vllm_runbook.rules.evaluator import store_for_rules
 from vllm_runbook.rules.model import load_catalog
 from vllm_runbook.rules.scrape import (
@@ -32,7 +35,11 @@ from vllm_runbook.rules.scrape import (
     _line_finder,
     parse_wanted,
 )
+from vllm_runbook.rules.service import RulesService
 from vllm_runbook.rules.signals import SIGNALS
+from vllm_runbook.runbooks.service.leader import RulesLeader
+from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
+from vllm_runbook.runbooks.store import Store
 
 RULES = load_catalog().bind()
 GOOD = b'vllm_runbook_kv_cache_usage_peak_ratio{engine="0",model_name="m"} 0.5\n'
@@ -400,3 +407,61 @@ def test_sequential_mode_is_concurrency_one(fleet: Fleet) -> None:
         scraper.scrape_once(now=5.0)
     assert seen_in_flight == [1] * 10
     assert errors(scraper, dead.url, "unreachable") == 2.0
+
+
+# -- what the service exports ------------------------------------------------------------
+
+
+def test_the_leader_exports_cycle_time_and_per_target_scrape_durations(
+    tmp_path: Path, fleet: Fleet, incident_store: Store
+) -> None:
+    live = fleet.target("live", ok)
+    dead = dead_url()
+    config_path = tmp_path / "runbook.yaml"
+    config_path.write_text(
+        yaml.safe_dump(
+            {
+                "engines": [
+                    {"name": "live", "agent": live.url.removesuffix("/metrics")},
+                    {"name": "gone", "agent": dead.removesuffix("/metrics")},
+                ],
+                "rules": {"evaluation_interval": "5s"},
+            }
+        ),
+        encoding="utf-8",
+    )
+    config = load_config(config_path)
+    metrics = ServiceMetrics(scrape_targets=[live.url, dead])
+    times = iter([1000.0, 1005.0])
+    leader = RulesLeader(
+        incident_store,
+        lambda: RulesService.from_config(config, metrics=metrics),
+        60.0,
+        metrics=metrics,
+        clock=lambda: next(times),
+    )
+
+    def value(name: str, labels: dict[str, str] | None = None) -> float | None:
+        return metrics.registry.get_sample_value(name, labels or {})
+
+    def durations() -> set[str]:
+        return {
+            s.labels["target"] for s in metrics.scrape_duration.collect()[0].samples if s.value > 0
+        }
+
+    prefix = "vllm_runbook_service_"
+    try:
+        assert leader.cycle()
+        assert durations() == {live.url, dead}
+        assert value(prefix + "rules_cycle_seconds_count") == 1.0
+        assert value(prefix + "scrape_targets_backed_off") == 0.0
+        assert leader.cycle()  # 5 s later: the dead target is backed off (10 s)
+        assert value(prefix + "rules_cycle_seconds_count") == 2.0
+        assert value(prefix + "scrape_targets_backed_off") == 1.0
+        errors = {"target": dead, "reason": "unreachable"}
+        assert value(prefix + "scrape_errors_total", errors) == 1.0
+        assert fleet.requests["/live/metrics"] == 2
+    finally:
+        leader.stop()
+    assert durations() == set()  # a follower reports no scrapes
+    assert value(prefix + "scrape_targets_backed_off") == 0.0
