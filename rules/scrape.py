@@ -36,8 +36,8 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, cast
 
-import httpx
 from prometheus_client import CollectorRegistry, Counter
+from vllm_runbook.rules.fetch import Fetcher, FetchError
 from vllm_runbook.rules.window import Series, WindowStore
 from vllm_runbook.runbooks import service_metrics as S
 
@@ -126,7 +126,6 @@ class Scraper:
         store: WindowStore,
         targets: Sequence[Target],
         *,
-        client: httpx.AsyncClient | None = None,
         timeout: float = 5.0,
         concurrency: int = 32,
         backoff: Backoff = Backoff(),
@@ -136,8 +135,7 @@ class Scraper:
         clock: Callable[[], float] = time.time,
     ) -> None:
         """`errors`: the service's scrape-error counter (S.SCRAPE_ERRORS), when
-        the service exports it; else one is built on `registry` (or a private one).
-        `client` is used on the scraper's own event loop only."""
+        the service exports it; else one is built on `registry` (or a private one)."""
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
         self.store = store
@@ -146,15 +144,7 @@ class Scraper:
         self.concurrency = concurrency
         self.backoff = backoff
         # Every target keeps its connection between cycles (Prometheus does the same).
-        self.client = client or httpx.AsyncClient(
-            timeout=None,  # `timeout` bounds the whole request (asyncio), not each read
-            limits=httpx.Limits(
-                max_connections=None,
-                max_keepalive_connections=max(len(self.targets), concurrency),
-                keepalive_expiry=120.0,
-            ),
-            headers={"Accept": "text/plain"},
-        )
+        self.client = Fetcher()
         self.clock = clock
         self.registry = registry or CollectorRegistry()
         self.errors = errors or cast(Counter, S.build(S.SCRAPE_ERRORS, self.registry))
@@ -208,11 +198,11 @@ class Scraper:
         out = _Fetched()
         try:
             async with asyncio.timeout(self.timeout):
-                response = await self.client.get(target.url)
-            out.status, out.text = response.status_code, response.text
+                out.status, body = await self.client.get(target.url)
+            out.text = body.decode("utf-8", "replace")
         except TimeoutError:
             out.reason, out.error = UNREACHABLE, f"no answer within {self.timeout:g} s"
-        except httpx.HTTPError as exc:
+        except (OSError, EOFError, ValueError, asyncio.LimitOverrunError, FetchError) as exc:
             out.reason, out.error = UNREACHABLE, f"{type(exc).__name__}: {exc}"
         out.seconds = time.perf_counter() - started
         return out
@@ -311,7 +301,7 @@ class Scraper:
         loop, self._loop = self._loop, None
         if loop is None:
             return
-        asyncio.run_coroutine_threadsafe(self.client.aclose(), loop).result()
+        loop.call_soon_threadsafe(self.client.close)
         loop.call_soon_threadsafe(loop.stop)
         if self._thread is not None:
             self._thread.join()

@@ -90,7 +90,7 @@ def test_unreachable_target_is_counted_not_raised(server: tuple[str, Exposition]
     exp.usage.labels(model_name="tiny", engine="0").set(0.5)
     results = scraper.scrape_once(now=1.0)
     assert [(r.ok, r.reason) for r in results] == [(False, "unreachable"), (True, None)]
-    assert results[0].error and results[0].error.startswith("ConnectError")
+    assert results[0].error and results[0].error.startswith("ConnectionRefusedError")
     scraper.scrape_once(now=2.0)
     value = scraper.registry.get_sample_value(
         "vllm_runbook_service_scrape_errors_total", {"target": dead.url, "reason": "unreachable"}
