@@ -17,7 +17,9 @@ target over HTTP, parse, ingest, evaluate the whole catalog. Columns (median
 over the cycles): scrape = the scrape's wall time less the parse, parse =
 parsing and storing the samples, evaluate = the catalog, total = the cycle;
 worst = the slowest cycle (one that retries the dead targets waits for their
-timeout); memory = the scraping process' peak RSS.
+timeout); cpu = the scraping process' CPU seconds per cycle (median: on a
+machine others load, the wall times grow, this does not); peak MB = the
+scraping process' peak RSS.
 
 Two scrapers side by side: `sequential` is the former one (one target after
 another, every target every cycle, samples parsed by prometheus_client's
@@ -228,6 +230,7 @@ def measure(
     with scraper:
         for c in range(1, cycles + 1):
             t = now + c * INTERVAL
+            cycle_cpu = time.process_time()
             results = scraper.scrape_once(t)
             cycle = scraper.last_cycle
             assert cycle is not None
@@ -240,6 +243,7 @@ def measure(
                     "parse": cycle.parse_seconds,
                     "evaluate": evaluate,
                     "total": cycle.seconds + evaluate,
+                    "cpu": time.process_time() - cycle_cpu,
                     "ok": sum(r.ok for r in results),
                     "failed": cycle.failed,
                     "skipped": cycle.skipped,
@@ -322,7 +326,7 @@ def main() -> None:
     header = (
         f"{'engines':>7} {'targets':>7} {'scraper':>10} {'cycles':>6} {'series':>7} "
         f"{'scrape s':>8} {'parse s':>7} {'eval s':>6} {'total s':>7} {'worst s':>7} "
-        f"{'failed':>6} {'skipped':>7} {'peak MB':>7}"
+        f"{'cpu s':>6} {'failed':>6} {'skipped':>7} {'peak MB':>7}"
     )
     print(header)
     for engines in args.engines:
@@ -350,6 +354,7 @@ def main() -> None:
                     f"{engines:>7} {n:>7} {mode:>10} {len(rows):>6} {r['series']:>7} "
                     f"{med('scrape'):>8.2f} {med('parse'):>7.2f} {med('evaluate'):>6.2f} "
                     f"{med('total'):>7.2f} {max(row['total'] for row in rows):>7.2f} "
+                    f"{med('cpu'):>6.2f} "
                     f"{sum(row['failed'] for row in rows):>6} "
                     f"{sum(row['skipped'] for row in rows):>7} {r['rss_mb']:>7.0f}",
                     flush=True,

@@ -38,7 +38,7 @@ from typing import Any, Protocol, TypeVar, cast
 
 from prometheus_client import CollectorRegistry, Counter
 from vllm_runbook.rules.fetch import Fetcher, FetchError
-from vllm_runbook.rules.window import Series, WindowStore
+from vllm_runbook.rules.window import EngineSeries, Series, WindowStore
 from vllm_runbook.runbooks import service_metrics as S
 
 log = logging.getLogger(__name__)
@@ -154,6 +154,8 @@ class Scraper:
         self.last_cycle: ScrapeCycle | None = None
         self._failing: dict[str, str] = {}
         self._lines = _line_finder(store)
+        # target URL -> (name, labels text) -> (series, its engine, the engine's version)
+        self._known: dict[str, dict[tuple[str, str], tuple[Series, EngineSeries, int]]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -243,12 +245,36 @@ class Scraper:
 
     def ingest(self, target: Target, text: str, now: float, seen: set[Series]) -> int:
         """Parse `text`; store only the series some rule reads. Returns samples stored.
-        ExpositionError (nothing stored) when a wanted line does not parse."""
-        samples = parse_wanted(text, self._lines)
-        count = 0
-        for name, labels, value in samples:
-            if self.store.add(target.instance, name, labels, now, value, seen) is not None:
-                count += 1
+        ExpositionError (nothing stored) when a wanted line does not parse.
+
+        A series seen before on this target is appended to directly (looked up by
+        its name and the text of its labels): no label parsing, no store look-up,
+        unless its engine gained or lost a series since (EngineSeries.version)."""
+        samples = raw_samples(text, self._lines)
+        known = self._known.setdefault(target.url, {})
+        if len(known) > 2 * len(samples) + 64:
+            known.clear()  # series that went away: forget them
+        fresh: list[tuple[str, str, dict[str, str], float]] = []
+        hits: list[tuple[Series, EngineSeries, float]] = []
+        for name, block, value, line in samples:  # nothing stored before all parsed
+            hit = known.get((name, block))
+            if hit is not None and hit[1].version == hit[2]:
+                hits.append((hit[0], hit[1], value))
+            else:
+                fresh.append((name, block, _labels(block[1:-1], line) if block else {}, value))
+        for series, engine, value in hits:
+            series.append(now, value)
+            if now > engine.last_ts:
+                engine.last_ts = now
+            seen.add(series)
+        count = len(hits)
+        for name, block, labels, value in fresh:
+            added = self.store.add(target.instance, name, labels, now, value, seen)
+            if added is None:
+                continue
+            count += 1
+            engine = self.store.engines[(target.instance, labels["model_name"], labels["engine"])]
+            known[(name, block)] = (added, engine, engine.version)
         return count
 
     def _skipped(self, target: Target) -> ScrapeResult:
@@ -358,10 +384,12 @@ def _trie(words: list[str]) -> str:
     return walk(tree)
 
 
-def parse_wanted(text: str, lines: re.Pattern[str]) -> list[tuple[str, dict[str, str], float]]:
-    """(name, labels, value) of every sample on the lines `lines` finds; the rest of
-    the text (comments, other families) is skipped unparsed. ExpositionError on
-    the first wanted line that does not parse."""
+def raw_samples(text: str, lines: re.Pattern[str]) -> list[tuple[str, str, float, str]]:
+    """(name, labels block as written, value, line) of every sample on the lines `lines`
+    finds; the rest of the text (comments, other families) is skipped unparsed.
+    ExpositionError on the first wanted line that does not parse (the inside of the
+    labels block is checked by `_labels`, which the caller runs on a block it has not
+    seen before)."""
     out = []
     for match in lines.finditer("\n" + text):
         name, rest = match.group(1), match.group(2)
@@ -372,9 +400,17 @@ def parse_wanted(text: str, lines: re.Pattern[str]) -> list[tuple[str, dict[str,
             value = float(sample.group("value"))
         except ValueError:
             raise ExpositionError(f"bad value in line: {name + rest[:200]!r}") from None
-        block = sample.group("labels")
-        out.append((name, _labels(block[1:-1], name + rest) if block else {}, value))
+        block = sample.group("labels") or ""
+        out.append((name, block, value, name + rest))
     return out
+
+
+def parse_wanted(text: str, lines: re.Pattern[str]) -> list[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) of every sample `raw_samples` finds."""
+    return [
+        (name, _labels(block[1:-1], line) if block else {}, value)
+        for name, block, value, line in raw_samples(text, lines)
+    ]
 
 
 def _labels(inner: str, line: str) -> dict[str, str]:

@@ -37,6 +37,7 @@ from vllm_runbook.rules.scrape import (
 )
 from vllm_runbook.rules.service import RulesService
 from vllm_runbook.rules.signals import SIGNALS
+from vllm_runbook.rules.window import Series, WindowStore
 from vllm_runbook.runbooks.service.leader import RulesLeader
 from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
 from vllm_runbook.runbooks.store import Store
@@ -465,3 +466,50 @@ def test_the_leader_exports_cycle_time_and_per_target_scrape_durations(
         leader.stop()
     assert durations() == set()  # a follower reports no scrapes
     assert value(prefix + "scrape_targets_backed_off") == 0.0
+
+
+def test_known_series_are_stored_as_a_full_parse_would(fleet: Fleet) -> None:
+    """Scrapes whose series come and go (engine versions change): the store holds
+    exactly what parsing every sample and adding it would hold."""
+    bodies = [
+        _fixture_exposition(),
+        _fixture_exposition().replace(b'engine="1"', b'engine="1",extra="x"'),
+        _fixture_exposition().replace(b"0.97", b"0.5"),
+        _fixture_exposition(),
+    ]
+    turn = {"n": 0}
+
+    def changing(_path: str) -> tuple[int, bytes]:
+        return 200, bodies[turn["n"]]
+
+    target = fleet.target("changing", changing)
+    store, reference = store_for_rules(RULES), store_for_rules(RULES)
+    lines = _line_finder(reference)
+    with Scraper(store, [target]) as scraper:
+        for n, body in enumerate(bodies):
+            turn["n"] = n
+            now = 10.0 * (n + 1)
+            [result] = scraper.scrape_once(now=now)
+            seen: set[Series] = set()
+            expected = 0
+            for name, labels, value in parse_wanted(body.decode(), lines):
+                if reference.add("changing", name, labels, now, value, seen) is not None:
+                    expected += 1
+            reference.end_scrape(target.url, now, seen)
+            assert (result.ok, result.samples) == (True, expected)
+
+    def contents(s: WindowStore) -> dict[object, object]:
+        return {
+            (key, name, tuple(sorted(series.labels.items()))): (
+                list(series.ts),
+                list(series.values),
+                series.stale_at,
+            )
+            for key, eng in s.engines.items()
+            for name, lst in eng.by_name.items()
+            for series in lst
+        }
+
+    assert contents(store) == contents(reference)
+    # The fixture stores 9 series (its unlabelled counter names no engine), + 1 relabelled.
+    assert len(contents(store)) == 10
