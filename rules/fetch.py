@@ -135,7 +135,8 @@ def _head(raw: bytes) -> tuple[int, dict[str, str]]:
 
 
 async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
-    chunks, total = [], 0
+    chunks: list[bytes] = []
+    total = 0
     while True:
         line = await reader.readuntil(b"\r\n")
         try:
@@ -153,7 +154,8 @@ async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
 
 
 async def _read_to_eof(reader: asyncio.StreamReader) -> bytes:
-    chunks, total = [], 0
+    chunks: list[bytes] = []
+    total = 0
     while chunk := await reader.read(2**16):
         total += len(chunk)
         if total > MAX_BODY:
