@@ -10,9 +10,10 @@ dead engine does not add its timeout to every cycle. A target that answers
 non-200 or sends text that does not parse costs nothing and is tried every
 cycle.
 
-Every failed attempt is counted (``vllm_runbook_service_scrape_errors_total
-{target,reason}``, declared with the service's metrics: `runbook serve`
-exports it), logged once per change of state, and the target's series go
+Every failed attempt is counted (`error_counts`, and the `on_error(target_url,
+reason)` callback the service injects: `runbook serve` exports it as
+``vllm_runbook_service_scrape_errors_total{target,reason}``), logged once per
+change of state, and the target's series go
 stale; the scrape loop itself never raises for a target's fault. Whether each
 target's latest attempt worked is kept in `up` (not exported: Prometheus has
 its own `up` for the targets it scrapes). An optional `observer` hears of
@@ -32,6 +33,7 @@ keyed by its name and the text of its labels.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import math
 import re
@@ -39,12 +41,10 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, Protocol, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter
 from vllm_runbook.rules.fetch import Fetcher, FetchError
 from vllm_runbook.rules.window import EngineSeries, Series, WindowStore
-from vllm_runbook.runbooks import service_metrics as S
 
 log = logging.getLogger(__name__)
 
@@ -134,13 +134,14 @@ class Scraper:
         timeout: float = 5.0,
         concurrency: int = 32,
         backoff: Backoff = Backoff(),
-        registry: CollectorRegistry | None = None,
-        errors: Counter | None = None,
+        on_error: Callable[[str, str], None] | None = None,
         observer: ScrapeObserver | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        """`errors`: the service's scrape-error counter (S.SCRAPE_ERRORS), when
-        the service exports it; else one is built on `registry` (or a private one)."""
+        """`on_error(target_url, reason)` is called for each failed attempt (the
+        service counts them into its exported metric); `error_counts` keeps the
+        same counts by (target URL, reason) in any case. `observer` hears of every
+        attempt and cycle (the service's metrics)."""
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
         self.store = store
@@ -151,8 +152,8 @@ class Scraper:
         # Every target keeps its connection between cycles (Prometheus does the same).
         self.client = Fetcher()
         self.clock = clock
-        self.registry = registry or CollectorRegistry()
-        self.errors = errors or cast(Counter, S.build(S.SCRAPE_ERRORS, self.registry))
+        self.on_error = on_error
+        self.error_counts: collections.Counter[tuple[str, str]] = collections.Counter()
         self.observer = observer
         self.up: dict[str, bool] = {}  # target URL -> whether its latest attempt worked
         self.state: dict[str, _TargetState] = {t.url: _TargetState() for t in self.targets}
@@ -300,7 +301,9 @@ class Scraper:
         seconds: float,
         parse_seconds: float = 0.0,
     ) -> ScrapeResult:
-        self.errors.labels(target.url, reason).inc()
+        self.error_counts[(target.url, reason)] += 1
+        if self.on_error is not None:
+            self.on_error(target.url, reason)
         self.up[target.url] = False
         self.store.mark_source_down(target.url, now)
         if self._failing.get(target.url) != error:

@@ -75,7 +75,7 @@ class RulesService:
             targets,
             timeout=scrape_timeout,
             clock=clock,
-            errors=metrics.scrape_errors if metrics is not None else None,
+            on_error=metrics.scrape_failed if metrics is not None else None,
             observer=metrics,
         )
         recorder: SqlIncidentSink | MemoryIncidentSink = (

@@ -99,6 +99,10 @@ class ServiceMetrics:
             for reason in SCRAPE_ERROR_REASONS:
                 self.scrape_errors.labels(url, reason)
 
+    def scrape_failed(self, target_url: str, reason: str) -> None:
+        """The rules engine's scraper reports each failed scrape here (its `on_error`)."""
+        self.scrape_errors.labels(target_url, reason).inc()
+
     def engine_name(self, engine_url: str) -> str:
         return self.engine_names.get(engine_url, engine_url)
 

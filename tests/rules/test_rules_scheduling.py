@@ -29,10 +29,4 @@ def test_schedule_adds_one_coalescing_interval_job() -> None:
         True,
     )
     run_cycle(scraper, evaluator)  # a dead target is counted, not raised
-    assert (
-        scraper.registry.get_sample_value(
-            "vllm_runbook_service_scrape_errors_total",
-            {"target": f"http://127.0.0.1:{port}/metrics", "reason": "unreachable"},
-        )
-        == 1.0
-    )
+    assert scraper.error_counts == {(f"http://127.0.0.1:{port}/metrics", "unreachable"): 1}

@@ -91,11 +91,11 @@ def test_unreachable_target_is_counted_not_raised(server: tuple[str, Exposition]
     results = scraper.scrape_once(now=1.0)
     assert [(r.ok, r.reason) for r in results] == [(False, "unreachable"), (True, None)]
     assert results[0].error and results[0].error.startswith("ConnectionRefusedError")
+    reported: list[tuple[str, str]] = []
+    scraper.on_error = lambda target, reason: reported.append((target, reason))
     scraper.scrape_once(now=2.0)
-    value = scraper.registry.get_sample_value(
-        "vllm_runbook_service_scrape_errors_total", {"target": dead.url, "reason": "unreachable"}
-    )
-    assert value == 2.0
+    assert scraper.error_counts == {(dead.url, "unreachable"): 2}
+    assert reported == [(dead.url, "unreachable")]  # the injected callback, once per failure
     assert scraper.up == {dead.url: False, url: True}
     scraper.close()
 

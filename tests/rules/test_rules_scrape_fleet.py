@@ -117,10 +117,8 @@ def dead_url() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}/metrics"
 
 
-def errors(scraper: Scraper, url: str, reason: str) -> float | None:
-    return scraper.registry.get_sample_value(
-        "vllm_runbook_service_scrape_errors_total", {"target": url, "reason": reason}
-    )
+def errors(scraper: Scraper, url: str, reason: str) -> int:
+    return scraper.error_counts[(url, reason)]
 
 
 def test_slow_target_answers_only_if_the_others_are_fetched_meanwhile(fleet: Fleet) -> None:
@@ -238,7 +236,7 @@ def test_a_target_that_answers_again_leaves_backoff(fleet: Fleet) -> None:
 
     target = fleet.target("flaky", flaky)
     store = store_for_rules(RULES)
-    with Scraper(store, [target], timeout=0.5, backoff=Backoff(10.0, 40.0)) as scraper:
+    with Scraper(store, [target], timeout=3.0, backoff=Backoff(10.0, 40.0)) as scraper:
         assert scraper.scrape_once(now=0.0)[0].reason == "unreachable"
         assert scraper.scrape_once(now=9.0)[0].reason == BACKOFF
         mode["answer"] = True
@@ -268,9 +266,9 @@ def test_answering_targets_are_not_backed_off_and_errors_count_per_target(
         for reason in ("unreachable", "http_status", "parse")
     }
     assert {k: v for k, v in counts.items() if v} == {
-        ("busy", "http_status"): 3.0,
-        ("garbage", "parse"): 3.0,
-        ("gone", "unreachable"): 2.0,  # at 0 and 10; skipped at 5
+        ("busy", "http_status"): 3,
+        ("garbage", "parse"): 3,
+        ("gone", "unreachable"): 2,  # at 0 and 10; skipped at 5
     }
     assert scraper.up == {busy.url: False, garbage.url: False, dead.url: False, good.url: True}
 
@@ -407,7 +405,7 @@ def test_sequential_mode_is_concurrency_one(fleet: Fleet) -> None:
         scraper.scrape_once(now=0.0)
         scraper.scrape_once(now=5.0)
     assert seen_in_flight == [1] * 10
-    assert errors(scraper, dead.url, "unreachable") == 2.0
+    assert errors(scraper, dead.url, "unreachable") == 2
 
 
 # -- what the service exports ------------------------------------------------------------
