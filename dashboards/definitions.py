@@ -904,6 +904,50 @@ def runbook_activity(notes: Q.RuleNotes) -> dict[str, Any]:
                     ),
                 ],
             ),
+            Row(
+                "Is the rules leader keeping up?",
+                [
+                    Panel(
+                        "Rules cycle time P50 / P99 against the interval",
+                        f"{S.RULES_CYCLE.help} The interval line is "
+                        f"{S.RULES_EVALUATION_INTERVAL.name}: a P99 approaching it means the "
+                        "evaluator is about to fall behind (fewer engines per replica, a longer "
+                        "interval, or the Prometheus rule export for the fleet).",
+                        [
+                            *(
+                                Target(
+                                    quantile(q, S.RULES_CYCLE, by=(), engine=False),
+                                    f"p{round(q * 100)}",
+                                )
+                                for q in (0.5, 0.99)
+                            ),
+                            Target(f"max({S.RULES_EVALUATION_INTERVAL.name})", "interval"),
+                        ],
+                        unit="s",
+                        width=8,
+                    ),
+                    Panel(
+                        f"Slowest scrape targets (top {TOP_N})",
+                        f"{S.SCRAPE_DURATION.help} The cycle waits for its slowest target.",
+                        [
+                            Target(
+                                f"topk({TOP_N}, max by (target) ({S.SCRAPE_DURATION.name}))",
+                                "{{target}}",
+                            )
+                        ],
+                        unit="s",
+                        width=8,
+                    ),
+                    Panel(
+                        "Scrape targets backed off",
+                        S.SCRAPE_TARGETS_BACKED_OFF.help,
+                        [Target(f"sum({S.SCRAPE_TARGETS_BACKED_OFF.name})", "backed off")],
+                        stepped=True,
+                        decimals=0,
+                        width=8,
+                    ),
+                ],
+            ),
         ],
     )
 

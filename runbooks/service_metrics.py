@@ -20,6 +20,9 @@ PREFIX = "vllm_runbook_service_"
 DETECTION_TO_ACTION_BUCKETS = (1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 # One evaluation of the whole catalog over in-memory windows: milliseconds.
 RULE_EVALUATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+# One whole cycle (scrape every target, then evaluate): from milliseconds for a few
+# engines to seconds for a thousand; the default evaluation interval is 5 s.
+RULES_CYCLE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 30.0)
 
 
 def _spec(
@@ -71,6 +74,31 @@ SCRAPE_ERRORS = _spec(
     "target",
     "reason",
 )
+SCRAPE_DURATION = _spec(
+    "scrape_duration_seconds",
+    "gauge",
+    "Wall time of the embedded rules engine's latest attempt to scrape each target, "
+    "parse included (a timed-out attempt reads as the timeout).",
+    "target",
+)
+SCRAPE_TARGETS_BACKED_OFF = _spec(
+    "scrape_targets_backed_off",
+    "gauge",
+    "Targets the rules leader skipped in its latest cycle: they stopped answering and are "
+    "tried again after a backoff (10 s doubling to at most 2 min).",
+)
+RULES_CYCLE = _spec(
+    "rules_cycle_seconds",
+    "histogram",
+    "Wall time of one cycle of the rules leader: scrape every target, then evaluate "
+    "the catalog. At or above the evaluation interval the scheduler skips cycles.",
+    buckets=RULES_CYCLE_BUCKETS,
+)
+RULES_EVALUATION_INTERVAL = _spec(
+    "rules_evaluation_interval_seconds",
+    "gauge",
+    "The configured evaluation interval of the embedded rules engine (rules.evaluation_interval).",
+)
 INCIDENTS_FIRING = _spec(
     "incidents_firing",
     "gauge",
@@ -93,6 +121,10 @@ SERVICE_METRICS: tuple[MetricSpec, ...] = (
     DETECTION_TO_ACTION,
     RULE_EVALUATION,
     SCRAPE_ERRORS,
+    SCRAPE_DURATION,
+    SCRAPE_TARGETS_BACKED_OFF,
+    RULES_CYCLE,
+    RULES_EVALUATION_INTERVAL,
     INCIDENTS_FIRING,
     KNOB_CHANGES,
 )

@@ -76,12 +76,15 @@ class RulesLeader:
             log.warning("rules leader: this replica (%s) evaluates the rules now", self.holder)
             self.service = self.make_service()
         now = self.clock()
+        started = time.perf_counter()
         self.service.scrape(now)
         if not self._hold():  # lost during a slow scrape: someone else evaluates
             self._step_down()
             return False
         self.service.evaluate(now)
         self.cycles += 1
+        if self.metrics is not None:
+            self.metrics.rules_cycle.observe(time.perf_counter() - started)
         return True
 
     def _step_down(self) -> None:

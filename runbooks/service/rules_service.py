@@ -11,7 +11,8 @@ default the shipped runbook catalog's names, included): the service refuses
 to start rather than run with a rule silently dropped.
 
 With `metrics` (the service's, vllm_runbook.runbooks.service.telemetry) each evaluation's
-wall time, the scrape errors and the firing incidents per alert are exported.
+wall time, the scrape errors and durations per target and the firing incidents per alert
+are exported.
 Several replicas run the cycle through vllm_runbook.runbooks.service.leader: one at a time.
 """
 
@@ -79,6 +80,7 @@ class RulesService:
             timeout=scrape_timeout,
             clock=clock,
             on_error=metrics.scrape_failed if metrics is not None else None,
+            observer=metrics,
         )
         recorder: SqlIncidentSink | MemoryIncidentSink = (
             SqlIncidentSink(store, clock=clock) if store is not None else MemoryIncidentSink()
@@ -116,7 +118,7 @@ class RulesService:
         return events
 
     def close(self) -> None:
-        self.scraper.client.close()
+        self.scraper.close()
 
     def start(self, scheduler: BaseScheduler) -> Job:
         """Run the cycle every `rules.evaluation_interval` on `scheduler`."""

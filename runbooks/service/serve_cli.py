@@ -165,6 +165,7 @@ def build(
         names = list(runbooks)
         # a broken catalog fails the start, not a cycle
         RulesService.from_config(config, runbooks=names).close()
+        metrics.rules_evaluation_interval.set(config.evaluation_interval)
         leader = RulesLeader(
             store,
             lambda: RulesService.from_config(

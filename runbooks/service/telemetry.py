@@ -19,7 +19,7 @@ would never show on the dashboards.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm_runbook.runbooks import service_metrics as S
@@ -34,6 +34,9 @@ from vllm_runbook.runbooks.store.models import (
     STEP_REVERTED,
     SUCCEEDED,
 )
+
+if TYPE_CHECKING:
+    from vllm_runbook.rules.scrape import ScrapeCycle, ScrapeResult
 
 # Reasons a webhook delivery is refused (the WEBHOOKS_REJECTED `reason` label).
 REJECT_AUTH = "auth"
@@ -74,6 +77,10 @@ class ServiceMetrics:
         self.detection_to_action = cast(Histogram, built[S.DETECTION_TO_ACTION])
         self.rule_evaluation = cast(Histogram, built[S.RULE_EVALUATION])
         self.scrape_errors = cast(Counter, built[S.SCRAPE_ERRORS])
+        self.scrape_duration = cast(Gauge, built[S.SCRAPE_DURATION])
+        self.scrape_targets_backed_off = cast(Gauge, built[S.SCRAPE_TARGETS_BACKED_OFF])
+        self.rules_cycle = cast(Histogram, built[S.RULES_CYCLE])
+        self.rules_evaluation_interval = cast(Gauge, built[S.RULES_EVALUATION_INTERVAL])
         self.incidents_firing = cast(Gauge, built[S.INCIDENTS_FIRING])
         self.knob_changes = cast(Counter, built[S.KNOB_CHANGES])
         # A rate of 0, not "no data"; the first event counts (see the docstring).
@@ -138,5 +145,14 @@ class ServiceMetrics:
             self.incidents_firing.labels(alert).set(firing.get(alert, 0))
 
     def clear_firing(self) -> None:
-        """Not the rules leader: another replica reports the incidents."""
+        """Not the rules leader: another replica reports the incidents and the scrapes."""
         self.incidents_firing.clear()
+        self.scrape_duration.clear()
+        self.scrape_targets_backed_off.set(0)
+
+    # The scraper's observer (vllm_runbook.rules.scrape.ScrapeObserver).
+    def target_scraped(self, result: ScrapeResult) -> None:
+        self.scrape_duration.labels(result.target.url).set(result.seconds)
+
+    def cycle_scraped(self, cycle: ScrapeCycle) -> None:
+        self.scrape_targets_backed_off.set(cycle.skipped)

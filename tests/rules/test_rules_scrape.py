@@ -12,7 +12,7 @@ from vllm_runbook.collector import metrics as M
 from vllm_runbook.rules.evaluator import Evaluator, store_for_rules
 from vllm_runbook.rules.incidents import MemoryIncidentSink
 from vllm_runbook.rules.model import load_catalog
-from vllm_runbook.rules.scrape import Scraper, Target
+from vllm_runbook.rules.scrape import NO_BACKOFF, Scraper, Target
 from vllm_runbook.runbooks.processes import free_port
 
 RULES = load_catalog().bind({"VllmOOMPressure": {"for": "0s"}})
@@ -80,17 +80,18 @@ def test_unreachable_target_is_counted_not_raised(server: tuple[str, Exposition]
     url, exp = server
     dead = Target(f"http://127.0.0.1:{free_port()}/metrics", "gone")
     store = store_for_rules(RULES)
-    scraper = Scraper(store, [dead, Target(url, "llama-0")], timeout=2.0)
+    scraper = Scraper(store, [dead, Target(url, "llama-0")], timeout=2.0, backoff=NO_BACKOFF)
     exp.usage.labels(model_name="tiny", engine="0").set(0.5)
     results = scraper.scrape_once(now=1.0)
     assert [(r.ok, r.reason) for r in results] == [(False, "unreachable"), (True, None)]
-    assert results[0].error and results[0].error.startswith("ConnectError")
+    assert results[0].error and results[0].error.startswith("ConnectionRefusedError")
     reported: list[tuple[str, str]] = []
     scraper.on_error = lambda target, reason: reported.append((target, reason))
     scraper.scrape_once(now=2.0)
     assert scraper.error_counts == {(dead.url, "unreachable"): 2}
     assert reported == [(dead.url, "unreachable")]  # the injected callback, once per failure
     assert scraper.up == {dead.url: False, url: True}
+    scraper.close()
 
 
 def test_http_error_and_garbage_are_counted(server: tuple[str, Exposition]) -> None:
