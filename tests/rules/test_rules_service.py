@@ -231,7 +231,7 @@ def test_the_service_counts_scrape_errors_into_its_exported_metric(tmp_path: Pat
     service = RulesService.from_config(config, metrics=metrics, scrape_timeout=1.0)
     try:
         service.run_cycle(now=100.0)
-        service.run_cycle(now=101.0)
+        service.run_cycle(now=111.0)  # after the first backoff (10 s) it is tried again
     finally:
         service.close()
     sample = metrics.registry.get_sample_value
