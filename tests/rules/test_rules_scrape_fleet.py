@@ -35,10 +35,10 @@ from vllm_runbook.rules.scrape import (
     _line_finder,
     parse_wanted,
 )
-from vllm_runbook.runbooks.service.rules_service import RulesService
 from vllm_runbook.rules.signals import SIGNALS
 from vllm_runbook.rules.window import Series, WindowStore
 from vllm_runbook.runbooks.service.leader import RulesLeader
+from vllm_runbook.runbooks.service.rules_service import RulesService
 from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
 from vllm_runbook.runbooks.store import Store
 
