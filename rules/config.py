@@ -16,6 +16,16 @@
       default: notify
     webhook:
       token_file: secrets/webhook-token       # or username + password_file (basic auth)
+    approvals:
+      timeout: 15m                            # an unanswered approval is then refused
+    notifications:                            # execution events to on-call (runbooks/notify.py)
+      receivers:
+        - {name: ops, type: webhook, url: http://hooks.internal/runbook}  # token_file: optional
+        - {name: chat, type: slack, url: https://hooks.slack.com/services/...}
+      retries: 4                              # after the first attempt
+      backoff: 1s                             # before the first retry, doubled each time
+      timeout: 5s                             # per attempt
+      page_url: http://runbook.internal:8080  # links in messages (default: none)
     executor:                                 # override every runbook's waits (tests, demos)
       verify_seconds: 10s                     # verification deadline
       condition_seconds: 2s                   # each step's `when: after_seconds`
@@ -72,6 +82,9 @@ DEFAULT_EVALUATION_INTERVAL = 5.0
 # database) is replaced within this time; a cycle must take less.
 MIN_LEADER_LEASE = 15.0
 _ENGINE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
+ReceiverType = Literal["webhook", "slack"]
+RECEIVER_TYPES: tuple[str, ...] = get_args(ReceiverType)
+DEFAULT_APPROVAL_TIMEOUT = 15 * 60.0
 
 
 @dataclass(frozen=True)
@@ -108,6 +121,30 @@ class WebhookConfig:
 
 
 @dataclass(frozen=True)
+class ApprovalsConfig:
+    timeout_seconds: float = DEFAULT_APPROVAL_TIMEOUT
+
+
+@dataclass(frozen=True)
+class ReceiverConfig:
+    """Where execution events go: `webhook` (JSON) or `slack` (incoming webhook)."""
+
+    name: str
+    type: str
+    url: str
+    token_file: Path | None = None  # sent as a bearer token
+
+
+@dataclass(frozen=True)
+class NotificationsConfig:
+    receivers: tuple[ReceiverConfig, ...] = ()
+    retries: int = 4
+    backoff_seconds: float = 1.0
+    timeout_seconds: float = 5.0
+    page_url: str | None = None
+
+
+@dataclass(frozen=True)
 class ExecutorConfig:
     """Waits that replace every runbook's own (None: the runbook's value).
 
@@ -135,6 +172,8 @@ class Config:
     automation: Automation = field(default_factory=Automation)
     webhook: WebhookConfig = field(default_factory=WebhookConfig)
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+    approvals: ApprovalsConfig = field(default_factory=ApprovalsConfig)
+    notifications: NotificationsConfig = field(default_factory=NotificationsConfig)
     leader_lease: float = MIN_LEADER_LEASE  # seconds; default max(15 s, 3 x interval)
     # line of each alert under rules.overrides, to place the catalog's complaints
     override_lines: Mapping[str, int] = field(default_factory=dict, repr=False)
@@ -362,6 +401,46 @@ class _Executor(_Section):
     healthy_period_seconds: Duration | None = None
 
 
+def _positive(value: float) -> float:
+    if value <= 0:
+        raise _phrase("must be positive")
+    return value
+
+
+def _receiver_type(value: object) -> object:
+    if value not in RECEIVER_TYPES:
+        raise _detail(f"{value!r} is not one of {', '.join(RECEIVER_TYPES)}")
+    return value
+
+
+class _Approvals(_Section):
+    timeout: Annotated[float, BeforeValidator(_duration), AfterValidator(_positive)] = (
+        DEFAULT_APPROVAL_TIMEOUT
+    )
+
+
+class _Receiver(_Section):
+    name: Text
+    type: Annotated[ReceiverType, BeforeValidator(_receiver_type)]
+    url: Url
+    token_file: Text | None = None
+
+
+class _Notifications(_Section):
+    receivers: list[_Receiver] = Field(default_factory=list)
+    retries: Annotated[int, Field(ge=0, le=20, strict=True)] = 4
+    backoff: Duration = 1.0
+    timeout: Annotated[float, BeforeValidator(_duration), AfterValidator(_positive)] = 5.0
+    page_url: Url | None = None
+
+    @model_validator(mode="after")
+    def _unique_receivers(self) -> _Notifications:
+        names = [r.name for r in self.receivers]
+        if dup := sorted({n for n in names if names.count(n) > 1}):
+            raise _detail(f"receiver names must be unique ({', '.join(dup)})")
+        return self
+
+
 class _File(_Section):
     database: Text | None = None
     engines: Annotated[list[_Engine], WrapValidator(_unique_names)] = Field(default_factory=list)
@@ -372,6 +451,8 @@ class _File(_Section):
     ] = Field(default_factory=dict)
     webhook: _Webhook = Field(default_factory=_Webhook)
     executor: _Executor = Field(default_factory=_Executor)
+    approvals: _Approvals = Field(default_factory=_Approvals)
+    notifications: _Notifications = Field(default_factory=_Notifications)
 
 
 # The model whose keys an `unknown key` message lists, by the mapping's path.
@@ -381,6 +462,9 @@ _SECTIONS: dict[tuple[str, ...], type[BaseModel]] = {
     ("rules",): _Rules,
     ("webhook",): _Webhook,
     ("executor",): _Executor,
+    ("approvals",): _Approvals,
+    ("notifications",): _Notifications,
+    ("notifications", "receivers"): _Receiver,
 }
 # Errors about the value's own type: located at its key even when it is a mapping.
 _TYPE_ERRORS = {"list_type", "dict_type", "model_type", "model_attributes_type"}
@@ -458,6 +542,19 @@ def _build(model: _File, doc: MarkedDict, path: Path) -> Config:
             None if hook.password_file is None else base / hook.password_file,
         ),
         executor=ExecutorConfig(**model.executor.model_dump()),
+        approvals=ApprovalsConfig(model.approvals.timeout),
+        notifications=NotificationsConfig(
+            tuple(
+                ReceiverConfig(
+                    r.name, r.type, r.url, None if r.token_file is None else base / r.token_file
+                )
+                for r in model.notifications.receivers
+            ),
+            model.notifications.retries,
+            model.notifications.backoff,
+            model.notifications.timeout,
+            model.notifications.page_url,
+        ),
         leader_lease=rules.leader_lease or default_leader_lease(rules.evaluation_interval),
         override_lines={str(a): line for a, line in lines.items()},
     )

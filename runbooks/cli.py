@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from vllm_runbook.runbooks import demo, exec_cli, journal_cli, report_cli, rules_cli
+from vllm_runbook.runbooks import (
+    approvals_cli,
+    demo,
+    exec_cli,
+    journal_cli,
+    report_cli,
+    rules_cli,
+)
 from vllm_runbook.runbooks.client import CommandRefused, EngineClient, EngineClientError
 from vllm_runbook.runbooks.service import serve_cli
 
@@ -277,6 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     journal_cli.add_subcommands(sub)
     exec_cli.add_subcommands(sub)
+    approvals_cli.add_subcommands(sub)
     rules_cli.add_subcommands(sub)
     serve_cli.add_subcommands(sub)
     report_cli.add_subcommands(sub)

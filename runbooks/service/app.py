@@ -5,9 +5,13 @@ GET  /healthz                 liveness, and whether the store answers
 GET  /metrics                 the service's own metrics
 GET  /api/executions          the journal (JSON)
 GET  /api/incidents           incidents recorded by the rule evaluator (JSON)
+GET  /api/pending             executions awaiting approval (JSON)
+POST /api/executions/{id}/approve|reject   a person's answer (the webhook's
+                              credentials; JSON body {"note": ..., "by": ...}, both optional)
+GET  /                        the on-call page (service/page.py)
 
-The /api reads show engines, alert labels and reasons. Bound off loopback
-(`protect_reads`) they need credentials: the webhook's, or the read token.
+The /api reads and the page show engines, alert labels and reasons. Bound off
+loopback (`protect_reads`) they need credentials: the webhook's, or the read token.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ from vllm_runbook.runbooks.service.alertmanager import WebhookPayload, unstorabl
 from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
 from vllm_runbook.runbooks.service.webhooks import GroupCommitter, Router
 from vllm_runbook.runbooks.service.worker import Worker
-from vllm_runbook.runbooks.store import Store, StoreError, StoreUnavailable
+from vllm_runbook.runbooks.store import ExecutionNotFound, Store, StoreError, StoreUnavailable
+from vllm_runbook.runbooks.store.approvals import DEFAULT_APPROVAL_TIMEOUT_S, TOO_LATE
+from vllm_runbook.runbooks.store.models import APPROVED, REJECTED
 
 log = logging.getLogger("vllm_runbook.service")
 
@@ -64,6 +70,16 @@ class Credentials:
             )
         return False
 
+    def basic_user(self, header: str | None) -> str | None:
+        """The basic-auth user name of a header `check` accepted (who decided)."""
+        scheme, _, value = (header or "").partition(" ")
+        if scheme.lower() != "basic":
+            return None
+        try:
+            return base64.b64decode(value.strip(), validate=True).decode().partition(":")[0]
+        except (ValueError, UnicodeDecodeError):
+            return None
+
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
@@ -83,10 +99,12 @@ def create_app(
     status: Callable[[], dict[str, Any]] | None = None,
     protect_reads: bool = False,
     read_credentials: Credentials | None = None,
+    approval_timeout_s: float = DEFAULT_APPROVAL_TIMEOUT_S,
 ) -> FastAPI:
     """The app; `status` adds to /healthz (e.g. whether this replica leads the rules).
-    `protect_reads`: /api reads need `credentials` or `read_credentials`
-    (`runbook serve` sets it when bound off loopback)."""
+    `protect_reads`: /api reads and the page need `credentials` or
+    `read_credentials` (`runbook serve` sets it when bound off loopback).
+    `approval_timeout_s`: how long an execution awaits approval."""
     if not credentials.token and not credentials.password:
         raise ValueError("the webhook needs a token or basic-auth credentials")
 
@@ -198,4 +216,68 @@ def create_app(
             return _error(503, f"store unavailable: {exc}")
         return JSONResponse([r.to_dict() for r in rows])
 
+    @app.get("/api/pending")
+    def pending(request: Request) -> Response:
+        if not may_read(request):
+            return unauthorized()
+        try:
+            rows = store.pending_approvals()
+        except StoreError as exc:
+            return _error(503, f"store unavailable: {exc}")
+        return JSONResponse([r.to_dict() for r in rows])
+
+    async def decide(request: Request, execution_id: int, decision: str) -> Response:
+        header = request.headers.get("authorization")
+        if not credentials.check(header):
+            return unauthorized()
+        body: dict[str, Any] = {}
+        raw = await request.body()
+        if raw.strip():
+            try:
+                body = json.loads(raw)
+            except (ValueError, UnicodeDecodeError):
+                return _error(400, "body is not JSON")
+            if not isinstance(body, dict) or not all(
+                isinstance(body.get(k), str | None) for k in ("note", "by")
+            ):
+                return _error(422, 'body: {"note": "...", "by": "..."} (strings, both optional)')
+        who = credentials.basic_user(header) or body.get("by") or "api"
+        try:
+            result = await asyncio.to_thread(
+                store.decide,
+                execution_id,
+                decision,
+                who[:256],
+                body.get("note"),
+                timeout_s=approval_timeout_s,
+            )
+        except ExecutionNotFound as exc:
+            return _error(404, str(exc))
+        except StoreError as exc:
+            return _error(503, f"store unavailable: {exc}")
+        if not result.ok:
+            code = 410 if result.outcome == TOO_LATE else 409
+            return _error(code, result.message, execution=result.record.to_dict())
+        if worker is not None:
+            worker.wake()
+        return JSONResponse({"message": result.message, "execution": result.record.to_dict()})
+
+    @app.post("/api/executions/{execution_id}/approve")
+    async def approve(request: Request, execution_id: int) -> Response:
+        return await decide(request, execution_id, APPROVED)
+
+    @app.post("/api/executions/{execution_id}/reject")
+    async def reject(request: Request, execution_id: int) -> Response:
+        return await decide(request, execution_id, REJECTED)
+
+    from vllm_runbook.runbooks.service.page import mount_page
+
+    mount_page(
+        app,
+        store,
+        credentials,
+        worker,
+        approval_timeout_s=approval_timeout_s,
+        may_read=may_read if protect_reads else None,
+    )
     return app

@@ -154,6 +154,7 @@ def build(
             ),
             waits=config.executor,
             metrics=metrics,
+            approval_timeout_s=config.approvals.timeout_seconds,
         )
     leader = None
     if rules and config.engines:
@@ -185,6 +186,7 @@ def build(
         # Off loopback the journal's reads (engines, alert labels, reasons) need credentials.
         protect_reads=not is_loopback(host),
         read_credentials=read_credentials_from_env(),
+        approval_timeout_s=config.approvals.timeout_seconds,
     )
     return config, store, app, runner, leader
 

@@ -4,7 +4,10 @@ their alerts resolve.
 Exactly-once is the database's job: the webhook creates one pending execution
 per alert episode (a unique key), and a worker runs one only after taking a
 lease named after it, so among any number of replicas exactly one runs it.
-A pending execution awaiting approval ("approve" mode) is left for a person.
+A pending execution awaiting approval ("approve" mode) is left for a person
+(vllm_runbook.runbooks.approvals); once approved the worker runs it like any
+other, under the same lease. Each tick also refuses the approvals that
+expired, and an alert that resolves refuses its execution still waiting.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ from vllm_runbook.rules.config import ExecutorConfig
 from vllm_runbook.runbooks.executor import Executor
 from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
 from vllm_runbook.runbooks.store import Store, StoreError
+from vllm_runbook.runbooks.store.approvals import DEFAULT_APPROVAL_TIMEOUT_S
+from vllm_runbook.runbooks.store.models import AWAITING_APPROVAL, PENDING
 
 log = logging.getLogger("vllm_runbook.service")
 
-AWAITING_APPROVAL = "awaiting approval"
+__all__ = ["AWAITING_APPROVAL", "ExecutorHook", "Worker"]
 
 
 class Worker:
@@ -37,8 +42,11 @@ class Worker:
         lease_seconds: float = 3600.0,
         waits: ExecutorConfig | None = None,
         metrics: ServiceMetrics | None = None,
+        approval_timeout_s: float = DEFAULT_APPROVAL_TIMEOUT_S,
     ) -> None:
-        """`waits` replace the runbooks' own (the config's `executor:` section)."""
+        """`waits` replace the runbooks' own (the config's `executor:` section);
+        `approval_timeout_s` is how long an execution awaits approval."""
+        self.approval_timeout_s = approval_timeout_s
         self.store = store
         self.executor = executor
         self.waits = waits or ExecutorConfig()
@@ -78,6 +86,14 @@ class Worker:
     def tick(self) -> int:
         """Run what is pending and revert what resolved; returns how many ran."""
         ran = 0
+        for expired in self.store.expire_approvals(self.approval_timeout_s):
+            log.warning(
+                "execution #%d (%s on %s): %s",
+                expired.id,
+                expired.runbook,
+                expired.engine,
+                expired.reason,
+            )
         for record in self.store.list_executions(limit=200):
             if (
                 record.status != "pending"
@@ -89,6 +105,8 @@ class Worker:
                 f"execution:{record.id}", self.holder, self.lease_seconds
             ):
                 continue  # another replica runs it
+            if self.store.get_execution(record.id).status != PENDING:
+                continue  # refused meanwhile (the alert resolved, a rejection)
             result = self.executor.run_pending(
                 record.id,
                 approved=True,
@@ -115,6 +133,12 @@ class Worker:
 
     def _revert(self, item: dict[str, Any]) -> None:
         starts_at = datetime.fromisoformat(item["startsAt"])
+        waiting = self.store.resolve_before_approval(
+            item["runbook"], item["engine"], item["fingerprint"], starts_at
+        )
+        if waiting is not None:
+            log.warning("execution #%d: %s", waiting.id, waiting.reason)
+            return
         lease = (
             f"revert:{item['runbook']}:{item['engine']}:{item['fingerprint']}:{item['startsAt']}"
         )

@@ -27,10 +27,12 @@ from vllm_runbook.runbooks.store.base import StoreBase, iso
 from vllm_runbook.runbooks.store.errors import ExecutionNotFound, IllegalTransition, StoreError
 from vllm_runbook.runbooks.store.models import (
     ACTIVE_STATUSES,
+    AWAITING_APPROVAL,
     EXECUTION_STATUSES,
     EXECUTION_TRANSITIONS,
     FINAL_STATUSES,
     INTERRUPTED_REASON,
+    PENDING,
     REFUSED,
     RUNNING,
     STEP_APPLIED,
@@ -134,6 +136,12 @@ class ExecutionRecord:
     # host that ran it only): the journal's honest answer after a crash.
     interrupted: bool = False
     steps: tuple[StepRecord, ...] = field(default=())
+    # A person's answer to an approval request: 'approved' | 'rejected'.
+    decision: str | None = None
+    decided_by: str | None = None
+    decided_at: datetime | None = None
+    decision_note: str | None = None
+    updated_at: datetime | None = None
 
     @classmethod
     def from_row(cls, row: Execution, *, with_steps: bool = True) -> ExecutionRecord:
@@ -165,7 +173,17 @@ class ExecutionRecord:
             finished_at=row.finished_at,
             interrupted=interrupted,
             steps=tuple(StepRecord.from_row(s) for s in row.steps) if with_steps else (),
+            decision=row.decision,
+            decided_by=row.decided_by,
+            decided_at=row.decided_at,
+            decision_note=row.decision_note,
+            updated_at=row.updated_at,
         )
+
+    @property
+    def awaiting_approval(self) -> bool:
+        """Pending until a person approves or rejects it."""
+        return self.status == PENDING and self.reason == AWAITING_APPROVAL and not self.decision
 
     @property
     def display_status(self) -> str:
@@ -197,6 +215,10 @@ class ExecutionRecord:
             "started_at": iso(self.started_at),
             "finished_at": iso(self.finished_at),
             "steps": [s.to_dict() for s in self.steps],
+            "decision": self.decision,
+            "decided_by": self.decided_by,
+            "decided_at": iso(self.decided_at),
+            "decision_note": self.decision_note,
         }
 
 

@@ -5,20 +5,23 @@
 
 What it stores, one module each: executions and their steps, checks and
 verification, and the guardrail queries on them (executions.py); leases
-(leases.py); incidents (incidents.py). The engine, the sessions and the
+(leases.py); incidents (incidents.py); approvals (approvals.py); the
+notifications outbox (notifications.py). The engine, the sessions and the
 dialect's insert are shared (base.py); which process wrote a row and whether
 it still runs is processes.py.
 """
 
 from __future__ import annotations
 
+from vllm_runbook.runbooks.store.approvals import ApprovalStore
 from vllm_runbook.runbooks.store.executions import ExecutionRecord, ExecutionStore, StepRecord
 from vllm_runbook.runbooks.store.incidents import IncidentRecord, IncidentStore
 from vllm_runbook.runbooks.store.leases import LeaseStore
+from vllm_runbook.runbooks.store.notifications import NotificationStore
 from vllm_runbook.runbooks.store.processes import process_alive
 
 __all__ = ["ExecutionRecord", "IncidentRecord", "StepRecord", "Store", "process_alive"]
 
 
-class Store(ExecutionStore, LeaseStore, IncidentStore):
+class Store(ExecutionStore, LeaseStore, IncidentStore, ApprovalStore, NotificationStore):
     """Durable journal of runbook executions (SQLite file or PostgreSQL)."""

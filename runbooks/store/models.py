@@ -112,6 +112,14 @@ STEP_STATUSES: Final = (
 )
 
 INCIDENT_STATES: Final = ("pending", "firing", "resolved")
+
+# Approvals: a person's decision on an execution awaiting approval.
+APPROVED, REJECTED = "approved", "rejected"
+AWAITING_APPROVAL: Final = "awaiting approval"
+
+# Notification deliveries: queued, then delivered or failed (after retries).
+NOTIFY_QUEUED, NOTIFY_DELIVERED, NOTIFY_FAILED = "queued", "delivered", "failed"
+NOTIFICATION_STATUSES: Final = (NOTIFY_QUEUED, NOTIFY_DELIVERED, NOTIFY_FAILED)
 INTERRUPTED_REASON: Final = "interrupted"
 
 
@@ -217,6 +225,12 @@ class Execution(Base):
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
+    # A person's answer to an execution awaiting approval (approvals.py):
+    # 'approved' or 'rejected', by whom, when, and the note they gave.
+    decision: Mapped[str | None] = mapped_column(String(16))
+    decided_by: Mapped[str | None] = mapped_column(String(256))
+    decided_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    decision_note: Mapped[str | None] = mapped_column(Text)
 
     steps: Mapped[list[Step]] = relationship(
         back_populates="execution", order_by="Step.ordinal", cascade="all, delete-orphan"
@@ -300,6 +314,28 @@ class WebhookEvent(Base):
     status: Mapped[str] = mapped_column(String(16))
     payload: Mapped[dict[str, Any]] = mapped_column(JsonDocument)
     processed: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+class Notification(Base):
+    """One execution event for one receiver (notify.py): the outbox row that
+    makes each event go out once across replicas, and the delivery's fate."""
+
+    __tablename__ = "notifications"
+    __table_args__ = (
+        CheckConstraint(_in("status", NOTIFICATION_STATUSES), name="status"),
+        UniqueConstraint("execution_id", "event", "receiver"),
+        Index("ix_notifications_status", "status"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    execution_id: Mapped[int] = mapped_column(ForeignKey("executions.id", ondelete="CASCADE"))
+    event: Mapped[str] = mapped_column(String(32))
+    receiver: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16))
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
 class Lease(Base):

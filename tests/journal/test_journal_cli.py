@@ -26,7 +26,7 @@ def test_db_upgrade_then_empty_history(tmp_path: Path, capsys: pytest.CaptureFix
     )
     assert run(capsys, "db", "upgrade", "--db", url) == (
         0,
-        f"{url}: at revision 0001 (head 0001)\n",
+        f"{url}: at revision 0002 (head 0002)\n",
         "",
     )
     assert run(capsys, "history", "--db", url) == (0, "no executions recorded\n", "")

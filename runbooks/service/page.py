@@ -1,0 +1,175 @@
+"""The on-call page of `runbook serve`: `/`, server-rendered, refreshing itself.
+
+    GET  /                                   firing incidents, approvals, recent executions
+    POST /ui/executions/{id}/approve|reject  the page's buttons (a form; 303 back to /)
+
+No front-end build: one Jinja2 template (templates/page.html.j2) in an
+autoescaping sandbox (alert labels and notes are untrusted text) and a meta
+refresh. Bound off loopback, the page asks for the API's read credentials (basic
+auth is what a browser can send) and an answer needs the webhook's; on
+loopback it is open like the rest of the service's reads. The forms carry a token derived from the service's
+credentials, so another site cannot make a visitor's browser approve
+(the same on every replica: any one may serve the form or take the click).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+from datetime import timedelta
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final
+from urllib.parse import parse_qs, quote
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from jinja2 import FileSystemLoader, StrictUndefined, select_autoescape
+from jinja2.sandbox import SandboxedEnvironment
+from vllm_runbook.runbooks.guardrails import format_duration
+from vllm_runbook.runbooks.render import TEMPLATES_DIR, format_change, format_value
+from vllm_runbook.runbooks.store import ExecutionNotFound, ExecutionRecord, Store, StoreError
+from vllm_runbook.runbooks.store.models import APPROVED, REJECTED, utcnow
+
+if TYPE_CHECKING:
+    from vllm_runbook.runbooks.service.app import Credentials
+    from vllm_runbook.runbooks.service.worker import Worker
+
+PAGE_TEMPLATE: Final = "page.html.j2"
+REFRESH_SECONDS: Final = 10
+RECENT: Final = 20
+MAX_FORM_BYTES: Final = 16 * 1024
+
+
+def _environment() -> SandboxedEnvironment:
+    env = SandboxedEnvironment(
+        loader=FileSystemLoader(str(TEMPLATES_DIR)),
+        autoescape=select_autoescape(default=True),
+        undefined=StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters["value"] = format_value
+    env.filters["change"] = format_change
+    env.filters["when"] = lambda t: "-" if t is None else t.strftime("%Y-%m-%d %H:%M:%SZ")
+    return env
+
+
+def alert_name(record: ExecutionRecord) -> str | None:
+    """The alert behind an execution: its `who` is `alertmanager:NAME` or `rules:NAME`."""
+    source, sep, name = record.who.partition(":")
+    return name if sep and source in ("alertmanager", "rules") else None
+
+
+def form_token(credentials: Credentials) -> str:
+    secret = (credentials.token or credentials.password or "").encode()
+    return hmac.new(secret, b"vllm-runbook page form", hashlib.sha256).hexdigest()
+
+
+def _view(store: Store, timeout_s: float) -> dict[str, Any]:
+    incidents = store.list_incidents(open_only=True)
+    pending = store.pending_approvals()
+    recent = store.list_executions(limit=RECENT)
+    failures = store.notifications([r.id for r in recent], status="failed")
+    reverted_by = {r.reverts_id: r.id for r in recent if r.reverts_id is not None}
+    now = utcnow()
+
+    def expires(r: ExecutionRecord) -> str:
+        left = (r.created_at + timedelta(seconds=timeout_s) - now).total_seconds()
+        return format_duration(left) if left > 0 else "expired"
+
+    return {
+        "now": now,
+        "refresh": REFRESH_SECONDS,
+        "incidents": incidents,
+        "pending": [{"e": r, "alert": alert_name(r), "expires": expires(r)} for r in pending],
+        "recent": [
+            {
+                "e": r,
+                "alert": alert_name(r),
+                "reverted_by": reverted_by.get(r.id),
+                "failed_notifications": failures.get(r.id, []),
+            }
+            for r in recent
+        ],
+        "open_alerts": {(i.alert, i.engine) for i in incidents},
+    }
+
+
+def mount_page(
+    app: FastAPI,
+    store: Store,
+    credentials: Credentials,
+    worker: Worker | None,
+    *,
+    approval_timeout_s: float,
+    may_read: Callable[[Request], bool] | None,
+) -> None:
+    """`may_read`: None on loopback (open); else the API's read check. An
+    answer (approve/reject) off loopback needs the webhook's credentials: a
+    read token shows the page, it does not act."""
+    env = _environment()
+    token = form_token(credentials)
+
+    def denied(request: Request, *, act: bool = False) -> Response | None:
+        if may_read is None:
+            return None
+        header = request.headers.get("authorization")
+        if credentials.check(header) if act else may_read(request):
+            return None
+        scheme = "Basic" if credentials.password else "Bearer"
+        return Response(
+            "credentials required\n",
+            status_code=401,
+            headers={"WWW-Authenticate": f'{scheme} realm="vllm-runbook"'},
+            media_type="text/plain",
+        )
+
+    @app.get("/", response_class=HTMLResponse)
+    def page(request: Request, msg: str | None = None) -> Response:
+        if (refusal := denied(request)) is not None:
+            return refusal
+        try:
+            view = _view(store, approval_timeout_s)
+        except StoreError as exc:
+            return HTMLResponse(f"store unavailable: {exc}", status_code=503)
+        html = env.get_template(PAGE_TEMPLATE).render(message=msg, token=token, **view)
+        return HTMLResponse(html)
+
+    async def decide(request: Request, execution_id: int, decision: str) -> Response:
+        if (refusal := denied(request, act=True)) is not None:
+            return refusal
+        body = await request.body()
+        if len(body) > MAX_FORM_BYTES:
+            return Response("form too large\n", status_code=413, media_type="text/plain")
+        form = {k: v[0] for k, v in parse_qs(body.decode("utf-8", "replace")).items()}
+        if not hmac.compare_digest(form.get("token", ""), token):
+            return Response("stale or foreign form: reload the page\n", status_code=403)
+        who = credentials.basic_user(request.headers.get("authorization"))
+        who = who or form.get("by", "").strip() or "page"
+        try:
+            result = await asyncio.to_thread(
+                store.decide,
+                execution_id,
+                decision,
+                who[:256],
+                form.get("note", "").strip() or None,
+                timeout_s=approval_timeout_s,
+            )
+        except ExecutionNotFound as exc:
+            message = str(exc)
+        except StoreError as exc:
+            return HTMLResponse(f"store unavailable: {exc}", status_code=503)
+        else:
+            message = result.message
+            if result.ok and worker is not None:
+                worker.wake()
+        return RedirectResponse(f"/?msg={quote(message)}", status_code=303)
+
+    @app.post("/ui/executions/{execution_id}/approve")
+    async def approve(request: Request, execution_id: int) -> Response:
+        return await decide(request, execution_id, APPROVED)
+
+    @app.post("/ui/executions/{execution_id}/reject")
+    async def reject(request: Request, execution_id: int) -> Response:
+        return await decide(request, execution_id, REJECTED)

@@ -1,0 +1,191 @@
+"""Approvals in the journal: executions awaiting a person, and their answers.
+
+An execution of an `approve`-mode runbook is recorded pending with the reason
+"awaiting approval". A person approves it (the service's worker then runs it,
+exactly once across replicas: the worker's lease) or rejects it (refused,
+with who and why). Three things close the question without a person:
+- expiry: nobody answered within the configured time → refused, "expired";
+- the alert resolved first → refused, "alert resolved before approval";
+- an answer that comes after any of these changes nothing and says why.
+
+Every decision is taken under the execution's row lock, so an approval and a
+rejection (or an expiry) racing each other leave one answer in the journal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Final
+
+from sqlalchemy import select
+from sqlalchemy.orm import selectinload
+from vllm_runbook.runbooks.store.base import StoreBase
+from vllm_runbook.runbooks.store.errors import ExecutionNotFound
+from vllm_runbook.runbooks.store.executions import ExecutionRecord
+from vllm_runbook.runbooks.store.models import (
+    APPROVED,
+    AWAITING_APPROVAL,
+    PENDING,
+    REFUSED,
+    REJECTED,
+    Execution,
+    episode_key,
+    utcnow,
+)
+
+DEFAULT_APPROVAL_TIMEOUT_S: Final = 15 * 60.0
+RESOLVED_BEFORE_APPROVAL: Final = "alert resolved before approval"
+EXPIRED_PREFIX: Final = "approval expired"
+
+# Outcomes of `decide` (what the CLI, the API and the page tell the person).
+DECIDED: Final = "decided"
+TOO_LATE: Final = "too late"
+NOT_AWAITING: Final = "not awaiting approval"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What an approve/reject did: `outcome` is DECIDED, TOO_LATE or NOT_AWAITING."""
+
+    record: ExecutionRecord
+    outcome: str
+    message: str
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == DECIDED
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes} min" + (f" {secs} s" if secs else "") if minutes else f"{secs} s"
+
+
+def expired_reason(timeout_s: float) -> str:
+    return f"{EXPIRED_PREFIX}: nobody approved within {_duration(timeout_s)}"
+
+
+def _is_awaiting(row: Execution) -> bool:
+    return row.status == PENDING and row.reason == AWAITING_APPROVAL and row.decision is None
+
+
+def _why_not(row: Execution) -> tuple[str, str]:
+    """(outcome, message) for an execution that no longer awaits approval."""
+    label = f"execution #{row.id} ({row.runbook})"
+    if row.decision is not None:
+        when = row.decided_at.strftime("%H:%M:%SZ") if row.decided_at else "?"
+        return TOO_LATE, f"{label} was already {row.decision} by {row.decided_by} at {when}"
+    if row.status == REFUSED and row.reason == RESOLVED_BEFORE_APPROVAL:
+        return TOO_LATE, f"{label}: the alert resolved before approval; nothing runs"
+    if row.status == REFUSED and (row.reason or "").startswith(EXPIRED_PREFIX):
+        return TOO_LATE, f"{label}: {row.reason}; nothing runs"
+    return NOT_AWAITING, f"{label} is {row.status}, not awaiting approval"
+
+
+class ApprovalStore(StoreBase):
+    """Executions awaiting approval and the decisions on them."""
+
+    def pending_approvals(self) -> list[ExecutionRecord]:
+        """Executions awaiting a person's answer, oldest first."""
+        query = (
+            select(Execution)
+            .where(
+                Execution.status == PENDING,
+                Execution.reason == AWAITING_APPROVAL,
+                Execution.decision.is_(None),
+            )
+            .options(selectinload(Execution.steps))
+            .order_by(Execution.id)
+        )
+        with self.session() as s:
+            return [ExecutionRecord.from_row(r) for r in s.scalars(query)]
+
+    def decide(
+        self,
+        execution_id: int,
+        decision: str,
+        who: str,
+        note: str | None = None,
+        *,
+        timeout_s: float = DEFAULT_APPROVAL_TIMEOUT_S,
+        now: datetime | None = None,
+    ) -> Decision:
+        """Approve or reject an execution awaiting approval.
+
+        Approved: the reason is cleared, so the worker runs it (with consent).
+        Rejected: refused with "rejected by WHO: NOTE". An execution whose
+        approval time ran out is refused as expired here and then, and the
+        answer is TOO_LATE. Raises ExecutionNotFound for an unknown id.
+        """
+        if decision not in (APPROVED, REJECTED):
+            raise ValueError(f"decision {decision!r} is not {APPROVED!r} or {REJECTED!r}")
+        now = now or utcnow()
+        with self.session(write=True) as s:
+            row = s.get(Execution, execution_id, with_for_update=True)
+            if row is None:
+                raise ExecutionNotFound(execution_id)
+            if _is_awaiting(row) and row.created_at + timedelta(seconds=timeout_s) <= now:
+                self._refuse(row, expired_reason(timeout_s), now)
+            if not _is_awaiting(row):
+                outcome, message = _why_not(row)
+                s.flush()
+                return Decision(ExecutionRecord.from_row(row), outcome, message)
+            row.decision, row.decided_by, row.decided_at = decision, who, now
+            row.decision_note = note or None
+            label = f"execution #{row.id} ({row.runbook} on {row.engine})"
+            if decision == APPROVED:
+                row.reason = None  # no longer awaiting: the worker picks it up
+                message = f"{label} approved by {who}; the service runs it"
+            else:
+                self._refuse(row, f"rejected by {who}" + (f": {note}" if note else ""), now)
+                message = f"{label} rejected by {who}; nothing runs"
+            s.flush()
+            return Decision(ExecutionRecord.from_row(row), DECIDED, message)
+
+    def expire_approvals(
+        self, timeout_s: float = DEFAULT_APPROVAL_TIMEOUT_S, *, now: datetime | None = None
+    ) -> list[ExecutionRecord]:
+        """Refuse every execution that awaited approval for `timeout_s` or more."""
+        now = now or utcnow()
+        cutoff = now - timedelta(seconds=timeout_s)
+        query = select(Execution.id).where(
+            Execution.status == PENDING,
+            Execution.reason == AWAITING_APPROVAL,
+            Execution.decision.is_(None),
+            Execution.created_at <= cutoff,
+        )
+        with self.session() as s:
+            ids = list(s.scalars(query))
+        expired = []
+        for execution_id in ids:
+            with self.session(write=True) as s:
+                row = s.get(Execution, execution_id, with_for_update=True)
+                if row is None or not _is_awaiting(row):
+                    continue  # answered meanwhile
+                self._refuse(row, expired_reason(timeout_s), now)
+                s.flush()
+                expired.append(ExecutionRecord.from_row(row))
+        return expired
+
+    def resolve_before_approval(
+        self, runbook: str, engine: str, fingerprint: str, starts_at: datetime
+    ) -> ExecutionRecord | None:
+        """The alert episode resolved: an execution still waiting for a person
+        (or approved but not started) is refused, so a late approval runs nothing."""
+        key = episode_key(runbook, engine, fingerprint, starts_at)
+        with self.session(write=True) as s:
+            row = s.scalars(
+                select(Execution).where(Execution.episode_key == key).with_for_update()
+            ).first()
+            if row is None or row.status != PENDING:
+                return None
+            if not (_is_awaiting(row) or row.decision == APPROVED):
+                return None
+            self._refuse(row, RESOLVED_BEFORE_APPROVAL, utcnow())
+            s.flush()
+            return ExecutionRecord.from_row(row)
+
+    @staticmethod
+    def _refuse(row: Execution, reason: str, now: datetime) -> None:
+        row.status, row.reason, row.finished_at = REFUSED, reason, now
