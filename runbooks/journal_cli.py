@@ -28,6 +28,7 @@ from vllm_runbook.runbooks.render import format_table, format_value, render_repo
 from vllm_runbook.runbooks.spec import Catalog, CatalogError, Runbook, load_catalog
 from vllm_runbook.runbooks.store import (
     ExecutionNotFound,
+    ExecutionRecord,
     Store,
     StoreError,
     StoreUnavailable,
@@ -36,6 +37,7 @@ from vllm_runbook.runbooks.store import (
     resolve_url,
     upgrade,
 )
+from vllm_runbook.runbooks.store.notifications import NotificationRecord
 
 EXIT_OK: Final = 0
 EXIT_STORE_ERROR: Final = 1
@@ -158,12 +160,16 @@ def cmd_history(args: argparse.Namespace) -> int:
     try:
         if args.id is not None:
             record = store.get_execution(args.id)
+            sent = store.notifications([record.id]).get(record.id, [])
             if args.json:
-                _print_json({"execution": record.to_dict()})
+                _print_json(
+                    {"execution": record.to_dict(), "notifications": [n.to_dict() for n in sent]}
+                )
             else:
-                sys.stdout.write(render_report(record))
+                sys.stdout.write(render_report(record) + _notifications_text(sent))
             return EXIT_OK
         records = store.list_executions(args.engine, runbook=args.runbook, limit=args.limit)
+        failed = store.notifications([r.id for r in records], status="failed")
     finally:
         store.close()
     if args.json:
@@ -182,13 +188,32 @@ def cmd_history(args: argparse.Namespace) -> int:
             r.who,
             _when(r.started_at or r.created_at),
             f"{sum(s.status == 'applied' for s in r.steps)}/{len(r.steps)}",
-            r.error or r.reason or "",
+            _note(r, failed.get(r.id, [])),
         )
         for r in records
     ]
     headers = ["ID", "RUNBOOK", "ENGINE", "STATUS", "TRIGGER", "WHO", "STARTED", "APPLIED", "NOTE"]
     print(format_table(rows, headers))
     return EXIT_OK
+
+
+def _note(record: ExecutionRecord, failed: list[NotificationRecord]) -> str:
+    note = record.error or record.reason or ""
+    if failed:
+        receivers = sorted({n.receiver for n in failed})
+        note += ("; " if note else "") + f"notification failed: {', '.join(receivers)}"
+    return note
+
+
+def _notifications_text(sent: list[NotificationRecord]) -> str:
+    """The report's tail: each event sent to each receiver, and the failures' reasons."""
+    if not sent:
+        return ""
+    lines = ["", "Notifications"]
+    for n in sent:
+        error = f" ({n.last_error})" if n.last_error else ""
+        lines.append(f"  {n.event} → {n.receiver}: {n.status}{error}")
+    return "\n".join(lines) + "\n"
 
 
 # --- catalog ---------------------------------------------------------------------

@@ -148,8 +148,11 @@ def render_notification(
     alert_name: str | None = None,
     labels: Mapping[Any, Any] | None = None,
     annotations: Mapping[Any, Any] | None = None,
+    event: str | None = None,
+    link: str | None = None,
 ) -> str:
-    """A short text for chat/pager about an execution and the alert behind it."""
+    """A short text for chat/pager about an execution and the alert behind it;
+    `event` (e.g. "awaiting approval") replaces the status in the first line."""
     return (
         _environment()
         .get_template(NOTIFICATION_TEMPLATE)
@@ -158,6 +161,8 @@ def render_notification(
             alert_name=None if alert_name is None else str(alert_name),
             labels=untrusted_text(labels),
             annotations=untrusted_text(annotations),
+            event=event,
+            link=link,
         )
     )
 

@@ -114,6 +114,15 @@ KNOB_CHANGES = _spec(
     "knob",
 )
 
+NOTIFICATIONS = _spec(
+    "notifications",
+    "counter",
+    "Execution events sent to notification receivers, by receiver and outcome "
+    "(delivered|failed: every retry failed).",
+    "receiver",
+    "outcome",
+)
+
 SERVICE_METRICS: tuple[MetricSpec, ...] = (
     WEBHOOKS_RECEIVED,
     WEBHOOKS_REJECTED,
@@ -127,6 +136,7 @@ SERVICE_METRICS: tuple[MetricSpec, ...] = (
     RULES_EVALUATION_INTERVAL,
     INCIDENTS_FIRING,
     KNOB_CHANGES,
+    NOTIFICATIONS,
 )
 SERVICE_METRICS_BY_NAME = {m.name: m for m in SERVICE_METRICS}
 

@@ -27,6 +27,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import FileSystemLoader, StrictUndefined, select_autoescape
 from jinja2.sandbox import SandboxedEnvironment
 from vllm_runbook.runbooks.guardrails import format_duration
+from vllm_runbook.runbooks.notify import alert_name
 from vllm_runbook.runbooks.render import TEMPLATES_DIR, format_change, format_value
 from vllm_runbook.runbooks.store import ExecutionNotFound, ExecutionRecord, Store, StoreError
 from vllm_runbook.runbooks.store.models import APPROVED, REJECTED, utcnow
@@ -53,12 +54,6 @@ def _environment() -> SandboxedEnvironment:
     env.filters["change"] = format_change
     env.filters["when"] = lambda t: "-" if t is None else t.strftime("%Y-%m-%d %H:%M:%SZ")
     return env
-
-
-def alert_name(record: ExecutionRecord) -> str | None:
-    """The alert behind an execution: its `who` is `alertmanager:NAME` or `rules:NAME`."""
-    source, sep, name = record.who.partition(":")
-    return name if sep and source in ("alertmanager", "rules") else None
 
 
 def form_token(credentials: Credentials) -> str:

@@ -138,6 +138,7 @@ def build(
         engine_names={normalize_url(e.agent): e.name for e in config.engines},
         runbooks=sorted(runbooks),
         scrape_targets=[t.url for e in config.engines for t in e.targets()] if rules else (),
+        receivers=[r.name for r in config.notifications.receivers],
     )
     runner = None
     if worker:
@@ -188,6 +189,14 @@ def build(
         read_credentials=read_credentials_from_env(),
         approval_timeout_s=config.approvals.timeout_seconds,
     )
+    app.state.notifier = None
+    if config.notifications.receivers:
+        from vllm_runbook.runbooks.notify import Notifier
+
+        try:
+            app.state.notifier = Notifier.from_config(store, config.notifications, metrics=metrics)
+        except OSError as exc:
+            raise TokenError(f"notifications: cannot read a receiver's token_file: {exc}") from None
     return config, store, app, runner, leader
 
 
@@ -230,6 +239,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         scheduler.start()
     if worker is not None:
         worker.start()
+    notifier = app.state.notifier
+    if notifier is not None:
+        notifier.start()
     stopped = threading.Event()
 
     def stop() -> None:
@@ -242,6 +254,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             leader.stop()  # the other replicas need not wait for the lease to lapse
         if worker is not None:
             worker.stop()
+        if notifier is not None:
+            notifier.stop()
 
     # uvicorn re-raises SIGTERM/SIGINT after its shutdown (the default action ends
     # the process), so a `finally` here would not run: stop in the app's shutdown.

@@ -27,6 +27,8 @@ from vllm_runbook.runbooks.engine_actions import KNOBS
 from vllm_runbook.runbooks.store import ExecutionRecord, StepRecord
 from vllm_runbook.runbooks.store.models import (
     FAILED,
+    NOTIFY_DELIVERED,
+    NOTIFY_FAILED,
     REFUSED,
     REVERTED,
     ROLLED_BACK,
@@ -46,6 +48,7 @@ PENDING = "pending"
 # The execution statuses this counter reaches (the active ones pass by).
 COUNTED_STATUSES = (PENDING, SUCCEEDED, FAILED, ROLLED_BACK, REVERTED, REFUSED)
 SCRAPE_ERROR_REASONS = ("unreachable", "http_status", "parse")
+NOTIFY_OUTCOMES = (NOTIFY_DELIVERED, NOTIFY_FAILED)
 
 
 def knob_changes(step: StepRecord) -> list[str]:
@@ -64,6 +67,7 @@ class ServiceMetrics:
         engine_names: Mapping[str, str] | None = None,
         runbooks: Iterable[str] = (),
         scrape_targets: Iterable[str] = (),
+        receivers: Iterable[str] = (),
     ) -> None:
         """`engine_names`: agent URL (as executions are keyed) -> inventory name;
         `runbooks` and `scrape_targets` (URLs): the catalog's runbooks and what the
@@ -83,6 +87,10 @@ class ServiceMetrics:
         self.rules_evaluation_interval = cast(Gauge, built[S.RULES_EVALUATION_INTERVAL])
         self.incidents_firing = cast(Gauge, built[S.INCIDENTS_FIRING])
         self.knob_changes = cast(Counter, built[S.KNOB_CHANGES])
+        self.notifications = cast(Counter, built[S.NOTIFICATIONS])
+        for receiver in receivers:
+            for outcome in NOTIFY_OUTCOMES:
+                self.notifications.labels(receiver, outcome)
         # A rate of 0, not "no data"; the first event counts (see the docstring).
         for reason in (REJECT_AUTH, REJECT_MALFORMED, REJECT_STORE_DOWN):
             self.webhooks_rejected.labels(reason)
@@ -98,6 +106,10 @@ class ServiceMetrics:
         for url in scrape_targets:
             for reason in SCRAPE_ERROR_REASONS:
                 self.scrape_errors.labels(url, reason)
+
+    def notification_sent(self, receiver: str, outcome: str) -> None:
+        """The notifier reports each delivery's outcome (delivered | failed)."""
+        self.notifications.labels(receiver, outcome).inc()
 
     def scrape_failed(self, target_url: str, reason: str) -> None:
         """The rules engine's scraper reports each failed scrape here (its `on_error`)."""
