@@ -238,7 +238,8 @@ class Notifier:
     def stop(self) -> None:
         self._stop.set()
         for thread in self._threads:
-            thread.join(timeout=10)
+            if thread.is_alive():
+                thread.join(timeout=10)
         if self._http is not None:
             self._http.close()
 
