@@ -902,6 +902,23 @@ def runbook_activity(notes: Q.RuleNotes) -> dict[str, Any]:
                         ],
                         width=12,
                     ),
+                    Panel(
+                        "Notifications by receiver",
+                        f"{S.NOTIFICATIONS.help} A failed one is also in `runbook history ID` "
+                        "and on the on-call page.",
+                        [
+                            Target(
+                                events(
+                                    S.NOTIFICATIONS.series_name, "$__interval", "receiver, outcome"
+                                ),
+                                "{{receiver}} {{outcome}}",
+                            )
+                        ],
+                        bars=True,
+                        stack=True,
+                        decimals=0,
+                        width=12,
+                    ),
                 ],
             ),
             Row(
