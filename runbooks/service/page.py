@@ -7,9 +7,10 @@ No front-end build: one Jinja2 template (templates/page.html.j2) in an
 autoescaping sandbox (alert labels and notes are untrusted text) and a meta
 refresh. Bound off loopback, the page asks for the API's read credentials (basic
 auth is what a browser can send) and an answer needs the webhook's; on
-loopback it is open like the rest of the service's reads. The forms carry a token derived from the service's
-credentials, so another site cannot make a visitor's browser approve
-(the same on every replica: any one may serve the form or take the click).
+loopback it is open like the rest of the service's reads. The forms carry a
+token derived from the service's credentials, so another site cannot make a
+visitor's browser approve (the same on every replica: any one may serve the
+form or take the click).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-from datetime import timedelta
 from collections.abc import Callable
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import parse_qs, quote
 

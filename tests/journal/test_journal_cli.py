@@ -89,6 +89,10 @@ def test_history_table_and_json(sqlite_url: str, capsys: pytest.CaptureFixture[s
             "started_at",
             "finished_at",
             "steps",
+            "decision",
+            "decided_by",
+            "decided_at",
+            "decision_note",
         ]
     )
     assert (shown["id"], shown["status"]) == (1, "succeeded")

@@ -56,7 +56,7 @@ class Replica:
         agent: FakeAgent,
         credentials: Credentials,
         *,
-        page_needs_credentials: bool = False,
+        protect_reads: bool = False,
     ) -> None:
         config = load_config(cfg)
         router = Router(
@@ -81,7 +81,7 @@ class Replica:
             credentials,
             self.worker,
             approval_timeout_s=timeout,
-            page_needs_credentials=page_needs_credentials,
+            protect_reads=protect_reads,
         )
         self.client = TestClient(app)
 
@@ -318,7 +318,7 @@ def test_page_off_loopback_needs_the_api_credentials_and_a_form_token(
     sqlite_url: str, cfg: Path
 ) -> None:
     basic = Credentials(username="ann", password="s3cret")
-    r = Replica(sqlite_url, cfg, FakeAgent(), basic, page_needs_credentials=True)
+    r = Replica(sqlite_url, cfg, FakeAgent(), basic, protect_reads=True)
     with r.client as client:
         fire_body = payload()
         assert client.post("/webhooks/alertmanager", json=fire_body, headers=BASIC).is_success
