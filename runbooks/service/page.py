@@ -16,6 +16,7 @@ form or take the click).
 from __future__ import annotations
 
 import asyncio
+import math
 import hashlib
 import hmac
 from collections.abc import Callable
@@ -72,7 +73,7 @@ def _view(store: Store, timeout_s: float) -> dict[str, Any]:
 
     def expires(r: ExecutionRecord) -> str:
         left = (r.created_at + timedelta(seconds=timeout_s) - now).total_seconds()
-        return format_duration(left) if left > 0 else "expired"
+        return format_duration(math.ceil(left)) if left > 0 else "expired"
 
     return {
         "now": now,

@@ -1,0 +1,154 @@
+"""The on-call page in a real browser (Debian's chromium, headless, driven by
+selenium through Debian's chromium-driver), all on loopback: a vLLM CPU engine
+served with the plugin, `runbook serve` with oom-pressure in `approve` mode,
+an Alertmanager delivery that leaves the execution awaiting approval. The page
+shows it; a click on Approve makes the service run it on the engine; the page
+then shows the result as the journal has it (status, the step's before →
+after, the verification). Screenshots go to artifacts/oncall-page/ (the docs'
+images are copies of these)."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import yaml
+
+from tests.engines import REPO_ROOT, ServedEngine, http_get, require_tool
+from tests.service.processes import RunbookServe
+from tests.service.test_service_webhooks import payload
+
+pytestmark = [pytest.mark.engine, pytest.mark.served]
+
+TOKEN = "page-webhook-token"
+ARTIFACTS = REPO_ROOT / "artifacts" / "oncall-page"
+FINAL = ("succeeded", "failed", "rolled_back", "refused")
+T = TypeVar("T")
+
+
+def wait_until(what: str, probe: Callable[[], T | None], limit: float) -> T:
+    """Poll until `probe` gives something (a deadline, not a timing assertion)."""
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        found = probe()
+        if found:
+            return found
+        time.sleep(0.25)
+    raise AssertionError(f"{what}: not within {limit:g} s")
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    chromium = require_tool("chromium")
+    driver_path = require_tool("chromedriver")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        options.add_argument(arg)
+    options.add_argument("--window-size=1280,1100")
+    driver = webdriver.Chrome(service=Service(driver_path), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def deliver(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    request = urllib.request.Request(
+        url + "/webhooks/alertmanager",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return dict(json.loads(response.read()))
+
+
+def test_approve_from_the_page_runs_on_the_engine_and_the_page_shows_it(
+    tiny_model: Path, tmp_path: Path, browser: Any
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "webhook.token").write_text(TOKEN + "\n")
+    with ServedEngine.run(tiny_model, tmp_path / "engine.log") as served:
+        instance = served.api_url.removeprefix("http://")
+        config = {
+            "database": f"sqlite:///{tmp_path / 'runbook.db'}",
+            "engines": [
+                {"name": "cpu-0", "agent": served.agent_url, "labels": {"instance": instance}}
+            ],
+            "automation": {"oom-pressure": "approve"},
+            "webhook": {"token_file": str(tmp_path / "webhook.token")},
+            "approvals": {"timeout": "10m"},
+            "executor": {"verify_seconds": "2s", "condition_seconds": "1s"},
+        }
+        cfg = tmp_path / "runbook.yaml"
+        cfg.write_text(yaml.safe_dump(config))
+        with RunbookServe.run(cfg, tmp_path / "serve.log", "--no-rules") as svc:
+            body = payload()
+            labels = {**body["alerts"][0]["labels"], "instance": instance}
+            body["alerts"][0]["labels"] = body["commonLabels"] = labels
+            [created] = deliver(svc.url, body)["executions"]
+            assert created["mode"] == "approve"
+            [waiting] = svc.get("/api/pending")
+            ex = waiting["id"]
+
+            browser.get(svc.url + "/")
+            assert browser.title == "vllm-runbook on call"
+            row = browser.find_element(By.ID, f"pending-{ex}")
+            assert "oom-pressure" in row.text and served.agent_url in row.text
+            assert browser.find_element(By.ID, f"status-{ex}").text == "pending"
+            browser.save_screenshot(str(ARTIFACTS / "oncall-page-pending.png"))
+
+            row.find_element(By.NAME, "by").send_keys("ann")
+            row.find_element(By.NAME, "note").send_keys("KV cache full, go")
+            browser.find_element(By.ID, f"approve-{ex}").click()
+            message = browser.find_element(By.ID, "message").text
+            assert message == (
+                f"execution #{ex} (oom-pressure on {served.agent_url}) approved by ann; "
+                "the service runs it"
+            )
+
+            def final() -> dict[str, Any] | None:
+                [record] = svc.get("/api/executions")
+                return record if record["status"] in FINAL else None
+
+            record = wait_until("the approved execution finishes", final, 180)
+            assert record["decided_by"] == "ann"
+            assert record["decision_note"] == "KV cache full, go"
+            # The engine's budget was halved by the run (and stays, or was rolled back).
+            [scale] = [s for s in record["steps"] if s["action"] == "scale_max_num_batched_tokens"]
+            assert (scale["before"], scale["after"]) == (
+                {"max_num_batched_tokens": 512},
+                {"max_num_batched_tokens": 256},
+            )
+            status, state = http_get(served.agent_url + "/v1/state")
+            assert status == 200
+            expected_budget = 512 if scale["status"] == "reverted" else 256
+            assert json.loads(state)["knobs"]["max_num_batched_tokens"] == expected_budget
+
+            browser.get(svc.url + "/")
+            assert browser.find_element(By.ID, f"status-{ex}").text == record["display_status"]
+            assert browser.find_elements(By.ID, f"pending-{ex}") == []
+            steps = browser.find_element(By.ID, f"steps-{ex}").text
+            assert (
+                f"scale_max_num_batched_tokens {scale['status']} max_num_batched_tokens: 512 → 256"
+                in steps
+            )
+            block = browser.find_element(By.ID, f"execution-{ex}").text
+            assert "approved by ann at " in block and "KV cache full, go" in block
+            if record["verification"] is not None:
+                verification = browser.find_element(By.ID, f"verification-{ex}").text
+                assert verification.startswith("verification: preemptions_per_minute ")
+                assert verification.endswith(f"({record['verification']['outcome']})")
+            engine_link = browser.find_element(By.CSS_SELECTOR, f"#execution-{ex} a")
+            assert engine_link.get_attribute("href") == served.agent_url + "/v1/state"
+            browser.save_screenshot(str(ARTIFACTS / "oncall-page-result.png"))
