@@ -16,9 +16,9 @@ form or take the click).
 from __future__ import annotations
 
 import asyncio
-import math
 import hashlib
 import hmac
+import math
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Final
