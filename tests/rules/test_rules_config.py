@@ -319,3 +319,55 @@ def test_catalog_path_is_relative_to_the_file(tmp_path: Path) -> None:
     assert config.catalog == tmp_path / "mine"
     with pytest.raises(CatalogError, match=r"no \*\.yaml rule files"):
         config.load_rules()
+
+
+def test_approvals_and_notifications(tmp_path: Path) -> None:
+    (tmp_path / "hook.token").write_text("t\n")
+    path = write(
+        tmp_path,
+        """\
+        approvals: {timeout: 90s}
+        notifications:
+          receivers:
+            - {name: ops, type: webhook, url: "http://127.0.0.1:9/hook/", token_file: hook.token}
+            - {name: chat, type: slack, url: "https://hooks.example/x"}
+          retries: 2
+          backoff: 500ms
+          timeout: 3s
+          page_url: http://runbook.example:8080
+        """,
+    )
+    config = load_config(path)
+    assert config.approvals.timeout_seconds == 90.0
+    n = config.notifications
+    assert [(r.name, r.type, r.url, r.token_file) for r in n.receivers] == [
+        ("ops", "webhook", "http://127.0.0.1:9/hook", tmp_path / "hook.token"),
+        ("chat", "slack", "https://hooks.example/x", None),
+    ]
+    assert (n.retries, n.backoff_seconds, n.timeout_seconds, n.page_url) == (
+        2,
+        0.5,
+        3.0,
+        "http://runbook.example:8080",
+    )
+    assert load_config(None).approvals.timeout_seconds == 15 * 60.0
+
+
+def test_bad_notifications_are_named_with_file_and_line(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """\
+        approvals: {timeout: 0s}
+        notifications:
+          receivers:
+            - {name: ops, type: pager, url: "http://127.0.0.1:9"}
+            - {name: chat, type: slack, url: "hooks.example"}
+          retries: -1
+        """,
+    )
+    assert problems(path) == [
+        f"{path}:1: approvals.timeout: bad duration '0s': must be positive",
+        f"{path}:4: notifications.receivers[0].type: 'pager' is not one of webhook, slack",
+        f"{path}:5: notifications.receivers[1].url must be an http(s) URL, got 'hooks.example'",
+        f"{path}:6: notifications.retries: Input should be greater than or equal to 0",
+    ]

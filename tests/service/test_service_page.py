@@ -4,7 +4,8 @@ served with the plugin, `runbook serve` with oom-pressure in `approve` mode,
 an Alertmanager delivery that leaves the execution awaiting approval. The page
 shows it; a click on Approve makes the service run it on the engine; the page
 then shows the result as the journal has it (status, the step's before →
-after, the verification). Screenshots go to artifacts/oncall-page/ (the docs'
+after, the verification), and the configured webhook receiver got every
+event of it (the service's notifier). Screenshots go to artifacts/oncall-page/ (the docs'
 images are copies of these)."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import yaml
 
 from tests.engines import REPO_ROOT, ServedEngine, http_get, require_tool
 from tests.service.processes import RunbookServe
+from tests.service.test_service_notify import Hooks
 from tests.service.test_service_webhooks import payload
 
 pytestmark = [pytest.mark.engine, pytest.mark.served]
@@ -74,6 +76,14 @@ def deliver(url: str, body: dict[str, Any]) -> dict[str, Any]:
 def test_approve_from_the_page_runs_on_the_engine_and_the_page_shows_it(
     tiny_model: Path, tmp_path: Path, browser: Any
 ) -> None:
+    hooks = Hooks()
+    try:
+        run_page_test(tiny_model, tmp_path, browser, hooks)
+    finally:
+        hooks.close()
+
+
+def run_page_test(tiny_model: Path, tmp_path: Path, browser: Any, hooks: Hooks) -> None:
     from selenium.webdriver.common.by import By
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
@@ -88,6 +98,10 @@ def test_approve_from_the_page_runs_on_the_engine_and_the_page_shows_it(
             "automation": {"oom-pressure": "approve"},
             "webhook": {"token_file": str(tmp_path / "webhook.token")},
             "approvals": {"timeout": "10m"},
+            "notifications": {
+                "receivers": [{"name": "ops", "type": "webhook", "url": hooks.url + "/ok"}],
+                "retries": 0,
+            },
             "executor": {"verify_seconds": "2s", "condition_seconds": "1s"},
         }
         cfg = tmp_path / "runbook.yaml"
@@ -152,3 +166,13 @@ def test_approve_from_the_page_runs_on_the_engine_and_the_page_shows_it(
             engine_link = browser.find_element(By.CSS_SELECTOR, f"#execution-{ex} a")
             assert engine_link.get_attribute("href") == served.agent_url + "/v1/state"
             browser.save_screenshot(str(ARTIFACTS / "oncall-page-result.png"))
+
+            outcome = (record["verification"] or {}).get("outcome")
+            last = {
+                "succeeded": "succeeded",
+                "rolled_back": "rolled back",
+                "failed": "no measurable change" if outcome == "not improved" else "failed",
+            }[record["status"]]
+            events = ["awaiting approval", "started", last]
+            wait_until("the receiver has every event", lambda: hooks.events("/ok") == events, 60)
+            assert [b["execution_id"] for b in hooks.bodies["/ok"]] == [ex, ex, ex]
