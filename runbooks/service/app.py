@@ -37,7 +37,7 @@ from vllm_runbook.runbooks.service.webhooks import GroupCommitter, Router
 from vllm_runbook.runbooks.service.worker import Worker
 from vllm_runbook.runbooks.store import ExecutionNotFound, Store, StoreError, StoreUnavailable
 from vllm_runbook.runbooks.store.approvals import DEFAULT_APPROVAL_TIMEOUT_S, TOO_LATE
-from vllm_runbook.runbooks.store.models import APPROVED, REJECTED
+from vllm_runbook.runbooks.store.models import APPROVED, REFUSED, REJECTED
 
 log = logging.getLogger("vllm_runbook.service")
 
@@ -258,6 +258,8 @@ def create_app(
         if not result.ok:
             code = 410 if result.outcome == TOO_LATE else 409
             return _error(code, result.message, execution=result.record.to_dict())
+        if result.record.status == REFUSED:  # rejected: final, counted like a refusal
+            metrics.execution_finished(result.record)
         if worker is not None:
             worker.wake()
         return JSONResponse({"message": result.message, "execution": result.record.to_dict()})

@@ -87,6 +87,8 @@ class Worker:
         """Run what is pending and revert what resolved; returns how many ran."""
         ran = 0
         for expired in self.store.expire_approvals(self.approval_timeout_s):
+            if self.metrics is not None:
+                self.metrics.execution_finished(expired)
             log.warning(
                 "execution #%d (%s on %s): %s",
                 expired.id,
@@ -137,6 +139,8 @@ class Worker:
             item["runbook"], item["engine"], item["fingerprint"], starts_at
         )
         if waiting is not None:
+            if self.metrics is not None:
+                self.metrics.execution_finished(waiting)
             log.warning("execution #%d: %s", waiting.id, waiting.reason)
             return
         lease = (

@@ -19,6 +19,7 @@ from vllm_runbook.rules.config import load_config
 from vllm_runbook.runbooks.cli import main
 from vllm_runbook.runbooks.executor import Executor
 from vllm_runbook.runbooks.service.app import Credentials, create_app
+from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
 from vllm_runbook.runbooks.service.webhooks import Router
 from vllm_runbook.runbooks.service.worker import Worker
 from vllm_runbook.runbooks.spec import load_catalog as load_runbook_catalog
@@ -74,7 +75,10 @@ class Replica:
             clock=self.clock,
         )
         timeout = config.approvals.timeout_seconds
-        self.worker = Worker(self.store, executor, waits=WAITS, approval_timeout_s=timeout)
+        self.metrics = ServiceMetrics()
+        self.worker = Worker(
+            self.store, executor, waits=WAITS, approval_timeout_s=timeout, metrics=self.metrics
+        )
         app = create_app(
             self.store,
             router,
@@ -82,6 +86,7 @@ class Replica:
             self.worker,
             approval_timeout_s=timeout,
             protect_reads=protect_reads,
+            metrics=self.metrics,
         )
         self.client = TestClient(app)
 
@@ -250,6 +255,8 @@ def test_an_approval_after_the_alert_resolved_does_nothing_and_says_so(replica: 
     )
     assert replica.worker.tick() == 0
     assert replica.store.get_execution(waiting.id).status == REFUSED
+    refusals = replica.metrics.executions.labels("oom-pressure", REFUSED)._value.get()
+    assert refusals == 1  # counted once, when the resolve refused it
 
 
 def test_an_auto_execution_is_not_one_to_approve(sqlite_url: str, tmp_path: Path) -> None:
