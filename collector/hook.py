@@ -33,6 +33,7 @@ from vllm_runbook.collector.auth import TokenError, configured_token, generate_t
 from vllm_runbook.collector.control import EngineControl
 from vllm_runbook.collector.exporter import MultiprocessMirror, Sample, StatsExporter, close_quietly
 from vllm_runbook.collector.nvml import NvmlPoller, load_pynvml
+from vllm_runbook.collector.requests import ChangeMarks, Finished, Mark, RequestLog, summarize
 from vllm_runbook.collector.server import AgentServer, ServerLimits
 from vllm_runbook.collector.window import SlidingWindowMax, SlidingWindowRatio
 
@@ -169,6 +170,14 @@ class EngineCollector:
         self.unpadded_tokens = 0
         self.fragmentation = 0.0
         self.length_padding = 0.0
+        # Longest context (computed tokens, prompt + generated) in the running batch.
+        self.max_sequence_tokens = 0
+        self.requests = RequestLog()
+        self.marks = ChangeMarks()
+        # Request id -> wall time it reached the engine (until its first schedule),
+        # then -> seconds it waited for that first schedule (until it finishes).
+        self._arrived: dict[str, float] = {}
+        self._queue_seconds: dict[str, float] = {}
         self._schedule_bounds = M.SCHEDULE_SECONDS.buckets
         self.schedule_counts = [0] * (len(self._schedule_bounds) + 1)  # last: +Inf
         self.schedule_seconds_sum = 0.0
@@ -193,7 +202,7 @@ class EngineCollector:
         self.wall_clock: Callable[[], float] = time.time
         self._horizon_lock = threading.Lock()
         self._horizon_floor = 0.0
-        self.control = EngineControl(scheduler, lambda: self.steps)
+        self.control = EngineControl(scheduler, lambda: self.steps, self.on_change_applied)
 
         self._wrap_prefix_cache_stats(kv_manager)
         self.registry.register(StatsExporter(self.samples, self.labels))
@@ -259,7 +268,11 @@ class EngineCollector:
         reset_prefix_cache) runs under the same lock as the command."""
         return self.scheduler.get_num_unfinished_requests() == 0
 
-    def state(self) -> dict[str, Any]:
+    def state(self, since_step: int | None = None) -> dict[str, Any]:
+        """The agent's `/v1/state`. With `since_step` (the step a change took
+        effect from, as the knob routes answer it), `since` holds what happened
+        from that step on: counter deltas and the requests finished since
+        (None when no change was applied at that step, or it is too old)."""
         stats: dict[str, Any] = {}
         for s in self.samples():
             if s.spec.type == "histogram" or s.spec.extra_labels:
@@ -270,6 +283,11 @@ class EngineCollector:
         preempted, _ = self.preemption_window.sums()
         stats["preemptions_per_minute"] = preempted * 60.0 / self.settings.window_seconds
         stats["admitted_before_time"] = self.waiting_horizon()[1]
+        now = self.wall_clock()
+        window = self.settings.window_seconds
+        stats.update(summarize(self.requests.since_time(now - window)))
+        stats["window_seconds"] = window
+        stats["requests_finished_by_reason_total"] = dict(self.requests.by_reason)
         bounds = self.control.bounds()
         return {
             "engine": {
@@ -287,7 +305,48 @@ class EngineCollector:
             "startup": dict(self.control.startup),
             "bounds": {knob: b.as_dict() for knob, b in bounds.items()},
             "stats": stats,
+            "gpus": self.nvml.snapshot(),
+            "since": None if since_step is None else self.since(since_step, now),
         }
+
+    def since(self, step: int, now: float | None = None) -> dict[str, Any] | None:
+        """What happened from `step` (a change's first step) on; None when unknown."""
+        mark = self.marks.get(step)
+        if mark is None:
+            return None
+        now = self.wall_clock() if now is None else now
+        seconds = max(0.0, now - mark.time)
+        preempted = self.preemptions - mark.preemptions
+        scheduled = self.scheduled_tokens - mark.scheduled_tokens
+        queries = self.prefix_queries - mark.prefix_queries
+        hits = self.prefix_hits - mark.prefix_hits
+        return {
+            "from_step": step,
+            "from_time": mark.time,
+            "seconds": seconds,
+            "steps": self.steps - mark.steps,
+            "preemptions": preempted,
+            "preemptions_per_minute": preempted * 60.0 / seconds if seconds > 0 else None,
+            "scheduled_tokens": scheduled,
+            "throughput_tokens_per_second": scheduled / seconds if seconds > 0 else None,
+            "kv_hit_ratio": hits / queries if queries else None,
+            **summarize(self.requests.since_step(step)),
+        }
+
+    def on_change_applied(self, effective_from_step: int) -> None:
+        """A knob change was applied (any thread, under the scheduler lock):
+        keep the counters as they stand before its first step."""
+        self.marks.add(
+            Mark(
+                step=effective_from_step,
+                time=self.wall_clock(),
+                steps=self.steps,
+                preemptions=self.preemptions,
+                scheduled_tokens=self.scheduled_tokens,
+                prefix_queries=self.prefix_queries,
+                prefix_hits=self.prefix_hits,
+            )
+        )
 
     def _wrap_prefix_cache_stats(self, kv_manager: Any) -> None:
         """Count prefix-cache lookups at admission, whatever vLLM's log_stats."""
@@ -317,6 +376,7 @@ class EngineCollector:
         """A request reached the engine: it waits for its first schedule from now."""
         since = self.wall_clock()
         self._never_scheduled.append((request.request_id, since))
+        self._arrived[request.request_id] = since
         if self.oldest_waiting_since is None:
             self.oldest_waiting_since = since
 
@@ -376,10 +436,18 @@ class EngineCollector:
             self.preemption_window.add(preempted, 0)
         if self._never_scheduled:
             self._advance_oldest_waiting(scheduler)
+        if output.scheduled_new_reqs:
+            now = self.wall_clock()
+            arrived, queued = self._arrived, self._queue_seconds
+            for new in output.scheduled_new_reqs:
+                since = arrived.pop(new.req_id, None)
+                if since is not None:
+                    queued[new.req_id] = max(0.0, now - since)
 
         running = scheduler.running
         if not running:
             self.fragmentation = self.length_padding = 0.0
+            self.max_sequence_tokens = 0
             return
         # C-level map/sum instead of a Python loop: this runs every step over
         # every running request (see benchmarks/collector_overhead.py).
@@ -389,6 +457,7 @@ class EngineCollector:
         count: Callable[[list[Any]], int] = _count_real_blocks if self._blocks_have_nulls else len
         held = sum(map(count, blocks))
         computed = sum(lengths)
+        self.max_sequence_tokens = max(lengths)
         self.fragmentation = 1.0 - computed / (held * self.block_size) if held else 0.0
         scheduled = output.num_scheduled_tokens
         if len(scheduled) != len(running):  # scheduled ⊆ running after schedule()
@@ -396,6 +465,27 @@ class EngineCollector:
             computed = sum(lengths)
         max_len = max(lengths, default=0)
         self.length_padding = 1.0 - computed / (len(lengths) * max_len) if max_len else 0.0
+
+    def on_request_finished(self, request: Any) -> None:
+        """A request is being freed (finished, length-capped, aborted, failed)."""
+        from vllm.v1.request import RequestStatus
+
+        now = self.wall_clock()
+        request_id = request.request_id
+        queued = self._queue_seconds.pop(request_id, None)
+        arrived = self._arrived.pop(request_id, None)
+        if queued is None:  # never scheduled: it waited until now
+            queued = max(0.0, now - arrived) if arrived is not None else 0.0
+        reason = RequestStatus.get_finished_reason(request.status)
+        self.requests.add(
+            Finished(
+                step=self.steps,
+                time=now,
+                reason=str(reason) if reason is not None else "abort",
+                e2e_seconds=max(0.0, now - float(request.arrival_time)),
+                queue_seconds=queued,
+            )
+        )
 
     def on_update(self, scheduler: Any, scheduler_output: Any, runner_output: Any) -> None:
         """After update_from_output(): padding of the batch just executed."""
@@ -411,6 +501,7 @@ class EngineCollector:
             self.padding_window.add(padded - unpadded, padded)
         if not scheduler.running:
             self.fragmentation = 0.0
+            self.max_sequence_tokens = 0
 
     # -- at scrape time (HTTP thread) ----------------------------------------
 
@@ -445,6 +536,11 @@ class EngineCollector:
             Sample(M.REQUESTS_WAITING, len(sched.waiting) + len(sched.kv_holding_waiting)),
             Sample(M.OLDEST_WAITING, self.waiting_horizon()[0]),
             Sample(M.PREEMPTIONS, self.preemptions),
+            Sample(M.MAX_SEQUENCE_TOKENS, self.max_sequence_tokens),
+            *(
+                Sample(M.REQUESTS_FINISHED, count, (reason,))
+                for reason, count in self.requests.by_reason.items()
+            ),
             Sample(M.KV_BLOCKS_USED, usable - free),
             Sample(M.KV_BLOCKS_FREE, free),
             Sample(M.KV_CACHE_USAGE, (usable - free) / usable if usable else 0.0),
@@ -577,6 +673,15 @@ class RunbookSchedulerMixin:
             return super().reset_prefix_cache(*args, **kwargs)  # type: ignore[misc]
         with runbook.control.lock:
             return super().reset_prefix_cache(*args, **kwargs)  # type: ignore[misc]
+
+    def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        runbook = self._runbook
+        if runbook is not None and runbook.enabled:
+            try:
+                runbook.on_request_finished(request)
+            except Exception as exc:
+                runbook.disable(exc)
+        return super()._free_request(request, *args, **kwargs)  # type: ignore[misc]
 
     def shutdown(self) -> None:
         try:
