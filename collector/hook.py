@@ -306,6 +306,10 @@ class EngineCollector:
             "bounds": {knob: b.as_dict() for knob, b in bounds.items()},
             "stats": stats,
             "gpus": self.nvml.snapshot(),
+            "schedule_histogram": {
+                "bounds": list(self._schedule_bounds),
+                "cumulative": list(accumulate(self.schedule_counts)),
+            },
             "since": None if since_step is None else self.since(since_step, now),
         }
 

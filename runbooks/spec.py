@@ -127,18 +127,44 @@ class StepSpec(_Strict):
 
 
 class Verification(_Strict):
+    """What must happen after the change, measured only after it took effect.
+
+    `effect: relative` (the default): "improved" needs the signal to move
+    `improve_by` of its before-value the expected way (0.8 with `decrease`:
+    after <= 20 % of before); a move within `tolerance` of before is "no
+    measurable change"; beyond it the wrong way, "worse".
+    `effect: passes_change_time` (for `admitted_before_time`): "improved"
+    once the signal has passed the moment the change was applied (every
+    request waiting at the switch has been scheduled).
+    """
+
     signal: str
     direction: Literal["decrease", "increase"]
     deadline_seconds: Annotated[int, Field(gt=0)]
+    effect: Literal["relative", "passes_change_time"] = "relative"
+    improve_by: Annotated[float, Field(gt=0, le=1)] = 0.2
+    tolerance: Annotated[float, Field(ge=0, lt=1)] = 0.1
     # Circuit breaker: if any of these got worse after acting, roll back.
     rollback_if_worse: tuple[str, ...] = ()
+    # Guards that must be readable on the engine: otherwise the run is refused
+    # before any change.
+    required_guards: tuple[str, ...] = ()
 
     _signal = field_validator("signal")(_known_signal)
 
-    @field_validator("rollback_if_worse")
+    @field_validator("rollback_if_worse", "required_guards")
     @classmethod
     def _known_signals(cls, values: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(_known_signal(v) for v in values)
+
+    @model_validator(mode="after")
+    def _required_are_guards(self) -> Verification:
+        extra = [g for g in self.required_guards if g not in self.rollback_if_worse]
+        if extra:
+            raise ValueError(f"required_guards not in rollback_if_worse: {', '.join(extra)}")
+        if self.effect == "passes_change_time" and self.direction != "increase":
+            raise ValueError("effect passes_change_time needs direction increase")
+        return self
 
 
 class RevertPolicy(_Strict):
