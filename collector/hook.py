@@ -172,6 +172,8 @@ class EngineCollector:
         self.length_padding = 0.0
         # Longest context (computed tokens, prompt + generated) in the running batch.
         self.max_sequence_tokens = 0
+        # (steps, preemptions, scheduled tokens) after the latest step, as one tuple.
+        self.progress = (0, 0, 0)
         self.requests = RequestLog()
         self.marks = ChangeMarks()
         # Request id -> wall time it reached the engine (until its first schedule),
@@ -320,15 +322,16 @@ class EngineCollector:
             return None
         now = self.wall_clock() if now is None else now
         seconds = max(0.0, now - mark.time)
-        preempted = self.preemptions - mark.preemptions
-        scheduled = self.scheduled_tokens - mark.scheduled_tokens
+        steps, preemptions, scheduled_tokens = self.progress
+        preempted = preemptions - mark.preemptions
+        scheduled = scheduled_tokens - mark.scheduled_tokens
         queries = self.prefix_queries - mark.prefix_queries
         hits = self.prefix_hits - mark.prefix_hits
         return {
             "from_step": step,
             "from_time": mark.time,
             "seconds": seconds,
-            "steps": self.steps - mark.steps,
+            "steps": steps - mark.steps,
             "preemptions": preempted,
             "preemptions_per_minute": preempted * 60.0 / seconds if seconds > 0 else None,
             "scheduled_tokens": scheduled,
@@ -438,6 +441,8 @@ class EngineCollector:
         if preempted:
             self.preemptions += preempted
             self.preemption_window.add(preempted, 0)
+        # One consistent triple for readers on other threads (one assignment).
+        self.progress = (self.steps, self.preemptions, self.scheduled_tokens)
         if self._never_scheduled:
             self._advance_oldest_waiting(scheduler)
         if output.scheduled_new_reqs:

@@ -72,6 +72,7 @@ from vllm_runbook.runbooks.outcome import (
 )
 from vllm_runbook.runbooks.render import format_signal
 from vllm_runbook.runbooks.revert import Revert, RevertRefused, restore_targets, revert_on_resolve
+from vllm_runbook.runbooks.sources import WINDOWED, signals_from_state
 from vllm_runbook.runbooks.spec import Catalog, Condition, Runbook, StepSpec, load_catalog
 from vllm_runbook.runbooks.store import StepRecord, Store
 from vllm_runbook.runbooks.store.models import (
@@ -564,6 +565,13 @@ class Run:
             change_time=change_time,
         )
         tripped = report.pop("tripped")
+        # The raw post-change measurement, and what a trailing window (which
+        # still holds the time before the change) would have said: shown, never used.
+        report["measurement"] = self.reader.last_since
+        if v.signal in WINDOWED and self.reader.last_state is not None:
+            report["trailing_window_after"] = signals_from_state(self.reader.last_state).get(
+                v.signal
+            )
         self.store.record_verification(self.id, report)
         before, after, outcome = report["before"], report["after"], report["outcome"]
         for guard, row in report["guards"].items():

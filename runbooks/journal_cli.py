@@ -32,6 +32,7 @@ from vllm_runbook.runbooks.store import (
     StoreError,
     StoreUnavailable,
     display_url,
+    has_journal,
     head_revision,
     resolve_url,
     upgrade,
@@ -154,6 +155,15 @@ def _when(value: datetime | None) -> str:
 @_guarded
 def cmd_history(args: argparse.Namespace) -> int:
     """Executions from the journal; with an id, that execution's full report."""
+    if not has_journal(args.db):  # read-only: a missing store is no error, and stays missing
+        if args.id is not None:
+            print(f"runbook: no executions yet (no execution with id {args.id})", file=sys.stderr)
+            return EXIT_USAGE
+        if args.json:
+            _print_json({"executions": []})
+        else:
+            print("no executions yet")
+        return EXIT_OK
     store = Store(args.db)
     try:
         if args.id is not None:

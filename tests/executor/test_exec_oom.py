@@ -380,3 +380,73 @@ def test_broken_runbook_yaml_names_file_and_line(tmp_path: Path, db_url: str) ->
         r"unknown action 'halve'\n$",
         result.stderr,
     ), result.stderr
+
+
+def test_a_fix_that_works_is_not_rolled_back_by_a_reading_from_before_it(
+    oom_engine: InProcessEngine, db_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The storm of issue 12: exec starts early in a preemption storm, the
+    storm goes on while the condition waits, the cap stops it. The verification
+    reads preemptions only from the step the cap took effect at; a trailing
+    window at that moment still holds the storm before the cap."""
+    eng, url = oom_engine, url_of(oom_engine)
+    assert knobs(eng) == STARTUP
+    time.sleep(WINDOW_S + 0.5)  # the preemption window holds only this storm
+    storm = Workload(eng, "storm", 200_000)
+    while storm.preemptions < 3:  # early in the storm
+        assert storm.step(STEP_PACE_S)
+    proc = cli_background(
+        "exec",
+        "oom-pressure",
+        "--engine",
+        url,
+        "--yes",
+        "--json",
+        "--db",
+        db_url,
+        "--condition-seconds",
+        "2",
+        "--verify-seconds",
+        "30",
+        "--poll-seconds",
+        "0.25",
+    )
+    storm.run_while(proc)
+    out, err = proc.communicate()
+    storm.finish()
+    execution = json.loads(out)["execution"]
+    halve, cap = execution["steps"]
+    assert (cap["action"], cap["status"]) == ("set_max_num_seqs", "applied"), cap
+    capped = cap["after"]["max_num_seqs"]
+    v = execution["verification"]
+    # Measured from the step the cap applied at, never before it.
+    assert v["from_step"] == cap["applied_at_step"]
+    m = v["measurement"]
+    assert m["from_step"] == cap["applied_at_step"]
+    last_step = m["from_step"] - 1 + m["steps"]
+    cumulative = dict(storm.trace)
+    exact = cumulative[last_step] - cumulative[m["from_step"] - 1]
+    assert m["preemptions"] == exact
+    assert v["after"] == pytest.approx(exact * 60.0 / m["seconds"])
+    # The storm went on between the checks and the cap (what a trailing window holds).
+    between = cumulative[cap["applied_at_step"] - 1] - cumulative[halve["applied_at_step"] - 1]
+    with capsys.disabled():
+        print(
+            f"\n[storm] preemptions/min before {v['before']:g} → after the cap "
+            f"{v['after']:g} ({m['preemptions']} in {m['seconds']:.1f} s from step "
+            f"{m['from_step']}); trailing {WINDOW_S} s window at the end "
+            f"{v.get('trailing_window_after')}; preemptions between the halving and the cap "
+            f"{between}; guards "
+            + ", ".join(
+                f"{g}: {r['before']} → {r['after']} ({r['outcome']})"
+                for g, r in v["guards"].items()
+            )
+            + f"; outcome {v['outcome']}; status {execution['status']}"
+        )
+    assert v["outcome"] == "improved", (v, err)
+    assert v["after"] <= 0.2 * v["before"]
+    assert (proc.returncode, execution["status"]) == (0, "succeeded"), err
+    assert knobs(eng) == {**STARTUP, "max_num_batched_tokens": 256, "max_num_seqs": capped}
+    code, _, err = cli_json("revert", str(execution["id"]), "--db", db_url)
+    assert code == 0, err
+    assert knobs(eng) == STARTUP
