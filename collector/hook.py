@@ -133,6 +133,11 @@ class EngineCollector:
         parallel = vllm_config.parallel_config
         rank = getattr(parallel, "data_parallel_index", None)
         self.dp_rank = int(parallel.data_parallel_rank if rank is None else rank) or 0
+        self.parallel = {
+            "tensor_parallel_size": int(getattr(parallel, "tensor_parallel_size", 1) or 1),
+            "pipeline_parallel_size": int(getattr(parallel, "pipeline_parallel_size", 1) or 1),
+            "data_parallel_size": int(getattr(parallel, "data_parallel_size", 1) or 1),
+        }
         self.labels = (self.model_name, str(self.dp_rank))
         self.block_size = int(scheduler.block_size)
 
@@ -301,6 +306,7 @@ class EngineCollector:
                 "vllm_version": _vllm_version(),
                 # Which scheduler vLLM picked (RunbookAsyncScheduler on GPU by default).
                 "scheduler_class": type(self.scheduler).__name__,
+                "parallel": dict(self.parallel),
             },
             "collector_up": self.enabled,
             "knobs": self.control.knobs(),

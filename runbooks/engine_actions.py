@@ -229,7 +229,8 @@ def restore_knobs(params: RestoreKnobs, ctx: ActionContext) -> ActionOutcome:
 def capture_diagnostics(params: CaptureDiagnostics, ctx: ActionContext) -> ActionOutcome:
     """The whole /v1/state (knobs, bounds, stats) into the journal."""
     state = ctx.state
-    snapshot = {k: state.get(k) for k in ("engine", "knobs", "startup", "bounds", "stats")}
+    keys = ("engine", "knobs", "startup", "bounds", "stats", "gpus")
+    snapshot = {k: state.get(k) for k in keys}
     return ActionOutcome(after={"diagnostics": snapshot})
 
 

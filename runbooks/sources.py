@@ -64,6 +64,12 @@ SOURCES: Final[Mapping[str, Source]] = {
     "error_rate": Source(AGENT + ": finish reason 'error' / finished", WINDOW, windowed=True),
     "oom_rate": Source(AGENT + ": preemptions / finished requests", WINDOW, windowed=True),
     "engine_uptime_seconds": Source(AGENT, NOW),
+    "length_padding_ratio": Source(AGENT, NOW),
+    "padding_ratio": Source(AGENT, "trailing window (VLLM_RUNBOOK_WINDOW_SECONDS)"),
+    "gpu_utilization_spread": Source(NVML + ", across the engine's GPUs", "latest NVML poll"),
+    "gpu_memory_spread_ratio": Source(NVML + ", across the engine's GPUs", "latest NVML poll"),
+    "tensor_parallel_size": Source(AGENT + ": the engine's parallel config", "at start"),
+    "finish_reasons": Source(AGENT + ": finished requests", "trailing window"),
 }
 
 WINDOWED: Final = frozenset(name for name, s in SOURCES.items() if s.windowed)
@@ -146,10 +152,22 @@ def signals_from_state(state: Mapping[str, Any]) -> dict[str, Any]:
     started = state.get("engine", {}).get("started_at")
     if started is not None:
         signals["engine_uptime_seconds"] = max(0.0, time.time() - float(started))
+    for name in ("length_padding_ratio", "padding_ratio"):
+        signals[name] = stats.get(name)
+    signals["finish_reasons"] = stats.get("finished_by_reason")
+    signals["tensor_parallel_size"] = (state.get("engine", {}).get("parallel") or {}).get(
+        "tensor_parallel_size"
+    )
     gpus = (state.get("gpus") or {}).get("per_gpu") or {}
     if gpus:
-        signals["gpu_utilization_ratio"] = max(g["utilization_ratio"] for g in gpus.values())
-        signals["gpu_memory_used_bytes"] = max(g["memory_used_bytes"] for g in gpus.values())
+        utilization = [g["utilization_ratio"] for g in gpus.values()]
+        memory = [g["memory_used_bytes"] for g in gpus.values()]
+        signals["gpu_utilization_ratio"] = max(utilization)
+        signals["gpu_memory_used_bytes"] = max(memory)
+        signals["gpu_utilization_spread"] = max(utilization) - min(utilization)
+        signals["gpu_memory_spread_ratio"] = (
+            (max(memory) - min(memory)) / max(memory) if max(memory) > 0 else 0.0
+        )
     return signals
 
 
@@ -181,7 +199,9 @@ def unavailable(state: Mapping[str, Any], signals: Mapping[str, Any]) -> dict[st
     for name, value in signals.items():
         if value is not None:
             continue
-        if name.startswith("gpu_"):
+        if name == "tensor_parallel_size":
+            why[name] = "the engine's agent does not report its parallel config"
+        elif name.startswith("gpu_"):
             why[name] = NO_GPU if not gpus.get("nvml_up") else "NVML returned no GPU"
         elif name in ("p99_latency_seconds", "waiting_seconds_p99", "error_rate", "oom_rate"):
             why[name] = no_requests if "requests_finished" in stats else "agent too old"

@@ -74,6 +74,17 @@ KNOWN_SIGNALS: Final[Mapping[str, str]] = {
     "error_rate": "failed requests / requests",
     "oom_rate": "out-of-memory failures / requests",
     "engine_uptime_seconds": "seconds since the engine started",
+    "length_padding_ratio": (
+        "latest step: 1 - sum(len) / (n x max len) over the scheduled requests' context "
+        "lengths (the length spread a static batcher would pad)"
+    ),
+    "padding_ratio": "cudagraph padding: padded - unpadded over padded tokens, over the window",
+    "gpu_utilization_spread": "highest minus lowest GPU utilisation among the engine's GPUs",
+    "gpu_memory_spread_ratio": (
+        "(highest - lowest) / highest GPU memory in use among the engine's GPUs"
+    ),
+    "tensor_parallel_size": "GPUs one model replica is split over (tensor parallel)",
+    "finish_reasons": "requests finished over the window, by vLLM's finish reason",
 }
 
 Name = Annotated[str, Field(pattern=r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$", max_length=64)]

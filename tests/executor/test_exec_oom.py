@@ -419,18 +419,18 @@ def test_a_fix_that_works_is_not_rolled_back_by_a_reading_from_before_it(
     assert (cap["action"], cap["status"]) == ("set_max_num_seqs", "applied"), cap
     capped = cap["after"]["max_num_seqs"]
     v = execution["verification"]
-    # Measured from the step the cap applied at, never before it.
-    assert v["from_step"] == cap["applied_at_step"]
     m = v["measurement"]
-    assert m["from_step"] == cap["applied_at_step"]
-    last_step = m["from_step"] - 1 + m["steps"]
     cumulative = dict(storm.trace)
-    exact = cumulative[last_step] - cumulative[m["from_step"] - 1]
-    assert m["preemptions"] == exact
-    assert v["after"] == pytest.approx(exact * 60.0 / m["seconds"])
+    last_step = m["from_step"] - 1 + m["steps"]
     # The storm went on between the checks and the cap (what a trailing window holds).
     between = cumulative[cap["applied_at_step"] - 1] - cumulative[halve["applied_at_step"] - 1]
+    trace = [
+        (s - m["from_step"], p - cumulative[m["from_step"] - 1])
+        for s, p in storm.trace
+        if m["from_step"] - 1 <= s <= last_step
+    ]
     with capsys.disabled():
+        print(f"\n[storm] preemptions after the cap by step: {trace[::20]}")
         print(
             f"\n[storm] preemptions/min before {v['before']:g} → after the cap "
             f"{v['after']:g} ({m['preemptions']} in {m['seconds']:.1f} s from step "
@@ -443,6 +443,11 @@ def test_a_fix_that_works_is_not_rolled_back_by_a_reading_from_before_it(
             )
             + f"; outcome {v['outcome']}; status {execution['status']}"
         )
+    # Measured from the step the cap applied at, never before it.
+    assert v["from_step"] == m["from_step"] == cap["applied_at_step"]
+    exact = cumulative[last_step] - cumulative[m["from_step"] - 1]
+    assert m["preemptions"] == exact
+    assert v["after"] == pytest.approx(exact * 60.0 / m["seconds"])
     assert v["outcome"] == "improved", (v, err)
     assert v["after"] <= 0.2 * v["before"]
     assert (proc.returncode, execution["status"]) == (0, "succeeded"), err

@@ -18,12 +18,9 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 
 def test_db_upgrade_then_empty_history(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     url = f"sqlite:///{tmp_path}/c.db"
-    assert run(capsys, "history", "--db", url) == (
-        4,
-        "",
-        f"runbook: store {url} has no up-to-date runbook schema (run `runbook db upgrade`): "
-        "no such table: executions\n",
-    )
+    # Read-only on a store that does not exist yet: nothing to show, nothing created.
+    assert run(capsys, "history", "--db", url) == (0, "no executions yet\n", "")
+    assert not (tmp_path / "c.db").exists()
     assert run(capsys, "db", "upgrade", "--db", url) == (
         0,
         f"{url}: at revision 0001 (head 0001)\n",
@@ -120,10 +117,15 @@ def test_list_and_show(capsys: pytest.CaptureFixture[str]) -> None:
     assert lines[0].split() == ["NAME", "TRIGGERS", "STEPS", "APPROVAL"]
     assert [line.split()[0] for line in lines[1:]] == [
         "batch-too-large",
+        "batch-utilization-low",
+        "error-rate-high",
+        "gpu-compute-skew",
+        "gpu-memory-imbalance",
         "kv-hit-low",
         "latency-spike",
         "memory-leak",
         "oom-pressure",
+        "padding-high",
         "restore",
         "throughput-drop",
         "warmup",

@@ -42,12 +42,13 @@ def test_an_empty_sqlite_file_named_by_db_is_migrated(tmp_path: Path) -> None:
 
 def test_concurrent_first_uses_migrate_once(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'shared.db'}"
-    engine = _down_engine()
+    # Four engines (one engine's lock would refuse the others: exit 2).
+    engines = [_down_engine() for _ in range(4)]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         runs = list(
             pool.map(
-                lambda _: runbook_cli("exec", "latency-spike", "--engine", engine, "--db", url),
-                range(4),
+                lambda e: runbook_cli("exec", "latency-spike", "--engine", e, "--db", url),
+                engines,
             )
         )
     assert [r.returncode for r in runs] == [3, 3, 3, 3], [r.stderr for r in runs]
