@@ -179,6 +179,8 @@ class EngineCollector:
         self.max_sequence_tokens = 0
         # (steps, preemptions, scheduled tokens) after the latest step, as one tuple.
         self.progress = (0, 0, 0)
+        # The applied step of a lower admission limit still draining, if any.
+        self._settling: int | None = None
         self.requests = RequestLog()
         self.marks = ChangeMarks()
         # Request id -> wall time it reached the engine (until its first schedule),
@@ -326,6 +328,13 @@ class EngineCollector:
         mark = self.marks.get(step)
         if mark is None:
             return None
+        if not mark.settled:
+            return {
+                "from_step": step,
+                "settled": False,
+                "num_requests_running": len(self.scheduler.running),
+                "max_num_seqs": int(self.scheduler.max_num_active_reqs),
+            }
         now = self.wall_clock() if now is None else now
         seconds = max(0.0, now - mark.time)
         steps, preemptions, scheduled_tokens = self.progress
@@ -335,6 +344,8 @@ class EngineCollector:
         hits = self.prefix_hits - mark.prefix_hits
         return {
             "from_step": step,
+            "settled": True,
+            "effective_step": mark.step,
             "from_time": mark.time,
             "seconds": seconds,
             "steps": steps - mark.steps,
@@ -343,22 +354,30 @@ class EngineCollector:
             "scheduled_tokens": scheduled,
             "throughput_tokens_per_second": scheduled / seconds if seconds > 0 else None,
             "kv_hit_ratio": hits / queries if queries else None,
-            **summarize(self.requests.since_step(step)),
+            **summarize(self.requests.since_step(mark.step)),
         }
 
     def on_change_applied(self, effective_from_step: int) -> None:
         """A knob change was applied (any thread, under the scheduler lock):
-        keep the counters as they stand before its first step."""
-        self.marks.add(
-            Mark(
-                step=effective_from_step,
-                time=self.wall_clock(),
-                steps=self.steps,
-                preemptions=self.preemptions,
-                scheduled_tokens=self.scheduled_tokens,
-                prefix_queries=self.prefix_queries,
-                prefix_hits=self.prefix_hits,
-            )
+        keep the counters as they stand before its first step. A lower
+        admission limit with more requests running than it admits takes
+        effect only once they drain: `on_schedule` settles the mark then."""
+        settled = len(self.scheduler.running) <= self.scheduler.max_num_active_reqs
+        self.marks.add(effective_from_step, self._mark(effective_from_step, settled))
+        if not settled:
+            self._settling = effective_from_step
+
+    def _mark(self, applied_step: int, settled: bool) -> Mark:
+        return Mark(
+            step=self.steps + 1,
+            time=self.wall_clock(),
+            steps=self.steps,
+            preemptions=self.preemptions,
+            scheduled_tokens=self.scheduled_tokens,
+            prefix_queries=self.prefix_queries,
+            prefix_hits=self.prefix_hits,
+            applied_step=applied_step,
+            settled=settled,
         )
 
     def _wrap_prefix_cache_stats(self, kv_manager: Any) -> None:
@@ -449,6 +468,10 @@ class EngineCollector:
             self.preemption_window.add(preempted, 0)
         # One consistent triple for readers on other threads (one assignment).
         self.progress = (self.steps, self.preemptions, self.scheduled_tokens)
+        if self._settling is not None and len(scheduler.running) <= scheduler.max_num_active_reqs:
+            # The admission limit is in effect from the next step on.
+            self.marks.add(self._settling, self._mark(self._settling, True), replace=True)
+            self._settling = None
         if self._never_scheduled:
             self._advance_oldest_waiting(scheduler)
         if output.scheduled_new_reqs:

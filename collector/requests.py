@@ -37,15 +37,23 @@ class Finished:
 
 @dataclass(frozen=True, slots=True)
 class Mark:
-    """Cumulative counters when a change was applied (before its first step ran)."""
+    """Cumulative counters when a change took effect.
 
-    step: int  # the first step scheduled with the change
-    time: float  # wall time the change was applied
+    Most changes take effect at the first step scheduled with them. A lower
+    admission limit (max_num_seqs) takes effect once the running requests
+    above it have drained (finished or preempted, not readmitted): until
+    then the mark is `settled=False` and its counters are those at apply
+    time; the collector replaces it when running <= the limit."""
+
+    step: int  # the step counting starts from (the first step with the change in effect)
+    time: float  # wall time of that moment
     steps: int
     preemptions: int
     scheduled_tokens: int
     prefix_queries: int
     prefix_hits: int
+    applied_step: int = 0  # the first step scheduled with the change (the key)
+    settled: bool = True
 
 
 def percentile(values: Iterable[float], q: float) -> float | None:
@@ -102,11 +110,11 @@ class ChangeMarks:
         self.kept = kept
         self.marks: OrderedDict[int, Mark] = OrderedDict()
 
-    def add(self, mark: Mark) -> None:
+    def add(self, key: int, mark: Mark, replace: bool = False) -> None:
         # Several commands drained before one step share its mark: keep the first.
-        if mark.step in self.marks:
+        if key in self.marks and not replace:
             return
-        self.marks[mark.step] = mark
+        self.marks[key] = mark
         while len(self.marks) > self.kept:
             self.marks.popitem(last=False)
 

@@ -37,6 +37,7 @@ from vllm_runbook.runbooks.actions import (
 )
 from vllm_runbook.runbooks.client import EngineClient
 from vllm_runbook.runbooks.sources import (
+    WINDOWED,
     kv_capacity_seqs,
     signals_from_state,
     since_signals,
@@ -78,10 +79,32 @@ class SignalReader:
                 signals["throughput_tokens_per_second"] = (scheduled - before) / (now - then)
         if scheduled is not None:
             self._previous = (now, float(scheduled))
+        post_change: dict[str, str] = {}
         if since_step is not None:
-            signals.update(since_signals(state.get("since")))
-        self.unavailable = unavailable(state, signals)
+            # Windowed signals come only from the change's step on, never from
+            # the trailing window (which still holds the time before it).
+            since = state.get("since")
+            for name in WINDOWED:
+                signals[name] = None
+            if since is None:
+                why = f"the agent kept no measurement from step {since_step}"
+                post_change = dict.fromkeys(WINDOWED, why)
+            elif not since.get("settled", True):
+                why = (
+                    f"not in effect yet: {since.get('num_requests_running')} running > "
+                    f"max_num_seqs {since.get('max_num_seqs')} (draining)"
+                )
+                post_change = dict.fromkeys(WINDOWED, why)
+            else:
+                signals.update(since_signals(since))
+        self.unavailable = {**unavailable(state, signals), **post_change}
         return signals
+
+    @property
+    def settled(self) -> bool:
+        """Whether the change asked about at the latest read is in effect."""
+        since = self.last_since
+        return since is not None and bool(since.get("settled", True))
 
     @property
     def last_since(self) -> dict[str, Any] | None:

@@ -563,6 +563,7 @@ class Run:
             wait=lambda seconds: self.x.wait(seconds, self.renew),
             poll_s=self.x.poll_seconds,
             change_time=change_time,
+            settled=lambda: from_step is None or self.reader.settled,
         )
         tripped = report.pop("tripped")
         # The raw post-change measurement, and what a trailing window (which
@@ -587,6 +588,12 @@ class Run:
             )
         if outcome == IMPROVED:
             return self.finish(SUCCEEDED, EXIT_OK, None)
+        if outcome.startswith("not in effect"):
+            return self.finish(
+                FAILED,
+                EXIT_FAILED,
+                f"verification: {outcome}; changes kept, `runbook revert {self.id}` restores them",
+            )
         if outcome.startswith("unverified"):
             self.warnings.append(outcome)
             return self.finish(SUCCEEDED, EXIT_OK, outcome)

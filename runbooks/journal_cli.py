@@ -253,8 +253,12 @@ def _describe(runbook: Runbook) -> str:
     lines = [f"{runbook.name}: {runbook.description}", ""]
     lines.append(f"Triggers: {', '.join(runbook.triggers) or '(manual only)'}")
     lines += ["", "Checks"]
-    check_rows = [(c.name, c.signal, c.description) for c in runbook.checks]
-    lines.append(_indent(format_table(check_rows, ["check", "signal", "description"])))
+    from vllm_runbook.runbooks.sources import SOURCES as _SOURCES
+
+    check_rows = [
+        (c.name, c.signal, c.description, _SOURCES[c.signal].source) for c in runbook.checks
+    ]
+    lines.append(_indent(format_table(check_rows, ["check", "signal", "description", "source"])))
     lines += ["", "Steps"]
     step_rows = [
         (
@@ -272,9 +276,21 @@ def _describe(runbook: Runbook) -> str:
     if v is None:
         lines.append("  none (advice / diagnostics only)")
     else:
-        lines.append(f"  {v.signal} must {v.direction} within {v.deadline_seconds} s")
+        from vllm_runbook.runbooks.sources import SOURCES
+        from vllm_runbook.runbooks.verification import needed_text
+
+        lines.append(
+            f"  {needed_text(v.signal, v)}, measured after the change took effect, "
+            f"within {v.deadline_seconds} s"
+        )
         if v.rollback_if_worse:
-            lines.append(f"  roll back if worse: {', '.join(v.rollback_if_worse)}")
+            guards = [
+                g + (" (required)" if g in v.required_guards else "") for g in v.rollback_if_worse
+            ]
+            lines.append(f"  roll back if worse: {', '.join(guards)}")
+        for name in (v.signal, *v.rollback_if_worse):
+            source = SOURCES[name]
+            lines.append(f"  {name}: {source.source}; {source.window}")
     r, g = runbook.revert, runbook.guardrails
     lines += ["", "Revert"]
     lines.append(f"  on resolve: {format_value(r.on_resolve)}")

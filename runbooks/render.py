@@ -122,13 +122,27 @@ def _context(execution: ExecutionRecord | Mapping[str, Any]) -> dict[str, Any]:
     data["check_rows"] = [
         (
             name,
-            (c or {}).get("value"),
+            (c or {}).get("value")
+            if (c or {}).get("value") is not None or not (c or {}).get("unavailable")
+            else f"unavailable: {c['unavailable']}",
             (c or {}).get("signal", ""),
             (c or {}).get("description", ""),
         )
         if isinstance(c, Mapping)
         else (name, c, "", "")
         for name, c in checks.items()
+    ]
+    v = data.get("verification") or {}
+    data["guard_rows"] = [
+        (
+            guard,
+            format_signal(guard, (row or {}).get("before")),
+            format_signal(guard, (row or {}).get("after")),
+            (row or {}).get("outcome", "-")
+            + (" (required)" if (row or {}).get("required") else ""),
+        )
+        for guard, row in (v.get("guards") or {}).items()
+        if isinstance(row, Mapping)
     ]
     data["step_rows"] = [
         (s["ordinal"], s["action"], s["status"], format_change(s["before"], s["after"]), s["error"])

@@ -101,6 +101,7 @@ def measure(
     wait: Callable[[float], None],
     poll_s: float,
     change_time: Callable[[], float | None],
+    settled: Callable[[], bool] = lambda: True,
 ) -> dict[str, Any]:
     """Read after the change until the effect shows (instant signals) or the
     measurement period ends (windowed ones: the baseline's length, capped by
@@ -122,11 +123,18 @@ def measure(
         "polls": 0,
     }
     signals: dict[str, Any] = {}
+    in_effect_at: float | None = None
     while True:
         signals = read(from_step)
         report["polls"] += 1
         after = signals.get(v.signal)
-        elapsed = clock() - start
+        now = clock()
+        if in_effect_at is None and settled():
+            # A lower admission limit is in effect once the running requests
+            # above it drained: the measurement period starts then.
+            in_effect_at = now
+            report["in_effect_after_seconds"] = now - start
+        elapsed = now - in_effect_at if in_effect_at is not None else 0.0
         early = (
             v.signal not in WINDOWED
             and before is not None
@@ -142,13 +150,21 @@ def measure(
             )
             == IMPROVED
         )
-        if early or elapsed >= period:
+        if early or (in_effect_at is not None and elapsed >= period):
             break
-        wait(min(poll_s, max(0.0, period - elapsed)))
-    report["measured_seconds"] = clock() - start
+        if now - start >= deadline_s:
+            break
+        left = period - elapsed if in_effect_at is not None else deadline_s - (now - start)
+        wait(min(poll_s, max(0.0, left)))
+    report["measured_seconds"] = clock() - (in_effect_at if in_effect_at is not None else start)
     after_unavailable = dict(unavailable())
     after = report["after"] = signals.get(v.signal)
-    if before is None or after is None:
+    if in_effect_at is None:
+        report["outcome"] = (
+            f"not in effect: {after_unavailable.get(v.signal, 'the change was not in effect')} "
+            f"at the {deadline_s:g} s deadline"
+        )
+    elif before is None or after is None:
         why = (
             baseline_unavailable.get(v.signal, "not read")
             if before is None

@@ -132,7 +132,7 @@ def test_list_and_show(capsys: pytest.CaptureFixture[str]) -> None:
     ]
     code, out, _ = run(capsys, "list", "--json")
     names = [r["name"] for r in json.loads(out)["runbooks"]]
-    assert names[4] == "oom-pressure" and len(names) == 8
+    assert names[8] == "oom-pressure" and len(names) == 13
 
     code, out, _ = run(capsys, "show", "oom-pressure")
     assert code == 0
@@ -149,7 +149,11 @@ def test_list_and_show(capsys: pytest.CaptureFixture[str]) -> None:
         "0",
         "after",
     ]
-    assert "  preemptions_per_minute must decrease within 120 s" in lines
+    assert (
+        "  preemptions_per_minute ≤ 20% of before, measured after the change took effect, "
+        "within 120 s"
+    ) in lines
+    assert "  roll back if worse: oom_rate, error_rate" in lines
     code, out, _ = run(capsys, "show", "latency-spike", "--json")
     runbook = json.loads(out)["runbook"]
     assert runbook["steps"] == [
