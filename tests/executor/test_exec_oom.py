@@ -156,7 +156,7 @@ def test_oom_pressure_halves_the_budget_caps_seqs_and_preemptions_fall(
         "--condition-seconds",
         "1",
         "--verify-seconds",
-        "30",
+        "90",
         "--poll-seconds",
         "0.25",
     )
