@@ -183,8 +183,9 @@ class EngineCollector:
         self._settling: int | None = None
         self.requests = RequestLog()
         self.marks = ChangeMarks()
-        # Request id -> wall time it reached the engine (until its first schedule),
-        # then -> seconds it waited for that first schedule (until it finishes).
+        # Request id -> wall time it reached the engine, and -> seconds it waited
+        # for its first schedule (both until it finishes). End-to-end and queue
+        # times are the engine's: from its add_request, on the collector's clock.
         self._arrived: dict[str, float] = {}
         self._queue_seconds: dict[str, float] = {}
         self._schedule_bounds = M.SCHEDULE_SECONDS.buckets
@@ -478,8 +479,8 @@ class EngineCollector:
             now = self.wall_clock()
             arrived, queued = self._arrived, self._queue_seconds
             for new in output.scheduled_new_reqs:
-                since = arrived.pop(new.req_id, None)
-                if since is not None:
+                since = arrived.get(new.req_id)
+                if since is not None and new.req_id not in queued:
                     queued[new.req_id] = max(0.0, now - since)
 
         running = scheduler.running
@@ -520,7 +521,7 @@ class EngineCollector:
                 step=self.steps,
                 time=now,
                 reason=str(reason) if reason is not None else "abort",
-                e2e_seconds=max(0.0, now - float(request.arrival_time)),
+                e2e_seconds=max(0.0, now - arrived) if arrived is not None else 0.0,
                 queue_seconds=queued,
             )
         )

@@ -2,8 +2,8 @@
 
 `RequestLog` keeps, for the most recent finished requests, the engine step
 and wall time they finished at, how they finished (vLLM's finish reason:
-stop, length, abort, error, repetition), their end-to-end time (arrival at
-the frontend to finish) and their queue time (arrival in the engine to the
+stop, length, abort, error, repetition), their end-to-end time (arrival in
+the engine to finish) and their queue time (arrival in the engine to the
 first schedule). `ChangeMarks` keeps the engine's cumulative counters at the
 moment a knob change was applied, keyed by the first step that ran with it.
 
@@ -31,7 +31,7 @@ class Finished:
     step: int  # the scheduler step count when the request finished
     time: float  # wall time of the finish
     reason: str  # vLLM's finish reason (stop | length | abort | error | repetition)
-    e2e_seconds: float  # arrival (frontend) → finish
+    e2e_seconds: float  # arrival in the engine → finish
     queue_seconds: float  # arrival in the engine → first schedule (→ finish if never)
 
 

@@ -3,7 +3,10 @@ max_num_seqs at half of what the KV cache holds; under a steady stream of
 requests that the engine served at the old concurrency, the cap makes the
 queue grow, so the end-to-end P99 of the requests finished after the cap
 took effect rises: the circuit breaker rolls the cap back and the journal
-names the guard with its before and after."""
+names the guard with its before and after.
+
+The collector's clock is driven by the engine's steps (0.1 s a step) so the
+latencies are a function of the workload, not of this machine's load."""
 
 from __future__ import annotations
 
@@ -22,11 +25,12 @@ from tests.engines import InProcessEngine
 
 pytestmark = pytest.mark.engine
 
-WINDOW_S = 10
+WINDOW_S = 30
+STEP_S = 0.1  # collector seconds per engine step
 STARTUP = {"max_num_batched_tokens": 512, "max_num_seqs": 32, "policy": "fcfs"}
 PROMPT, OUTPUT = 256, 64
 EVERY = 3  # one new request every 3 steps: ~23 run at once, KV ~80 % full
-PACE_S = 0.02
+PACE_S = 0.005
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +78,12 @@ def test_kv_hit_low_rolls_back_when_its_latency_guard_gets_worse(
     eng = stream_engine
     url = str(eng.collector.server.url)
     assert knobs(eng) == STARTUP
+    collector = eng.collector
+    start = collector.wall_clock()
+    collector.wall_clock = lambda: start + collector.steps * STEP_S
     stream = Stream(eng)
-    # Steady state, and a trailing window full of requests finished in it.
-    while stream.steps < 300 or eng.collector.state()["stats"]["requests_finished"] < 20:
+    # Steady state, then a whole trailing window (300 steps) of it.
+    while stream.steps < 400:
         stream.step()
     before_running = len(eng.scheduler.running)
     proc = cli_background(
