@@ -150,6 +150,8 @@ def test_each_catalog_is_refused_against_a_catalog_that_lacks_its_names(tmp_path
     messages = [str(p) for p in rinfo.value.problems]
     assert len(messages) == 2  # VllmOOMRateHigh and ClusterKVExhausted
     assert all("unknown runbook 'kv-relief' (known: batch-too-large," in m for m in messages)
+
+
 def test_every_exported_rule_names_a_runbook_and_its_url() -> None:
     from vllm_runbook.rules.promql import rule_to_prometheus
 
