@@ -6,7 +6,8 @@ Mounted by `vllm_runbook.runbooks.cli` with `add_subcommands(subparsers)`. Exit 
     1  the execution failed or was rolled back (the journal says why)
     2  usage, a broken runbook catalog, the engine's bounds, or a guardrail refusal
     3  engine unreachable or authentication failed
-    4  store unavailable (down, locked, or not migrated: run `runbook db upgrade`)
+    4  store unavailable (down, locked, or a PostgreSQL store not migrated: run
+       `runbook db upgrade`; a SQLite journal is created on first use)
 
 Errors are one line on stderr; the report (checks, before → after,
 verification) goes to stdout, or `--json` for scripts.
