@@ -480,3 +480,27 @@ def test_stage_values() -> None:
         "policy": "fcfs",
     }
     assert stage_values(start, targets, 1.0) == targets
+
+
+def test_judge_needs_the_named_effect() -> None:
+    from vllm_runbook.runbooks.verification import IMPROVED, NO_CHANGE, WORSE, judge
+
+    def decrease(before: float, after: float, by: float = 0.8) -> str:
+        return judge(before, after, "decrease", improve_by=by, tolerance=0.1)
+
+    # oom-pressure: after <= 20 % of before.
+    assert [decrease(60, 12), decrease(60, 13), decrease(306, 300)] == [
+        IMPROVED,
+        NO_CHANGE,
+        NO_CHANGE,
+    ]
+    assert [decrease(7, 60), decrease(60, 66), decrease(60, 66.1)] == [WORSE, NO_CHANGE, WORSE]
+    assert [decrease(0, 0), decrease(0, 1)] == [NO_CHANGE, WORSE]
+    # latency-spike: the horizon must pass the moment of the switch; standing
+    # still at a value before it is no change, whatever the values' equality.
+    at = 1_700_000_000.0
+    horizon = {"effect": "passes_change_time", "change_time": at}
+    kw: dict[str, Any] = {"improve_by": 0.2, "tolerance": 0.1, **horizon}
+    assert judge(at - 5, at - 5, "increase", **kw) == NO_CHANGE
+    assert judge(at - 5, at - 1, "increase", **kw) == NO_CHANGE
+    assert judge(at - 5, at, "increase", **kw) == IMPROVED
