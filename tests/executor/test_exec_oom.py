@@ -447,7 +447,7 @@ def test_a_fix_that_works_is_not_rolled_back_by_a_reading_from_before_it(
     assert m["preemptions"] == exact
     assert v["after"] == pytest.approx(exact * 60.0 / m["seconds"])
     assert v["outcome"] == "improved", (v, err)
-    assert v["after"] <= 0.2 * v["before"]
+    assert v["after"] <= 0.5 * v["before"]
     assert (proc.returncode, execution["status"]) == (0, "succeeded"), err
     assert knobs(eng) == {**STARTUP, "max_num_batched_tokens": 256, "max_num_seqs": capped}
     code, _, err = cli_json("revert", str(execution["id"]), "--db", db_url)
