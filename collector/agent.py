@@ -1,6 +1,8 @@
 """The agent's control routes, beside /metrics on the same endpoint.
 
-    GET  /v1/state     effective and startup knobs, bounds, live stats (JSON)
+    GET  /v1/state     effective and startup knobs, bounds, live stats (JSON);
+                       ?since_step=N adds `since`: what happened from the step a
+                       change took effect from (counter deltas, finished requests)
     POST /v1/knobs     {"max_num_batched_tokens"|"scale_max_num_batched_tokens",
                         "max_num_seqs", "policy", "clamp", "dry_run"}  (bearer token)
     POST /v1/restore   {"dry_run"}: every knob back to its startup value (bearer token)
@@ -29,7 +31,14 @@ logger = logging.getLogger("vllm_runbook.collector")
 
 def install_routes(server: AgentServer, collector: EngineCollector, token: str) -> None:
     def state(request: Request) -> Response:
-        return Response.json(200, collector.state())
+        since = request.query.get("since_step")
+        if since is None:
+            return Response.json(200, collector.state())
+        try:
+            step = int(since[0])
+        except ValueError:
+            return Response.json(400, {"error": f"since_step must be an integer, not {since[0]!r}"})
+        return Response.json(200, collector.state(since_step=step))
 
     def bearer(request: Request) -> Response | None:
         # Checked on the request line and headers, before the body is read.

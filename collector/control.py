@@ -114,9 +114,16 @@ def parse_command(body: Any, restore: bool = False) -> Command:
 class EngineControl:
     """Applies Commands to one scheduler. Owned by the EngineCollector."""
 
-    def __init__(self, scheduler: Any, current_step: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        scheduler: Any,
+        current_step: Callable[[], int],
+        on_applied: Callable[[int], None] | None = None,
+    ) -> None:
         self.scheduler = scheduler
         self.current_step = current_step
+        # Told the first step of every change applied (verification measures from it).
+        self.on_applied = on_applied
         # The scheduler lock: held by the engine thread around schedule(),
         # update_from_output(), add_request() and finish_requests(), and by
         # whoever applies commands.
@@ -318,6 +325,8 @@ class EngineControl:
         if target["policy"] != before["policy"]:
             self._switch_policy(target["policy"])
         result["after"] = self.knobs()
+        if changes and self.on_applied is not None:
+            self.on_applied(self.current_step() + 1)
         return result
 
     def _switch_policy(self, policy_name: str) -> None:

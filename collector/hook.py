@@ -33,6 +33,7 @@ from vllm_runbook.collector.auth import TokenError, configured_token, generate_t
 from vllm_runbook.collector.control import EngineControl
 from vllm_runbook.collector.exporter import MultiprocessMirror, Sample, StatsExporter, close_quietly
 from vllm_runbook.collector.nvml import NvmlPoller, load_pynvml
+from vllm_runbook.collector.requests import ChangeMarks, Finished, Mark, RequestLog, summarize
 from vllm_runbook.collector.server import AgentServer, ServerLimits
 from vllm_runbook.collector.window import SlidingWindowMax, SlidingWindowRatio
 
@@ -132,6 +133,11 @@ class EngineCollector:
         parallel = vllm_config.parallel_config
         rank = getattr(parallel, "data_parallel_index", None)
         self.dp_rank = int(parallel.data_parallel_rank if rank is None else rank) or 0
+        self.parallel = {
+            "tensor_parallel_size": int(getattr(parallel, "tensor_parallel_size", 1) or 1),
+            "pipeline_parallel_size": int(getattr(parallel, "pipeline_parallel_size", 1) or 1),
+            "data_parallel_size": int(getattr(parallel, "data_parallel_size", 1) or 1),
+        }
         self.labels = (self.model_name, str(self.dp_rank))
         self.block_size = int(scheduler.block_size)
 
@@ -169,6 +175,19 @@ class EngineCollector:
         self.unpadded_tokens = 0
         self.fragmentation = 0.0
         self.length_padding = 0.0
+        # Longest context (computed tokens, prompt + generated) in the running batch.
+        self.max_sequence_tokens = 0
+        # (steps, preemptions, scheduled tokens) after the latest step, as one tuple.
+        self.progress = (0, 0, 0)
+        # The applied step of a lower admission limit still draining, if any.
+        self._settling: int | None = None
+        self.requests = RequestLog()
+        self.marks = ChangeMarks()
+        # Request id -> wall time it reached the engine, and -> seconds it waited
+        # for its first schedule (both until it finishes). End-to-end and queue
+        # times are the engine's: from its add_request, on the collector's clock.
+        self._arrived: dict[str, float] = {}
+        self._queue_seconds: dict[str, float] = {}
         self._schedule_bounds = M.SCHEDULE_SECONDS.buckets
         self.schedule_counts = [0] * (len(self._schedule_bounds) + 1)  # last: +Inf
         self.schedule_seconds_sum = 0.0
@@ -193,7 +212,7 @@ class EngineCollector:
         self.wall_clock: Callable[[], float] = time.time
         self._horizon_lock = threading.Lock()
         self._horizon_floor = 0.0
-        self.control = EngineControl(scheduler, lambda: self.steps)
+        self.control = EngineControl(scheduler, lambda: self.steps, self.on_change_applied)
 
         self._wrap_prefix_cache_stats(kv_manager)
         self.registry.register(StatsExporter(self.samples, self.labels))
@@ -259,7 +278,11 @@ class EngineCollector:
         reset_prefix_cache) runs under the same lock as the command."""
         return self.scheduler.get_num_unfinished_requests() == 0
 
-    def state(self) -> dict[str, Any]:
+    def state(self, since_step: int | None = None) -> dict[str, Any]:
+        """The agent's `/v1/state`. With `since_step` (the step a change took
+        effect from, as the knob routes answer it), `since` holds what happened
+        from that step on: counter deltas and the requests finished since
+        (None when no change was applied at that step, or it is too old)."""
         stats: dict[str, Any] = {}
         for s in self.samples():
             if s.spec.type == "histogram" or s.spec.extra_labels:
@@ -270,6 +293,11 @@ class EngineCollector:
         preempted, _ = self.preemption_window.sums()
         stats["preemptions_per_minute"] = preempted * 60.0 / self.settings.window_seconds
         stats["admitted_before_time"] = self.waiting_horizon()[1]
+        now = self.wall_clock()
+        window = self.settings.window_seconds
+        stats.update(summarize(self.requests.since_time(now - window)))
+        stats["window_seconds"] = window
+        stats["requests_finished_by_reason_total"] = dict(self.requests.by_reason)
         bounds = self.control.bounds()
         return {
             "engine": {
@@ -281,13 +309,77 @@ class EngineCollector:
                 "vllm_version": _vllm_version(),
                 # Which scheduler vLLM picked (RunbookAsyncScheduler on GPU by default).
                 "scheduler_class": type(self.scheduler).__name__,
+                "parallel": dict(self.parallel),
             },
             "collector_up": self.enabled,
             "knobs": self.control.knobs(),
             "startup": dict(self.control.startup),
             "bounds": {knob: b.as_dict() for knob, b in bounds.items()},
             "stats": stats,
+            "gpus": self.nvml.snapshot(),
+            "schedule_histogram": {
+                "bounds": list(self._schedule_bounds),
+                "cumulative": list(accumulate(self.schedule_counts)),
+            },
+            "since": None if since_step is None else self.since(since_step, now),
         }
+
+    def since(self, step: int, now: float | None = None) -> dict[str, Any] | None:
+        """What happened from `step` (a change's first step) on; None when unknown."""
+        mark = self.marks.get(step)
+        if mark is None:
+            return None
+        if not mark.settled:
+            return {
+                "from_step": step,
+                "settled": False,
+                "num_requests_running": len(self.scheduler.running),
+                "max_num_seqs": int(self.scheduler.max_num_active_reqs),
+            }
+        now = self.wall_clock() if now is None else now
+        seconds = max(0.0, now - mark.time)
+        steps, preemptions, scheduled_tokens = self.progress
+        preempted = preemptions - mark.preemptions
+        scheduled = scheduled_tokens - mark.scheduled_tokens
+        queries = self.prefix_queries - mark.prefix_queries
+        hits = self.prefix_hits - mark.prefix_hits
+        return {
+            "from_step": step,
+            "settled": True,
+            "effective_step": mark.step,
+            "from_time": mark.time,
+            "seconds": seconds,
+            "steps": steps - mark.steps,
+            "preemptions": preempted,
+            "preemptions_per_minute": preempted * 60.0 / seconds if seconds > 0 else None,
+            "scheduled_tokens": scheduled,
+            "throughput_tokens_per_second": scheduled / seconds if seconds > 0 else None,
+            "kv_hit_ratio": hits / queries if queries else None,
+            **summarize(self.requests.since_step(mark.step)),
+        }
+
+    def on_change_applied(self, effective_from_step: int) -> None:
+        """A knob change was applied (any thread, under the scheduler lock):
+        keep the counters as they stand before its first step. A lower
+        admission limit with more requests running than it admits takes
+        effect only once they drain: `on_schedule` settles the mark then."""
+        settled = len(self.scheduler.running) <= self.scheduler.max_num_active_reqs
+        self.marks.add(effective_from_step, self._mark(effective_from_step, settled))
+        if not settled:
+            self._settling = effective_from_step
+
+    def _mark(self, applied_step: int, settled: bool) -> Mark:
+        return Mark(
+            step=self.steps + 1,
+            time=self.wall_clock(),
+            steps=self.steps,
+            preemptions=self.preemptions,
+            scheduled_tokens=self.scheduled_tokens,
+            prefix_queries=self.prefix_queries,
+            prefix_hits=self.prefix_hits,
+            applied_step=applied_step,
+            settled=settled,
+        )
 
     def _wrap_prefix_cache_stats(self, kv_manager: Any) -> None:
         """Count prefix-cache lookups at admission, whatever vLLM's log_stats."""
@@ -317,6 +409,7 @@ class EngineCollector:
         """A request reached the engine: it waits for its first schedule from now."""
         since = self.wall_clock()
         self._never_scheduled.append((request.request_id, since))
+        self._arrived[request.request_id] = since
         if self.oldest_waiting_since is None:
             self.oldest_waiting_since = since
 
@@ -374,12 +467,26 @@ class EngineCollector:
         if preempted:
             self.preemptions += preempted
             self.preemption_window.add(preempted, 0)
+        # One consistent triple for readers on other threads (one assignment).
+        self.progress = (self.steps, self.preemptions, self.scheduled_tokens)
+        if self._settling is not None and len(scheduler.running) <= scheduler.max_num_active_reqs:
+            # The admission limit is in effect from the next step on.
+            self.marks.add(self._settling, self._mark(self._settling, True), replace=True)
+            self._settling = None
         if self._never_scheduled:
             self._advance_oldest_waiting(scheduler)
+        if output.scheduled_new_reqs:
+            now = self.wall_clock()
+            arrived, queued = self._arrived, self._queue_seconds
+            for new in output.scheduled_new_reqs:
+                since = arrived.get(new.req_id)
+                if since is not None and new.req_id not in queued:
+                    queued[new.req_id] = max(0.0, now - since)
 
         running = scheduler.running
         if not running:
             self.fragmentation = self.length_padding = 0.0
+            self.max_sequence_tokens = 0
             return
         # C-level map/sum instead of a Python loop: this runs every step over
         # every running request (see benchmarks/collector_overhead.py).
@@ -389,6 +496,7 @@ class EngineCollector:
         count: Callable[[list[Any]], int] = _count_real_blocks if self._blocks_have_nulls else len
         held = sum(map(count, blocks))
         computed = sum(lengths)
+        self.max_sequence_tokens = max(lengths)
         self.fragmentation = 1.0 - computed / (held * self.block_size) if held else 0.0
         scheduled = output.num_scheduled_tokens
         if len(scheduled) != len(running):  # scheduled ⊆ running after schedule()
@@ -396,6 +504,27 @@ class EngineCollector:
             computed = sum(lengths)
         max_len = max(lengths, default=0)
         self.length_padding = 1.0 - computed / (len(lengths) * max_len) if max_len else 0.0
+
+    def on_request_finished(self, request: Any) -> None:
+        """A request is being freed (finished, length-capped, aborted, failed)."""
+        from vllm.v1.request import RequestStatus
+
+        now = self.wall_clock()
+        request_id = request.request_id
+        queued = self._queue_seconds.pop(request_id, None)
+        arrived = self._arrived.pop(request_id, None)
+        if queued is None:  # never scheduled: it waited until now
+            queued = max(0.0, now - arrived) if arrived is not None else 0.0
+        reason = RequestStatus.get_finished_reason(request.status)
+        self.requests.add(
+            Finished(
+                step=self.steps,
+                time=now,
+                reason=str(reason) if reason is not None else "abort",
+                e2e_seconds=max(0.0, now - arrived) if arrived is not None else 0.0,
+                queue_seconds=queued,
+            )
+        )
 
     def on_update(self, scheduler: Any, scheduler_output: Any, runner_output: Any) -> None:
         """After update_from_output(): padding of the batch just executed."""
@@ -411,6 +540,7 @@ class EngineCollector:
             self.padding_window.add(padded - unpadded, padded)
         if not scheduler.running:
             self.fragmentation = 0.0
+            self.max_sequence_tokens = 0
 
     # -- at scrape time (HTTP thread) ----------------------------------------
 
@@ -445,6 +575,11 @@ class EngineCollector:
             Sample(M.REQUESTS_WAITING, len(sched.waiting) + len(sched.kv_holding_waiting)),
             Sample(M.OLDEST_WAITING, self.waiting_horizon()[0]),
             Sample(M.PREEMPTIONS, self.preemptions),
+            Sample(M.MAX_SEQUENCE_TOKENS, self.max_sequence_tokens),
+            *(
+                Sample(M.REQUESTS_FINISHED, count, (reason,))
+                for reason, count in self.requests.by_reason.items()
+            ),
             Sample(M.KV_BLOCKS_USED, usable - free),
             Sample(M.KV_BLOCKS_FREE, free),
             Sample(M.KV_CACHE_USAGE, (usable - free) / usable if usable else 0.0),
@@ -577,6 +712,15 @@ class RunbookSchedulerMixin:
             return super().reset_prefix_cache(*args, **kwargs)  # type: ignore[misc]
         with runbook.control.lock:
             return super().reset_prefix_cache(*args, **kwargs)  # type: ignore[misc]
+
+    def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        runbook = self._runbook
+        if runbook is not None and runbook.enabled:
+            try:
+                runbook.on_request_finished(request)
+            except Exception as exc:
+                runbook.disable(exc)
+        return super()._free_request(request, *args, **kwargs)  # type: ignore[misc]
 
     def shutdown(self) -> None:
         try:

@@ -130,6 +130,17 @@ OLDEST_WAITING = _spec(
 PREEMPTIONS = _spec(
     "preemptions", "counter", "Requests preempted (KV blocks freed, request sent back to waiting)."
 )
+MAX_SEQUENCE_TOKENS = _spec(
+    "max_sequence_tokens",
+    "gauge",
+    "After the latest step: the longest context (computed prompt + generated tokens) among running requests; 0 when none run.",
+)
+REQUESTS_FINISHED = _spec(
+    "requests_finished",
+    "counter",
+    "Requests the engine finished, by vLLM's finish reason (stop, length, abort, error, repetition).",
+    extra_labels=("reason",),
+)
 KV_BLOCKS_USED = _spec(
     "kv_blocks_used",
     "gauge",

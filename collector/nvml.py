@@ -64,6 +64,13 @@ class NvmlPoller:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._warned = False
+        self.is_up = False
+        # gpu index -> memory used/total bytes and utilisation at the latest poll.
+        self.latest: dict[str, dict[str, float]] = {}
+
+    def snapshot(self) -> dict[str, Any]:
+        """For /v1/state: whether NVML answered, and the per-GPU values."""
+        return {"nvml_up": self.is_up, "per_gpu": dict(self.latest)}
 
     def init(self) -> bool:
         """Initialise NVML; False (and nvml_up 0) when there is no driver."""
@@ -92,6 +99,7 @@ class NvmlPoller:
     def poll(self) -> bool:
         up = self.up.labels(*self.base_labels)
         try:
+            latest = {}
             for gpu, handle in self.handles:
                 mem = self.nvml.nvmlDeviceGetMemoryInfo(handle)
                 util = self.nvml.nvmlDeviceGetUtilizationRates(handle)
@@ -99,13 +107,21 @@ class NvmlPoller:
                 self.memory_used.labels(*labels).set(mem.used)
                 self.memory_total.labels(*labels).set(mem.total)
                 self.utilization.labels(*labels).set(util.gpu / 100.0)
+                latest[gpu] = {
+                    "memory_used_bytes": float(mem.used),
+                    "memory_total_bytes": float(mem.total),
+                    "utilization_ratio": util.gpu / 100.0,
+                }
+            self.latest = latest
         except Exception as exc:
             if not self._warned:
                 logger.warning("vllm-runbook: NVML poll failed (%s); nvml_up=0", exc)
                 self._warned = True
             up.set(0)
+            self.is_up = False
             return False
         up.set(1)
+        self.is_up = bool(self.handles)
         return True
 
     def start(self) -> None:

@@ -201,6 +201,34 @@ class Panels:
             width=width,
         )
 
+    def longest_sequence(self, width: int = 12) -> Panel:
+        return Panel(
+            "Longest sequence in the batch",
+            f"{M.MAX_SEQUENCE_TOKENS.help} The field reports' first check for memory "
+            "pressure (oom-pressure shows it before acting).",
+            [Target(Q.gauge(M.MAX_SEQUENCE_TOKENS), ENGINE_LEGEND)],
+            unit="short",
+            min=0,
+            width=width,
+        )
+
+    def finished_by_reason(self, width: int = 12) -> Panel:
+        by_reason = Q.BY_ENGINE.removesuffix(")") + ", reason)"
+        return Panel(
+            "Requests finished by reason",
+            f"{M.REQUESTS_FINISHED.help} Per second, counted inside the engine (the "
+            "error-rate runbook reads the recent reasons).",
+            [
+                Target(
+                    f"sum {by_reason} ({Q.rate(M.REQUESTS_FINISHED)})",
+                    ENGINE_LEGEND + " {{reason}}",
+                )
+            ],
+            unit="reqps",
+            min=0,
+            width=width,
+        )
+
     def error_rate(self) -> Panel:
         n = self.n
         return Panel(
@@ -588,6 +616,7 @@ def engine_overview(notes: Q.RuleNotes) -> dict[str, Any]:
                     p.queue(),
                     p.oldest_waiting(),
                     p.error_rate(),
+                    p.finished_by_reason(),
                 ],
             ),
             Row(
@@ -599,6 +628,7 @@ def engine_overview(notes: Q.RuleNotes) -> dict[str, Any]:
                     p.fragmentation(),
                     p.kv_blocks(),
                     p.oom_rate(),
+                    p.longest_sequence(),
                 ],
             ),
             Row(

@@ -117,11 +117,29 @@ def _verification(runbook: Runbook) -> str:
     v = runbook.verification
     if v is None:
         return "—"
-    text = f"`{v.signal}` must {v.direction} within {v.deadline_seconds} s"
+    from vllm_runbook.runbooks.verification import needed_text
+
+    needed = needed_text(f"`{v.signal}`", v)
+    text = f"{needed}, measured after the change, within {v.deadline_seconds} s"
     if v.rollback_if_worse:
-        worse = ", ".join(f"`{s}`" for s in v.rollback_if_worse)
+        worse = ", ".join(
+            f"`{s}`" + (" (required)" if s in v.required_guards else "")
+            for s in v.rollback_if_worse
+        )
         text += f"; rolls back if {worse} got worse"
     return text
+
+
+def gen_signals() -> str:
+    """Signal → source → window, from the runbooks' signal table."""
+    from vllm_runbook.runbooks.sources import SOURCES
+    from vllm_runbook.runbooks.spec import KNOWN_SIGNALS
+
+    rows = ["| signal | what | source | window |", "|---|---|---|---|"]
+    for name, meaning in KNOWN_SIGNALS.items():
+        src = SOURCES[name]
+        rows.append(f"| `{name}` | {_cell(meaning)} | {_cell(src.source)} | {_cell(src.window)} |")
+    return "\n".join(rows) + "\n"
 
 
 def _revert(runbook: Runbook) -> str:
@@ -202,6 +220,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "service-metrics": gen_service_metrics,
     "alerts": gen_alerts,
     "runbooks": gen_runbooks,
+    "signals": gen_signals,
     "cli": gen_cli,
 }
 

@@ -191,8 +191,10 @@ class EngineClient:
             )
         return payload
 
-    def state(self) -> dict[str, Any]:
-        return self._expect(self._request("GET", "/v1/state"), _STATE_SHAPE)
+    def state(self, since_step: int | None = None) -> dict[str, Any]:
+        """`/v1/state`; with `since_step`, also what happened from that step on."""
+        path = "/v1/state" if since_step is None else f"/v1/state?since_step={int(since_step)}"
+        return self._expect(self._request("GET", path), _STATE_SHAPE)
 
     def set_knobs(
         self, clamp: bool = False, dry_run: bool = False, **values: Any

@@ -11,9 +11,10 @@ restore). Mutating actions call `begin` exactly once, right before the
 write; an action that finds nothing to change returns `skipped` instead.
 
 `SignalReader` turns `/v1/state` into the signals named by
-`vllm_runbook.runbooks.spec.KNOWN_SIGNALS`. Signals the agent does not measure (latency
-percentiles, error and OOM rates, NVML through the state route) read as None:
-the executor reports them as unavailable rather than guessing.
+`vllm_runbook.runbooks.spec.KNOWN_SIGNALS` (sources in
+`vllm_runbook.runbooks.sources`). A signal that cannot be read on this engine
+(no GPU, no finished request yet) reads None and `SignalReader.unavailable`
+says why: the executor reports it rather than guessing.
 """
 
 from __future__ import annotations
@@ -35,49 +36,18 @@ from vllm_runbook.runbooks.actions import (
     declared_registry,
 )
 from vllm_runbook.runbooks.client import EngineClient
+from vllm_runbook.runbooks.sources import (
+    WINDOWED,
+    kv_capacity_seqs,
+    signals_from_state,
+    since_signals,
+    unavailable,
+)
 from vllm_runbook.runbooks.warmup import send_warmup_requests
 
 KNOBS: Final = ("max_num_batched_tokens", "max_num_seqs", "policy")
 
-# Signals computed from /v1/state; every other KNOWN_SIGNALS entry reads None.
-MEASURED_SIGNALS: Final = frozenset(
-    {
-        "kv_cache_usage_ratio",
-        "kv_blocks_free",
-        "kv_capacity_seqs",
-        "preemptions_per_minute",
-        "num_requests_running",
-        "num_requests_waiting",
-        "max_num_batched_tokens",
-        "max_num_seqs",
-        "scheduler_policy",
-        "budget_fill_ratio",
-        "block_fragmentation_ratio",
-        "kv_hit_ratio",
-        "throughput_tokens_per_second",
-        "engine_uptime_seconds",
-        "oldest_waiting_seconds",
-        "admitted_before_time",
-    }
-)
-
-
 # --- signals -----------------------------------------------------------------------
-
-
-def kv_capacity_seqs(stats: Mapping[str, Any]) -> int | None:
-    """Sequences the KV cache holds at the running requests' current average footprint.
-
-    floor(usable / (used / running)), in integers so a full cache gives
-    exactly `running` (a float division can land on running - 1). None when
-    nothing runs or holds blocks: there is no footprint to scale.
-    """
-    used, free = stats.get("kv_blocks_used"), stats.get("kv_blocks_free")
-    running = stats.get("num_requests_running")
-    if used is None or free is None or not running or used <= 0:
-        return None
-    usable = int(used) + int(free)
-    return max(1, usable * int(running) // int(used))
 
 
 @dataclass
@@ -87,11 +57,18 @@ class SignalReader:
     client: EngineClient
     clock: Callable[[], float] = time.monotonic
     last_state: dict[str, Any] | None = None
+    # Signal -> why it could not be read at the latest read.
+    unavailable: dict[str, str] = field(default_factory=dict)
     _previous: tuple[float, float] | None = field(default=None, repr=False)
 
-    def read(self) -> dict[str, Any]:
-        """Fresh signals (raises the client's errors when the agent is down)."""
-        state = self.client.state()
+    def read(self, since_step: int | None = None) -> dict[str, Any]:
+        """Fresh signals (raises the client's errors when the agent is down).
+
+        With `since_step` (the step a change took effect from), the windowed
+        signals (rates, ratios, percentiles over finished requests) are
+        measured from that step on only; `last_since` holds the agent's raw
+        answer (None when it kept no mark for that step)."""
+        state = self.client.state(since_step=since_step)
         now = self.clock()
         self.last_state = state
         signals = signals_from_state(state)
@@ -102,41 +79,36 @@ class SignalReader:
                 signals["throughput_tokens_per_second"] = (scheduled - before) / (now - then)
         if scheduled is not None:
             self._previous = (now, float(scheduled))
+        post_change: dict[str, str] = {}
+        if since_step is not None:
+            # Windowed signals come only from the change's step on, never from
+            # the trailing window (which still holds the time before it).
+            since = state.get("since")
+            for name in WINDOWED:
+                signals[name] = None
+            if since is None:
+                why = f"the agent kept no measurement from step {since_step}"
+                post_change = dict.fromkeys(WINDOWED, why)
+            elif not since.get("settled", True):
+                why = (
+                    f"not in effect yet: {since.get('num_requests_running')} running > "
+                    f"max_num_seqs {since.get('max_num_seqs')} (draining)"
+                )
+                post_change = dict.fromkeys(WINDOWED, why)
+            else:
+                signals.update(since_signals(since))
+        self.unavailable = {**unavailable(state, signals), **post_change}
         return signals
 
+    @property
+    def settled(self) -> bool:
+        """Whether the change asked about at the latest read is in effect."""
+        since = self.last_since
+        return since is not None and bool(since.get("settled", True))
 
-def signals_from_state(state: Mapping[str, Any]) -> dict[str, Any]:
-    """Every known signal from one `/v1/state` answer (None where not measured)."""
-    from vllm_runbook.runbooks.spec import (
-        KNOWN_SIGNALS,  # spec imports actions; keep the graph acyclic
-    )
-
-    stats, knobs = state.get("stats", {}), state.get("knobs", {})
-    signals: dict[str, Any] = dict.fromkeys(KNOWN_SIGNALS)
-    for name in (
-        "kv_cache_usage_ratio",
-        "kv_blocks_free",
-        "preemptions_per_minute",
-        "num_requests_running",
-        "num_requests_waiting",
-        "budget_fill_ratio",
-        "block_fragmentation_ratio",
-        "kv_hit_ratio",
-        "oldest_waiting_seconds",
-        "admitted_before_time",
-    ):
-        signals[name] = stats.get(name)
-    for name in ("num_requests_running", "num_requests_waiting", "kv_blocks_free"):
-        if signals[name] is not None:
-            signals[name] = int(signals[name])
-    signals["kv_capacity_seqs"] = kv_capacity_seqs(stats)
-    signals["max_num_batched_tokens"] = knobs.get("max_num_batched_tokens")
-    signals["max_num_seqs"] = knobs.get("max_num_seqs")
-    signals["scheduler_policy"] = knobs.get("policy")
-    started = state.get("engine", {}).get("started_at")
-    if started is not None:
-        signals["engine_uptime_seconds"] = max(0.0, time.time() - float(started))
-    return signals
+    @property
+    def last_since(self) -> dict[str, Any] | None:
+        return None if self.last_state is None else self.last_state.get("since")
 
 
 # --- action plumbing ---------------------------------------------------------------
@@ -280,7 +252,8 @@ def restore_knobs(params: RestoreKnobs, ctx: ActionContext) -> ActionOutcome:
 def capture_diagnostics(params: CaptureDiagnostics, ctx: ActionContext) -> ActionOutcome:
     """The whole /v1/state (knobs, bounds, stats) into the journal."""
     state = ctx.state
-    snapshot = {k: state.get(k) for k in ("engine", "knobs", "startup", "bounds", "stats")}
+    keys = ("engine", "knobs", "startup", "bounds", "stats", "gpus")
+    snapshot = {k: state.get(k) for k in keys}
     return ActionOutcome(after={"diagnostics": snapshot})
 
 

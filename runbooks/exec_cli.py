@@ -6,7 +6,8 @@ Mounted by `vllm_runbook.runbooks.cli` with `add_subcommands(subparsers)`. Exit 
     1  the execution failed or was rolled back (the journal says why)
     2  usage, a broken runbook catalog, the engine's bounds, or a guardrail refusal
     3  engine unreachable or authentication failed
-    4  store unavailable (down, locked, or not migrated: run `runbook db upgrade`)
+    4  store unavailable (down, locked, or a PostgreSQL store not migrated: run
+       `runbook db upgrade`; a SQLite journal is created on first use)
 
 Errors are one line on stderr; the report (checks, before → after,
 verification) goes to stdout, or `--json` for scripts.
@@ -31,7 +32,13 @@ from vllm_runbook.runbooks.executor import (
 from vllm_runbook.runbooks.render import render_report
 from vllm_runbook.runbooks.revert import RevertRefused
 from vllm_runbook.runbooks.spec import CatalogError, load_catalog
-from vllm_runbook.runbooks.store import ExecutionNotFound, Store, StoreError, StoreUnavailable
+from vllm_runbook.runbooks.store import (
+    ExecutionNotFound,
+    Store,
+    StoreError,
+    StoreUnavailable,
+    ensure_schema,
+)
 
 EXIT_STORE_ERROR: Final = 1
 
@@ -173,9 +180,12 @@ def _output(args: argparse.Namespace, result: ExecutionResult) -> int:
 def _run(args: argparse.Namespace, body: Any) -> int:
     """Open the store, run `body(executor)`, map every error to one line and a code."""
     try:
-        store = Store(args.db)
+        # First use: the default SQLite journal is created and migrated here.
+        store = Store(ensure_schema(args.db))
     except StoreUnavailable as e:
         return _fail(EXIT_STORE, str(e))
+    except StoreError as e:
+        return _fail(EXIT_STORE_ERROR, str(e))
     try:
         executor = _executor(args, store)
         return _output(args, body(executor))

@@ -56,8 +56,6 @@ from vllm_runbook.runbooks.guardrails import (
     engine_lock,
     format_duration,
     guardrail_refusal,
-    improved,
-    worse,
 )
 from vllm_runbook.runbooks.outcome import (
     EXIT_ENGINE,
@@ -74,6 +72,7 @@ from vllm_runbook.runbooks.outcome import (
 )
 from vllm_runbook.runbooks.render import format_signal
 from vllm_runbook.runbooks.revert import Revert, RevertRefused, restore_targets, revert_on_resolve
+from vllm_runbook.runbooks.sources import WINDOWED, signals_from_state
 from vllm_runbook.runbooks.spec import Catalog, Condition, Runbook, StepSpec, load_catalog
 from vllm_runbook.runbooks.store import StepRecord, Store
 from vllm_runbook.runbooks.store.models import (
@@ -91,6 +90,7 @@ from vllm_runbook.runbooks.store.models import (
     SUCCEEDED,
     VERIFYING,
 )
+from vllm_runbook.runbooks.verification import IMPROVED, NO_CHANGE, WORSE, measure
 
 # The CLI, the service and the tests import these from here (their home is
 # outcome.py, guardrails.py and revert.py).
@@ -321,6 +321,7 @@ class Run:
         self.applied: list[StepRecord] = []
         self.warnings: list[str] = []
         self.baseline: dict[str, Any] = {}
+        self.baseline_unavailable: dict[str, str] = {}
 
     def result(self, exit_code: int, message: str | None = None) -> ExecutionResult:
         return ExecutionResult(
@@ -371,11 +372,31 @@ class Run:
     def checks(self) -> None:
         signals = self.reader.read()
         self.baseline = dict(signals)
-        checks = {
-            c.name: {"signal": c.signal, "description": c.description, "value": signals[c.signal]}
-            for c in self.spec.checks
-        }
+        self.baseline_unavailable = dict(self.reader.unavailable)
+        checks: dict[str, Any] = {}
+        for c in self.spec.checks:
+            checks[c.name] = {
+                "signal": c.signal,
+                "description": c.description,
+                "value": signals[c.signal],
+            }
+            if signals[c.signal] is None:
+                checks[c.name]["unavailable"] = self.baseline_unavailable.get(c.signal, "not read")
         self.store.record_checks(self.id, checks)
+
+    def _required_guards_refusal(self) -> str | None:
+        """A required guard that cannot be read refuses the run before any change."""
+        v = self.spec.verification
+        if v is None:
+            return None
+        unread = [
+            f"{g} ({self.baseline_unavailable.get(g, 'not read')})"
+            for g in v.required_guards
+            if self.baseline.get(g) is None
+        ]
+        if not unread:
+            return None
+        return f"required guard cannot be read on this engine: {'; '.join(unread)}"
 
     def _dry_run(self) -> ExecutionResult:
         self.store.transition(self.id, RUNNING)
@@ -385,6 +406,9 @@ class Run:
             self.warnings.append(f"a real run would be refused now: {refusal}")
         if self.spec.guardrails.requires_approval:
             self.warnings.append(f"runbook {self.spec.name} requires approval (--yes)")
+        required = self._required_guards_refusal()
+        if required:
+            self.warnings.append(f"a real run would be refused now: {required}")
         for step in self.spec.steps:
             details: dict[str, Any] = {}
             if step.when is not None:
@@ -413,7 +437,9 @@ class Run:
         self.store.recover_interrupted()
         self.checks()
         with admission(self.store, self.id, self.x.clock):
-            refusal = guardrail_refusal(self.store, self.spec, self.client.url, self.approved)
+            refusal = self._required_guards_refusal() or guardrail_refusal(
+                self.store, self.spec, self.client.url, self.approved
+            )
             if refusal:
                 raise Abort(REFUSED, EXIT_REFUSED, refusal)
             self.store.transition(self.id, RUNNING)
@@ -508,72 +534,82 @@ class Run:
             )
 
     def _verify(self) -> ExecutionResult:
+        """Judge the change on what happened after it (see vllm_runbook.runbooks.verification)."""
         v = self.spec.verification
-        changed = any(s.status == STEP_APPLIED and s.before for s in self.applied)
+        changed = [s for s in self.applied if s.status == STEP_APPLIED and s.before]
         if v is None or not changed:
             why = "no verification" if v is None else "nothing changed"
             return self.finish(SUCCEEDED, EXIT_OK, why)
         self.store.transition(self.id, VERIFYING)
         deadline_s = v.deadline_seconds if self.verify_seconds is None else self.verify_seconds
-        before = self.baseline.get(v.signal)
-        guards = {g: self.baseline.get(g) for g in v.rollback_if_worse}
-        report: dict[str, Any] = {
-            "signal": v.signal,
-            "direction": v.direction,
-            "deadline_seconds": deadline_s,
-            "before": before,
-            "after": None,
-            "polls": 0,
-            "guards": {g: {"before": b, "after": None} for g, b in guards.items()},
-        }
-        unavailable = [g for g, b in guards.items() if b is None]
-        if unavailable:
-            report["guards_unavailable"] = unavailable
-        end = self.x.clock() + deadline_s
-        outcome = "not improved"
-        while True:
-            signals = self.reader.read()
-            report["polls"] += 1
-            report["after"] = value = signals.get(v.signal)
-            for guard, baseline in guards.items():
-                report["guards"][guard]["after"] = signals.get(guard)
-                if worse(guard, signals.get(guard), baseline):
-                    report["outcome"] = f"{guard} got worse"
-                    self.store.record_verification(self.id, report)
-                    return self._roll_back(
-                        f"circuit breaker: {guard} got worse ({baseline:g} → "
-                        f"{signals[guard]:g}) after acting",
-                        EXIT_FAILED,
-                    )
-            if before is None and value is None:
-                outcome = "unverified: signal not measured by the engine agent"
-                break
-            if improved(value, before, v.direction):
-                outcome = "improved"
-                break
-            if self.x.clock() >= end:
-                break
-            self.x.wait(min(self.x.poll_seconds, max(0.0, end - self.x.clock())), self.renew)
-        report["outcome"] = outcome
+        steps = [s.applied_at_step for s in changed if s.applied_at_step is not None]
+        from_step = max(steps) if steps else None
+        window = (self.reader.last_state or {}).get("stats", {}).get("window_seconds")
+
+        def change_time() -> float | None:
+            since = self.reader.last_since
+            return None if since is None else since.get("from_time")
+
+        report = measure(
+            lambda step: self.reader.read(since_step=step),
+            lambda: self.reader.unavailable,
+            v,
+            self.baseline,
+            self.baseline_unavailable,
+            from_step,
+            deadline_s=deadline_s,
+            window_s=float(window) if window else None,
+            clock=self.x.clock,
+            wait=lambda seconds: self.x.wait(seconds, self.renew),
+            poll_s=self.x.poll_seconds,
+            change_time=change_time,
+            settled=lambda: from_step is None or self.reader.settled,
+        )
+        tripped = report.pop("tripped")
+        # The raw post-change measurement, and what a trailing window (which
+        # still holds the time before the change) would have said: shown, never used.
+        report["measurement"] = self.reader.last_since
+        if v.signal in WINDOWED and self.reader.last_state is not None:
+            report["trailing_window_after"] = signals_from_state(self.reader.last_state).get(
+                v.signal
+            )
         self.store.record_verification(self.id, report)
-        if outcome == "improved":
-            return self.finish(SUCCEEDED, EXIT_OK, None)
-        if outcome.startswith("unverified"):
-            self.warnings.append(f"{v.signal}: {outcome}")
-            return self.finish(SUCCEEDED, EXIT_OK, f"{v.signal} {outcome}")
-        if worse(v.signal, value, before, v.direction):
+        before, after, outcome = report["before"], report["after"], report["outcome"]
+        for guard, row in report["guards"].items():
+            if str(row["outcome"]).startswith("unavailable"):
+                self.warnings.append(f"guard {guard} {row['outcome']}")
+        if tripped is not None:
+            row = report["guards"][tripped]
             return self._roll_back(
-                f"circuit breaker: {v.signal} got worse ({before:g} → {value:g}) "
-                f"within {deadline_s:g} s",
+                f"circuit breaker: guard {tripped} got worse "
+                f"({format_signal(tripped, row['before'])} → "
+                f"{format_signal(tripped, row['after'])}) after the change",
                 EXIT_FAILED,
             )
+        if outcome == IMPROVED:
+            return self.finish(SUCCEEDED, EXIT_OK, None)
+        if outcome.startswith("not in effect"):
+            return self.finish(
+                FAILED,
+                EXIT_FAILED,
+                f"verification: {outcome}; changes kept, `runbook revert {self.id}` restores them",
+            )
+        if outcome.startswith("unverified"):
+            self.warnings.append(outcome)
+            return self.finish(SUCCEEDED, EXIT_OK, outcome)
+        change = f"{format_signal(v.signal, before)} → {format_signal(v.signal, after)}"
+        if outcome == WORSE:
+            return self._roll_back(
+                f"circuit breaker: {v.signal} got worse ({change}) after the change",
+                EXIT_FAILED,
+            )
+        assert outcome == NO_CHANGE
         return self.finish(
             FAILED,
             EXIT_FAILED,
-            f"verification: {v.signal} did not {v.direction} within {deadline_s:g} s "
-            f"({format_signal(v.signal, before)} → {format_signal(v.signal, value)}); "
-            f"changes kept, `runbook revert {self.id}` "
-            "restores them",
+            f"verification: no measurable change in {v.signal} ({change}; needed "
+            f"{report['needed']}) within {report['measured_seconds']:g} s after the change; "
+            f"changes kept, `runbook revert {self.id}` restores them",
         )
 
     def _roll_back(self, why: str, exit_code: int) -> ExecutionResult:

@@ -7,7 +7,8 @@
   move to running, so the blast-radius count cannot be raced past;
 - the refusals: approval, cooldown per (runbook, engine), max runs per hour,
   blast radius (the store answers the queries, this module words them);
-- the circuit breaker's comparisons: which way is worse for each signal.
+- the circuit breaker's comparison for the stepwise revert's healthy check
+  (`vllm_runbook.runbooks.verification` judges a verification).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from vllm_runbook.runbooks.outcome import EXIT_FAILED, EXIT_REFUSED, Abort, Engi
 from vllm_runbook.runbooks.spec import Runbook
 from vllm_runbook.runbooks.store import Store
 from vllm_runbook.runbooks.store.models import FAILED, FINAL_STATUSES, REFUSED, utcnow
+from vllm_runbook.runbooks.verification import HIGHER_IS_WORSE, WORSE, judge
 
 # Lease lengths: the engine lock is renewed at every poll, so its TTL only
 # bounds how long a hung (not dead) process blocks the engine.
@@ -33,37 +35,17 @@ ADMISSION_TTL_S: Final = 15.0
 ADMISSION_WAIT_S: Final = 15.0
 ADMISSION_LEASE: Final = "executor-admission"
 
-# Signals where a higher value is worse (the circuit breaker's direction).
-HIGHER_IS_WORSE: Final = frozenset(
-    {
-        "error_rate",
-        "oom_rate",
-        "preemptions_per_minute",
-        "p99_latency_seconds",
-        "waiting_seconds_p99",
-        "oldest_waiting_seconds",
-        "schedule_seconds_p99",
-        "kv_cache_usage_ratio",
-        "block_fragmentation_ratio",
-        "num_requests_waiting",
-    }
-)
 
-
-def worse(signal: str, value: Any, baseline: Any, direction: str | None = None) -> bool:
-    """Whether `value` is worse than `baseline` for this signal."""
+def worse(
+    signal: str, value: Any, baseline: Any, direction: str | None = None, tolerance: float = 0.1
+) -> bool:
+    """Whether `value` is measurably worse than `baseline` (beyond `tolerance`
+    of it) for this signal; `direction` is the verification signal's."""
     if value is None or baseline is None:
         return False
-    if direction is not None:  # the verification signal: worse = the wrong way
-        return bool(value > baseline) if direction == "decrease" else bool(value < baseline)
-    return bool(value > baseline) if signal in HIGHER_IS_WORSE else bool(value < baseline)
-
-
-def improved(value: Any, baseline: Any, direction: str) -> bool:
-    """Whether `value` moved the way the verification asks (`direction`)."""
-    if value is None or baseline is None:
-        return False
-    return bool(value < baseline) if direction == "decrease" else bool(value > baseline)
+    if direction is None:  # a guard: its own sense of worse
+        direction = "decrease" if signal in HIGHER_IS_WORSE else "increase"
+    return judge(baseline, value, direction, improve_by=1.0, tolerance=tolerance) == WORSE
 
 
 def engine_lock_name(engine_url: str) -> str:

@@ -33,6 +33,7 @@ from vllm_runbook.runbooks.store import (
     StoreError,
     StoreUnavailable,
     display_url,
+    has_journal,
     head_revision,
     resolve_url,
     upgrade,
@@ -156,6 +157,15 @@ def _when(value: datetime | None) -> str:
 @_guarded
 def cmd_history(args: argparse.Namespace) -> int:
     """Executions from the journal; with an id, that execution's full report."""
+    if not has_journal(args.db):  # read-only: a missing store is no error, and stays missing
+        if args.id is not None:
+            print(f"runbook: no executions yet (no execution with id {args.id})", file=sys.stderr)
+            return EXIT_USAGE
+        if args.json:
+            _print_json({"executions": []})
+        else:
+            print("no executions yet")
+        return EXIT_OK
     store = Store(args.db)
     try:
         if args.id is not None:
@@ -268,8 +278,12 @@ def _describe(runbook: Runbook) -> str:
     lines = [f"{runbook.name}: {runbook.description}", ""]
     lines.append(f"Triggers: {', '.join(runbook.triggers) or '(manual only)'}")
     lines += ["", "Checks"]
-    check_rows = [(c.name, c.signal, c.description) for c in runbook.checks]
-    lines.append(_indent(format_table(check_rows, ["check", "signal", "description"])))
+    from vllm_runbook.runbooks.sources import SOURCES as _SOURCES
+
+    check_rows = [
+        (c.name, c.signal, c.description, _SOURCES[c.signal].source) for c in runbook.checks
+    ]
+    lines.append(_indent(format_table(check_rows, ["check", "signal", "description", "source"])))
     lines += ["", "Steps"]
     step_rows = [
         (
@@ -287,9 +301,21 @@ def _describe(runbook: Runbook) -> str:
     if v is None:
         lines.append("  none (advice / diagnostics only)")
     else:
-        lines.append(f"  {v.signal} must {v.direction} within {v.deadline_seconds} s")
+        from vllm_runbook.runbooks.sources import SOURCES
+        from vllm_runbook.runbooks.verification import needed_text
+
+        lines.append(
+            f"  {needed_text(v.signal, v)}, measured after the change took effect, "
+            f"within {v.deadline_seconds} s"
+        )
         if v.rollback_if_worse:
-            lines.append(f"  roll back if worse: {', '.join(v.rollback_if_worse)}")
+            guards = [
+                g + (" (required)" if g in v.required_guards else "") for g in v.rollback_if_worse
+            ]
+            lines.append(f"  roll back if worse: {', '.join(guards)}")
+        for name in (v.signal, *v.rollback_if_worse):
+            source = SOURCES[name]
+            lines.append(f"  {name}: {source.source}; {source.window}")
     r, g = runbook.revert, runbook.guardrails
     lines += ["", "Revert"]
     lines.append(f"  on resolve: {format_value(r.on_resolve)}")

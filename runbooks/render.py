@@ -48,6 +48,30 @@ def format_signal(name: str, value: Any) -> str:
     return format_value(value)
 
 
+def format_guards(verification: Mapping[str, Any]) -> str:
+    """`oom_rate 0.5 → 0 (ok); error_rate unavailable: before: why`: each guard
+    with its before and after, or why it could not be read."""
+    parts = []
+    for guard, row in (verification.get("guards") or {}).items():
+        if not isinstance(row, Mapping):
+            continue
+        outcome = str(row.get("outcome", "-"))
+        if outcome.startswith("unavailable"):
+            parts.append(f"{guard} {outcome}")
+        else:
+            before = format_signal(guard, row.get("before"))
+            after = format_signal(guard, row.get("after"))
+            parts.append(f"{guard} {before} → {after} ({outcome})")
+    return "; ".join(parts)
+
+
+def format_check(check: Mapping[str, Any]) -> str:
+    """A check's value, or `unavailable: why`."""
+    if check.get("value") is None and check.get("unavailable"):
+        return f"unavailable: {check['unavailable']}"
+    return format_signal(str(check.get("signal", "")), check.get("value"))
+
+
 def format_table(rows: Iterable[Sequence[Any]], headers: Sequence[str]) -> str:
     """Left-aligned columns, two spaces apart, no trailing blanks."""
     cells = [[str(h) for h in headers], *[[format_value(c) for c in row] for row in rows]]
@@ -122,13 +146,27 @@ def _context(execution: ExecutionRecord | Mapping[str, Any]) -> dict[str, Any]:
     data["check_rows"] = [
         (
             name,
-            (c or {}).get("value"),
+            (c or {}).get("value")
+            if (c or {}).get("value") is not None or not (c or {}).get("unavailable")
+            else f"unavailable: {c['unavailable']}",
             (c or {}).get("signal", ""),
             (c or {}).get("description", ""),
         )
         if isinstance(c, Mapping)
         else (name, c, "", "")
         for name, c in checks.items()
+    ]
+    v = data.get("verification") or {}
+    data["guard_rows"] = [
+        (
+            guard,
+            format_signal(guard, (row or {}).get("before")),
+            format_signal(guard, (row or {}).get("after")),
+            (row or {}).get("outcome", "-")
+            + (" (required)" if (row or {}).get("required") else ""),
+        )
+        for guard, row in (v.get("guards") or {}).items()
+        if isinstance(row, Mapping)
     ]
     data["step_rows"] = [
         (s["ordinal"], s["action"], s["status"], format_change(s["before"], s["after"]), s["error"])

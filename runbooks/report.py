@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from sqlalchemy.engine import make_url
-from vllm_runbook.runbooks.render import format_signal
+from vllm_runbook.runbooks.render import format_check, format_guards, format_signal
 
 # Seconds of history compared before and after an execution's changes.
 EFFECT_WINDOW_S = 20.0
@@ -304,7 +304,7 @@ def execution_lines(
     checks = execution.get("checks") or {}
     if checks:
         lines.append(
-            "    checks: " + ", ".join(f"{k} {_fmt(v.get('value'))}" for k, v in checks.items())
+            "    checks: " + ", ".join(f"{k} {format_check(v)}" for k, v in checks.items())
         )
     for step in execution.get("steps", []):
         if step["status"] == "skipped":
@@ -323,6 +323,9 @@ def execution_lines(
             f"{format_signal(verification['signal'], verification.get('after'))}: "
             f"{verification.get('outcome')}"
         )
+        guards = format_guards(verification)
+        if guards:
+            lines.append(f"    guards: {guards}")
     if revert is not None:
         changes = "; ".join(_changes(s) for s in applied_steps(revert)) or "nothing to change"
         lines.append(

@@ -50,8 +50,11 @@ def cmd_report(args: argparse.Namespace) -> int:
         timeline_png,
         ts,
     )
-    from vllm_runbook.runbooks.store import Store
+    from vllm_runbook.runbooks.store import Store, has_journal
 
+    if not has_journal(args.db):  # read-only: a missing store is no error, and stays missing
+        print(f"runbook: no executions yet (no execution with id {args.id})", file=sys.stderr)
+        return 2
     store = Store(args.db)
     record = store.get_execution(args.id)
     if record.reverts_id is not None:

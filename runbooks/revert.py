@@ -206,6 +206,9 @@ class Revert:
             start = {k: run.reader.last_state["knobs"][k] for k in targets}  # type: ignore[index]
             for stage, fraction in enumerate(fractions):
                 goal = stage_values(start, targets, fraction)
+                # Before this stage: the healthy check compares against it.
+                stage_baseline = run.reader.read() if stage else dict(run.baseline)
+                stage_step: int | None = None
                 state = run.client.state()
                 before = {k: state["knobs"][k] for k in goal}
                 changes = {k: v for k, v in goal.items() if before[k] != v}
@@ -224,14 +227,15 @@ class Revert:
                     except EngineClientError as error:
                         store.finish_step(row.id, STEP_FAILED, error=one_line(error))
                         raise
+                    stage_step = int(result["effective_from_step"])
                     store.finish_step(
                         row.id,
                         STEP_APPLIED,
                         after={k: result["after"][k] for k in goal},
-                        applied_at_step=int(result["effective_from_step"]),
+                        applied_at_step=stage_step,
                     )
                 if stage < len(fractions) - 1:
-                    problem = self._unhealthy(run, healthy)
+                    problem = self._unhealthy(run, healthy, stage_baseline, stage_step)
                     if problem is not None:
                         return run.finish(
                             FAILED,
@@ -246,19 +250,27 @@ class Revert:
         store.transition(original.id, REVERTED, reason=f"reverted by execution #{run.id}")
         return run.finish(SUCCEEDED, EXIT_OK, f"execution #{original.id} reverted")
 
-    def _unhealthy(self, run: Run, seconds: float) -> str | None:
-        """Watch a healthy period; the first worsening signal, or None."""
+    def _unhealthy(
+        self,
+        run: Run,
+        seconds: float,
+        baseline: Mapping[str, Any],
+        from_step: int | None,
+    ) -> str | None:
+        """Watch a healthy period after a stage; the first signal measurably
+        worse than before the stage, read only from the stage's step on
+        (rates and percentiles over that period, like a verification), or None."""
         v = run.spec.verification
         watched = ([v.signal] if v else []) + list(v.rollback_if_worse if v else ())
-        baseline = run.reader.read()
+        tolerance = v.tolerance if v else 0.1
         end = self.x.clock() + seconds
         while self.x.clock() < end:
             self.x.wait(min(self.x.poll_seconds, end - self.x.clock()), run.renew)
-            now = run.reader.read()
-            for signal in watched:
-                direction = v.direction if v and signal == v.signal else None
-                if worse(signal, now.get(signal), baseline.get(signal), direction):
-                    return f"{signal} got worse ({_fmt(baseline[signal])} → {_fmt(now[signal])})"
+        now = run.reader.read(since_step=from_step)
+        for signal in watched:
+            direction = v.direction if v and signal == v.signal else None
+            if worse(signal, now.get(signal), baseline.get(signal), direction, tolerance):
+                return f"{signal} got worse ({_fmt(baseline[signal])} → {_fmt(now[signal])})"
         return None
 
 

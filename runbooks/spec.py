@@ -74,6 +74,17 @@ KNOWN_SIGNALS: Final[Mapping[str, str]] = {
     "error_rate": "failed requests / requests",
     "oom_rate": "out-of-memory failures / requests",
     "engine_uptime_seconds": "seconds since the engine started",
+    "length_padding_ratio": (
+        "latest step: 1 - sum(len) / (n x max len) over the scheduled requests' context "
+        "lengths (the length spread a static batcher would pad)"
+    ),
+    "padding_ratio": "cudagraph padding: padded - unpadded over padded tokens, over the window",
+    "gpu_utilization_spread": "highest minus lowest GPU utilisation among the engine's GPUs",
+    "gpu_memory_spread_ratio": (
+        "(highest - lowest) / highest GPU memory in use among the engine's GPUs"
+    ),
+    "tensor_parallel_size": "GPUs one model replica is split over (tensor parallel)",
+    "finish_reasons": "requests finished over the window, by vLLM's finish reason",
 }
 
 Name = Annotated[str, Field(pattern=r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$", max_length=64)]
@@ -127,18 +138,44 @@ class StepSpec(_Strict):
 
 
 class Verification(_Strict):
+    """What must happen after the change, measured only after it took effect.
+
+    `effect: relative` (the default): "improved" needs the signal to move
+    `improve_by` of its before-value the expected way (0.8 with `decrease`:
+    after <= 20 % of before); a move within `tolerance` of before is "no
+    measurable change"; beyond it the wrong way, "worse".
+    `effect: passes_change_time` (for `admitted_before_time`): "improved"
+    once the signal has passed the moment the change was applied (every
+    request waiting at the switch has been scheduled).
+    """
+
     signal: str
     direction: Literal["decrease", "increase"]
     deadline_seconds: Annotated[int, Field(gt=0)]
+    effect: Literal["relative", "passes_change_time"] = "relative"
+    improve_by: Annotated[float, Field(gt=0, le=1)] = 0.2
+    tolerance: Annotated[float, Field(ge=0, lt=1)] = 0.1
     # Circuit breaker: if any of these got worse after acting, roll back.
     rollback_if_worse: tuple[str, ...] = ()
+    # Guards that must be readable on the engine: otherwise the run is refused
+    # before any change.
+    required_guards: tuple[str, ...] = ()
 
     _signal = field_validator("signal")(_known_signal)
 
-    @field_validator("rollback_if_worse")
+    @field_validator("rollback_if_worse", "required_guards")
     @classmethod
     def _known_signals(cls, values: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(_known_signal(v) for v in values)
+
+    @model_validator(mode="after")
+    def _required_are_guards(self) -> Verification:
+        extra = [g for g in self.required_guards if g not in self.rollback_if_worse]
+        if extra:
+            raise ValueError(f"required_guards not in rollback_if_worse: {', '.join(extra)}")
+        if self.effect == "passes_change_time" and self.direction != "increase":
+            raise ValueError("effect passes_change_time needs direction increase")
+        return self
 
 
 class RevertPolicy(_Strict):

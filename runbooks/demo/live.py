@@ -15,7 +15,7 @@ import httpx
 from vllm_runbook.runbooks.client import EngineClient, EngineClientError
 from vllm_runbook.runbooks.demo.config import LOW
 from vllm_runbook.runbooks.demo.traffic import Traffic
-from vllm_runbook.runbooks.render import format_signal
+from vllm_runbook.runbooks.render import format_check, format_guards, format_signal
 
 
 def _fmt(value: Any) -> str:
@@ -92,7 +92,7 @@ class EventFeed:
                 f"  runbook {e['runbook']} chosen for {alert} (automation auto) → execution #{n}",
             )
         if e.get("checks") and e.get("reverts_id") is None:
-            checks = ", ".join(f"{k} {_fmt(v.get('value'))}" for k, v in e["checks"].items())
+            checks = ", ".join(f"{k} {format_check(v)}" for k, v in e["checks"].items())
             self._once((n, "checks"), f"  #{n} checks: {checks}")
         for s in e.get("steps", []):
             before, after = s.get("before") or {}, s.get("after") or {}
@@ -119,7 +119,8 @@ class EventFeed:
                 (n, "verify"),
                 f"  #{n} verification: {v['signal']} "
                 f"{format_signal(v['signal'], v.get('before'))} → "
-                f"{format_signal(v['signal'], v.get('after'))} ({v.get('outcome')})",
+                f"{format_signal(v['signal'], v.get('after'))} ({v.get('outcome')})"
+                + (f"; guards: {g}" if (g := format_guards(v)) else ""),
             )
         if e["status"] not in ("pending", "running", "verifying"):
             why = e.get("error") or e.get("reason") or ""

@@ -40,7 +40,13 @@ from vllm_runbook.runbooks.store.models import (
     episode_key,
 )
 from vllm_runbook.runbooks.store.processes import process_alive, process_start
-from vllm_runbook.runbooks.store.schema import current_revision, head_revision, upgrade
+from vllm_runbook.runbooks.store.schema import (
+    current_revision,
+    ensure_schema,
+    has_journal,
+    head_revision,
+    upgrade,
+)
 
 __all__ = [
     "ACTIVE_STATUSES",
@@ -66,7 +72,9 @@ __all__ = [
     "current_revision",
     "default_sqlite_path",
     "display_url",
+    "ensure_schema",
     "episode_key",
+    "has_journal",
     "head_revision",
     "process_alive",
     "process_start",

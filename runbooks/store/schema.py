@@ -10,16 +10,21 @@ version scripts and run the same `run_migrations` below.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final
 
+from sqlalchemy.engine import make_url
 from vllm_runbook.runbooks.store.database import (
     display_url,
     make_engine,
     resolve_url,
     translated_errors,
 )
-from vllm_runbook.runbooks.store.errors import StoreError, StoreUnavailable
+from vllm_runbook.runbooks.store.errors import SchemaMissing, StoreError, StoreUnavailable
 
 MIGRATIONS_DIR: Final = Path(__file__).resolve().parent / "migrations"
 VERSIONS_DIR: Final = MIGRATIONS_DIR / "versions"
@@ -77,6 +82,80 @@ def current_revision(url: str | None = None) -> str | None:
             return MigrationContext.configure(connection).get_current_revision()
     finally:
         engine.dispose()
+
+
+def _sqlite_file(url: str) -> Path | None:
+    """The SQLite database file of `url` (None: not SQLite, or in memory)."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return None
+    return Path(parsed.database).expanduser()
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """An advisory lock on the database file itself (flock: SQLite's own
+    POSIX locks are separate), so concurrent first uses migrate once."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def ensure_schema(url: str | None = None) -> str:
+    """Make the store ready for a command that writes; returns the resolved URL.
+
+    A SQLite store (the embedded default, or any file named by --db or
+    RUNBOOK_DB_URL) is created and migrated on first use, under a lock on its
+    file so that several first uses at once migrate it once. Any other store
+    that is behind raises SchemaMissing naming the command that upgrades it:
+    shared databases are migrated on purpose, not by whichever CLI came first.
+    """
+    resolved = resolve_url(url)
+    try:
+        path = _sqlite_file(resolved)
+    except Exception:  # an invalid URL: let the store's own error say so
+        return resolved
+    head = head_revision()
+    if path is not None:
+        try:
+            lock = _exclusive(path)
+            with lock:
+                if current_revision(resolved) != head:
+                    upgrade(resolved)
+        except OSError as e:
+            raise StoreUnavailable(f"store {display_url(resolved)} unavailable: {e}") from None
+        return resolved
+    if make_url(resolved).get_backend_name() == "sqlite":  # in memory: nothing persists
+        upgrade(resolved)
+        return resolved
+    current = current_revision(resolved)
+    if current != head:
+        at = f"is at schema {current}" if current else "has no runbook schema"
+        raise SchemaMissing(
+            f"store {display_url(resolved)} {at}; this release needs {head}: "
+            f"run `runbook db upgrade --db {display_url(resolved)}`"
+        )
+    return resolved
+
+
+def has_journal(url: str | None = None) -> bool:
+    """Whether the store holds a journal to read (False: no executions yet).
+    Never creates anything: a missing SQLite file stays missing."""
+    resolved = resolve_url(url)
+    try:
+        path = _sqlite_file(resolved)
+    except Exception:
+        return True  # let the store's own error speak
+    if path is not None and (not path.exists() or path.stat().st_size == 0):
+        return False
+    try:
+        return current_revision(resolved) is not None
+    except StoreUnavailable:
+        return True  # down: the read itself reports it
 
 
 def head_revision() -> str | None:

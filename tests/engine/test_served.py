@@ -87,6 +87,32 @@ def test_served_engine_exports_every_metric_on_both_endpoints(
         assert cli.returncode == 0, cli.stderr
         assert "max_num_batched_tokens 256 → 512" in cli.stdout
 
+        # A fresh machine: no journal, no `runbook db upgrade`, no --db. The
+        # on-call's first command creates the default journal and runs.
+        fresh = {"XDG_DATA_HOME": str(tmp_path / "fresh"), "RUNBOOK_DB_URL": ""}
+        first = runbook_cli(
+            "exec",
+            "oom-pressure",
+            "--engine",
+            served.agent_url,
+            "--yes",
+            "--json",
+            "--condition-seconds",
+            "0",
+            "--verify-seconds",
+            "1",
+            env=fresh,
+        )
+        execution = json.loads(first.stdout)["execution"]
+        # Idle engine: nothing runs (longest sequence 0), no preemption before
+        # or after the halving: "no measurable change", the change is kept.
+        assert execution["checks"]["max_sequence_tokens"]["value"] == 0
+        assert execution["verification"]["outcome"] == "no measurable change"
+        assert first.returncode == 1 and "db upgrade" not in first.stderr, first.stderr
+        assert (tmp_path / "fresh" / "vllm-runbook" / "runbook.db").exists()
+        undo = runbook_cli("revert", str(execution["id"]), env=fresh)
+        assert undo.returncode == 0, undo.stderr
+
 
 def test_empty_plugin_allow_list_serves_without_the_collector(
     tiny_model: Path, tmp_path: Path

@@ -156,7 +156,7 @@ def test_oom_pressure_halves_the_budget_caps_seqs_and_preemptions_fall(
         "--condition-seconds",
         "1",
         "--verify-seconds",
-        "30",
+        "90",
         "--poll-seconds",
         "0.25",
     )
@@ -380,3 +380,76 @@ def test_broken_runbook_yaml_names_file_and_line(tmp_path: Path, db_url: str) ->
         r"unknown action 'halve'\n$",
         result.stderr,
     ), result.stderr
+
+
+def test_a_fix_that_works_is_not_rolled_back_by_a_reading_from_before_it(
+    oom_engine: InProcessEngine, db_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The storm of issue 12: exec starts early in a preemption storm, the
+    storm goes on while the condition waits, the cap stops it. The verification
+    reads preemptions only from the step the cap took effect at; a trailing
+    window at that moment still holds the storm before the cap."""
+    eng, url = oom_engine, url_of(oom_engine)
+    assert knobs(eng) == STARTUP
+    time.sleep(WINDOW_S + 0.5)  # the preemption window holds only this storm
+    storm = Workload(eng, "storm", 200_000)
+    while storm.preemptions < 3:  # early in the storm
+        assert storm.step(STEP_PACE_S)
+    proc = cli_background(
+        "exec",
+        "oom-pressure",
+        "--engine",
+        url,
+        "--yes",
+        "--json",
+        "--db",
+        db_url,
+        "--condition-seconds",
+        "2",
+        "--verify-seconds",
+        "90",
+        "--poll-seconds",
+        "0.25",
+    )
+    storm.run_while(proc)
+    out, err = proc.communicate()
+    storm.finish()
+    execution = json.loads(out)["execution"]
+    halve, cap = execution["steps"]
+    assert (cap["action"], cap["status"]) == ("set_max_num_seqs", "applied"), cap
+    capped = cap["after"]["max_num_seqs"]
+    v = execution["verification"]
+    m = v["measurement"]
+    cumulative = dict(storm.trace)
+    applied, effective = cap["applied_at_step"], m["effective_step"]
+    last_step = effective - 1 + m["steps"]
+    # The storm went on between the halving and the cap, and while the running
+    # requests above the cap drained: what a trailing window still holds.
+    between = cumulative[applied - 1] - cumulative[halve["applied_at_step"] - 1]
+    draining = cumulative[effective - 1] - cumulative[applied - 1]
+    with capsys.disabled():
+        print(
+            f"\n[storm] budget 512→256 at step {halve['applied_at_step']}, max_num_seqs "
+            f"32→{capped} at step {applied}, in effect (running ≤ cap) from step {effective}; "
+            f"preemptions between the two changes {between}, while draining {draining}\n"
+            f"[storm] preemptions/min before {v['before']:g} (trailing {WINDOW_S} s window at "
+            f"the checks) → after {v['after']:g} ({m['preemptions']} in {m['seconds']:.1f} s "
+            f"from step {effective}); the trailing window at the end read "
+            f"{v.get('trailing_window_after')}; outcome {v['outcome']}; status "
+            f"{execution['status']}\n[storm] guards: "
+            + "; ".join(
+                f"{g} {r['before']} → {r['after']} ({r['outcome']})" for g, r in v["guards"].items()
+            )
+        )
+    # Measured from the step the cap took effect at, never before it.
+    assert v["from_step"] == m["from_step"] == applied <= effective
+    exact = cumulative[last_step] - cumulative[effective - 1]
+    assert m["preemptions"] == exact
+    assert v["after"] == pytest.approx(exact * 60.0 / m["seconds"])
+    assert v["outcome"] == "improved", (v, err)
+    assert v["after"] <= 0.5 * v["before"]
+    assert (proc.returncode, execution["status"]) == (0, "succeeded"), err
+    assert knobs(eng) == {**STARTUP, "max_num_batched_tokens": 256, "max_num_seqs": capped}
+    code, _, err = cli_json("revert", str(execution["id"]), "--db", db_url)
+    assert code == 0, err
+    assert knobs(eng) == STARTUP

@@ -25,6 +25,7 @@ from vllm_runbook.runbooks.store import Store
 
 URL = "http://127.0.0.1:9360"
 STARTUP = {"max_num_batched_tokens": 512, "max_num_seqs": 32, "policy": "priority"}
+SINCE_KEYS = ("preemptions_per_minute", "p99_latency_seconds", "error_rate", "kv_hit_ratio")
 PRESSURE = {
     "kv_blocks_used": 255,
     "kv_blocks_free": 0,
@@ -46,16 +47,27 @@ class FakeAgent:
         self.stats = [dict(s) for s in (stats or [PRESSURE])]
         self.down = False
         self.writes: list[dict[str, Any]] = []
+        self.since_steps: list[int | None] = []
 
-    def state(self) -> dict[str, Any]:
+    def state(self, since_step: int | None = None) -> dict[str, Any]:
         if self.down:
             raise EngineUnreachable(f"engine {URL} unreachable: connection refused")
         stats = self.stats.pop(0) if len(self.stats) > 1 else self.stats[0]
+        self.since_steps.append(since_step)
+        # The scripted stats stand for what was measured from `since_step` on.
+        since = None
+        if since_step is not None:
+            since = {
+                "from_step": since_step,
+                "from_time": 0.0,
+                **{k: stats.get(k) for k in SINCE_KEYS},
+            }
         return {
             "knobs": dict(self.knobs),
             "startup": dict(STARTUP),
             "stats": dict(stats),
             "engine": {"started_at": 0.0},
+            "since": since,
         }
 
     def set_knobs(self, clamp: bool = False, dry_run: bool = False, **values: Any) -> Any:
@@ -184,13 +196,80 @@ def test_success_and_journal(make: Any) -> None:
 
 
 def test_circuit_breaker_rolls_back_when_a_guard_gets_worse(make: Any) -> None:
-    worse = {**PRESSURE, "num_requests_waiting": 41}
+    worse = {**PRESSURE, "num_requests_waiting": 45}
     executor, agent = make(FakeAgent([PRESSURE, PRESSURE, worse]))
     result = executor.execute(runbook(), URL)
     assert (result.exit_code, result.record.status) == (1, "rolled_back")
     assert statuses(result) == [("scale_max_num_batched_tokens", "reverted")]
-    assert "num_requests_waiting got worse (40 → 41)" in (result.record.error or "")
+    assert "guard num_requests_waiting got worse (40 → 45)" in (result.record.error or "")
     assert agent.knobs == STARTUP
+    guard = result.record.verification["guards"]["num_requests_waiting"]  # type: ignore[index]
+    assert (guard["before"], guard["after"], guard["outcome"]) == (40, 45, "worse")
+
+
+def test_a_move_within_the_tolerance_is_no_evidence(make: Any) -> None:
+    # 40 → 41 waiting (2.5 %) trips nothing; 60 → 58.8 preemptions/min (2 %) is
+    # "no measurable change", not "improved".
+    after = {**PRESSURE, "num_requests_waiting": 41, "preemptions_per_minute": 58.8}
+    executor, agent = make(FakeAgent([PRESSURE, PRESSURE, after]))
+    result = executor.execute(runbook(), URL)
+    assert (result.exit_code, result.record.status) == (1, "failed")
+    assert result.record.verification["outcome"] == "no measurable change"  # type: ignore[index]
+    assert agent.knobs["max_num_batched_tokens"] == 256  # kept
+
+
+def test_verification_reads_only_from_the_step_the_change_applied(make: Any) -> None:
+    executor, agent = make(
+        FakeAgent([PRESSURE, PRESSURE, {**PRESSURE, "preemptions_per_minute": 6.0}])
+    )
+    result = executor.execute(runbook(), URL)
+    (step,) = result.record.steps
+    v = result.record.verification
+    assert v is not None and v["from_step"] == step.applied_at_step == 101
+    # The checks read no since; every verification read asked from step 101.
+    assert agent.since_steps[0] is None
+    # A rate is judged over the whole measurement period (here the 5 s deadline).
+    assert agent.since_steps.count(101) == v["polls"] == 6
+    assert (v["before"], v["after"], v["outcome"]) == (60.0, 6.0, "improved")
+
+
+def test_required_guard_unreadable_refuses_before_any_change(make: Any) -> None:
+    rb = runbook(
+        verification={
+            "signal": "preemptions_per_minute",
+            "direction": "decrease",
+            "deadline_seconds": 5,
+            "rollback_if_worse": ["p99_latency_seconds"],
+            "required_guards": ["p99_latency_seconds"],
+        }
+    )
+    executor, agent = make()
+    result = executor.execute(rb, URL)
+    assert (result.exit_code, result.record.status) == (2, "refused")
+    assert agent.writes == []
+    assert (result.message or "").startswith(
+        "required guard cannot be read on this engine: p99_latency_seconds ("
+    )
+
+
+def test_unreadable_guard_is_named_with_its_reason(make: Any) -> None:
+    rb = runbook(
+        verification={
+            "signal": "preemptions_per_minute",
+            "direction": "decrease",
+            "deadline_seconds": 5,
+            "rollback_if_worse": ["gpu_utilization_ratio"],
+        }
+    )
+    executor, _ = make(FakeAgent([PRESSURE, PRESSURE, {**PRESSURE, "preemptions_per_minute": 0.0}]))
+    result = executor.execute(rb, URL)
+    assert result.record.status == "succeeded"
+    v = result.record.verification
+    assert v is not None and v["guards_unavailable"] == ["gpu_utilization_ratio"]
+    assert v["guards"]["gpu_utilization_ratio"]["outcome"] == (
+        "unavailable: before: no NVIDIA GPU on this engine (NVML not available)"
+    )
+    assert any("gpu_utilization_ratio" in w for w in result.warnings)
 
 
 def test_verification_signal_worse_at_the_deadline_rolls_back(make: Any) -> None:
@@ -206,7 +285,9 @@ def test_unchanged_signal_fails_and_keeps_the_change(make: Any) -> None:
     executor, agent = make()
     result = executor.execute(runbook(), URL)
     assert (result.exit_code, result.record.status) == (1, "failed")
-    assert "did not decrease within 5 s (60 → 60)" in (result.message or "")
+    assert "no measurable change in preemptions_per_minute (60 → 60; needed" in (
+        result.message or ""
+    )
     assert agent.knobs["max_num_batched_tokens"] == 256
 
 
@@ -380,7 +461,9 @@ def test_stepwise_revert_halts_when_the_signal_gets_worse(make: Any) -> None:
     calm = {**PRESSURE, "preemptions_per_minute": 0.0}
     executor, agent = make(FakeAgent([PRESSURE, PRESSURE, PRESSURE, calm]))
     run = executor.execute("oom-pressure", URL, approved=True, condition_seconds=0)
-    agent.stats = [calm, calm, calm, {**calm, "preemptions_per_minute": 6.0}]
+    # Read: the revert's checks, the knobs before stage 1, then after the healthy
+    # period, from stage 1's step on: 6 preemptions/min where there were none.
+    agent.stats = [calm, calm, {**calm, "preemptions_per_minute": 6.0}]
     result = executor.revert(run.record.id, stepwise=True, healthy_period_seconds=60)
     assert result.record.status == "failed" and result.exit_code == 1
     assert "halted after 50%: preemptions_per_minute got worse (0 → 6)" in (result.message or "")
@@ -397,3 +480,27 @@ def test_stage_values() -> None:
         "policy": "fcfs",
     }
     assert stage_values(start, targets, 1.0) == targets
+
+
+def test_judge_needs_the_named_effect() -> None:
+    from vllm_runbook.runbooks.verification import IMPROVED, NO_CHANGE, WORSE, judge
+
+    def decrease(before: float, after: float, by: float = 0.8) -> str:
+        return judge(before, after, "decrease", improve_by=by, tolerance=0.1)
+
+    # oom-pressure: after <= 20 % of before.
+    assert [decrease(60, 12), decrease(60, 13), decrease(306, 300)] == [
+        IMPROVED,
+        NO_CHANGE,
+        NO_CHANGE,
+    ]
+    assert [decrease(7, 60), decrease(60, 66), decrease(60, 66.1)] == [WORSE, NO_CHANGE, WORSE]
+    assert [decrease(0, 0), decrease(0, 1)] == [NO_CHANGE, WORSE]
+    # latency-spike: the horizon must pass the moment of the switch; standing
+    # still at a value before it is no change, whatever the values' equality.
+    at = 1_700_000_000.0
+    horizon = {"effect": "passes_change_time", "change_time": at}
+    kw: dict[str, Any] = {"improve_by": 0.2, "tolerance": 0.1, **horizon}
+    assert judge(at - 5, at - 5, "increase", **kw) == NO_CHANGE
+    assert judge(at - 5, at - 1, "increase", **kw) == NO_CHANGE
+    assert judge(at - 5, at, "increase", **kw) == IMPROVED

@@ -19,6 +19,11 @@ from vllm_runbook.runbooks.spec import CATALOG_DIR, CatalogError, load_catalog
 
 EXPECTED = {
     "batch-too-large",
+    "batch-utilization-low",
+    "error-rate-high",
+    "gpu-compute-skew",
+    "gpu-memory-imbalance",
+    "padding-high",
     "kv-hit-low",
     "latency-spike",
     "memory-leak",

@@ -98,3 +98,68 @@ def test_format_table_aligns_columns() -> None:
     assert format_table([(1, None, 0.123456)], ["id", "x", "ratio"]) == (
         "id  x  ratio\n1   -  0.1235"
     )
+
+
+def test_report_shows_unavailable_checks_guards_and_the_post_change_measurement(
+    sqlite_url: str,
+) -> None:
+    store = Store(sqlite_url)
+    record, _ = store.create_execution("oom-pressure", "llama-0", trigger="cli", who="bob")
+    store.transition(record.id, "running")
+    store.record_checks(
+        record.id,
+        {
+            "gpu": {
+                "value": None,
+                "signal": "gpu_memory_used_bytes",
+                "description": "GPU memory",
+                "unavailable": "no NVIDIA GPU on this engine (NVML not available)",
+            }
+        },
+    )
+    store.transition(record.id, "verifying")
+    store.record_verification(
+        record.id,
+        {
+            "signal": "preemptions_per_minute",
+            "direction": "decrease",
+            "needed": "preemptions_per_minute ≤ 20% of before",
+            "deadline_seconds": 120,
+            "from_step": 40,
+            "measured_seconds": 60.0,
+            "measurement": {"effective_step": 52},
+            "trailing_window_after": 60.0,
+            "before": 7.0,
+            "after": 0.0,
+            "outcome": "improved",
+            "guards": {
+                "oom_rate": {"before": 0.5, "after": 0.0, "outcome": "ok", "required": False},
+                "error_rate": {
+                    "before": None,
+                    "after": None,
+                    "outcome": "unavailable: before: no request finished in the last 60 s",
+                    "required": False,
+                },
+            },
+        },
+    )
+    shown = store.transition(record.id, "succeeded")
+    store.close()
+    lines = render_report(shown).splitlines()
+    assert lines[lines.index("Checks") + 2] == (
+        "  gpu    unavailable: no NVIDIA GPU on this engine (NVML not available)  "
+        "gpu_memory_used_bytes  GPU memory"
+    )
+    at = lines.index("Verification")
+    assert lines[at + 1 : at + 3] == [
+        "  preemptions_per_minute: 7 → 0 (needed preemptions_per_minute ≤ 20% of before "
+        "within 120 s): improved",
+        "  measured from step 40 (in effect from step 52) over 60 s; a trailing window at the "
+        "end read 60 (not used)",
+    ]
+    guards = lines[lines.index("Guards") + 1 :]
+    assert guards[:3] == [
+        "  guard       before  after  outcome",
+        "  oom_rate    0.5     0      ok",
+        "  error_rate  -       -      unavailable: before: no request finished in the last 60 s",
+    ]

@@ -96,7 +96,8 @@ def test_rule_labels_are_checked_against_the_runbook_catalog_given(
     assert run(["rules", "check", str(rules)]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and all(
-        "unknown runbook 'kv-relief' (known: batch-too-large, kv-hit-low, latency-spike," in line
+        "unknown runbook 'kv-relief' (known: batch-too-large, batch-utilization-low, "
+        "error-rate-high," in line
         for line in err
     )
     assert run(["rules", "export", "--rules", str(rules), "--catalog", str(runbooks)]) == 0

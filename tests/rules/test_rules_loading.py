@@ -79,7 +79,8 @@ def test_unknown_runbook(tmp_path: Path) -> None:
     [p] = problems(tmp_path, GOOD.replace("runbook: kv-hit-low", "runbook: reboot"))
     assert isinstance(p, UnknownRunbookError)
     assert str(p).startswith(
-        "kv.yaml:4: rule VllmFoo: unknown runbook 'reboot' (known: batch-too-large, kv-hit-low,"
+        "kv.yaml:4: rule VllmFoo: unknown runbook 'reboot' (known: batch-too-large, "
+        "batch-utilization-low,"
     )
 
 

@@ -40,13 +40,18 @@ class FakeAgent:
         self.step = 100
         self.writes: list[dict[str, Any]] = []
 
-    def state(self) -> dict[str, Any]:
+    def state(self, since_step: int | None = None) -> dict[str, Any]:
         preempting = self.knobs["max_num_seqs"] == STARTUP["max_num_seqs"]
+        rate = 60.0 if preempting else 0.0
+        since = None
+        if since_step is not None:  # what was measured from the change's step on
+            since = {"from_step": since_step, "from_time": 0.0, "preemptions_per_minute": rate}
         return {
             "knobs": dict(self.knobs),
             "startup": dict(STARTUP),
-            "stats": {**PRESSURE, "preemptions_per_minute": 60.0 if preempting else 0.0},
+            "stats": {**PRESSURE, "preemptions_per_minute": rate},
             "engine": {"started_at": 0.0},
+            "since": since,
         }
 
     def set_knobs(self, clamp: bool = False, dry_run: bool = False, **values: Any) -> Any:

@@ -23,7 +23,7 @@ TOKEN = "catalogs-token"
 def test_the_shipped_catalogs_load_together_and_name_each_other() -> None:
     deployment = load_deployment(None)
     rules, runbooks = deployment.rules, deployment.runbooks
-    assert set(runbooks) == set(load_runbooks()) and len(runbooks) == 8
+    assert set(runbooks) == set(load_runbooks()) and len(runbooks) == 13
     assert deployment.alerts == load_rules().alerts and len(deployment.alerts) == 16
     for rule in rules:
         if rule.runbook is not None:
@@ -35,7 +35,7 @@ def test_the_shipped_catalogs_load_together_and_name_each_other() -> None:
 
 def test_without_names_nothing_is_checked_with_them_each_name_is() -> None:
     runbooks = load_runbooks(alerts=None)  # no alert names given: triggers unchecked
-    assert len(runbooks) == 8
+    assert len(runbooks) == 13
     with pytest.raises(RunbookCatalogError) as info:
         load_runbooks(alerts=["VllmLatencySpike"])
     assert "unknown alert 'VllmOOMPressure'" in str(info.value)
@@ -150,3 +150,25 @@ def test_each_catalog_is_refused_against_a_catalog_that_lacks_its_names(tmp_path
     messages = [str(p) for p in rinfo.value.problems]
     assert len(messages) == 2  # VllmOOMRateHigh and ClusterKVExhausted
     assert all("unknown runbook 'kv-relief' (known: batch-too-large," in m for m in messages)
+
+
+def test_every_exported_rule_names_a_runbook_and_its_url() -> None:
+    from vllm_runbook.rules.promql import rule_to_prometheus
+
+    runbooks = load_runbooks()
+    rules = load_rules().bind({})
+    assert len(rules) == len(load_rules().alerts) + 1  # VllmPaddingHigh has two severities
+    for rule in rules:
+        exported = rule_to_prometheus(rule, runbook_url_base="https://runbooks.example/rb")
+        name = exported["labels"]["runbook"]  # type: ignore[index]
+        assert name in runbooks, rule.alert
+        assert exported["annotations"]["runbook_url"] == (  # type: ignore[index]
+            f"https://runbooks.example/rb/{name}"
+        )
+
+
+def test_every_signal_has_one_named_source() -> None:
+    from vllm_runbook.runbooks.sources import SOURCES
+    from vllm_runbook.runbooks.spec import KNOWN_SIGNALS
+
+    assert list(SOURCES) == list(KNOWN_SIGNALS)

@@ -1,0 +1,218 @@
+"""Where each runbook signal comes from, and what it reads before and after a change.
+
+Every signal of `vllm_runbook.runbooks.spec.KNOWN_SIGNALS` has one source
+(`SOURCES`): the collector inside the engine (`/v1/state` of the engine's
+agent), or NVML through the same agent for GPU signals. `signals_from_state`
+reads them all from one `/v1/state` answer; `unavailable(state)` names each
+signal that cannot be read on this engine and why, so a check, a guard or a
+verification is never silently empty.
+
+Two kinds of signal matter to a verification:
+- *windowed* signals (rates, ratios, percentiles over finished requests) are
+  measured before a change over the collector's trailing window and after it
+  only from the step the change took effect at (`since_signals`, from
+  `/v1/state?since_step=N`): a trailing window that straddles the change
+  cannot tell a fix from no fix;
+- *instant* signals (gauges of the latest step, knobs) read the same way
+  before and after.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+AGENT: Final = "collector (engine agent /v1/state)"
+NVML: Final = "NVML (engine agent /v1/state)"
+
+NOW: Final = "latest step"
+WINDOW: Final = "trailing window (VLLM_RUNBOOK_WINDOW_SECONDS) before; from the change's step after"
+READS: Final = "between two reads before; from the change's step after"
+
+
+@dataclass(frozen=True)
+class Source:
+    source: str
+    window: str
+    windowed: bool = False  # measured over a window: after a change, read from its step
+
+
+SOURCES: Final[Mapping[str, Source]] = {
+    "kv_cache_usage_ratio": Source(AGENT, NOW),
+    "kv_blocks_free": Source(AGENT, NOW),
+    "kv_capacity_seqs": Source(AGENT, NOW),
+    "preemptions_per_minute": Source(AGENT, WINDOW, windowed=True),
+    "max_sequence_tokens": Source(AGENT, NOW),
+    "num_requests_running": Source(AGENT, NOW),
+    "num_requests_waiting": Source(AGENT, NOW),
+    "max_num_batched_tokens": Source(AGENT, NOW),
+    "max_num_seqs": Source(AGENT, NOW),
+    "scheduler_policy": Source(AGENT, NOW),
+    "budget_fill_ratio": Source(AGENT, NOW),
+    "p99_latency_seconds": Source(AGENT + ": end-to-end time of finished requests", WINDOW, True),
+    "waiting_seconds_p99": Source(AGENT + ": queue time of finished requests", WINDOW, True),
+    "oldest_waiting_seconds": Source(AGENT, NOW),
+    "admitted_before_time": Source(AGENT, NOW),
+    "throughput_tokens_per_second": Source(AGENT + ": scheduled tokens counter", READS, True),
+    "schedule_seconds_p99": Source(AGENT + ": schedule() histogram", "since engine start"),
+    "block_fragmentation_ratio": Source(AGENT, NOW),
+    "kv_hit_ratio": Source(AGENT + ": prefix-cache counters", WINDOW, windowed=True),
+    "gpu_utilization_ratio": Source(NVML + ", highest GPU", "latest NVML poll"),
+    "gpu_memory_used_bytes": Source(NVML + ", highest GPU", "latest NVML poll"),
+    "error_rate": Source(AGENT + ": finish reason 'error' / finished", WINDOW, windowed=True),
+    "oom_rate": Source(AGENT + ": preemptions / finished requests", WINDOW, windowed=True),
+    "engine_uptime_seconds": Source(AGENT, NOW),
+    "length_padding_ratio": Source(AGENT, NOW),
+    "padding_ratio": Source(AGENT, "trailing window (VLLM_RUNBOOK_WINDOW_SECONDS)"),
+    "gpu_utilization_spread": Source(NVML + ", across the engine's GPUs", "latest NVML poll"),
+    "gpu_memory_spread_ratio": Source(NVML + ", across the engine's GPUs", "latest NVML poll"),
+    "tensor_parallel_size": Source(AGENT + ": the engine's parallel config", "at start"),
+    "finish_reasons": Source(AGENT + ": finished requests", "trailing window"),
+}
+
+WINDOWED: Final = frozenset(name for name, s in SOURCES.items() if s.windowed)
+
+NO_GPU: Final = "no NVIDIA GPU on this engine (NVML not available)"
+
+
+def _p99_from_histogram(bounds: list[float], cumulative: list[float]) -> float | None:
+    total = cumulative[-1] if cumulative else 0
+    if not total:
+        return None
+    target = 0.99 * total
+    for bound, count in zip(bounds, cumulative, strict=False):
+        if count >= target:
+            return bound
+    return None  # in the +Inf bucket: above the largest bound
+
+
+def _oom_rate(preemptions: Any, finished: Any) -> float | None:
+    if preemptions is None or not finished:
+        return None
+    return float(preemptions) / float(finished)
+
+
+def kv_capacity_seqs(stats: Mapping[str, Any]) -> int | None:
+    """Sequences the KV cache holds at the running requests' current average footprint.
+
+    floor(usable / (used / running)), in integers so a full cache gives
+    exactly `running` (a float division can land on running - 1). None when
+    nothing runs or holds blocks: there is no footprint to scale.
+    """
+    used, free = stats.get("kv_blocks_used"), stats.get("kv_blocks_free")
+    running = stats.get("num_requests_running")
+    if used is None or free is None or not running or used <= 0:
+        return None
+    usable = int(used) + int(free)
+    return max(1, usable * int(running) // int(used))
+
+
+def signals_from_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Every known signal from one `/v1/state` answer (None where not readable:
+    `unavailable(state)` says why)."""
+    stats, knobs = state.get("stats", {}), state.get("knobs", {})
+    signals: dict[str, Any] = dict.fromkeys(SOURCES)
+    for name in (
+        "kv_cache_usage_ratio",
+        "kv_blocks_free",
+        "preemptions_per_minute",
+        "num_requests_running",
+        "num_requests_waiting",
+        "budget_fill_ratio",
+        "block_fragmentation_ratio",
+        "kv_hit_ratio",
+        "oldest_waiting_seconds",
+        "admitted_before_time",
+        "max_sequence_tokens",
+        "p99_latency_seconds",
+        "waiting_seconds_p99",
+        "error_rate",
+    ):
+        signals[name] = stats.get(name)
+    for name in ("num_requests_running", "num_requests_waiting", "kv_blocks_free"):
+        if signals[name] is not None:
+            signals[name] = int(signals[name])
+    if stats.get("max_sequence_tokens") is not None:
+        signals["max_sequence_tokens"] = int(stats["max_sequence_tokens"])
+    window = stats.get("window_seconds")
+    preempted = stats.get("preemptions_per_minute")
+    if window and preempted is not None:
+        signals["oom_rate"] = _oom_rate(preempted * window / 60.0, stats.get("requests_finished"))
+    histogram = state.get("schedule_histogram")
+    if histogram:
+        signals["schedule_seconds_p99"] = _p99_from_histogram(
+            list(histogram["bounds"]), list(histogram["cumulative"])
+        )
+    signals["kv_capacity_seqs"] = kv_capacity_seqs(stats)
+    signals["max_num_batched_tokens"] = knobs.get("max_num_batched_tokens")
+    signals["max_num_seqs"] = knobs.get("max_num_seqs")
+    signals["scheduler_policy"] = knobs.get("policy")
+    started = state.get("engine", {}).get("started_at")
+    if started is not None:
+        signals["engine_uptime_seconds"] = max(0.0, time.time() - float(started))
+    for name in ("length_padding_ratio", "padding_ratio"):
+        signals[name] = stats.get(name)
+    signals["finish_reasons"] = stats.get("finished_by_reason")
+    signals["tensor_parallel_size"] = (state.get("engine", {}).get("parallel") or {}).get(
+        "tensor_parallel_size"
+    )
+    gpus = (state.get("gpus") or {}).get("per_gpu") or {}
+    if gpus:
+        utilization = [g["utilization_ratio"] for g in gpus.values()]
+        memory = [g["memory_used_bytes"] for g in gpus.values()]
+        signals["gpu_utilization_ratio"] = max(utilization)
+        signals["gpu_memory_used_bytes"] = max(memory)
+        signals["gpu_utilization_spread"] = max(utilization) - min(utilization)
+        signals["gpu_memory_spread_ratio"] = (
+            (max(memory) - min(memory)) / max(memory) if max(memory) > 0 else 0.0
+        )
+    return signals
+
+
+def since_signals(since: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The windowed signals measured only from a change's first step on
+    (`since` of `/v1/state?since_step=N`); {} when the agent has no such mark."""
+    if not since:
+        return {}
+    return {
+        "preemptions_per_minute": since.get("preemptions_per_minute"),
+        "throughput_tokens_per_second": since.get("throughput_tokens_per_second"),
+        "kv_hit_ratio": since.get("kv_hit_ratio"),
+        "p99_latency_seconds": since.get("p99_latency_seconds"),
+        "waiting_seconds_p99": since.get("waiting_seconds_p99"),
+        "error_rate": since.get("error_rate"),
+        "oom_rate": _oom_rate(since.get("preemptions"), since.get("requests_finished")),
+    }
+
+
+def unavailable(state: Mapping[str, Any], signals: Mapping[str, Any]) -> dict[str, str]:
+    """Signal → why it cannot be read now on this engine (only the unread ones)."""
+    why: dict[str, str] = {}
+    stats = state.get("stats", {})
+    window = stats.get("window_seconds")
+    no_requests = (
+        f"no request finished in the last {window:g} s" if window else "no request finished yet"
+    )
+    gpus = state.get("gpus") or {}
+    for name, value in signals.items():
+        if value is not None:
+            continue
+        if name == "tensor_parallel_size":
+            why[name] = "the engine's agent does not report its parallel config"
+        elif name.startswith("gpu_"):
+            why[name] = NO_GPU if not gpus.get("nvml_up") else "NVML returned no GPU"
+        elif name in ("p99_latency_seconds", "waiting_seconds_p99", "error_rate", "oom_rate"):
+            why[name] = no_requests if "requests_finished" in stats else "agent too old"
+        elif name == "kv_hit_ratio":
+            why[name] = "no prefix-cache lookup in the window"
+        elif name == "kv_capacity_seqs":
+            why[name] = "no request running: no KV footprint to scale"
+        elif name == "throughput_tokens_per_second":
+            why[name] = "needs two reads"
+        elif name == "schedule_seconds_p99":
+            why[name] = "no schedule() call yet"
+        else:
+            why[name] = "the engine's agent did not report it"
+    return why

@@ -1,0 +1,212 @@
+"""Judging a change by what happened after it: the verification and the circuit breaker.
+
+    report = measure(reader, spec.verification, baseline, from_step, ...)
+    report["outcome"]  # improved | no measurable change | worse | unverified: why
+    report["tripped"]  # the guard that got worse, or None
+
+The before-value of a signal is what the executor read before the first
+change (windowed signals over the collector's trailing window, which then
+holds only time before the change). The after-value is read only from the
+step the last change took effect at (the agent reports it; `/v1/state?
+since_step=N` gives counter deltas and the requests finished since), over
+the same length of time as the baseline window (or the deadline, when
+shorter). A reading that predates the change never decides anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Final
+
+from vllm_runbook.runbooks.sources import WINDOWED
+
+IMPROVED: Final = "improved"
+NO_CHANGE: Final = "no measurable change"
+WORSE: Final = "worse"
+
+# Signals where a higher value is worse (the circuit breaker's direction).
+HIGHER_IS_WORSE: Final = frozenset(
+    {
+        "error_rate",
+        "oom_rate",
+        "preemptions_per_minute",
+        "p99_latency_seconds",
+        "waiting_seconds_p99",
+        "oldest_waiting_seconds",
+        "schedule_seconds_p99",
+        "kv_cache_usage_ratio",
+        "block_fragmentation_ratio",
+        "num_requests_waiting",
+        "max_sequence_tokens",
+        "gpu_memory_used_bytes",
+    }
+)
+
+
+def judge(
+    before: Any,
+    after: Any,
+    direction: str,
+    *,
+    improve_by: float,
+    tolerance: float,
+    effect: str = "relative",
+    change_time: float | None = None,
+) -> str:
+    """improved / no measurable change / worse for one signal (both values read)."""
+    if effect == "passes_change_time":
+        return IMPROVED if change_time is not None and after >= change_time else NO_CHANGE
+    sign = -1.0 if direction == "decrease" else 1.0
+    move = sign * (float(after) - float(before))  # > 0: the expected way
+    scale = abs(float(before))
+    if scale == 0:
+        # From zero no relative move exists: any move the wrong way is worse,
+        # and nothing can improve a decreasing signal that is already 0.
+        if move < 0:
+            return WORSE
+        return IMPROVED if move > 0 and direction == "increase" else NO_CHANGE
+    if move >= improve_by * scale:
+        return IMPROVED
+    if -move > tolerance * scale:
+        return WORSE
+    return NO_CHANGE
+
+
+def guard_worse(signal: str, before: Any, after: Any, tolerance: float) -> bool:
+    direction = "decrease" if signal in HIGHER_IS_WORSE else "increase"
+    outcome = judge(before, after, direction, improve_by=1.0, tolerance=tolerance)
+    return outcome == WORSE
+
+
+def needed_text(signal: str, v: Any) -> str:
+    """What "improved" means for this verification, in words."""
+    if v.effect == "passes_change_time":
+        return f"{signal} passes the moment of the change"
+    if v.direction == "decrease":
+        return f"{signal} ≤ {1 - v.improve_by:.0%} of before"
+    return f"{signal} ≥ {1 + v.improve_by:.0%} of before"
+
+
+def measure(
+    read: Callable[[int | None], dict[str, Any]],
+    unavailable: Callable[[], Mapping[str, str]],
+    v: Any,
+    baseline: Mapping[str, Any],
+    baseline_unavailable: Mapping[str, str],
+    from_step: int | None,
+    *,
+    deadline_s: float,
+    window_s: float | None,
+    clock: Callable[[], float],
+    wait: Callable[[float], None],
+    poll_s: float,
+    change_time: Callable[[], float | None],
+    settled: Callable[[], bool] = lambda: True,
+) -> dict[str, Any]:
+    """Read after the change until the effect shows (instant signals) or the
+    measurement period ends (windowed ones: the baseline's length, capped by
+    the deadline); judge the signal and every guard on that last reading."""
+    windowed = v.signal in WINDOWED or any(g in WINDOWED for g in v.rollback_if_worse)
+    period = min(deadline_s, window_s) if windowed and window_s else deadline_s
+    start = clock()
+    before = baseline.get(v.signal)
+    report: dict[str, Any] = {
+        "signal": v.signal,
+        "direction": v.direction,
+        "effect": v.effect,
+        "needed": needed_text(v.signal, v),
+        "deadline_seconds": deadline_s,
+        "measure_seconds": period,
+        "from_step": from_step,
+        "before": before,
+        "after": None,
+        "polls": 0,
+    }
+    signals: dict[str, Any] = {}
+    in_effect_at: float | None = None
+    while True:
+        signals = read(from_step)
+        report["polls"] += 1
+        after = signals.get(v.signal)
+        now = clock()
+        if in_effect_at is None and settled():
+            # A lower admission limit is in effect once the running requests
+            # above it drained: the measurement period starts then.
+            in_effect_at = now
+            report["in_effect_after_seconds"] = now - start
+        elapsed = now - in_effect_at if in_effect_at is not None else 0.0
+        early = (
+            v.signal not in WINDOWED
+            and before is not None
+            and after is not None
+            and judge(
+                before,
+                after,
+                v.direction,
+                improve_by=v.improve_by,
+                tolerance=v.tolerance,
+                effect=v.effect,
+                change_time=change_time(),
+            )
+            == IMPROVED
+        )
+        if early or (in_effect_at is not None and elapsed >= period):
+            break
+        if now - start >= deadline_s:
+            break
+        left = period - elapsed if in_effect_at is not None else deadline_s - (now - start)
+        wait(min(poll_s, max(0.0, left)))
+    report["measured_seconds"] = clock() - (in_effect_at if in_effect_at is not None else start)
+    after_unavailable = dict(unavailable())
+    after = report["after"] = signals.get(v.signal)
+    if in_effect_at is None:
+        report["outcome"] = (
+            f"not in effect: {after_unavailable.get(v.signal, 'the change was not in effect')} "
+            f"at the {deadline_s:g} s deadline"
+        )
+    elif before is None or after is None:
+        why = (
+            baseline_unavailable.get(v.signal, "not read")
+            if before is None
+            else after_unavailable.get(v.signal, "not read")
+        )
+        report["outcome"] = (
+            f"unverified: {v.signal} {'before' if before is None else 'after'}: {why}"
+        )
+    else:
+        report["outcome"] = judge(
+            before,
+            after,
+            v.direction,
+            improve_by=v.improve_by,
+            tolerance=v.tolerance,
+            effect=v.effect,
+            change_time=change_time(),
+        )
+        if v.effect == "passes_change_time":
+            report["change_time"] = change_time()
+    guards: dict[str, Any] = {}
+    tripped = None
+    for guard in v.rollback_if_worse:
+        g_before, g_after = baseline.get(guard), signals.get(guard)
+        row: dict[str, Any] = {
+            "before": g_before,
+            "after": g_after,
+            "required": guard in v.required_guards,
+        }
+        if g_before is None:
+            row["outcome"] = f"unavailable: before: {baseline_unavailable.get(guard, 'not read')}"
+        elif g_after is None:
+            row["outcome"] = f"unavailable: after: {after_unavailable.get(guard, 'not read')}"
+        elif guard_worse(guard, g_before, g_after, v.tolerance):
+            row["outcome"] = WORSE
+            tripped = tripped or guard
+        else:
+            row["outcome"] = "ok"
+        guards[guard] = row
+    report["guards"] = guards
+    unread = [g for g, row in guards.items() if str(row["outcome"]).startswith("unavailable")]
+    if unread:
+        report["guards_unavailable"] = unread
+    report["tripped"] = tripped
+    return report

@@ -1,0 +1,125 @@
+"""Exact oracles for what the executor reads after a change: the longest
+context in the running batch, requests finished by reason, per-request queue
+and end-to-end times, and counter deltas from the step a change applied at."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+from vllm_runbook.collector import metrics as M
+from vllm_runbook.collector.control import parse_command
+
+from tests.engines import InProcessEngine, http_get
+
+pytestmark = pytest.mark.engine
+
+
+class FakeWallClock:
+    def __init__(self, start: float) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clocked(engine: InProcessEngine) -> Iterator[FakeWallClock]:
+    import time
+
+    collector = engine.collector
+    saved = collector.wall_clock
+    clock = FakeWallClock(time.time())
+    collector.wall_clock = clock
+    try:
+        yield clock
+    finally:
+        collector.wall_clock = saved
+
+
+def _longest_in_flight(engine: InProcessEngine) -> int:
+    return max((r.num_computed_tokens for r in engine.scheduler.running), default=0)
+
+
+def test_max_sequence_tokens_is_the_longest_context_in_flight(engine: InProcessEngine) -> None:
+    for i, n in enumerate((40, 70, 100)):
+        engine.add(f"longest-{i}", n, max_tokens=4, offset=6000 + 150 * i)
+    engine.step()  # prefill: contexts 40, 70, 100
+    assert engine.value(M.MAX_SEQUENCE_TOKENS.name) == 100 == _longest_in_flight(engine)
+    engine.step()  # first decode: 101
+    assert engine.value(M.MAX_SEQUENCE_TOKENS.name) == 101 == _longest_in_flight(engine)
+    engine.run_until_done()
+    assert engine.value(M.MAX_SEQUENCE_TOKENS.name) == 0  # nothing runs
+
+
+def test_requests_finished_by_reason_with_queue_and_e2e_times(
+    engine: InProcessEngine, clocked: FakeWallClock
+) -> None:
+    collector = engine.collector
+    before = {
+        r: engine.value(M.REQUESTS_FINISHED.series_name, reason=r) for r in ("length", "abort")
+    }
+    start = clocked.now
+    engine.add("fin-0", 50, max_tokens=3, offset=7000)
+    engine.add("fin-1", 60, max_tokens=3, offset=7100)
+    engine.add("gone", 30, max_tokens=3, offset=7200)
+    engine.engine.abort_request(["gone"])  # never scheduled: waited 0 s on this clock
+    clocked.now = start + 5.0
+    engine.step()  # first schedule of fin-0, fin-1: queue time 5 s each
+    clocked.now = start + 12.0
+    engine.run_until_done()  # both finish at +12 s (length: max_tokens reached)
+
+    assert engine.value(M.REQUESTS_FINISHED.series_name, reason="length") == before["length"] + 2
+    assert engine.value(M.REQUESTS_FINISHED.series_name, reason="abort") == before["abort"] + 1
+    recent = [e for e in collector.requests.entries if e.time >= start]
+    by_reason = {e.reason for e in recent}
+    assert by_reason == {"length", "abort"}
+    finished = [e for e in recent if e.reason == "length"]
+    assert [e.queue_seconds for e in finished] == [5.0, 5.0]
+    # In the engine from +0 s to +12 s on the collector's clock.
+    assert [e.e2e_seconds for e in finished] == [12.0, 12.0]
+    # The windowed view in /v1/state: the three requests finished in the window.
+    stats = collector.state()["stats"]
+    assert stats["p99_latency_seconds"] == 12.0
+    assert stats["waiting_seconds_p99"] == 5.0
+    assert stats["error_rate"] == 0.0
+
+
+def test_since_step_counts_from_the_step_a_change_applied(
+    engine: InProcessEngine, clocked: FakeWallClock
+) -> None:
+    collector = engine.collector
+    engine.run_until_done()
+    # Idle engine: the change applies now, from the next step.
+    result = collector.control.submit(
+        parse_command({"max_num_seqs": 63}), idle=collector.engine_idle
+    )
+    step = result["effective_from_step"]
+    assert step == collector.steps + 1
+    applied_at = clocked.now
+    assert collector.since(step - 1) is None  # no change took effect there
+    tokens_before = collector.scheduled_tokens
+    for i in range(4):
+        engine.add(f"since-{i}", 64, max_tokens=2, offset=8000 + 100 * i)
+    clocked.now = applied_at + 30.0
+    engine.run_until_done()
+    since = collector.since(step)
+    assert since is not None
+    assert since["from_step"] == step
+    assert since["seconds"] == 30.0
+    assert since["steps"] == collector.steps - (step - 1)
+    assert since["scheduled_tokens"] == collector.scheduled_tokens - tokens_before == 4 * 64 + 4 * 1
+    assert since["preemptions"] == 0 and since["preemptions_per_minute"] == 0.0
+    assert since["requests_finished"] == 4
+    assert since["finished_by_reason"]["length"] == 4
+    assert since["throughput_tokens_per_second"] == pytest.approx(since["scheduled_tokens"] / 30.0)
+    # The same over HTTP, and a malformed step is a 400.
+    url = engine.collector.server.url
+    status, body = http_get(f"{url}/v1/state?since_step={step}")
+    assert status == 200 and json.loads(body)["since"]["requests_finished"] == 4
+    assert json.loads(http_get(f"{url}/v1/state")[1])["since"] is None
+    assert http_get(f"{url}/v1/state?since_step=x")[0] == 400
+    # No GPU here: NVML says so, per-GPU values are empty.
+    assert json.loads(body)["gpus"] == {"nvml_up": False, "per_gpu": {}}
+    collector.control.submit(parse_command({}, restore=True), idle=collector.engine_idle)
