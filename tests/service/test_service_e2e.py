@@ -203,6 +203,15 @@ def service_config(tmp: Path, name: str, served: ServedEngine, rules: bool) -> P
         "engines": engines,
         "automation": {"oom-pressure": "auto"},
         "webhook": {"token_file": str(tmp / "webhook.token")},
+        # A receiver that is down: every execution event is a failed delivery,
+        # so the notification panels show real events.
+        "notifications": {
+            "receivers": [
+                {"name": "down", "type": "webhook", "url": f"http://127.0.0.1:{free_port()}/"}
+            ],
+            "retries": 0,
+            "timeout": "1s",
+        },
         "executor": {
             "verify_seconds": "20s",
             "condition_seconds": "3s",
