@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,7 +26,6 @@ from pathlib import Path
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ["VLLM_PLUGINS"] = ""
 os.environ.setdefault("VLLM_RUNBOOK_PORT", "0")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # The table's header row, as docs/benchmarks.md shows it (a test compares them).
 HEADER = " running | tok/s without | tok/s with |  ratio | hook µs/step | share of step | steps"
