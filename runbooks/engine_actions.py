@@ -38,6 +38,7 @@ from vllm_runbook.runbooks.actions import (
 from vllm_runbook.runbooks.client import EngineClient
 from vllm_runbook.runbooks.sources import (
     WINDOWED,
+    api_signals,
     kv_capacity_seqs,
     signals_from_state,
     since_signals,
@@ -56,6 +57,8 @@ class SignalReader:
 
     client: EngineClient
     clock: Callable[[], float] = time.monotonic
+    # The engine's vLLM API server: its /metrics gives what only it knows.
+    api_url: str | None = None
     last_state: dict[str, Any] | None = None
     # Signal -> why it could not be read at the latest read.
     unavailable: dict[str, str] = field(default_factory=dict)
@@ -97,8 +100,24 @@ class SignalReader:
                 post_change = dict.fromkeys(WINDOWED, why)
             else:
                 signals.update(since_signals(since))
-        self.unavailable = {**unavailable(state, signals), **post_change}
+        api_why = None
+        if self.api_url:
+            values, api_unavailable = self._read_api()
+            signals.update(values)
+            api_why = next(iter(api_unavailable.values()), None)
+        self.unavailable = {**unavailable(state, signals, api_why), **post_change}
         return signals
+
+    def _read_api(self) -> tuple[dict[str, Any], dict[str, str]]:
+        import httpx
+
+        url = f"{str(self.api_url).rstrip('/')}/metrics"
+        try:
+            response = httpx.get(url, timeout=self.client.timeout)
+            response.raise_for_status()
+            return api_signals(response.text)
+        except (httpx.HTTPError, ValueError) as exc:
+            return {}, {"http_error_rate": f"cannot read {url}: {exc}"}
 
     @property
     def settled(self) -> bool:

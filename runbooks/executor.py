@@ -316,7 +316,9 @@ class Run:
         self.approved = approved
         self.verify_seconds: float | None = None
         self.condition_seconds: float | None = None
-        self.reader = SignalReader(client, clock=executor.clock)
+        self.reader = SignalReader(
+            client, clock=executor.clock, api_url=executor.api_urls.get(client.url)
+        )
         self.renew: Callable[[], None] | None = None
         self.applied: list[StepRecord] = []
         self.warnings: list[str] = []

@@ -2,10 +2,14 @@
 
 Every signal of `vllm_runbook.runbooks.spec.KNOWN_SIGNALS` has one source
 (`SOURCES`): the collector inside the engine (`/v1/state` of the engine's
-agent), or NVML through the same agent for GPU signals. `signals_from_state`
-reads them all from one `/v1/state` answer; `unavailable(state)` names each
-signal that cannot be read on this engine and why, so a check, a guard or a
-verification is never silently empty.
+agent), NVML through the same agent for GPU signals, or vLLM's API server
+`/metrics` for what only the API server knows (HTTP statuses: a request it
+answers with an error may never reach the engine). `signals_from_state`
+reads the agent's from one `/v1/state` answer, `api_signals` the API
+server's from its `/metrics` text; `unavailable(state)` names each signal
+that cannot be read on this engine and why, so a check, a guard or a
+verification is never silently empty. `unreadable(runbooks, why)` lists,
+per runbook, each check, verification signal and guard that cannot be read.
 
 Two kinds of signal matter to a verification:
 - *windowed* signals (rates, ratios, percentiles over finished requests) are
@@ -26,6 +30,7 @@ from typing import Any, Final
 
 AGENT: Final = "collector (engine agent /v1/state)"
 NVML: Final = "NVML (engine agent /v1/state)"
+API: Final = "vLLM API server /metrics"
 
 NOW: Final = "latest step"
 WINDOW: Final = "trailing window (VLLM_RUNBOOK_WINDOW_SECONDS) before; from the change's step after"
@@ -70,11 +75,18 @@ SOURCES: Final[Mapping[str, Source]] = {
     "gpu_memory_spread_ratio": Source(NVML + ", across the engine's GPUs", "latest NVML poll"),
     "tensor_parallel_size": Source(AGENT + ": the engine's parallel config", "at start"),
     "finish_reasons": Source(AGENT + ": finished requests", "trailing window"),
+    "http_error_rate": Source(
+        API + ": http_requests_total, POST answered 5xx / POST", "since the API server started"
+    ),
 }
 
 WINDOWED: Final = frozenset(name for name, s in SOURCES.items() if s.windowed)
 
 NO_GPU: Final = "no NVIDIA GPU on this engine (NVML not available)"
+# Signals only vLLM's API server knows (read from its /metrics when its URL is configured).
+API_SIGNALS: Final = frozenset(n for n, s in SOURCES.items() if s.source.startswith(API))
+NO_API_URL: Final = "no vLLM API server URL configured (inventory `vllm:`, or --vllm)"
+HTTP_REQUESTS: Final = "http_requests_total"  # prometheus-fastapi-instrumentator, in vLLM's server
 
 
 def _p99_from_histogram(bounds: list[float], cumulative: list[float]) -> float | None:
@@ -187,8 +199,43 @@ def since_signals(since: Mapping[str, Any] | None) -> dict[str, Any]:
     }
 
 
-def unavailable(state: Mapping[str, Any], signals: Mapping[str, Any]) -> dict[str, str]:
-    """Signal → why it cannot be read now on this engine (only the unread ones)."""
+def api_signals(metrics_text: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """The API-server-only signals from vLLM's `/metrics` text, and why any is None.
+
+    http_error_rate: POST requests (completions, chat, embeddings…) the
+    server answered with a 5xx status over all POST requests it answered,
+    from prometheus-fastapi-instrumentator's `http_requests_total{handler,
+    method, status}` (statuses grouped 2xx/4xx/5xx), since it started."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    posts = errors = 0.0
+    seen = False
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name != HTTP_REQUESTS:
+                continue
+            seen = True
+            if sample.labels.get("method") != "POST":
+                continue
+            posts += sample.value
+            if str(sample.labels.get("status", "")).startswith("5"):
+                errors += sample.value
+    if not seen:
+        return {"http_error_rate": None}, {
+            "http_error_rate": f"the API server's /metrics has no {HTTP_REQUESTS}"
+        }
+    if not posts:
+        return {"http_error_rate": None}, {
+            "http_error_rate": "no request answered by the API server yet"
+        }
+    return {"http_error_rate": errors / posts}, {}
+
+
+def unavailable(
+    state: Mapping[str, Any], signals: Mapping[str, Any], api: str | None = None
+) -> dict[str, str]:
+    """Signal → why it cannot be read now on this engine (only the unread ones).
+    `api`: why the API server's signals are missing (default: no URL configured)."""
     why: dict[str, str] = {}
     stats = state.get("stats", {})
     window = stats.get("window_seconds")
@@ -199,7 +246,9 @@ def unavailable(state: Mapping[str, Any], signals: Mapping[str, Any]) -> dict[st
     for name, value in signals.items():
         if value is not None:
             continue
-        if name == "tensor_parallel_size":
+        if name in API_SIGNALS:
+            why[name] = api or NO_API_URL
+        elif name == "tensor_parallel_size":
             why[name] = "the engine's agent does not report its parallel config"
         elif name.startswith("gpu_"):
             why[name] = NO_GPU if not gpus.get("nvml_up") else "NVML returned no GPU"
@@ -216,3 +265,27 @@ def unavailable(state: Mapping[str, Any], signals: Mapping[str, Any]) -> dict[st
         else:
             why[name] = "the engine's agent did not report it"
     return why
+
+
+def runbook_readings(runbook: Any) -> list[tuple[str, str, str]]:
+    """(role, name, signal) for each check, the verification signal and each
+    guard of a runbook; role is check | verification | guard | required guard."""
+    rows = [("check", c.name, c.signal) for c in runbook.checks]
+    v = runbook.verification
+    if v is not None:
+        rows.append(("verification", v.signal, v.signal))
+        for g in v.rollback_if_worse:
+            rows.append(("required guard" if g in v.required_guards else "guard", g, g))
+    return rows
+
+
+def unreadable(runbooks: Mapping[str, Any], why: Mapping[str, str]) -> list[str]:
+    """One line per runbook check, verification signal or guard whose signal
+    is in `why` (signal → reason): `runbook: role name (signal): reason`."""
+    lines = []
+    for name, runbook in runbooks.items():
+        for role, item, signal in runbook_readings(runbook):
+            if signal in why:
+                label = item if item == signal else f"{item} ({signal})"
+                lines.append(f"{name}: {role} {label}: {why[signal]}")
+    return lines

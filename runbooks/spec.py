@@ -85,6 +85,10 @@ KNOWN_SIGNALS: Final[Mapping[str, str]] = {
     ),
     "tensor_parallel_size": "GPUs one model replica is split over (tensor parallel)",
     "finish_reasons": "requests finished over the window, by vLLM's finish reason",
+    "http_error_rate": (
+        "share of the API server's POST requests answered with a server error (HTTP 5xx), "
+        "including those that never reached the engine"
+    ),
 }
 
 Name = Annotated[str, Field(pattern=r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$", max_length=64)]

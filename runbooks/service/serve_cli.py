@@ -189,6 +189,7 @@ def build(
         read_credentials=read_credentials_from_env(),
         approval_timeout_s=config.approvals.timeout_seconds,
     )
+    app.state.runbooks = runbooks
     app.state.notifier = None
     if config.notifications.receivers:
         from vllm_runbook.runbooks.notify import Notifier
@@ -198,6 +199,47 @@ def build(
         except OSError as exc:
             raise TokenError(f"notifications: cannot read a receiver's token_file: {exc}") from None
     return config, store, app, runner, leader
+
+
+def unreadable_at_start(
+    engines: Any, runbooks: Any, client_factory: Any = None, timeout: float = 5.0
+) -> list[str]:
+    """What `runbook serve` logs at start: per configured engine, each check,
+    verification signal and guard of the loaded runbooks that cannot be read
+    there and why; for engines that do not answer yet, once for the catalog,
+    what their configuration alone rules out (the API server's signals)."""
+    from vllm_runbook.runbooks.client import EngineClient, EngineClientError
+    from vllm_runbook.runbooks.engine_actions import SignalReader
+    from vllm_runbook.runbooks.sources import API_SIGNALS, NO_API_URL, unreadable
+
+    make = client_factory or (lambda url: EngineClient(url, timeout=timeout))
+    lines: list[str] = []
+    unreached: list[Any] = []
+    for engine in engines:
+        try:
+            reader = SignalReader(make(engine.agent), api_url=engine.vllm)
+            reader.read()
+        except (EngineClientError, OSError) as exc:
+            unreached.append((engine, exc))
+            continue
+        found = unreadable(runbooks, reader.unavailable)
+        lines.append(f"engine {engine.name} ({engine.agent}): {len(found)} cannot be read")
+        lines += [f"  {line}" for line in found]
+    if unreached or not engines:
+        where = "; ".join(f"{e.name} ({exc})" for e, exc in unreached) or "none configured"
+        lines.append(f"catalog (engines not reachable yet: {where}): the rest is read at each run")
+        if not engines or any(not e.vllm for e, _ in unreached):
+            found = unreadable(runbooks, dict.fromkeys(API_SIGNALS, NO_API_URL))
+            lines += [f"  {line}" for line in found]
+    return lines
+
+
+def log_unreadable_at_start(engines: Any, runbooks: Any) -> None:
+    lines = unreadable_at_start(engines, runbooks)
+    if lines:
+        logging.getLogger("vllm_runbook.service").warning(
+            "signals the runbooks name that cannot be read:\n%s", "\n".join(lines)
+        )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -232,6 +274,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except StoreUnavailable as exc:
         print(f"runbook: error: {exc}", file=sys.stderr)
         return EXIT_STORE
+    log_unreadable_at_start(config.engines, app.state.runbooks)
     scheduler = None
     if leader is not None:
         scheduler = BackgroundScheduler()
