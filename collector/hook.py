@@ -181,7 +181,7 @@ class EngineCollector:
         self.progress = (0, 0, 0)
         # The applied step of a lower admission limit still draining, if any.
         self._settling: int | None = None
-        self.requests = RequestLog()
+        self.requests = RequestLog(bounds=M.REQUEST_SECONDS_BUCKETS)
         self.marks = ChangeMarks()
         # Request id -> wall time it reached the engine, and -> seconds it waited
         # for its first schedule (both until it finishes). End-to-end and queue
@@ -579,6 +579,13 @@ class EngineCollector:
             *(
                 Sample(M.REQUESTS_FINISHED, count, (reason,))
                 for reason, count in self.requests.by_reason.items()
+            ),
+            *(
+                Sample(spec, h.sum, buckets=tuple(accumulate(h.counts)))
+                for spec, h in (
+                    (M.REQUEST_QUEUE_SECONDS, self.requests.queue_histogram),
+                    (M.REQUEST_E2E_SECONDS, self.requests.e2e_histogram),
+                )
             ),
             Sample(M.KV_BLOCKS_USED, usable - free),
             Sample(M.KV_BLOCKS_FREE, free),

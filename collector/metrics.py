@@ -36,6 +36,27 @@ SCHEDULE_SECONDS_BUCKETS = (
     1.0,
 )
 
+# Per-request queue and end-to-end times: tens of ms on an idle engine to
+# minutes in a storm (vLLM's own request histograms span the same range).
+REQUEST_SECONDS_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
+
 
 @dataclass(frozen=True)
 class MetricSpec:
@@ -140,6 +161,20 @@ REQUESTS_FINISHED = _spec(
     "counter",
     "Requests the engine finished, by vLLM's finish reason (stop, length, abort, error, repetition).",
     extra_labels=("reason",),
+)
+REQUEST_QUEUE_SECONDS = _spec(
+    "request_queue_seconds",
+    "histogram",
+    "Per finished request: seconds from its arrival in the engine to its first schedule "
+    "(to its finish if never scheduled), recorded when it finishes.",
+    buckets=REQUEST_SECONDS_BUCKETS,
+)
+REQUEST_E2E_SECONDS = _spec(
+    "request_e2e_seconds",
+    "histogram",
+    "Per finished request: seconds from its arrival in the engine to its finish, "
+    "recorded when it finishes.",
+    buckets=REQUEST_SECONDS_BUCKETS,
 )
 KV_BLOCKS_USED = _spec(
     "kv_blocks_used",

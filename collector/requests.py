@@ -14,9 +14,10 @@ trailing window that still holds the time before the change.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -66,15 +67,37 @@ def percentile(values: Iterable[float], q: float) -> float | None:
     return ordered[rank - 1]
 
 
+class Histogram:
+    """Bucket counts (le bounds, +Inf last, not cumulative) and the sum of
+    every value observed: the Prometheus histogram of all finished requests,
+    not only the ones the log still holds."""
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        # le semantics: a value equal to a bound counts in that bound's bucket.
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+
 class RequestLog:
     """The latest finished requests (engine thread appends, HTTP threads read)."""
 
-    def __init__(self, length: int = LOG_LENGTH) -> None:
+    def __init__(
+        self, length: int = LOG_LENGTH, bounds: Sequence[float] = (1.0, 10.0, 60.0)
+    ) -> None:
         self.entries: deque[Finished] = deque(maxlen=length)
         self.by_reason: dict[str, int] = dict.fromkeys(FINISH_REASONS, 0)
+        self.queue_histogram = Histogram(bounds)
+        self.e2e_histogram = Histogram(bounds)
 
     def add(self, entry: Finished) -> None:
         self.by_reason[entry.reason] = self.by_reason.get(entry.reason, 0) + 1
+        self.queue_histogram.observe(entry.queue_seconds)
+        self.e2e_histogram.observe(entry.e2e_seconds)
         self.entries.append(entry)
 
     def _snapshot(self) -> list[Finished]:

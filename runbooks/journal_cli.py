@@ -117,6 +117,15 @@ def add_subcommands(subparsers: Any) -> None:
     show = subparsers.add_parser("show", help="one runbook: triggers, checks, steps, guardrails")
     show.add_argument("name", help="runbook name (see `runbook list`)")
     show.add_argument("--json", action="store_true", help="machine-readable output")
+    show.add_argument(
+        "--engine",
+        metavar="URL",
+        help="also read each check, verification signal and guard on this engine's agent",
+    )
+    show.add_argument(
+        "--vllm", metavar="URL", help="the engine's vLLM API server (what only it knows)"
+    )
+    show.add_argument("--token", help="agent token (default: VLLM_RUNBOOK_TOKEN or the local one)")
     _add_catalog_option(show)
     show.set_defaults(func=cmd_show)
 
@@ -267,11 +276,74 @@ def cmd_show(args: argparse.Namespace) -> int:
     if runbook is None:
         known = ", ".join(catalog) or "none"
         return _fail(EXIT_USAGE, f"unknown runbook {args.name!r} (known: {known})")
+    live = None
+    if getattr(args, "engine", None):
+        from vllm_runbook.runbooks.client import EngineClientError
+
+        try:
+            live = _live_readings(runbook, args.engine, args.vllm, args.token)
+        except EngineClientError as exc:
+            return _fail(exc.exit_code, f"error: {exc}")
     if args.json:
-        _print_json({"runbook": _runbook_json(runbook, catalog)})
+        data: dict[str, Any] = {"runbook": _runbook_json(runbook, catalog)}
+        if live is not None:
+            data["live"] = live
+        _print_json(data)
         return EXIT_OK
     print(_describe(runbook))
+    if live is not None:
+        print("\n" + _describe_live(live))
     return EXIT_OK
+
+
+def _live_readings(
+    runbook: Runbook, engine: str, vllm: str | None, token: str | None
+) -> dict[str, Any]:
+    """Each check, verification signal and guard read on the engine now: its
+    value, source and window, or why it cannot be read."""
+    from vllm_runbook.runbooks.client import EngineClient, normalize_url
+    from vllm_runbook.runbooks.engine_actions import SignalReader
+    from vllm_runbook.runbooks.sources import SOURCES, runbook_readings
+
+    client = EngineClient(engine, token, timeout=35.0)
+    reader = SignalReader(client, api_url=normalize_url(vllm) if vllm else None)
+    signals = reader.read()
+    readings = []
+    for role, name, signal in runbook_readings(runbook):
+        source = SOURCES[signal]
+        row: dict[str, Any] = {
+            "role": role,
+            "name": name,
+            "signal": signal,
+            "value": signals.get(signal),
+            "source": source.source,
+            "window": source.window,
+        }
+        if row["value"] is None:
+            row["unavailable"] = reader.unavailable.get(signal, "not read")
+        readings.append(row)
+    step = (reader.last_state or {}).get("engine", {}).get("step")
+    return {"engine": client.url, "vllm": reader.api_url, "step": step, "readings": readings}
+
+
+def _describe_live(live: dict[str, Any]) -> str:
+    from vllm_runbook.runbooks.render import format_signal
+
+    rows = [
+        (
+            r["role"],
+            r["name"] if r["name"] == r["signal"] else f"{r['name']} ({r['signal']})",
+            format_signal(r["signal"], r["value"])
+            if r["value"] is not None
+            else f"unavailable: {r['unavailable']}",
+            r["source"],
+            r["window"],
+        )
+        for r in live["readings"]
+    ]
+    head = f"On {live['engine']} now (step {live['step']})"
+    table = format_table(rows, ["reading", "name", "value", "source", "window"])
+    return head + "\n" + _indent(table)
 
 
 def _describe(runbook: Runbook) -> str:

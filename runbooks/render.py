@@ -65,6 +65,24 @@ def format_guards(verification: Mapping[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def format_verification(v: Mapping[str, Any], parenthesized: bool = False) -> str:
+    """`signal before → after: outcome [after: from step N, over S s]`; a side
+    not read shows `unavailable` and the outcome says why (`unverified: …`)."""
+    signal = str(v.get("signal", ""))
+    sides = [
+        "unavailable" if v.get(k) is None else format_signal(signal, v.get(k))
+        for k in ("before", "after")
+    ]
+    outcome = f" ({v.get('outcome')})" if parenthesized else f": {v.get('outcome')}"
+    where = []
+    if v.get("from_step") is not None:
+        where.append(f"after: from step {v['from_step']}")
+    if isinstance(v.get("measured_seconds"), int | float):
+        where.append(f"over {v['measured_seconds']:.0f} s")
+    tail = f" [{', '.join(where)}]" if where else ""
+    return f"{signal} {sides[0]} → {sides[1]}{outcome}{tail}"
+
+
 def format_check(check: Mapping[str, Any]) -> str:
     """A check's value, or `unavailable: why`."""
     if check.get("value") is None and check.get("unavailable"):

@@ -40,7 +40,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from sqlalchemy.engine import make_url
-from vllm_runbook.runbooks.render import format_check, format_guards, format_signal
+from vllm_runbook.runbooks.render import (
+    format_check,
+    format_guards,
+    format_verification,
+)
 
 # Seconds of history compared before and after an execution's changes.
 EFFECT_WINDOW_S = 20.0
@@ -317,12 +321,7 @@ def execution_lines(
             )
     verification = execution.get("verification")
     if verification:
-        lines.append(
-            f"    verification: {verification['signal']} "
-            f"{format_signal(verification['signal'], verification.get('before'))} → "
-            f"{format_signal(verification['signal'], verification.get('after'))}: "
-            f"{verification.get('outcome')}"
-        )
+        lines.append(f"    verification: {format_verification(verification)}")
         guards = format_guards(verification)
         if guards:
             lines.append(f"    guards: {guards}")

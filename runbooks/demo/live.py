@@ -15,7 +15,11 @@ import httpx
 from vllm_runbook.runbooks.client import EngineClient, EngineClientError
 from vllm_runbook.runbooks.demo.config import LOW
 from vllm_runbook.runbooks.demo.traffic import Traffic
-from vllm_runbook.runbooks.render import format_check, format_guards, format_signal
+from vllm_runbook.runbooks.render import (
+    format_check,
+    format_guards,
+    format_verification,
+)
 
 
 def _fmt(value: Any) -> str:
@@ -117,9 +121,7 @@ class EventFeed:
         if v:
             self._once(
                 (n, "verify"),
-                f"  #{n} verification: {v['signal']} "
-                f"{format_signal(v['signal'], v.get('before'))} → "
-                f"{format_signal(v['signal'], v.get('after'))} ({v.get('outcome')})"
+                f"  #{n} verification: {format_verification(v, parenthesized=True)}"
                 + (f"; guards: {g}" if (g := format_guards(v)) else ""),
             )
         if e["status"] not in ("pending", "running", "verifying"):

@@ -86,6 +86,58 @@ def test_requests_finished_by_reason_with_queue_and_e2e_times(
     assert stats["error_rate"] == 0.0
 
 
+def _histogram(engine: InProcessEngine, spec: M.MetricSpec) -> dict[str, float]:
+    les = ("0.01", "5.0", "10.0", "20.0", "+Inf")
+    values = {le: engine.value(spec.name + "_bucket", le=le) or 0.0 for le in les}
+    values["sum"] = engine.value(spec.name + "_sum") or 0.0
+    values["count"] = engine.value(spec.name + "_count") or 0.0
+    return values
+
+
+def test_queue_and_e2e_histograms_record_each_request_at_its_finish(
+    engine: InProcessEngine, clocked: FakeWallClock
+) -> None:
+    queue0 = _histogram(engine, M.REQUEST_QUEUE_SECONDS)
+    e2e0 = _histogram(engine, M.REQUEST_E2E_SECONDS)
+    start = clocked.now
+    engine.add("hist-0", 50, max_tokens=3, offset=7300)
+    engine.add("hist-1", 60, max_tokens=3, offset=7400)
+    engine.add("hist-gone", 30, max_tokens=3, offset=7500)
+    engine.engine.abort_request(["hist-gone"])  # finished at +0 s: queue 0 s, e2e 0 s
+    clocked.now = start + 5.0
+    engine.step()  # first schedule of hist-0, hist-1: queue 5 s each
+    assert _histogram(engine, M.REQUEST_E2E_SECONDS)["count"] == e2e0["count"] + 1
+    clocked.now = start + 12.0
+    engine.run_until_done()  # both finish at +12 s
+
+    queue = _histogram(engine, M.REQUEST_QUEUE_SECONDS)
+    e2e = _histogram(engine, M.REQUEST_E2E_SECONDS)
+    # Cumulative buckets (le): 0 s in 0.01; 5 s in 5.0 (a bound counts its own value).
+    assert {k: queue[k] - queue0[k] for k in queue} == {
+        "0.01": 1,
+        "5.0": 3,
+        "10.0": 3,
+        "20.0": 3,
+        "+Inf": 3,
+        "sum": 10.0,
+        "count": 3,
+    }
+    assert {k: e2e[k] - e2e0[k] for k in e2e} == {
+        "0.01": 1,
+        "5.0": 1,
+        "10.0": 1,
+        "20.0": 3,
+        "+Inf": 3,
+        "sum": 24.0,
+        "count": 3,
+    }
+    # The same series on the agent's /metrics.
+    status, text = http_get(str(engine.collector.server.url) + "/metrics")
+    assert status == 200
+    assert f"{M.REQUEST_E2E_SECONDS.name}_count{{" in text
+    assert f"{M.REQUEST_QUEUE_SECONDS.name}_bucket{{" in text
+
+
 def test_since_step_counts_from_the_step_a_change_applied(
     engine: InProcessEngine, clocked: FakeWallClock
 ) -> None:

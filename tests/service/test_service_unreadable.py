@@ -36,11 +36,13 @@ def test_serve_names_each_unreadable_reading_per_engine_and_for_the_catalog() ->
     assert head[0].startswith(f"engine cpu-0 ({FakeAgent().url}): ")
     # No GPU on the fake engine: every GPU check of the diagnostic runbooks is named.
     assert f"  gpu-compute-skew: check gpu_utilization (gpu_utilization_ratio): {NO_GPU}" in lines
-    assert f"  gpu-memory-imbalance: check memory_spread (gpu_memory_spread_ratio): {NO_GPU}" in lines
+    assert (
+        f"  gpu-memory-imbalance: check memory_spread (gpu_memory_spread_ratio): {NO_GPU}" in lines
+    )
     # No API server URL configured: the API server's signal, for this engine.
     assert f"  error-rate-high: check http_error_rate: {NO_API_URL}" in lines
     # A finished-request signal with no request finished: a guard, by name and why.
-    assert "  batch-too-large: guard error_rate: agent too old" in lines
+    assert "  batch-too-large: required guard error_rate: agent too old" in lines
     # Readable signals are not named.
     assert "oom-pressure: verification preemptions_per_minute" not in text
     # The engine that does not answer: one block for the catalog.
