@@ -229,6 +229,21 @@ class Panels:
             width=width,
         )
 
+    def request_times(self, width: int = 12) -> Panel:
+        return Panel(
+            "Queue and end-to-end time in the engine (P99)",
+            "Per finished request, recorded at its finish by the collector: time from its "
+            "arrival in the engine to its first schedule (queue) and to its finish (end to "
+            "end). A request that never got scheduled counts its whole wait as queue time.",
+            [
+                Target(Q.latency(0.99, M.REQUEST_QUEUE_SECONDS), "queue p99 " + ENGINE_LEGEND),
+                Target(Q.latency(0.99, M.REQUEST_E2E_SECONDS), "e2e p99 " + ENGINE_LEGEND),
+            ],
+            unit="s",
+            min=0,
+            width=width,
+        )
+
     def error_rate(self) -> Panel:
         n = self.n
         return Panel(
@@ -617,6 +632,7 @@ def engine_overview(notes: Q.RuleNotes) -> dict[str, Any]:
                     p.oldest_waiting(),
                     p.error_rate(),
                     p.finished_by_reason(),
+                    p.request_times(),
                 ],
             ),
             Row(

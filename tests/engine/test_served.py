@@ -10,6 +10,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from vllm_runbook.collector import metrics as M
 
+from vllm_runbook.runbooks.sources import API, NO_API_URL, SOURCES, api_signals
+
 from tests.engines import ServedEngine, http_get, runbook_cli
 
 pytestmark = [pytest.mark.engine, pytest.mark.served]
@@ -29,6 +31,65 @@ def _expected_names() -> list[str]:
         for spec in M.ALL_METRICS
         if not spec.gpu_only
     ]
+
+
+def _rejected(served: ServedEngine, prompt_tokens: int) -> int:
+    """POST a completion the API server rejects itself; its HTTP status."""
+    import urllib.error
+    import urllib.request
+
+    from vllm_runbook.collector.tiny_model import prompt_token_ids
+
+    body = json.dumps(
+        {"model": served.model_id(), "prompt": prompt_token_ids(prompt_tokens), "max_tokens": 4}
+    ).encode()
+    req = urllib.request.Request(
+        served.api_url + "/v1/completions", body, {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+
+
+def _http_error_rate_is_read_from_the_api_server(served: ServedEngine) -> None:
+    """vLLM 0.32's API server /metrics: its request series and the HTTP
+    statuses only it knows (a rejected request never reaches the engine)."""
+    assert _rejected(served, 2000) == 400  # longer than max_model_len 1024
+    status, text = http_get(served.api_url + "/metrics")
+    assert status == 200
+    theirs = _samples(text)
+    for name in (
+        "vllm:e2e_request_latency_seconds_count",
+        "vllm:request_success_total",
+        "http_requests_total",
+    ):
+        assert name in theirs, name
+    success = {labels["finished_reason"]: v for labels, v in theirs["vllm:request_success_total"]}
+    assert success["length"] == 2
+    posts = {
+        labels["status"]: v
+        for labels, v in theirs["http_requests_total"]
+        if labels["method"] == "POST" and labels["handler"] == "/v1/completions"
+    }
+    assert posts == {"2xx": 2, "4xx": 1}
+    assert api_signals(text) == ({"http_error_rate": 0.0}, {})
+
+    # runbook show --engine --vllm: the API server's signal with its source.
+    args = ("show", "error-rate-high", "--engine", served.agent_url, "--json")
+    shown = runbook_cli(*args, "--vllm", served.api_url)
+    assert shown.returncode == 0, shown.stderr
+    rows = {r["name"]: r for r in json.loads(shown.stdout)["live"]["readings"]}
+    assert rows["http_error_rate"]["value"] == 0.0
+    assert rows["http_error_rate"]["source"] == SOURCES["http_error_rate"].source
+    assert rows["http_error_rate"]["source"].startswith(API)
+    assert rows["finish_reasons"]["value"]["length"] == 2  # the collector's, in the window
+    # Without the API server's URL: unavailable, and why.
+    shown = runbook_cli(*args)
+    rows = {r["name"]: r for r in json.loads(shown.stdout)["live"]["readings"]}
+    assert rows["http_error_rate"]["value"] is None
+    assert rows["http_error_rate"]["unavailable"] == NO_API_URL
 
 
 def test_served_engine_exports_every_metric_on_both_endpoints(
@@ -65,6 +126,7 @@ def test_served_engine_exports_every_metric_on_both_endpoints(
         for name in _expected_names():
             assert name in theirs, name
         assert theirs[M.PREFIX_CACHE_QUERIES.series_name][0][1] == 200
+        _http_error_rate_is_read_from_the_api_server(served)
 
         # Control of an EngineCore in its own process, token found locally.
         cli = runbook_cli(
