@@ -4,8 +4,11 @@ there and why; engines that do not answer yet get one block for the catalog."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
+import pytest
 from vllm_runbook.rules.config import EngineConfig
 from vllm_runbook.runbooks.client import EngineUnreachable
 from vllm_runbook.runbooks.engine_actions import engine_registry
@@ -13,7 +16,9 @@ from vllm_runbook.runbooks.service.serve_cli import unreadable_at_start
 from vllm_runbook.runbooks.sources import NO_API_URL, NO_GPU
 from vllm_runbook.runbooks.spec import load_catalog
 
+from tests.engines import InProcessEngine, free_port
 from tests.service.fake_agent import FakeAgent
+from tests.service.processes import RunbookServe
 
 DOWN = "http://127.0.0.1:10"
 
@@ -57,3 +62,34 @@ def test_serve_with_no_engine_names_what_the_catalog_cannot_read() -> None:
         "catalog (engines not reachable yet: none configured): the rest is read at each run",
         f"  error-rate-high: check http_error_rate: {NO_API_URL}",
     ]
+
+
+@pytest.mark.engine
+@pytest.mark.service
+def test_runbook_serve_logs_the_unreadable_readings_of_a_real_engine_at_start(
+    engine: InProcessEngine, tmp_path: Path
+) -> None:
+    """A real agent (an in-process CPU engine, no GPU, no API server URL) and an
+    engine that does not answer: `runbook serve`'s log names what cannot be read."""
+    agent = str(engine.collector.server.url)
+    down = f"http://127.0.0.1:{free_port()}"
+    config = tmp_path / "runbook.yaml"
+    config.write_text(
+        f"database: sqlite:///{tmp_path / 'runbook.db'}\n"
+        f"engines:\n  - name: cpu-0\n    agent: {agent}\n  - name: late\n    agent: {down}\n"
+    )
+    log = tmp_path / "serve.log"
+    with RunbookServe.run(
+        config, log, "--no-rules", "--no-worker", env={"RUNBOOK_WEBHOOK_TOKEN": "t" * 32}
+    ):
+        text = log.read_text()
+    assert "signals the runbooks name that cannot be read:" in text
+    assert re.search(rf"engine cpu-0 \({re.escape(agent)}\): \d+ cannot be read", text), text
+    for line in (
+        f"  gpu-compute-skew: check gpu_utilization (gpu_utilization_ratio): {NO_GPU}",
+        f"  error-rate-high: check http_error_rate: {NO_API_URL}",
+        # Nothing finished on this engine yet: the required guard says why.
+        "  batch-too-large: required guard error_rate: no request finished in the last 60 s",
+    ):
+        assert line in text.splitlines(), text
+    assert "catalog (engines not reachable yet: late (" in text
