@@ -56,6 +56,8 @@ def format_guards(verification: Mapping[str, Any]) -> str:
         if not isinstance(row, Mapping):
             continue
         outcome = str(row.get("outcome", "-"))
+        if row.get("required"):
+            guard = f"{guard} (required)"
         if outcome.startswith("unavailable"):
             parts.append(f"{guard} {outcome}")
         else:

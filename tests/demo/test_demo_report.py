@@ -249,3 +249,53 @@ def test_execution_lines_name_the_trigger_and_the_changes() -> None:
         f"#3 latency-spike on {ENGINE} (rules:VllmHotPathBacklog, alert): refused",
         "    reason: cooldown: 4m left",
     ]
+
+
+def test_execution_lines_say_unavailable_and_why_for_checks_verification_and_guards() -> None:
+    """What the demo's summary and `runbook report` print for readings that
+    could not be read: `unavailable` and why, next to the ones that could."""
+    execution = {
+        "id": 7,
+        "runbook": "batch-too-large",
+        "engine": ENGINE,
+        "who": "ann",
+        "trigger": "cli",
+        "status": "succeeded",
+        "reason": None,
+        "error": None,
+        "checks": {
+            "running": {"signal": "num_requests_running", "value": 21},
+            "p99_latency": {
+                "signal": "p99_latency_seconds",
+                "value": None,
+                "unavailable": "no request finished in the last 60 s",
+            },
+        },
+        "verification": {
+            "signal": "p99_latency_seconds",
+            "before": None,
+            "after": 6.4,
+            "from_step": 519,
+            "measured_seconds": 30.2,
+            "outcome": "unverified: p99_latency_seconds before: no request finished in the "
+            "last 60 s",
+            "guards": {
+                "error_rate": {
+                    "before": None,
+                    "after": 0.0,
+                    "required": True,
+                    "outcome": "unavailable: before: no request finished in the last 60 s",
+                },
+                "preemptions_per_minute": {"before": 124.0, "after": 0.0, "outcome": "ok"},
+            },
+        },
+        "steps": [],
+    }
+    assert execution_lines(execution, None, None) == [
+        f"#7 batch-too-large on {ENGINE} (ann, cli): succeeded",
+        "    checks: running 21, p99_latency unavailable: no request finished in the last 60 s",
+        "    verification: p99_latency_seconds unavailable → 6.4: unverified: p99_latency_seconds "
+        "before: no request finished in the last 60 s [after: from step 519, over 30 s]",
+        "    guards: error_rate (required) unavailable: before: no request finished in the last 60 s; "
+        "preemptions_per_minute 124 → 0 (ok)",
+    ]
