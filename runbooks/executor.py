@@ -72,7 +72,12 @@ from vllm_runbook.runbooks.outcome import (
 )
 from vllm_runbook.runbooks.render import format_signal
 from vllm_runbook.runbooks.revert import Revert, RevertRefused, restore_targets, revert_on_resolve
-from vllm_runbook.runbooks.sources import WINDOWED, signals_from_state
+from vllm_runbook.runbooks.sources import (
+    API_SIGNALS,
+    WINDOWED,
+    runbook_readings,
+    signals_from_state,
+)
 from vllm_runbook.runbooks.spec import Catalog, Condition, Runbook, StepSpec, load_catalog
 from vllm_runbook.runbooks.store import StepRecord, Store
 from vllm_runbook.runbooks.store.models import (
@@ -316,8 +321,14 @@ class Run:
         self.approved = approved
         self.verify_seconds: float | None = None
         self.condition_seconds: float | None = None
+        # vLLM's API server /metrics is read only for a runbook that names its signals.
+        named = {sig for _, _, sig in runbook_readings(spec)}
+        named |= {s.when.signal for s in spec.steps if s.when is not None}
+        names_api = bool(named & API_SIGNALS)
         self.reader = SignalReader(
-            client, clock=executor.clock, api_url=executor.api_urls.get(client.url)
+            client,
+            clock=executor.clock,
+            api_url=executor.api_urls.get(client.url) if names_api else None,
         )
         self.renew: Callable[[], None] | None = None
         self.applied: list[StepRecord] = []

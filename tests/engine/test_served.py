@@ -52,7 +52,7 @@ def _rejected(served: ServedEngine, prompt_tokens: int) -> int:
         return int(exc.code)
 
 
-def _http_error_rate_is_read_from_the_api_server(served: ServedEngine) -> None:
+def _http_error_rate_is_read_from_the_api_server(served: ServedEngine, tmp_path: Path) -> None:
     """vLLM 0.32's API server /metrics: its request series and the HTTP
     statuses only it knows (a rejected request never reaches the engine)."""
     assert _rejected(served, 2000) == 400  # longer than max_model_len 1024
@@ -90,6 +90,17 @@ def _http_error_rate_is_read_from_the_api_server(served: ServedEngine) -> None:
     assert rows["http_error_rate"]["value"] is None
     assert rows["http_error_rate"]["unavailable"] == NO_API_URL
 
+    # runbook exec --vllm: the check reads it into the journal.
+    db = f"sqlite:///{tmp_path / 'api.db'}"
+    ran = runbook_cli(
+        "exec", "error-rate-high", "--engine", served.agent_url, "--vllm", served.api_url,
+        "--json", "--db", db,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    checks = json.loads(ran.stdout)["execution"]["checks"]
+    assert checks["http_error_rate"]["value"] == 0.0
+    assert checks["error_rate"]["value"] == 0.0
+
 
 def test_served_engine_exports_every_metric_on_both_endpoints(
     tiny_model: Path, tmp_path: Path
@@ -125,7 +136,7 @@ def test_served_engine_exports_every_metric_on_both_endpoints(
         for name in _expected_names():
             assert name in theirs, name
         assert theirs[M.PREFIX_CACHE_QUERIES.series_name][0][1] == 200
-        _http_error_rate_is_read_from_the_api_server(served)
+        _http_error_rate_is_read_from_the_api_server(served, tmp_path)
 
         # Control of an EngineCore in its own process, token found locally.
         cli = runbook_cli(
