@@ -8,6 +8,7 @@ returns an exit code. Errors are one line on stderr, never a traceback:
     1  store error that is not an outage (e.g. database at an unknown revision)
     2  usage error (bad argument, unknown runbook or execution id)
     3  invalid runbook catalog (each problem as file:line: runbook NAME: message)
+    3  `show --engine`: the engine unreachable or authentication failed
     4  store unavailable (down, locked, or not migrated: run `runbook db upgrade`)
 
 Human output is aligned tables; `--json` output is stable for scripts (keys
