@@ -296,6 +296,6 @@ def test_execution_lines_say_unavailable_and_why_for_checks_verification_and_gua
         "    checks: running 21, p99_latency unavailable: no request finished in the last 60 s",
         "    verification: p99_latency_seconds unavailable → 6.4: unverified: p99_latency_seconds "
         "before: no request finished in the last 60 s [after: from step 519, over 30 s]",
-        "    guards: error_rate (required) unavailable: before: no request finished in the last 60 s; "
-        "preemptions_per_minute 124 → 0 (ok)",
+        "    guards: error_rate (required) unavailable: before: no request finished in the "
+        "last 60 s; preemptions_per_minute 124 → 0 (ok)",
     ]
