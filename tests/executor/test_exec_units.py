@@ -504,3 +504,26 @@ def test_judge_needs_the_named_effect() -> None:
     assert judge(at - 5, at - 5, "increase", **kw) == NO_CHANGE
     assert judge(at - 5, at - 1, "increase", **kw) == NO_CHANGE
     assert judge(at - 5, at, "increase", **kw) == IMPROVED
+
+
+def test_http_error_rate_from_the_api_servers_metrics_text() -> None:
+    from vllm_runbook.runbooks.sources import api_signals
+
+    text = (
+        "# HELP http_requests_total Total number of requests by method, status and handler.\n"
+        "# TYPE http_requests_total counter\n"
+        'http_requests_total{handler="/v1/completions",method="POST",status="2xx"} 7.0\n'
+        'http_requests_total{handler="/v1/completions",method="POST",status="4xx"} 2.0\n'
+        'http_requests_total{handler="/v1/chat/completions",method="POST",status="5xx"} 1.0\n'
+        'http_requests_total{handler="/v1/models",method="GET",status="5xx"} 5.0\n'
+    )
+    assert api_signals(text) == ({"http_error_rate": 0.1}, {})
+    only_get = 'http_requests_total{handler="/v1/models",method="GET",status="2xx"} 1.0\n'
+    assert api_signals(only_get) == (
+        {"http_error_rate": None},
+        {"http_error_rate": "no request answered by the API server yet"},
+    )
+    assert api_signals("vllm:num_requests_running 0.0\n") == (
+        {"http_error_rate": None},
+        {"http_error_rate": "the API server's /metrics has no http_requests_total"},
+    )
