@@ -26,8 +26,15 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_runbook.collector.tiers import (
+    TierConfig,
+    TieredRequestQueue,
+    prefill_chunk_cap,
+    running_by_tier,
+)
+
 KNOBS = ("max_num_batched_tokens", "max_num_seqs", "policy")
-POLICIES = ("fcfs", "priority")
+POLICIES = ("fcfs", "priority", "tiered")
 
 
 class ControlError(Exception):
@@ -119,8 +126,17 @@ class EngineControl:
         scheduler: Any,
         current_step: Callable[[], int],
         on_applied: Callable[[int], None] | None = None,
+        tiers: TierConfig | None = None,
+        clock: Callable[[], float] = time.time,
+        waited_since: Callable[[Any], float] | None = None,
     ) -> None:
         self.scheduler = scheduler
+        # The tiered policy: vLLM's own code sees FCFS (its `policy` enum has
+        # no other value to take); our queue does the ordering and limits.
+        self.tiers = tiers or TierConfig()
+        self.tiered = False
+        self.clock = clock
+        self.waited_since = waited_since or (lambda request: request.arrival_time)
         self.current_step = current_step
         # Told the first step of every change applied (verification measures from it).
         self.on_applied = on_applied
@@ -143,6 +159,51 @@ class EngineControl:
         mm_chunking_off = bool(getattr(config, "disable_chunked_mm_input", False))
         encoder_tokens = int(getattr(scheduler, "max_num_encoder_input_tokens", 0) or 0)
         self.mm_item_floor = encoder_tokens if mm_chunking_off else 0
+        self.long_prefill_threshold = int(config.long_prefill_token_threshold or 0)
+
+    def start_with_policy(self, policy_name: str) -> None:
+        """The policy configured at engine start (before any request): it is
+        also the startup value a restore returns to."""
+        if policy_name not in POLICIES:
+            raise ControlError(f"policy must be one of {', '.join(POLICIES)}, got {policy_name!r}")
+        with self.lock:
+            if policy_name != self.knobs()["policy"]:
+                self._switch_policy(policy_name)
+            self.startup["policy"] = policy_name
+
+    # -- the tiered policy, per step (engine thread, under the lock) ----------
+
+    def begin_tiered_step(self) -> None:
+        """Before schedule(): tell the queues the running requests per tier
+        and cap this step's prefill chunks while the hot tier has work."""
+        s = self.scheduler
+        tiers = self.tiers
+        running = running_by_tier(tiers.boundaries, s.running)
+        limits = tiers.limits_for(int(s.max_num_active_reqs))
+        now = self.clock()
+        waiting, holding = s.waiting, s.kv_holding_waiting
+        waiting.begin_step(now, running, limits)
+        holding.begin_step(now, running, limits)
+        if not self.chunked_prefill:
+            return  # a capped prefill would be chunked: only where chunking is on
+        queued = [a + b for a, b in zip(waiting.tier_counts(), holding.tier_counts(), strict=True)]
+        user = self.long_prefill_threshold
+        threshold = user
+        if queued[0] or running[0]:
+            active = [q > 0 or r > 0 for q, r in zip(queued, running, strict=True)]
+            cap = prefill_chunk_cap(
+                int(s.max_num_scheduled_tokens), tiers.shares, active, tiers.boundaries[0]
+            )
+            threshold = min(cap, user) if user else cap
+        s.scheduler_config.long_prefill_token_threshold = threshold
+
+    def end_tiered_step(self) -> None:
+        s = self.scheduler
+        s.waiting.end_step()
+        s.kv_holding_waiting.end_step()
+
+    def _tiered_queue(self) -> TieredRequestQueue:
+        return TieredRequestQueue(self.tiers, self.clock, self.waited_since)
 
     # -- reads ---------------------------------------------------------------
 
@@ -151,7 +212,7 @@ class EngineControl:
         return {
             "max_num_batched_tokens": int(s.max_num_scheduled_tokens),
             "max_num_seqs": int(s.max_num_active_reqs),
-            "policy": getattr(s.policy, "value", str(s.policy)),
+            "policy": "tiered" if self.tiered else getattr(s.policy, "value", str(s.policy)),
         }
 
     def bounds(self, max_num_seqs: int | None = None) -> dict[str, Bound]:
@@ -333,17 +394,21 @@ class EngineControl:
         from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
 
         s = self.scheduler
-        policy = SchedulingPolicy(policy_name)
+        tiered = policy_name == "tiered"
+        policy = SchedulingPolicy.FCFS if tiered else SchedulingPolicy(policy_name)
         for attr in ("waiting", "kv_holding_waiting"):
             old = getattr(s, attr)
             requests = list(old._heap) if hasattr(old, "_heap") else list(old)
-            if policy == SchedulingPolicy.FCFS:
+            if policy == SchedulingPolicy.FCFS and not tiered:
                 # FCFS is arrival order (preempted requests keep their
                 # original arrival time, so they stay ahead).
                 requests.sort(key=lambda r: (r.arrival_time, r.request_id))
-            queue = create_request_queue(policy)
+            queue = self._tiered_queue() if tiered else create_request_queue(policy)
             for request in requests:
                 queue.add_request(request)
             setattr(s, attr, queue)
         s.policy = policy
-        s.scheduler_config.policy = policy_name
+        s.scheduler_config.policy = policy.value
+        if self.tiered and not tiered:
+            s.scheduler_config.long_prefill_token_threshold = self.long_prefill_threshold
+        self.tiered = tiered

@@ -13,6 +13,7 @@ goes on as if we were not there. vLLM's own exceptions pass through untouched.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import math
 import os
@@ -30,11 +31,19 @@ from prometheus_client import CollectorRegistry
 from vllm_runbook.collector import metrics as M
 from vllm_runbook.collector.agent import install_routes
 from vllm_runbook.collector.auth import TokenError, configured_token, generate_token, is_loopback
-from vllm_runbook.collector.control import EngineControl
+from vllm_runbook.collector.control import POLICIES, EngineControl
 from vllm_runbook.collector.exporter import MultiprocessMirror, Sample, StatsExporter, close_quietly
 from vllm_runbook.collector.nvml import NvmlPoller, load_pynvml
-from vllm_runbook.collector.requests import ChangeMarks, Finished, Mark, RequestLog, summarize
+from vllm_runbook.collector.requests import (
+    ChangeMarks,
+    Finished,
+    Histogram,
+    Mark,
+    RequestLog,
+    summarize,
+)
 from vllm_runbook.collector.server import AgentServer, ServerLimits
+from vllm_runbook.collector.tiers import TIERS, TierConfig, running_by_tier
 from vllm_runbook.collector.window import SlidingWindowMax, SlidingWindowRatio
 
 logger = logging.getLogger("vllm_runbook.collector")
@@ -50,6 +59,16 @@ class CollectorSettings:
     window_seconds: float = 60.0
     nvml_interval: float = 5.0
     server_limits: ServerLimits = field(default_factory=ServerLimits)
+    # The scheduling policy to start with (None: vLLM's own --scheduling-policy),
+    # and the tiers of the `tiered` policy and of the per-tier signals.
+    policy: str | None = None
+    tiers: TierConfig = field(default_factory=TierConfig)
+
+    def __post_init__(self) -> None:
+        if self.policy is not None and self.policy not in POLICIES:
+            raise ValueError(
+                f"VLLM_RUNBOOK_POLICY must be one of {', '.join(POLICIES)}, got {self.policy!r}"
+            )
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> CollectorSettings:
@@ -62,6 +81,8 @@ class CollectorSettings:
             window_seconds=float(env.get("VLLM_RUNBOOK_WINDOW_SECONDS", "60")),
             nvml_interval=float(env.get("VLLM_RUNBOOK_NVML_INTERVAL", "5")),
             server_limits=ServerLimits.from_env(env),
+            policy=env.get("VLLM_RUNBOOK_POLICY", "").strip().lower() or None,
+            tiers=TierConfig.from_env(env),
         )
 
 
@@ -212,7 +233,19 @@ class EngineCollector:
         self.wall_clock: Callable[[], float] = time.time
         self._horizon_lock = threading.Lock()
         self._horizon_floor = 0.0
-        self.control = EngineControl(scheduler, lambda: self.steps, self.on_change_applied)
+        # Per tier: seconds from arrival in the engine to the first schedule.
+        self.tier_queue_histograms = tuple(Histogram(M.REQUEST_SECONDS_BUCKETS) for _ in TIERS)
+        arrived = self._arrived
+        self.control = EngineControl(
+            scheduler,
+            lambda: self.steps,
+            self.on_change_applied,
+            tiers=self.settings.tiers,
+            clock=lambda: self.wall_clock(),
+            waited_since=lambda r: arrived.get(r.request_id, r.arrival_time),
+        )
+        if self.settings.policy is not None:
+            self.control.start_with_policy(self.settings.policy)
 
         self._wrap_prefix_cache_stats(kv_manager)
         self.registry.register(StatsExporter(self.samples, self.labels))
@@ -322,6 +355,10 @@ class EngineCollector:
                 "cumulative": list(accumulate(self.schedule_counts)),
             },
             "since": None if since_step is None else self.since(since_step, now),
+            "tiers": {
+                "config": self.control.tiers.as_dict(int(self.scheduler.max_num_active_reqs)),
+                "now": self.tier_state(),
+            },
         }
 
     def since(self, step: int, now: float | None = None) -> dict[str, Any] | None:
@@ -478,10 +515,15 @@ class EngineCollector:
         if output.scheduled_new_reqs:
             now = self.wall_clock()
             arrived, queued = self._arrived, self._queue_seconds
+            requests, tier_of = scheduler.requests, self.control.tiers.tier_of
+            histograms = self.tier_queue_histograms
             for new in output.scheduled_new_reqs:
                 since = arrived.get(new.req_id)
                 if since is not None and new.req_id not in queued:
-                    queued[new.req_id] = max(0.0, now - since)
+                    seconds = queued[new.req_id] = max(0.0, now - since)
+                    request = requests.get(new.req_id)
+                    if request is not None:
+                        histograms[tier_of(request.num_prompt_tokens)].observe(seconds)
 
         running = scheduler.running
         if not running:
@@ -551,7 +593,7 @@ class EngineCollector:
         pool = self.block_pool
         usable = pool.num_gpu_blocks - 1  # one block is vLLM's null block
         free = pool.get_num_free_blocks()
-        policy = getattr(sched.policy, "value", str(sched.policy))
+        policy = self.control.knobs()["policy"]
         cumulative = list(accumulate(self.schedule_counts))
         return [
             Sample(M.COLLECTOR_UP, 1.0 if self.enabled else 0.0),
@@ -599,7 +641,58 @@ class EngineCollector:
                 Sample(M.SCHEDULER_POLICY, 1.0 if name == policy else 0.0, (name,))
                 for name in M.POLICIES
             ),
+            *self.tier_samples(),
         ]
+
+    def tier_state(self) -> dict[str, Any] | None:
+        """Per tier: requests waiting (any wait, preempted included) and running,
+        and the age of the oldest one waiting for its first schedule (0 when
+        none). Any thread: the queues are read under the scheduler lock (held
+        by the engine thread only inside schedule() and the queue methods, so
+        the wait is one schedule() at most); None if it is not free within 1 s."""
+        sched = self.scheduler
+        lock = self.control.lock
+        if not lock.acquire(timeout=1.0):
+            return None
+        try:
+            tier_of = self.control.tiers.tier_of
+            now = self.wall_clock()
+            first_wait, arrived = self._first_wait, self._arrived
+            waiting = [0, 0, 0]
+            oldest = [0.0, 0.0, 0.0]
+            for queue in (sched.waiting, sched.kv_holding_waiting):
+                for request in _queued(queue):
+                    tier = tier_of(request.num_prompt_tokens)
+                    waiting[tier] += 1
+                    since = arrived.get(request.request_id)
+                    if since is not None and request.status in first_wait:
+                        oldest[tier] = max(oldest[tier], now - since)
+            running = running_by_tier(self.control.tiers.boundaries, list(sched.running))
+        finally:
+            lock.release()
+        return {
+            tier: {
+                "waiting": waiting[i],
+                "running": running[i],
+                "oldest_waiting_seconds": oldest[i],
+            }
+            for i, tier in enumerate(TIERS)
+        }
+
+    def tier_samples(self) -> list[Sample]:
+        state = self.tier_state()
+        samples: list[Sample] = []
+        for i, tier in enumerate(TIERS):
+            if state is not None:
+                t = state[tier]
+                samples.append(Sample(M.TIER_REQUESTS_WAITING, t["waiting"], (tier,)))
+                samples.append(Sample(M.TIER_REQUESTS_RUNNING, t["running"], (tier,)))
+                samples.append(Sample(M.TIER_OLDEST_WAITING, t["oldest_waiting_seconds"], (tier,)))
+            h = self.tier_queue_histograms[i]
+            samples.append(
+                Sample(M.TIER_QUEUE_SECONDS, h.sum, (tier,), buckets=tuple(accumulate(h.counts)))
+            )
+        return samples
 
     # -- failure -------------------------------------------------------------
 
@@ -632,6 +725,15 @@ def _vllm_version() -> str:
     return str(getattr(vllm, "__version__", "unknown"))
 
 
+def _queued(queue: Any) -> Iterator[Any]:
+    """The requests in a vLLM request queue (or ours), in no particular order."""
+    heaps = getattr(queue, "_heaps", None)
+    if heaps is not None:
+        return (entry[3] for heap in heaps for entry in heap)
+    heap = getattr(queue, "_heap", None)
+    return iter(list(heap if heap is not None else queue))
+
+
 def _count_real_blocks(blocks: list[Any]) -> int:
     return sum(1 for b in blocks if not b.is_null)
 
@@ -659,11 +761,23 @@ class RunbookSchedulerMixin:
                 if control.pending:  # knob changes land between steps only
                     control.drain()
                 free_before = runbook.block_pool.get_num_free_blocks()
+                tiered = control.tiered
+                if tiered:
+                    control.begin_tiered_step()
             except Exception as exc:
                 runbook.disable(exc)
+                with contextlib.suppress(Exception):
+                    control.end_tiered_step()  # the queues go on, in order, without limits
                 return super().schedule(*args, **kwargs)  # type: ignore[misc]
             start = time.perf_counter()
-            output = super().schedule(*args, **kwargs)  # type: ignore[misc]
+            try:
+                output = super().schedule(*args, **kwargs)  # type: ignore[misc]
+            finally:
+                if tiered:
+                    try:
+                        control.end_tiered_step()
+                    except Exception as exc:
+                        runbook.disable(exc)
             elapsed = time.perf_counter() - start
         try:
             runbook.on_schedule(self, output, elapsed, free_before)

@@ -214,6 +214,34 @@ SCHEDULER_POLICY = _spec(
     "1 for the active scheduling policy, 0 for the others.",
     extra_labels=("policy",),
 )
+TIER_REQUESTS_WAITING = _spec(
+    "tier_requests_waiting",
+    "gauge",
+    "Requests waiting (preempted included), by prompt-length tier: hot < 256 prompt tokens, "
+    "warm < 1024, cold (VLLM_RUNBOOK_TIER_BOUNDARIES), whatever the policy.",
+    extra_labels=("tier",),
+)
+TIER_REQUESTS_RUNNING = _spec(
+    "tier_requests_running",
+    "gauge",
+    "Requests in the running queue, by prompt-length tier.",
+    extra_labels=("tier",),
+)
+TIER_OLDEST_WAITING = _spec(
+    "tier_oldest_waiting_seconds",
+    "gauge",
+    "Per tier: seconds the oldest request still waiting for its first schedule has been in the "
+    "engine; 0 when none waits.",
+    extra_labels=("tier",),
+)
+TIER_QUEUE_SECONDS = _spec(
+    "tier_queue_seconds",
+    "histogram",
+    "Per tier: seconds from a request's arrival in the engine to its first schedule, "
+    "recorded at the first schedule.",
+    extra_labels=("tier",),
+    buckets=REQUEST_SECONDS_BUCKETS,
+)
 NVML_UP = _spec(
     "nvml_up",
     "gauge",
@@ -249,7 +277,8 @@ ALL_METRICS: tuple[MetricSpec, ...] = tuple(
 NVML_METRICS = (NVML_UP, GPU_MEMORY_USED, GPU_MEMORY_TOTAL, GPU_UTILIZATION)
 METRICS_BY_NAME = {m.name: m for m in ALL_METRICS}
 
-POLICIES = ("fcfs", "priority")
+POLICIES = ("fcfs", "priority", "tiered")
+TIERS = ("hot", "warm", "cold")
 
 
 def build(spec: MetricSpec, registry: CollectorRegistry) -> Counter | Gauge | Histogram:

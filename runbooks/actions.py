@@ -75,7 +75,7 @@ class SetMaxNumSeqs(ActionParams):
 
 
 class SetPolicy(ActionParams):
-    policy: Literal["fcfs", "priority"]
+    policy: Literal["fcfs", "priority", "tiered"]
 
 
 class RestoreKnobs(ActionParams):

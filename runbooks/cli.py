@@ -269,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
         "assignments",
         nargs="+",
         metavar="KNOB=VALUE",
-        help="max_num_batched_tokens=N|xF, max_num_seqs=N, policy=fcfs|priority",
+        help="max_num_batched_tokens=N|xF, max_num_seqs=N, policy=fcfs|priority|tiered",
     )
     p.add_argument("--dry-run", action="store_true", help="show the change, apply nothing")
     p.add_argument(

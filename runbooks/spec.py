@@ -52,7 +52,7 @@ KNOWN_SIGNALS: Final[Mapping[str, str]] = {
     "num_requests_waiting": "requests waiting to be scheduled (queue depth)",
     "max_num_batched_tokens": "effective token budget per step",
     "max_num_seqs": "effective admission limit",
-    "scheduler_policy": "active scheduling policy (fcfs | priority)",
+    "scheduler_policy": "active scheduling policy (fcfs | priority | tiered)",
     "budget_fill_ratio": "scheduled tokens / token budget",
     "p99_latency_seconds": "P99 end-to-end request latency",
     "waiting_seconds_p99": "P99 time requests spend waiting before their first schedule",

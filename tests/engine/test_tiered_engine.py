@@ -1,0 +1,298 @@
+"""The `tiered` policy and the per-tier signals on a real CPU engine stepped by hand.
+
+The engine starts with the policy from the plugin's configuration
+(VLLM_RUNBOOK_POLICY=tiered) and small tiers so that prompts stay short:
+hot < 64 prompt tokens <= warm < 256 <= cold, one running request per tier
+at most while another tier waits, aging 10 s per tier.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_runbook.collector import metrics as M
+from vllm_runbook.collector.control import Command, ControlError, parse_command
+
+from tests.engines import InProcessEngine
+
+pytestmark = pytest.mark.engine
+
+TIER_ENV = {
+    "VLLM_RUNBOOK_POLICY": "tiered",
+    "VLLM_RUNBOOK_TIER_BOUNDARIES": "64,256",
+    "VLLM_RUNBOOK_TIER_LIMITS": "1,1,1",
+    "VLLM_RUNBOOK_TIER_AGING_SECONDS": "10",
+}
+PROMPT = {"h": 30, "w": 100, "c": 300}  # hot, warm, cold with the tiers above
+
+
+class Clock:
+    def __init__(self, start: float) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def tiered_engine(tiny_model: Path) -> Iterator[InProcessEngine]:
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in TIER_ENV.items():
+            mp.setenv(key, value)
+        eng = InProcessEngine.start(tiny_model, max_model_len=2048)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture
+def eng(tiered_engine: InProcessEngine) -> Iterator[InProcessEngine]:
+    """The engine back at its startup knobs (tiered), with a test clock."""
+    collector = tiered_engine.collector
+    _apply(tiered_engine, {}, restore=True)
+    tiered_engine.finished.clear()  # the tests reuse request names
+    saved = collector.wall_clock
+    collector.wall_clock = Clock(time.time())
+    try:
+        yield tiered_engine
+    finally:
+        collector.wall_clock = saved
+        tiered_engine.run_until_done()
+        _apply(tiered_engine, {}, restore=True)
+        if "schedule" in vars(tiered_engine.scheduler):
+            del tiered_engine.scheduler.schedule
+
+
+def _apply(engine: InProcessEngine, body: dict[str, Any], restore: bool = False) -> Any:
+    # Between two steps of this thread: applied now, as at a step boundary.
+    return engine.collector.control.submit(parse_command(body, restore=restore), idle=lambda: True)
+
+
+def _clock(engine: InProcessEngine) -> Clock:
+    clock = engine.collector.wall_clock
+    assert isinstance(clock, Clock)
+    return clock
+
+
+def record(engine: InProcessEngine) -> list[dict[str, Any]]:
+    """What each step really scheduled: admitted ids (without vLLM's suffix)
+    and tokens per request."""
+    scheduler = engine.scheduler
+    original = scheduler.schedule
+    steps: list[dict[str, Any]] = []
+
+    def schedule(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        steps.append(
+            {
+                "admitted": [r.req_id.split("-")[0] for r in out.scheduled_new_reqs],
+                "tokens": {k.split("-")[0]: v for k, v in out.num_scheduled_tokens.items()},
+                "threshold": scheduler.scheduler_config.long_prefill_token_threshold,
+            }
+        )
+        return out
+
+    scheduler.schedule = schedule
+    return steps
+
+
+def add(
+    engine: InProcessEngine,
+    name: str,
+    max_tokens: int = 2,
+    prompt: int | None = None,
+    priority: int = 0,
+) -> None:
+    global _offset
+    _offset += 1  # a fresh prompt each time: no prefix-cache hit changes the tokens
+    n = prompt if prompt is not None else PROMPT[name[0]]
+    engine.add(name, n, max_tokens=max_tokens, offset=3001 * _offset, priority=priority)
+
+
+_offset = 0
+
+
+def admitted(steps: list[dict[str, Any]]) -> list[str]:
+    return [rid for s in steps for rid in s["admitted"]]
+
+
+def tier_values(engine: InProcessEngine, spec: M.MetricSpec) -> dict[str, float | None]:
+    return {t: engine.value(spec.name, tier=t) for t in M.TIERS}
+
+
+def test_started_tiered_from_the_plugin_configuration(eng: InProcessEngine) -> None:
+    control = eng.collector.control
+    assert control.knobs()["policy"] == "tiered" == control.startup["policy"]
+    assert eng.value(M.SCHEDULER_POLICY.name, policy="tiered") == 1
+    assert eng.value(M.SCHEDULER_POLICY.name, policy="fcfs") == 0
+    state = eng.collector.state()
+    assert state["tiers"]["config"] == {
+        "boundaries": [64, 256],
+        "limits": {"hot": 1, "warm": 1, "cold": 1},
+        "shares": {"hot": 0.40, "warm": 0.45, "cold": 0.15},
+        "aging_seconds": 10.0,
+    }
+
+
+def test_tiered_order_is_priority_tier_arrival(eng: InProcessEngine) -> None:
+    _apply(eng, {"max_num_seqs": 1})  # one at a time: the admission order shows
+    steps = record(eng)
+    for name in ("c0", "w0", "c1", "h0", "w1", "h1"):
+        add(eng, name)
+    add(eng, "c9", priority=-1)  # a client priority comes before the tier
+    eng.run_until_done()
+    assert admitted(steps) == ["c9", "h0", "h1", "w0", "w1", "c0", "c1"]
+    assert {"c0", "c1", "c9", "h0", "h1", "w0", "w1"} <= set(eng.finished)
+
+
+def test_aging_moves_a_waiting_request_up_one_tier_per_period(eng: InProcessEngine) -> None:
+    clock = _clock(eng)
+    _apply(eng, {"max_num_seqs": 1})
+    steps = record(eng)
+    start = clock.now
+    add(eng, "c0")  # cold, in the engine from start
+    clock.now = start + 5.0
+    add(eng, "w0")  # warm, 5 s later
+    add(eng, "h0")
+    add(eng, "h1")
+    add(eng, "h2")
+    eng.step()  # +5 s: nothing aged yet
+    assert admitted(steps) == ["h0"]
+    while eng.scheduler.running:
+        eng.step()
+    clock.now = start + 15.0  # c0 waited 15 s: warm now; w0 10 s: hot, and before h1
+    eng.step()
+    assert admitted(steps) == ["h0", "w0"]
+    while eng.scheduler.running:
+        eng.step()
+    clock.now = start + 20.0  # c0 waited 20 s: hot, and it arrived first of all
+    eng.step()
+    assert admitted(steps) == ["h0", "w0", "c0"]
+    eng.run_until_done()
+    assert admitted(steps) == ["h0", "w0", "c0", "h1", "h2"]
+
+
+def test_per_tier_admission_limits_and_lending(eng: InProcessEngine) -> None:
+    steps = record(eng)
+    for name in ("c0", "c1", "c2", "h0", "h1"):
+        add(eng, name, max_tokens=3)
+    eng.step()
+    # h0 and c0 fill their tiers' single slots; h1 and c1 wait for the other tier.
+    assert steps[-1]["admitted"] == ["h0", "c0"]
+    assert tier_values(eng, M.TIER_REQUESTS_WAITING) == {"hot": 1, "warm": 0, "cold": 2}
+    assert tier_values(eng, M.TIER_REQUESTS_RUNNING) == {"hot": 1, "warm": 0, "cold": 1}
+    eng.step()
+    eng.step()  # h0, c0 decode their 2nd and 3rd tokens: nothing is admitted meanwhile
+    assert admitted(steps) == ["h0", "c0"]
+    eng.step()
+    # h1 takes the hot slot, c1 the cold one; then no other tier waits: c2 borrows.
+    assert steps[-1]["admitted"] == ["h1", "c1", "c2"]
+    eng.run_until_done()
+    assert {"c0", "c1", "c2", "h0", "h1"} <= set(eng.finished)
+
+
+def test_a_long_prefill_leaves_the_hot_share_of_the_budget(eng: InProcessEngine) -> None:
+    steps = record(eng)
+    add(eng, "c0", prompt=1500)
+    eng.step()  # alone: the whole 512-token budget
+    assert steps[-1]["tokens"] == {"c0": 512}
+    add(eng, "h0")
+    eng.step()
+    # A hot request waits: hot and cold have work, shares 0.40 and 0.15, so
+    # prefill chunks are capped at 512 x (1 - 0.40 / 0.55) = 139 tokens.
+    assert steps[-1]["tokens"] == {"c0": 139, "h0": 30}
+    assert steps[-1]["threshold"] == 139
+    eng.step()  # h0 decodes: still capped, so the decode is not starved by the prefill
+    assert steps[-1]["tokens"] == {"c0": 139, "h0": 1}
+    eng.step()  # h0 finished: the hot tier lends its share
+    assert steps[-1]["tokens"] == {"c0": 512}
+    assert steps[-1]["threshold"] == 0  # vLLM's own (no threshold)
+    _apply(eng, {"policy": "fcfs"})
+    add(eng, "c1", prompt=1500)
+    add(eng, "h1")
+    eng.run_until_done()
+    assert max(s["threshold"] for s in steps[3:]) == 0  # fcfs: never capped
+
+
+def test_switching_policies_keeps_every_request_exactly_once(eng: InProcessEngine) -> None:
+    _apply(eng, {"max_num_seqs": 1})
+    steps = record(eng)
+    for name in ("c0", "w0", "h0", "c1", "w1", "h1", "h2"):
+        add(eng, name)
+    eng.step()
+    assert admitted(steps) == ["h0"]  # tiered
+    _apply(eng, {"policy": "fcfs"})
+    eng.run_until_done()
+    # fcfs: arrival order of the rest, exactly as if it had never been tiered.
+    assert admitted(steps) == ["h0", "c0", "w0", "c1", "w1", "h1", "h2"]
+    assert len(admitted(steps)) == len(set(admitted(steps)))
+    assert {"c0", "w0", "h0", "c1", "w1", "h1", "h2"} <= set(eng.finished)
+
+
+def test_switch_priority_to_tiered_and_back(eng: InProcessEngine) -> None:
+    _apply(eng, {"max_num_seqs": 1, "policy": "priority"})
+    steps = record(eng)
+    names = ("c0", "w0", "h0", "c1", "h1")
+    for name in names:
+        add(eng, name)
+    eng.step()
+    assert admitted(steps) == ["c0"]  # priority without client priorities: arrival
+    _apply(eng, {"policy": "tiered"})
+    while len(admitted(steps)) < 3:
+        eng.step()
+    assert admitted(steps) == ["c0", "h0", "h1"]
+    _apply(eng, {"policy": "priority"})
+    eng.run_until_done()
+    assert admitted(steps) == ["c0", "h0", "h1", "w0", "c1"]
+    assert set(names) <= set(eng.finished)
+
+
+def test_per_tier_signals_exact_under_fcfs(eng: InProcessEngine) -> None:
+    clock = _clock(eng)
+    _apply(eng, {"policy": "fcfs", "max_num_seqs": 2})
+    name = M.TIER_QUEUE_SECONDS.name
+    series = ("_sum", "_count", "_bucket/2.5", "_bucket/5.0", "_bucket/10.0")
+
+    def histogram() -> dict[str, tuple[float | None, ...]]:
+        def one(tier: str, key: str) -> float | None:
+            suffix, _, le = key.partition("/")
+            return eng.value(name + suffix, tier=tier, **({"le": le} if le else {}))
+
+        return {t: tuple(one(t, key) for key in series) for t in M.TIERS}
+
+    before = histogram()
+    start = clock.now
+    for rid in ("h0", "w0", "c0", "h1"):
+        add(eng, rid, max_tokens=2)
+    assert tier_values(eng, M.TIER_REQUESTS_WAITING) == {"hot": 2, "warm": 1, "cold": 1}
+    assert tier_values(eng, M.TIER_REQUESTS_RUNNING) == {"hot": 0, "warm": 0, "cold": 0}
+    clock.now = start + 3.0
+    assert tier_values(eng, M.TIER_OLDEST_WAITING) == {"hot": 3.0, "warm": 3.0, "cold": 3.0}
+    eng.step()  # fcfs, two at a time: h0 and w0 after 3 s
+    assert tier_values(eng, M.TIER_REQUESTS_WAITING) == {"hot": 1, "warm": 0, "cold": 1}
+    assert tier_values(eng, M.TIER_REQUESTS_RUNNING) == {"hot": 1, "warm": 1, "cold": 0}
+    clock.now = start + 7.0
+    assert tier_values(eng, M.TIER_OLDEST_WAITING) == {"hot": 7.0, "warm": 0.0, "cold": 7.0}
+    eng.step()  # h0, w0 finish (2 tokens)
+    clock.now = start + 8.0
+    eng.step()  # c0 and h1 after 8 s
+    assert tier_values(eng, M.TIER_REQUESTS_WAITING) == {"hot": 0, "warm": 0, "cold": 0}
+    assert tier_values(eng, M.TIER_OLDEST_WAITING) == {"hot": 0.0, "warm": 0.0, "cold": 0.0}
+    eng.run_until_done()
+    after = histogram()
+    # (sum, count, le=2.5, le=5, le=10): hot waited 3 s and 8 s, warm 3 s, cold 8 s.
+    expected = {"hot": (11.0, 2, 0, 1, 2), "warm": (3.0, 1, 0, 1, 1), "cold": (8.0, 1, 0, 0, 1)}
+    for tier in M.TIERS:
+        deltas = tuple(a - b for a, b in zip(after[tier], before[tier], strict=True))  # type: ignore[operator]
+        assert deltas == expected[tier], tier
+
+
+def test_bad_policy_and_tier_settings_are_refused(eng: InProcessEngine) -> None:
+    with pytest.raises(ControlError, match="policy must be one of fcfs, priority, tiered"):
+        parse_command({"policy": "hrrn"})
+    with pytest.raises(ControlError, match="policy must be one of"):
+        eng.collector.control.start_with_policy("lifo")
+    assert isinstance(parse_command({"policy": "tiered"}), Command)
