@@ -159,7 +159,7 @@ class EngineControl:
         mm_chunking_off = bool(getattr(config, "disable_chunked_mm_input", False))
         encoder_tokens = int(getattr(scheduler, "max_num_encoder_input_tokens", 0) or 0)
         self.mm_item_floor = encoder_tokens if mm_chunking_off else 0
-        self.long_prefill_threshold = int(config.long_prefill_token_threshold or 0)
+        self.long_prefill_threshold = int(getattr(config, "long_prefill_token_threshold", 0) or 0)
 
     def start_with_policy(self, policy_name: str) -> None:
         """The policy configured at engine start (before any request): it is

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import heapq
 import logging
 import math
 import os
@@ -359,7 +360,48 @@ class EngineCollector:
                 "config": self.control.tiers.as_dict(int(self.scheduler.max_num_active_reqs)),
                 "now": self.tier_state(),
             },
+            "queues": self.queue_snapshot(),
         }
+
+    def queue_snapshot(self, oldest: int = 5) -> dict[str, Any] | None:
+        """The scheduler's queues for a diagnosis: their lengths, its pause state
+        and the `oldest` requests waiting longest for their first schedule.
+        Any thread, under the scheduler lock (None if not free within 1 s)."""
+        sched = self.scheduler
+        lock = self.control.lock
+        if not lock.acquire(timeout=1.0):
+            return None
+        try:
+            now = self.wall_clock()
+            tier_of = self.control.tiers.tier_of
+            arrived, first_wait = self._arrived, self._first_wait
+            queued = [
+                (arrived[r.request_id], r)
+                for q in (sched.waiting, sched.kv_holding_waiting)
+                for r in _queued(q)
+                if r.request_id in arrived and r.status in first_wait
+            ]
+            heads = heapq.nsmallest(oldest, queued, key=lambda entry: entry[0])
+            pause = getattr(sched, "_pause_state", None)
+            return {
+                "running": len(sched.running),
+                "waiting": len(sched.waiting),
+                "kv_holding_waiting": len(sched.kv_holding_waiting),
+                "pause_state": getattr(pause, "name", None if pause is None else str(pause)),
+                "oldest_waiting": [
+                    {
+                        "request_id": r.request_id,
+                        "tier": TIERS[tier_of(r.num_prompt_tokens)],
+                        "prompt_tokens": int(r.num_prompt_tokens),
+                        "priority": int(r.priority),
+                        "status": getattr(r.status, "name", str(r.status)),
+                        "waited_seconds": max(0.0, now - since),
+                    }
+                    for since, r in heads
+                ],
+            }
+        finally:
+            lock.release()
 
     def since(self, step: int, now: float | None = None) -> dict[str, Any] | None:
         """What happened from `step` (a change's first step) on; None when unknown."""

@@ -32,7 +32,7 @@ class Signal:
 
 
 def _collector(name: str, spec: M.MetricSpec, help_: str) -> Signal:
-    per = "gpu" if "gpu" in spec.extra_labels else None
+    per = next((label for label in ("gpu", "tier") if label in spec.extra_labels), None)
     return Signal(name, spec.series_name, spec.type, help_, per)
 
 
@@ -60,6 +60,17 @@ _BASE: tuple[Signal, ...] = (
     _collector("requests_running", M.REQUESTS_RUNNING, "requests running"),
     _collector("requests_waiting", M.REQUESTS_WAITING, "requests waiting (incl. preempted)"),
     _collector("preemptions", M.PREEMPTIONS, "requests preempted"),
+    _collector(
+        "tier_requests_waiting", M.TIER_REQUESTS_WAITING, "requests waiting, per prompt-length tier"
+    ),
+    _collector(
+        "tier_requests_running", M.TIER_REQUESTS_RUNNING, "requests running, per prompt-length tier"
+    ),
+    _collector(
+        "tier_oldest_waiting",
+        M.TIER_OLDEST_WAITING,
+        "age of the oldest request waiting for its first schedule, per tier",
+    ),
     _collector("kv_cache_usage", M.KV_CACHE_USAGE, "KV blocks used / usable"),
     _collector(
         "kv_cache_usage_peak", M.KV_CACHE_USAGE_PEAK, "peak KV usage at step start over the window"

@@ -269,9 +269,10 @@ def restore_knobs(params: RestoreKnobs, ctx: ActionContext) -> ActionOutcome:
 
 
 def capture_diagnostics(params: CaptureDiagnostics, ctx: ActionContext) -> ActionOutcome:
-    """The whole /v1/state (knobs, bounds, stats) into the journal."""
+    """The whole /v1/state (knobs, bounds, stats, queues per tier, the oldest
+    waiting requests) into the journal."""
     state = ctx.state
-    keys = ("engine", "knobs", "startup", "bounds", "stats", "gpus")
+    keys = ("engine", "knobs", "startup", "bounds", "stats", "gpus", "tiers", "queues")
     snapshot = {k: state.get(k) for k in keys}
     return ActionOutcome(after={"diagnostics": snapshot})
 

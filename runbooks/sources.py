@@ -59,6 +59,8 @@ SOURCES: Final[Mapping[str, Source]] = {
     "p99_latency_seconds": Source(AGENT + ": end-to-end time of finished requests", WINDOW, True),
     "waiting_seconds_p99": Source(AGENT + ": queue time of finished requests", WINDOW, True),
     "oldest_waiting_seconds": Source(AGENT, NOW),
+    "hot_requests_waiting": Source(AGENT + ": per-tier queues", "at the read"),
+    "tier_oldest_waiting_seconds": Source(AGENT + ": per-tier queues", "at the read"),
     "admitted_before_time": Source(AGENT, NOW),
     "throughput_tokens_per_second": Source(AGENT + ": scheduled tokens counter", READS, True),
     "schedule_seconds_p99": Source(AGENT + ": schedule() histogram", "since engine start"),
@@ -167,6 +169,12 @@ def signals_from_state(state: Mapping[str, Any]) -> dict[str, Any]:
     for name in ("length_padding_ratio", "padding_ratio"):
         signals[name] = stats.get(name)
     signals["finish_reasons"] = stats.get("finished_by_reason")
+    tiers = (state.get("tiers") or {}).get("now")
+    if tiers:
+        signals["hot_requests_waiting"] = int(tiers["hot"]["waiting"])
+        signals["tier_oldest_waiting_seconds"] = max(
+            float(t["oldest_waiting_seconds"]) for t in tiers.values()
+        )
     signals["tensor_parallel_size"] = (state.get("engine", {}).get("parallel") or {}).get(
         "tensor_parallel_size"
     )
@@ -262,6 +270,12 @@ def unavailable(
             why[name] = "needs two reads"
         elif name == "schedule_seconds_p99":
             why[name] = "no schedule() call yet"
+        elif name in ("hot_requests_waiting", "tier_oldest_waiting_seconds"):
+            why[name] = (
+                "the agent could not read its queues (scheduler busy for 1 s)"
+                if "tiers" in state
+                else "agent too old (no per-tier queues)"
+            )
         else:
             why[name] = "the engine's agent did not report it"
     return why

@@ -60,6 +60,11 @@ KNOWN_SIGNALS: Final[Mapping[str, str]] = {
         "how long the oldest request still waiting for its first schedule has been in the "
         "engine's queue (0 when none waits)"
     ),
+    "hot_requests_waiting": "hot-tier (short-prompt) requests waiting to be scheduled",
+    "tier_oldest_waiting_seconds": (
+        "the longest wait, over the prompt-length tiers, of a request still waiting for its "
+        "first schedule (0 when none waits)"
+    ),
     "admitted_before_time": (
         "Unix time before which every request the engine received has been scheduled at least "
         "once (the oldest waiting request's arrival in the engine, or now when none waits); "

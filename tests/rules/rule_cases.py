@@ -23,6 +23,8 @@ SCHED_COUNT = M.SCHEDULE_SECONDS.name + "_count"
 KV_USAGE = M.KV_CACHE_USAGE_PEAK.series_name
 PREEMPT = M.PREEMPTIONS.series_name
 WAITING = M.REQUESTS_WAITING.series_name
+TIER_WAITING = M.TIER_REQUESTS_WAITING.series_name
+TIER_OLDEST = M.TIER_OLDEST_WAITING.series_name
 SCHEDULED = M.SCHEDULED_TOKENS.series_name
 BUDGET = M.TOKEN_BUDGET.series_name
 START = M.ENGINE_START_TIME.series_name
@@ -218,8 +220,82 @@ CASES: tuple[Case, ...] = (
     ),
     # Same slow requests, queue flat: no spike alert (the queue must be growing).
     Case("VllmLatencySpike", "quiet", (*latency(120, 240), series(WAITING, "3x240")), 2 * H, None),
-    Case("VllmHotPathBacklog", "fire", (series(WAITING, "10x19 60x20"),), 1200, 660),
-    Case("VllmHotPathBacklog", "quiet", (series(WAITING, "50x40"),), 1200, None),
+    # 60 hot requests wait from sample 20 (600 s): `for` 1m -> 660.
+    Case(
+        "VllmHotPathBacklog",
+        "fire",
+        (
+            series(TIER_WAITING, "10x19 60x20", tier="hot"),
+            series(TIER_WAITING, "5x40", tier="cold"),
+        ),
+        1200,
+        660,
+    ),
+    # 500 requests wait, but only 50 of them are hot: the hot path is not backed up.
+    Case(
+        "VllmHotPathBacklog",
+        "quiet",
+        (
+            series(WAITING, "500x40"),
+            series(TIER_WAITING, "50x40", tier="hot"),
+            series(TIER_WAITING, "200x40", tier="warm"),
+            series(TIER_WAITING, "250x40", tier="cold"),
+        ),
+        1200,
+        None,
+    ),
+    # A cold request waits from sample 20: 30 s more each scrape, 150 s > 120 s at
+    # sample 25 (750 s), `for` 30s -> 780. The hot tier is served within seconds.
+    Case(
+        "VllmRequestStarvation",
+        "fire",
+        (
+            series(TIER_OLDEST, "2x40", tier="hot"),
+            series(TIER_OLDEST, "0x19 0+30x20", tier="cold"),
+        ),
+        1200,
+        780,
+    ),
+    # Waits up to 110 s in every tier, each served before the threshold.
+    Case(
+        "VllmRequestStarvation",
+        "quiet",
+        (
+            series(TIER_OLDEST, "2x40", tier="hot"),
+            series(TIER_OLDEST, "0 30 60 90 110 " * 8, tier="warm"),
+            series(TIER_OLDEST, "110x40", tier="cold"),
+        ),
+        1200,
+        None,
+    ),
+    # Nothing is scheduled from sample 19 (570 s) while 5 requests wait. Closed
+    # ranges: the 1m window at 600 s still holds the rise from 540 s, so the rate
+    # is 0 from 630 s, `for` 30s -> 660; left-open ranges: from 600 s -> 630.
+    Case(
+        "VllmEngineStalled",
+        "fire",
+        (series(SCHEDULED, "0+500x19 9500x20"), series(WAITING, "5x40")),
+        1200,
+        660,
+        fires_at_left_open=630,
+    ),
+    # The engine goes idle: nothing scheduled, nothing waiting (the queue empties
+    # at sample 20, when the last tokens are scheduled).
+    Case(
+        "VllmEngineStalled",
+        "quiet",
+        (series(SCHEDULED, "0+500x19 9500x20"), series(WAITING, "5x19 0x20")),
+        1200,
+        None,
+    ),
+    # Busy and progressing, with requests waiting all along.
+    Case(
+        "VllmEngineStalled",
+        "quiet-progressing",
+        (series(SCHEDULED, "0+500x40"), series(WAITING, "5x40")),
+        1200,
+        None,
+    ),
     # 5 errors per 100 stops from sample 40 (1200 s) -> +5m = 1500.
     Case(
         "VllmErrorRateHigh",

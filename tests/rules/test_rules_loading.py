@@ -193,6 +193,8 @@ def test_shipped_catalog_covers_design_alerts() -> None:
             "VllmGPUMemoryImbalance",
             "VllmInsufficientWarmup",
             "VllmHotPathBacklog",
+            "VllmRequestStarvation",
+            "VllmEngineStalled",
             "VllmOOMRateHigh",
             "VllmErrorRateHigh",
         ]
