@@ -15,6 +15,7 @@ from vllm_runbook.collector import metrics as M
 from vllm_runbook.dashboards import catalog as V
 from vllm_runbook.dashboards import queries as Q
 from vllm_runbook.dashboards.builder import (
+    ENGINE_LABELS,
     ENGINE_LEGEND,
     Annotation,
     Panel,
@@ -27,6 +28,7 @@ from vllm_runbook.dashboards.builder import (
     rate,
     selector,
 )
+from vllm_runbook.rules.promql import to_promql
 from vllm_runbook.runbooks import service_metrics as S
 from vllm_runbook.runbooks.store.models import REFUSED, REVERTED, ROLLED_BACK
 
@@ -66,6 +68,29 @@ def runbook_annotations() -> list[Annotation]:
             tags=("runbook", "status"),
             color="purple",
         ),
+    ]
+
+
+# The queue-health findings, marked where their condition holds (the rule's own
+# PromQL, before its `for`): where a policy switch or a stall shows on the panels.
+QUEUE_FINDINGS = (
+    ("VllmHotPathBacklog", "red"),
+    ("VllmRequestStarvation", "yellow"),
+    ("VllmEngineStalled", "dark-red"),
+)
+
+
+def finding_annotations(notes: Q.RuleNotes) -> list[Annotation]:
+    return [
+        Annotation(
+            name=f"Finding {alert}",
+            expr=to_promql(notes.rule(alert).condition),
+            title=f"{alert} on {{{{instance}}}} {{{{model_name}}}}/{{{{engine}}}}",
+            text=notes.rule(alert).summary.split(" on ")[0]
+            + f" (runbook {notes.rule(alert).runbook}).",
+            color=color,
+        )
+        for alert, color in QUEUE_FINDINGS
     ]
 
 
@@ -177,14 +202,75 @@ class Panels:
             "Requests waiting to be scheduled (including preempted ones) and running, from "
             "the collector inside the scheduler. "
             + n.note(
-                "VllmHotPathBacklog",
-                "fires when more than {threshold} requests wait (dashed line), for {for}",
+                "VllmEngineStalled",
+                "fires when requests waited for the whole {window} while no token was "
+                "scheduled (a flat line of waiting requests with the steps panel at 0), "
+                "for {for}",
             ),
             [
                 Target(Q.gauge(M.REQUESTS_WAITING), "waiting " + ENGINE_LEGEND),
                 Target(Q.gauge(M.REQUESTS_RUNNING), "running " + ENGINE_LEGEND),
             ],
+            width=width,
+        )
+
+    def tier_waiting(self, width: int = 8) -> Panel:
+        n = self.n
+        return Panel(
+            "Waiting per tier (hot / warm / cold)",
+            f"{M.TIER_REQUESTS_WAITING.help} "
+            + n.note(
+                "VllmHotPathBacklog",
+                "fires when more than {threshold} hot requests wait (dashed line), for {for}",
+            ),
+            [Target(Q.per_tier(M.TIER_REQUESTS_WAITING), "{{tier}} " + ENGINE_LEGEND)],
             thresholds=[n.threshold("VllmHotPathBacklog", color="orange")],
+            min=0,
+            width=width,
+        )
+
+    def tier_running(self, width: int = 8) -> Panel:
+        return Panel(
+            "Running per tier",
+            f"{M.TIER_REQUESTS_RUNNING.help} Under the tiered policy a tier at its "
+            "admission limit admits no more while another tier waits.",
+            [Target(Q.per_tier(M.TIER_REQUESTS_RUNNING), "{{tier}} " + ENGINE_LEGEND)],
+            min=0,
+            width=width,
+        )
+
+    def tier_oldest_waiting(self, width: int = 8) -> Panel:
+        n = self.n
+        return Panel(
+            "Oldest waiting per tier",
+            f"{M.TIER_OLDEST_WAITING.help} Under the tiered policy a request moves up a "
+            "tier for every aging period it waits (default 30 s). "
+            + n.note(
+                "VllmRequestStarvation",
+                "fires when one has waited more than {threshold_seconds} s (dashed line), "
+                "for {for}",
+            ),
+            [Target(Q.per_tier(M.TIER_OLDEST_WAITING), "{{tier}} " + ENGINE_LEGEND)],
+            thresholds=[n.threshold("VllmRequestStarvation", "threshold_seconds")],
+            unit="s",
+            min=0,
+            width=width,
+        )
+
+    def tier_queue_time(self, width: int = 12) -> Panel:
+        return Panel(
+            "Queue time to first schedule per tier (P50 / P99)",
+            f"{M.TIER_QUEUE_SECONDS.help} The priority queue's wait time per path that the "
+            "field reports watch: the tiered policy keeps the hot tier's low.",
+            [
+                Target(
+                    quantile(q, M.TIER_QUEUE_SECONDS, by=(*ENGINE_LABELS, "tier")),
+                    f"p{int(q * 100)} {{{{tier}}}} " + ENGINE_LEGEND,
+                )
+                for q in (0.5, 0.99)
+            ],
+            unit="s",
+            min=0,
             width=width,
         )
 
@@ -619,7 +705,7 @@ def engine_overview(notes: Q.RuleNotes) -> dict[str, Any]:
         description="One engine (or a few) in depth: vLLM's throughput and latency, the "
         "collector's scheduler and KV cache signals, the effective knobs, GPUs.",
         variables=variables(),
-        annotations=runbook_annotations(),
+        annotations=[*runbook_annotations(), *finding_annotations(notes)],
         rows=[
             Row(
                 "Throughput and latency",
@@ -634,6 +720,10 @@ def engine_overview(notes: Q.RuleNotes) -> dict[str, Any]:
                     p.finished_by_reason(),
                     p.request_times(),
                 ],
+            ),
+            Row(
+                "Tiers: hot < 256 prompt tokens, warm < 1,024, cold (any policy)",
+                [p.tier_waiting(), p.tier_running(), p.tier_oldest_waiting(), p.tier_queue_time()],
             ),
             Row(
                 "KV cache",

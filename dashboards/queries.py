@@ -34,6 +34,12 @@ def gauge(spec: M.MetricSpec) -> str:
     return per_engine(selector(spec))
 
 
+def per_tier(spec: M.MetricSpec) -> str:
+    """A per-tier gauge, one series per engine and tier."""
+    by_tier = BY_ENGINE.removesuffix(")") + ", tier)"
+    return f"max {by_tier} ({selector(spec)})"
+
+
 # --- throughput and latency (vLLM's own series) -----------------------------
 
 
