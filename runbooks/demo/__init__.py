@@ -9,7 +9,7 @@ for oom-pressure and latency-spike, then drives four phases of traffic:
   long-burst   long prompts that overfill the KV cache: preemptions
                → VllmOOMPressure → oom-pressure halves the budget, caps max_num_seqs
   starvation   low-priority requests stuck behind a stream of high-priority ones
-               → VllmHotPathBacklog → latency-spike switches the policy to FCFS
+               → VllmRequestStarvation → latency-spike switches the policy to FCFS
   recovery     light traffic; the findings resolve and the service reverts
 
 It prints one line of signals per second and every event of the service as

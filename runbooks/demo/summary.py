@@ -117,7 +117,7 @@ def story_problems(
     fired = feed.fired
     for alert, runbook in (
         ("VllmOOMPressure", "oom-pressure"),
-        ("VllmHotPathBacklog", "latency-spike"),
+        ("VllmRequestStarvation", "latency-spike"),
     ):
         if alert not in fired:
             problems.append(f"no detection: {alert} never fired")

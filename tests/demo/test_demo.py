@@ -26,8 +26,8 @@ STORY = [
     r"#\d+ action scale_max_num_batched_tokens: after max_num_batched_tokens=256",
     r"#\d+ verification: preemptions_per_minute .* \(improved\)",
     r"── starvation:",
-    r"finding VllmHotPathBacklog fired on cpu-0",
-    r"runbook latency-spike chosen for VllmHotPathBacklog \(automation auto\) → execution #\d+",
+    r"finding VllmRequestStarvation fired on cpu-0",
+    r"runbook latency-spike chosen for VllmRequestStarvation \(automation auto\) → execution #\d+",
     r"#\d+ action set_policy: before policy=priority",
     r"#\d+ action set_policy: after policy=fcfs",
     r"── recovery:",
@@ -69,7 +69,7 @@ def test_demo_story_detects_fixes_and_reverts(tmp_path: Path) -> None:
         assert re.search(rf"#\d+ {runbook} on .*: reverted", out), out[-4000:]
     assert re.search(r"revert #\d+ of #\d+: .*resolved", out)
     assert "finding VllmOOMPressure resolved" in out
-    assert "finding VllmHotPathBacklog resolved" in out
+    assert "finding VllmRequestStarvation resolved" in out
     # Plain lines for CI: no terminal control sequences.
     assert "\033[" not in out
 
