@@ -175,7 +175,11 @@ class EngineControl:
 
     def begin_tiered_step(self) -> None:
         """Before schedule(): tell the queues the running requests per tier
-        and cap this step's prefill chunks while the hot tier has work."""
+        and cap this step's prefill chunks while the hot tier has work: to
+        the budget minus the hot tier's share while hot requests wait, to the
+        budget minus one token per hot request while they only decode (vLLM
+        schedules the running requests in their order: a long prefill ahead
+        of them would take the whole step)."""
         s = self.scheduler
         tiers = self.tiers
         running = running_by_tier(tiers.boundaries, s.running)
@@ -189,11 +193,14 @@ class EngineControl:
         queued = [a + b for a, b in zip(waiting.tier_counts(), holding.tier_counts(), strict=True)]
         user = self.long_prefill_threshold
         threshold = user
-        if queued[0] or running[0]:
+        budget = int(s.max_num_scheduled_tokens)
+        cap = 0
+        if queued[0]:  # hot requests wait: leave the hot tier its share
             active = [q > 0 or r > 0 for q, r in zip(queued, running, strict=True)]
-            cap = prefill_chunk_cap(
-                int(s.max_num_scheduled_tokens), tiers.shares, active, tiers.boundaries[0]
-            )
+            cap = prefill_chunk_cap(budget, tiers.shares, active, tiers.boundaries[0])
+        elif running[0]:  # hot requests decode: leave a token each
+            cap = max(1, budget - running[0])
+        if cap:
             threshold = min(cap, user) if user else cap
         s.scheduler_config.long_prefill_token_threshold = threshold
 

@@ -11,11 +11,12 @@ warm 256-1,024, cold >= 1,024: batch) done inside vLLM's scheduler:
   at its limit admits no more (an aged request is exempt). A tier whose
   neighbours have nothing waiting may borrow their slots, so the limits cost
   nothing when the load is all of one kind.
-- a share of the step's token budget per tier: while hot requests wait or
-  run, every prefill chunk of the step is capped at the budget minus the hot
+- a share of the step's token budget per tier: while hot requests wait,
+  every prefill chunk of the step is capped at the budget minus the hot
   tier's share (its share of the shares of the tiers that have work), so a
-  long prefill never takes the whole step from the hot tier's admissions and
-  decodes; an idle hot tier lends its share. (vLLM schedules the running
+  long prefill never takes the whole step from the hot tier's admissions;
+  while hot requests only decode, the cap leaves one token for each; an
+  idle hot tier lends its share. (vLLM schedules the running
   requests first, in their order, and has one chunk limit per step,
   `long_prefill_token_threshold`: that is the lever, set per step on the
   collector's own copy of the scheduler config, and only with chunked prefill.)

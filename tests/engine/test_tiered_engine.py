@@ -205,10 +205,11 @@ def test_a_long_prefill_leaves_the_hot_share_of_the_budget(eng: InProcessEngine)
     # prefill chunks are capped at 512 x (1 - 0.40 / 0.55) = 139 tokens.
     assert steps[-1]["tokens"] == {"c0": 139, "h0": 30}
     assert steps[-1]["threshold"] == 139
-    eng.step()  # h0 decodes: still capped, so the decode is not starved by the prefill
-    assert steps[-1]["tokens"] == {"c0": 139, "h0": 1}
-    eng.step()  # h0 finished: the hot tier lends its share
-    assert steps[-1]["tokens"] == {"c0": 512}
+    eng.step()  # h0 only decodes: the prefill leaves it its one token (c0 runs first)
+    assert steps[-1]["tokens"] == {"c0": 511, "h0": 1}
+    assert steps[-1]["threshold"] == 511
+    eng.step()  # h0 finished: no cap, the rest of c0's prompt (1500 - 512 - 139 - 511)
+    assert steps[-1]["tokens"] == {"c0": 338}
     assert steps[-1]["threshold"] == 0  # vLLM's own (no threshold)
     _apply(eng, {"policy": "fcfs"})
     add(eng, "c1", prompt=1500)
