@@ -183,11 +183,12 @@ class EngineControl:
         s = self.scheduler
         tiers = self.tiers
         running = running_by_tier(tiers.boundaries, s.running)
-        limits = tiers.limits_for(int(s.max_num_active_reqs))
+        max_active = int(s.max_num_active_reqs)
+        limits = tiers.limits_for(max_active)
         now = self.clock()
         waiting, holding = s.waiting, s.kv_holding_waiting
-        waiting.begin_step(now, running, limits)
-        holding.begin_step(now, running, limits)
+        waiting.begin_step(now, running, limits, max_active)
+        holding.begin_step(now, running, limits, max_active)
         if not self.chunked_prefill:
             return  # a capped prefill would be chunked: only where chunking is on
         queued = [a + b for a, b in zip(waiting.tier_counts(), holding.tier_counts(), strict=True)]

@@ -9,8 +9,9 @@ warm 256-1,024, cold >= 1,024: batch) done inside vLLM's scheduler:
   that), so none starves behind a steady stream of shorter ones.
 - per-tier admission limits: while a request of another tier waits, a tier
   at its limit admits no more (an aged request is exempt). A tier whose
-  neighbours have nothing waiting may borrow their slots, so the limits cost
-  nothing when the load is all of one kind.
+  neighbours have nothing waiting may borrow their slots, except that the
+  warm and cold tiers never borrow the hot tier's free slots: a burst of
+  long requests cannot fill the batch and leave arriving hot ones no room.
 - a share of the step's token budget per tier: while hot requests wait,
   every prefill chunk of the step is capped at the budget minus the hot
   tier's share (its share of the shares of the tiers that have work), so a
@@ -191,6 +192,7 @@ class TieredRequestQueue:
         self._now: float | None = None
         self._running: list[int] | None = None
         self._limits: tuple[int, int, int] = (0, 0, 0)
+        self._max_active = 0
         self._popped: set[str] = set()
         self._failed = False
 
@@ -203,8 +205,13 @@ class TieredRequestQueue:
         waited = now - self.waited_since(request)
         return max(0, tier - int(waited // self.config.aging_seconds)) if waited > 0 else tier
 
-    def begin_step(self, now: float, running: list[int], limits: tuple[int, int, int]) -> None:
+    def begin_step(
+        self, now: float, running: list[int], limits: tuple[int, int, int], max_active: int = 0
+    ) -> None:
+        """`running`: requests running per tier (updated as the queue admits);
+        `max_active`: the engine's admission limit (0: no hot reserve)."""
         self._now, self._running, self._limits = now, running, limits
+        self._max_active = max_active
         self._popped.clear()
 
     def end_step(self) -> None:
@@ -240,9 +247,12 @@ class TieredRequestQueue:
                 running is not None
                 and effective == tier  # an aged request is exempt from the limits
                 and running[tier] >= self._limits[tier]
-                and any(waiting[t] for t in range(3) if t != tier)
             ):
-                continue
+                if any(waiting[t] for t in range(3) if t != tier):
+                    continue  # another tier waits: no borrowing
+                hot_free = max(0, self._limits[0] - running[0])
+                if tier and self._max_active and sum(running) >= self._max_active - hot_free:
+                    continue  # borrowing would take the hot tier's free slots
             if best is None or key < best:
                 best, best_tier = key, tier
         if best is None:

@@ -194,6 +194,24 @@ def test_per_tier_admission_limits_and_lending(eng: InProcessEngine) -> None:
     assert {"c0", "c1", "c2", "h0", "h1"} <= set(eng.finished)
 
 
+def test_long_requests_never_borrow_the_hot_tiers_free_slots(eng: InProcessEngine) -> None:
+    _apply(eng, {"max_num_seqs": 3})
+    steps = record(eng)
+    for name in ("c0", "c1", "c2"):
+        add(eng, name, max_tokens=4)
+    eng.step()
+    # Only cold requests wait, so the cold tier borrows the warm slot, but not
+    # the hot one: c2 waits although one of the three sequences is free.
+    assert steps[-1]["admitted"] == ["c0", "c1"]
+    assert len(eng.scheduler.running) == 2
+    add(eng, "h0", max_tokens=4)
+    eng.step()
+    assert steps[-1]["admitted"] == ["h0"]  # the short request gets in at once
+    eng.run_until_done()
+    assert admitted(steps) == ["c0", "c1", "h0", "c2"]
+    assert {"c0", "c1", "c2", "h0"} <= set(eng.finished)
+
+
 def test_a_long_prefill_leaves_the_hot_share_of_the_budget(eng: InProcessEngine) -> None:
     steps = record(eng)
     add(eng, "c0", prompt=1500)

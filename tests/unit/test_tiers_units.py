@@ -120,15 +120,30 @@ def test_queue_limits_apply_only_inside_a_step() -> None:
     assert queue and queue.peek_request().request_id == "h0"
 
 
-def test_queue_lends_slots_when_no_other_tier_waits() -> None:
+def test_queue_lends_slots_when_no_other_tier_waits_but_keeps_the_hot_ones() -> None:
     clock = [0.0]
     queue = _queue(clock)
-    for i in range(3):
+    for i in range(5):
         queue.add_request(FakeRequest(f"c{i}", 2000, float(i)))
     running = [0, 0, 5]
-    queue.begin_step(0.0, running, (1, 1, 1))
-    assert [queue.pop_request().request_id for _ in range(3)] == ["c0", "c1", "c2"]
-    assert running == [0, 0, 8]
+    # 10 slots, 3 of them the hot tier's: the cold tier borrows up to 7.
+    queue.begin_step(0.0, running, (3, 3, 1), max_active=10)
+    assert [queue.pop_request().request_id for _ in range(2)] == ["c0", "c1"]
+    assert running == [0, 0, 7]
+    assert not queue  # c2 would take a free hot slot
+    queue.end_step()
+    running = [2, 0, 7]  # two hot requests run: one hot slot is free
+    queue.begin_step(0.0, running, (3, 3, 1), max_active=10)
+    assert not queue
+    queue.end_step()
+    running = [3, 0, 6]  # all hot slots taken, one slot free: nothing to keep
+    queue.begin_step(0.0, running, (3, 3, 1), max_active=10)
+    assert queue.peek_request().request_id == "c2"
+    assert queue.pop_request().request_id == "c2"
+    assert not queue  # 10 of 10
+    queue.end_step()
+    queue.begin_step(0.0, [3, 0, 7], (3, 3, 1), max_active=0)  # no reserve given
+    assert queue.pop_request().request_id == "c3"
 
 
 def test_a_skipped_request_given_back_does_not_count_as_running() -> None:

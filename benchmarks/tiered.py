@@ -1,0 +1,248 @@
+"""fcfs, priority and tiered side by side on a mixed workload.
+
+One in-process CPU engine (tiny random-weight Llama, the collector's
+scheduler class) serves the same open-loop arrival schedule three times,
+once per policy, switched live between the runs, in rounds of rotated order: short prompts (30-200
+tokens, the hot tier) at a steady rate beside a stream of long ones
+(1,500-3,000 tokens, cold), a length ratio of at least 7.5:1. No client
+gives a priority, so `priority` orders by arrival like `fcfs`.
+
+Per policy it prints the hot tier's TTFT (arrival in the engine to the first
+output token) P50 / P99, the cold tier's TTFT P99, the longest wait of any
+request for its first schedule (the collector's queue time), the aging bound
+plus the longest step (what `tiered` promises as the longest wait), and the
+generated tokens per second over the run (first arrival to last finish).
+
+    .venv/bin/python benchmarks/tiered.py [--seconds 15] [--rounds 3] [--seed 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ["VLLM_PLUGINS"] = ""  # the explicit scheduler class below, nothing else
+os.environ.setdefault("VLLM_RUNBOOK_PORT", "off")
+
+# The table's header row, as docs/tiered.md shows it.
+HEADER = (
+    " policy   | hot TTFT p50 | hot TTFT p99 | cold TTFT p99 | max wait | aging+step "
+    "| gen tok/s | requests"
+)
+POLICIES = ("fcfs", "priority", "tiered")
+
+ENGINE_ARGS = dict(
+    block_size=32,
+    gpu_memory_utilization=0.2,
+    max_model_len=4096,  # the 3,000-token prompts plus their output
+    max_num_seqs=32,
+    max_num_batched_tokens=2048,
+    num_gpu_blocks_override=2048,
+    enable_prefix_caching=False,  # every prompt is new anyway; no cache effects between runs
+    enforce_eager=True,
+    seed=0,
+    scheduler_cls="vllm_runbook.collector.scheduler.RunbookScheduler",
+)
+HOT_EVERY_S = 0.20  # a short request every 0.2 s
+# The long ones arrive at random (exponential gaps: they come in bursts), at a
+# mean rate that fills this share of the engine's prefill rate measured first:
+# a queue forms in bursts and drains between them, so the machine's speed
+# (shared cores) does not decide whether there is queueing at all.
+COLD_UTILIZATION = 0.6
+OUTPUT_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Arrival:
+    at: float  # seconds from the run's start
+    name: str
+    tier: str
+    prompt: int
+    offset: int
+
+
+def arrivals(seconds: float, seed: int, cold_every_s: float) -> list[Arrival]:
+    rng = random.Random(seed)
+    out: list[Arrival] = []
+    t, i = 0.0, 0
+    while t < seconds:
+        out.append(Arrival(t, f"h{i}", "hot", rng.randint(30, 200), rng.randrange(10**6)))
+        t += HOT_EVERY_S
+        i += 1
+    t, i = rng.expovariate(1 / cold_every_s), 0
+    while t < seconds:
+        out.append(Arrival(t, f"c{i}", "cold", rng.randint(1500, 3000), rng.randrange(10**6)))
+        t += rng.expovariate(1 / cold_every_s)
+        i += 1
+    return sorted(out, key=lambda a: a.at)
+
+
+@dataclass
+class Run:
+    policy: str
+    arrived: dict[str, float] = field(default_factory=dict)
+    first_token: dict[str, float] = field(default_factory=dict)
+    tokens: int = 0
+    longest_step: float = 0.0
+    end: float = 0.0
+    waits: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Pooled:
+    """One policy's runs over all rounds."""
+
+    policy: str
+    hot: list[float] = field(default_factory=list)  # TTFTs
+    cold: list[float] = field(default_factory=list)
+    waits: list[float] = field(default_factory=list)
+    tokens: int = 0
+    seconds: float = 0.0  # first arrival to last finish, summed over the rounds
+    longest_step: float = 0.0
+
+    def add(self, run: Run, schedule: list[Arrival]) -> None:
+        tier = {a.name: a.tier for a in schedule}
+        for name, t in run.first_token.items():
+            (self.hot if tier[name] == "hot" else self.cold).append(t - run.arrived[name])
+        self.waits += run.waits
+        self.tokens += run.tokens
+        self.seconds += run.end - min(run.arrived.values())
+        self.longest_step = max(self.longest_step, run.longest_step)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    rank = max(1, -(-int(q * 1000) * len(ordered) // 1000))
+    return ordered[rank - 1]
+
+
+def run_policy(llm: Any, policy: str, schedule: list[Arrival]) -> Run:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm_runbook.collector.control import parse_command
+    from vllm_runbook.collector.tiny_model import prompt_token_ids
+
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    collector = scheduler._runbook
+    collector.control.submit(parse_command({"policy": policy}), idle=lambda: True)
+    assert collector.control.knobs()["policy"] == policy
+    params = SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True, temperature=0.0)
+    prompts = {
+        a.name: TokensPrompt(prompt_token_ids=prompt_token_ids(a.prompt, a.offset))
+        for a in schedule
+    }
+    run = Run(policy)
+    logged = len(collector.requests.entries)
+    pending = list(schedule)
+    start = time.perf_counter()
+    while pending or engine.has_unfinished_requests():
+        now = time.perf_counter() - start
+        while pending and pending[0].at <= now:
+            a = pending.pop(0)
+            engine.add_request(f"{policy}:{a.name}", prompts[a.name], params)
+            run.arrived[a.name] = time.perf_counter() - start
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, pending[0].at - (time.perf_counter() - start)))
+            continue
+        before = time.perf_counter()
+        outputs = engine.step()
+        after = time.perf_counter()
+        run.longest_step = max(run.longest_step, after - before)
+        for out in outputs:
+            name = out.request_id.split(":", 1)[1]
+            if name not in run.first_token and out.outputs and out.outputs[0].token_ids:
+                run.first_token[name] = after - start
+            if out.finished:
+                run.tokens += len(out.outputs[0].token_ids)
+                run.end = after - start
+    entries = list(collector.requests.entries)[logged:]
+    run.waits = [e.queue_seconds for e in entries]
+    assert len(run.first_token) == len(schedule), "a request never produced a token"
+    return run
+
+
+def row(p: Pooled, aging_s: float) -> str:
+    return (
+        f" {p.policy:<8} | {percentile(p.hot, 0.5):10.3f} s | {percentile(p.hot, 0.99):10.3f} s "
+        f"| {percentile(p.cold, 0.99):11.3f} s | {max(p.waits):6.2f} s "
+        f"| {aging_s + p.longest_step:8.2f} s | {p.tokens / p.seconds:9.1f} "
+        f"| {len(p.hot)} hot + {len(p.cold)} cold"
+    )
+
+
+def prefill_rate(llm: Any) -> float:
+    """Prompt tokens per second of full-budget prefill steps on this engine now."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm_runbook.collector.tiny_model import prompt_token_ids
+
+    budget = int(ENGINE_ARGS["max_num_batched_tokens"])  # type: ignore[call-overload]
+    params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
+    prompts = [
+        TokensPrompt(prompt_token_ids=prompt_token_ids(budget, 7919 * (i + 1))) for i in range(12)
+    ]
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    return 12 * budget / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seconds", type=float, default=15.0, help="arrivals per run")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="rounds of the three policies, in rotated order"
+    )
+    parser.add_argument("--seed", type=int, default=7)
+    args = parser.parse_args()
+
+    from vllm import LLM
+    from vllm_runbook.collector.tiny_model import create_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = create_tiny_model(Path(tmp) / "tiny-llama")
+        llm = LLM(model=str(model), **ENGINE_ARGS)
+        aging_s = (
+            llm.llm_engine.engine_core.engine_core.scheduler._runbook.control.tiers.aging_seconds
+        )
+        run_policy(llm, "fcfs", arrivals(4.0, args.seed + 1, 1.0))  # warm-up, not measured
+        rate = prefill_rate(llm)
+        cold_every_s = 2250 / (COLD_UTILIZATION * rate)  # 2,250: the mean long prompt
+        pooled = {p: Pooled(p) for p in POLICIES}
+        for r in range(args.rounds):
+            # One schedule per round, the same for the three policies; the order
+            # rotates so that a machine getting faster or slower hits each alike.
+            schedule = arrivals(args.seconds, args.seed + r, cold_every_s)
+            for policy in POLICIES[r % 3 :] + POLICIES[: r % 3]:
+                pooled[policy].add(run_policy(llm, policy, schedule), schedule)
+    load = os.getloadavg()
+    print(
+        f"tiered vs fcfs vs priority, tiny CPU model, {args.rounds} rounds of {args.seconds:g} s "
+        f"of arrivals: a 30-200-token prompt every {HOT_EVERY_S:g} s, a 1500-3000-token one "
+        f"every {cold_every_s:.3f} s on average ({COLD_UTILIZATION:.0%} of the measured prefill "
+        f"rate, {rate:,.0f} tok/s), {OUTPUT_TOKENS} tokens out; budget "
+        f"{ENGINE_ARGS['max_num_batched_tokens']}, max_num_seqs {ENGINE_ARGS['max_num_seqs']}"
+    )
+    print(HEADER)
+    print("-" * len(HEADER))
+    for p in pooled.values():
+        print(row(p, aging_s))
+    fcfs, tiered = pooled["fcfs"], pooled["tiered"]
+    print(
+        f"tiered vs fcfs: hot TTFT p99 "
+        f"{percentile(fcfs.hot, 0.99) / percentile(tiered.hot, 0.99):.1f}x lower, throughput "
+        f"{(tiered.tokens / tiered.seconds) / (fcfs.tokens / fcfs.seconds):.1%} of fcfs, "
+        f"longest wait {max(tiered.waits):.2f} s (bound {aging_s + tiered.longest_step:.2f} s); "
+        f"load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
