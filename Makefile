@@ -76,6 +76,7 @@ bench: setup
 	$(PY) benchmarks/rules_eval.py
 	$(PY) benchmarks/webhook_ingest.py --seconds 6 --alerts 10
 	$(PY) benchmarks/webhook_ingest.py --seconds 6 --alerts 1
+	$(PY) benchmarks/tiered.py
 
 dashboards: setup
 	$(PY) -m vllm_runbook.dashboards.generate
