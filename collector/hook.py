@@ -744,6 +744,12 @@ class EngineCollector:
             return
         self.enabled = False
         self.error = f"{type(exc).__name__}: {exc}"
+        # The tiered policy's per-step chunk cap stops with us: vLLM's own
+        # threshold back (the tiered queue itself keeps ordering, limits off).
+        with contextlib.suppress(Exception):
+            self.scheduler.scheduler_config.long_prefill_token_threshold = (
+                self.control.long_prefill_threshold
+            )
         logger.error(
             "vllm-runbook: collector disabled for engine %d after an error; "
             "the engine keeps serving without it",

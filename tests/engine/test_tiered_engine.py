@@ -315,3 +315,38 @@ def test_bad_policy_and_tier_settings_are_refused(eng: InProcessEngine) -> None:
     with pytest.raises(ControlError, match="policy must be one of"):
         eng.collector.control.start_with_policy("lifo")
     assert isinstance(parse_command({"policy": "tiered"}), Command)
+
+
+def test_a_failing_tiered_step_disables_the_collector_not_the_engine(
+    tiered_engine: InProcessEngine,
+) -> None:
+    """Last in the module: it leaves the collector disabled."""
+    eng = tiered_engine
+    _apply(eng, {}, restore=True)
+    eng.finished.clear()
+    steps = record(eng)
+    add(eng, "c0", prompt=1500)
+    eng.step()
+    add(eng, "h0")
+    eng.step()
+    assert steps[-1]["threshold"] == 139  # capped while h0 waited
+    collector = eng.collector
+
+    def broken() -> None:
+        raise RuntimeError("injected tiered fault")
+
+    collector.control.begin_tiered_step = broken  # type: ignore[method-assign]
+    try:
+        for name in ("c1", "h1", "w0"):
+            add(eng, name)
+        eng.run_until_done()
+        assert {"c0", "h0", "c1", "h1", "w0"} <= set(eng.finished)
+        assert collector.enabled is False and "injected tiered fault" in (collector.error or "")
+        # vLLM's own threshold is back from the failing step on; the queue
+        # keeps its order, without limits.
+        assert eng.scheduler.scheduler_config.long_prefill_token_threshold == 0
+        assert [s["threshold"] for s in steps[2:]] == [0] * len(steps[2:])
+    finally:
+        del collector.control.begin_tiered_step
+        del eng.scheduler.schedule
+        collector.enabled, collector.error = True, None

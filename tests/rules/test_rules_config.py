@@ -61,7 +61,7 @@ def test_no_file_is_all_defaults() -> None:
     assert (config.database, config.engines, config.evaluation_interval) == (None, (), 5.0)
     assert config.automation.mode("oom-pressure") == "notify"
     assert config.webhook == WebhookConfig()
-    assert len(config.load_rules()) == 17  # the built-in catalog, seed defaults
+    assert len(config.load_rules()) == 19  # the built-in catalog, seed defaults
 
 
 def test_empty_file_is_all_defaults(tmp_path: Path) -> None:
