@@ -30,6 +30,7 @@ from vllm_runbook.collector.tiers import (
     TierConfig,
     TieredRequestQueue,
     prefill_chunk_cap,
+    prefills_running,
     running_by_tier,
 )
 
@@ -196,11 +197,15 @@ class EngineControl:
         threshold = user
         budget = int(s.max_num_scheduled_tokens)
         cap = 0
-        if queued[0]:  # hot requests wait: leave the hot tier its share
-            active = [q > 0 or r > 0 for q, r in zip(queued, running, strict=True)]
-            cap = prefill_chunk_cap(budget, tiers.shares, active, tiers.boundaries[0])
-        elif running[0]:  # hot requests decode: leave a token each
-            cap = max(1, budget - running[0])
+        if queued[0] or running[0]:
+            if queued[0]:  # hot requests wait: leave the hot tier its share
+                active = [q > 0 or r > 0 for q, r in zip(queued, running, strict=True)]
+                cap = prefill_chunk_cap(budget, tiers.shares, active, tiers.boundaries[0])
+            else:  # hot requests only decode: leave a token each
+                cap = max(1, budget - running[0])
+            # The cap is per chunk and each running prefill takes one (ahead of
+            # the waiting hot requests): split it between them.
+            cap = max(1, cap // max(1, prefills_running(s.running)))
         if cap:
             threshold = min(cap, user) if user else cap
         s.scheduler_config.long_prefill_token_threshold = threshold

@@ -16,8 +16,9 @@ warm 256-1,024, cold >= 1,024: batch) done inside vLLM's scheduler:
   every prefill chunk of the step is capped at the budget minus the hot
   tier's share (its share of the shares of the tiers that have work), so a
   long prefill never takes the whole step from the hot tier's admissions;
-  while hot requests only decode, the cap leaves one token for each; an
-  idle hot tier lends its share. (vLLM schedules the running
+  while hot requests only decode, the cap leaves one token for each; the
+  cap is split between the prefills running (each takes a chunk, ahead of
+  the waiting requests); an idle hot tier lends its share. (vLLM schedules the running
   requests first, in their order, and has one chunk limit per step,
   `long_prefill_token_threshold`: that is the lever, set per step on the
   collector's own copy of the scheduler config, and only with chunked prefill.)
@@ -39,7 +40,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
-from operator import attrgetter
+from operator import attrgetter, lt
 from typing import Any
 
 from vllm_runbook.collector.metrics import TIERS
@@ -151,6 +152,14 @@ def tiers_of(boundaries: tuple[int, int], requests: Iterable[Any]) -> Iterator[i
 def running_by_tier(boundaries: tuple[int, int], running: Iterable[Any]) -> list[int]:
     counts = Counter(tiers_of(boundaries, running))  # counted in C
     return [counts[0], counts[1], counts[2]]
+
+
+_num_computed_tokens = attrgetter("num_computed_tokens")
+
+
+def prefills_running(running: list[Any]) -> int:
+    """Running requests whose prompt is not computed yet (counted in C)."""
+    return sum(map(lt, map(_num_computed_tokens, running), map(_num_prompt_tokens, running)))
 
 
 def prefill_chunk_cap(

@@ -236,6 +236,21 @@ def test_a_long_prefill_leaves_the_hot_share_of_the_budget(eng: InProcessEngine)
     assert max(s["threshold"] for s in steps[3:]) == 0  # fcfs: never capped
 
 
+def test_the_hot_share_is_split_between_the_running_prefills(eng: InProcessEngine) -> None:
+    steps = record(eng)
+    for name in ("c0", "c1"):
+        add(eng, name, prompt=1500)
+    add(eng, "h0")
+    eng.step()
+    # h0 first; nothing ran yet, so each new chunk gets the whole cap of 139.
+    assert steps[-1]["tokens"] == {"h0": 30, "c0": 139, "c1": 139}
+    add(eng, "h1")
+    eng.step()
+    # Two prefills run ahead of the waiting h1: 139 split between them.
+    assert steps[-1]["tokens"] == {"h0": 1, "c0": 69, "c1": 69, "h1": 30}
+    assert steps[-1]["threshold"] == 69
+
+
 def test_switching_policies_keeps_every_request_exactly_once(eng: InProcessEngine) -> None:
     _apply(eng, {"max_num_seqs": 1})
     steps = record(eng)
