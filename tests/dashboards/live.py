@@ -63,6 +63,13 @@ def gpu_only(panel: Mapping[str, Any] | None) -> bool:
     return bool(panel) and str(panel.get("description", "")).startswith("GPU-only")  # type: ignore[union-attr]
 
 
+def is_finding(q: lint.Query) -> bool:
+    """A finding annotation: it marks where a queue-health rule's condition
+    holds, so a healthy run has no data for it (Prometheus still parses and
+    runs the query)."""
+    return q.kind == "annotation" and q.where.startswith("annotation 'Finding ")
+
+
 def every_query(select: Callable[[str, lint.Query], bool]) -> list[tuple[str, lint.Query]]:
     """(dashboard file, query) for every query of every dashboard that `select` takes."""
     return [(name, q) for name in DASHBOARDS for q in lint.queries(load(name)) if select(name, q)]

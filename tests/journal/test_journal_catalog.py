@@ -20,9 +20,11 @@ from vllm_runbook.runbooks.spec import CATALOG_DIR, CatalogError, load_catalog
 EXPECTED = {
     "batch-too-large",
     "batch-utilization-low",
+    "engine-stalled",
     "error-rate-high",
     "gpu-compute-skew",
     "gpu-memory-imbalance",
+    "hot-path-backlog",
     "padding-high",
     "kv-hit-low",
     "latency-spike",

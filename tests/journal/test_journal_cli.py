@@ -122,9 +122,11 @@ def test_list_and_show(capsys: pytest.CaptureFixture[str]) -> None:
     assert [line.split()[0] for line in lines[1:]] == [
         "batch-too-large",
         "batch-utilization-low",
+        "engine-stalled",
         "error-rate-high",
         "gpu-compute-skew",
         "gpu-memory-imbalance",
+        "hot-path-backlog",
         "kv-hit-low",
         "latency-spike",
         "memory-leak",
@@ -136,7 +138,7 @@ def test_list_and_show(capsys: pytest.CaptureFixture[str]) -> None:
     ]
     code, out, _ = run(capsys, "list", "--json")
     names = [r["name"] for r in json.loads(out)["runbooks"]]
-    assert names[8] == "oom-pressure" and len(names) == 13
+    assert names[10] == "oom-pressure" and len(names) == 15
 
     code, out, _ = run(capsys, "show", "oom-pressure")
     assert code == 0

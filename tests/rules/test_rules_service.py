@@ -73,8 +73,9 @@ def test_refuses_to_start_with_a_broken_catalog(tmp_path: Path) -> None:
     # Every broken rule is named; none is dropped silently; nothing was scheduled.
     assert [str(p) for p in info.value.problems] == [
         f"{shown}:6: rule VllmX: unknown runbook 'no-such-runbook' (known: batch-too-large, "
-        "batch-utilization-low, error-rate-high, gpu-compute-skew, gpu-memory-imbalance, "
-        "kv-hit-low, latency-spike, memory-leak, oom-pressure, padding-high, restore, "
+        "batch-utilization-low, engine-stalled, error-rate-high, gpu-compute-skew, "
+        "gpu-memory-imbalance, hot-path-backlog, kv-hit-low, latency-spike, memory-leak, "
+        "oom-pressure, padding-high, restore, "
         "throughput-drop, warmup; or null for diagnose-only)",
         f"{shown}:15: rule VllmY: unknown signal 'nope'",
     ]
