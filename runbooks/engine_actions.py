@@ -31,6 +31,7 @@ from vllm_runbook.runbooks.actions import (
     CaptureDiagnostics,
     RestoreKnobs,
     ScaleMaxNumBatchedTokens,
+    SetAutopilot,
     SetMaxNumSeqs,
     SetPolicy,
     declared_registry,
@@ -46,7 +47,13 @@ from vllm_runbook.runbooks.sources import (
 )
 from vllm_runbook.runbooks.warmup import send_warmup_requests
 
-KNOBS: Final = ("max_num_batched_tokens", "max_num_seqs", "policy")
+KNOBS: Final = (
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "policy",
+    "autopilot",
+    "autopilot_target",
+)
 
 # --- signals -----------------------------------------------------------------------
 
@@ -251,6 +258,26 @@ def set_policy(params: SetPolicy, ctx: ActionContext) -> ActionOutcome:
     return _set_knobs(ctx, {"policy": params.policy}, ("policy",), {})
 
 
+def set_autopilot(params: SetAutopilot, ctx: ActionContext) -> ActionOutcome:
+    """Switch the autopilot (a revert switches it back: its before-value is
+    journaled like a knob's). The details keep where max_num_seqs was when
+    it took over."""
+    knobs = ctx.state["knobs"]
+    if "autopilot" not in knobs:
+        return ActionOutcome(skipped="this engine's agent has no autopilot")
+    request: dict[str, Any] = {"autopilot": params.enabled}
+    touched: tuple[str, ...] = ("autopilot",)
+    if params.target is not None and params.target != knobs["autopilot_target"]:
+        request["autopilot_target"] = params.target
+        touched += ("autopilot_target",)
+    if knobs["autopilot"] == params.enabled and len(touched) == 1:
+        return ActionOutcome(
+            skipped=f"the autopilot is already {'on' if params.enabled else 'off'}"
+        )
+    details = {"max_num_seqs_at_hand_over": knobs["max_num_seqs"]} if params.enabled else {}
+    return _set_knobs(ctx, request, touched, details)
+
+
 def restore_knobs(params: RestoreKnobs, ctx: ActionContext) -> ActionOutcome:
     """Every knob back to its startup value (one command, applied atomically)."""
     knobs, startup = ctx.state["knobs"], ctx.state["startup"]
@@ -284,6 +311,7 @@ IMPLEMENTATIONS: Final[Mapping[str, Callable[..., ActionOutcome]]] = {
     "scale_max_num_batched_tokens": scale_max_num_batched_tokens,
     "set_max_num_seqs": set_max_num_seqs,
     "set_policy": set_policy,
+    "set_autopilot": set_autopilot,
     "restore_knobs": restore_knobs,
     "capture_diagnostics": capture_diagnostics,
     "advise": advise,

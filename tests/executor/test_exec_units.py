@@ -24,7 +24,13 @@ from vllm_runbook.runbooks.spec import Catalog, Runbook, load_catalog
 from vllm_runbook.runbooks.store import Store
 
 URL = "http://127.0.0.1:9360"
-STARTUP = {"max_num_batched_tokens": 512, "max_num_seqs": 32, "policy": "priority"}
+STARTUP = {
+    "max_num_batched_tokens": 512,
+    "max_num_seqs": 32,
+    "policy": "priority",
+    "autopilot": False,
+    "autopilot_target": 0.9,
+}
 SINCE_KEYS = ("preemptions_per_minute", "p99_latency_seconds", "error_rate", "kv_hit_ratio")
 PRESSURE = {
     "kv_blocks_used": 255,
@@ -404,6 +410,7 @@ def test_dry_run_changes_nothing_and_plans_every_step(make: Any) -> None:
     assert [(s.action, s.status, s.after) for s in result.record.steps] == [
         ("scale_max_num_batched_tokens", "planned", {"max_num_batched_tokens": 256}),
         ("set_max_num_seqs", "planned", {"max_num_seqs": 12}),
+        ("set_autopilot", "planned", {"autopilot": True}),
     ]
 
 
@@ -442,16 +449,25 @@ def test_stepwise_revert_goes_back_in_stages(make: Any) -> None:
     calm = {**PRESSURE, "preemptions_per_minute": 0.0}
     executor, agent = make(FakeAgent([PRESSURE, PRESSURE, PRESSURE, calm]))
     run = executor.execute("oom-pressure", URL, approved=True, condition_seconds=0)
-    assert agent.knobs == {**STARTUP, "max_num_batched_tokens": 256, "max_num_seqs": 12}
+    # Cut, then handed over to the autopilot.
+    assert agent.knobs == {
+        **STARTUP,
+        "max_num_batched_tokens": 256,
+        "max_num_seqs": 12,
+        "autopilot": True,
+    }
+    assert [s.action for s in run.record.steps][-1] == "set_autopilot"
+    assert run.record.steps[-1].params["max_num_seqs_at_hand_over"] == 12
     result = executor.revert(run.record.id, stepwise=True, healthy_period_seconds=60)
+    # The autopilot goes off at the first stage: left on, it would fight the stages.
     assert [(s.before, s.after) for s in result.record.steps] == [
         (
-            {"max_num_batched_tokens": 256, "max_num_seqs": 12},
-            {"max_num_batched_tokens": 384, "max_num_seqs": 22},
+            {"max_num_batched_tokens": 256, "max_num_seqs": 12, "autopilot": True},
+            {"max_num_batched_tokens": 384, "max_num_seqs": 22, "autopilot": False},
         ),
         (
-            {"max_num_batched_tokens": 384, "max_num_seqs": 22},
-            {"max_num_batched_tokens": 512, "max_num_seqs": 32},
+            {"max_num_batched_tokens": 384, "max_num_seqs": 22, "autopilot": False},
+            {"max_num_batched_tokens": 512, "max_num_seqs": 32, "autopilot": False},
         ),
     ]
     assert agent.knobs == STARTUP and result.record.status == "succeeded"
