@@ -108,7 +108,10 @@ class Autopilot:
         self.error = None
         self.limit = limit
         self.pending = None
-        self._draining = False
+        # Until the first step shows the limit in effect (no more running than
+        # it admits: a cap just before the hand-over may still be draining),
+        # a preemption is the old limit's, not this one's.
+        self._draining = True
         self._probe_from = None
         self._hold_until = -1
         self.last_change_step = step
