@@ -65,11 +65,23 @@ class CollectorSettings:
             window_seconds=float(env.get("VLLM_RUNBOOK_WINDOW_SECONDS", "60")),
             nvml_interval=float(env.get("VLLM_RUNBOOK_NVML_INTERVAL", "5")),
             server_limits=ServerLimits.from_env(env),
-            autopilot=parse_switch(env.get("VLLM_RUNBOOK_AUTOPILOT", "off")),
-            autopilot_target=parse_target(
+            **_autopilot_settings(env),
+        )
+
+
+def _autopilot_settings(env: dict[str, str]) -> dict[str, Any]:
+    """VLLM_RUNBOOK_AUTOPILOT and _TARGET. A bad value leaves the autopilot
+    off (one log line) rather than the collector unstarted."""
+    try:
+        return {
+            "autopilot": parse_switch(env.get("VLLM_RUNBOOK_AUTOPILOT", "off")),
+            "autopilot_target": parse_target(
                 env.get("VLLM_RUNBOOK_AUTOPILOT_TARGET", str(DEFAULT_TARGET))
             ),
-        )
+        }
+    except ValueError as exc:
+        logger.error("vllm-runbook: autopilot left off: VLLM_RUNBOOK_AUTOPILOT*: %s", exc)
+        return {"autopilot": False, "autopilot_target": DEFAULT_TARGET}
 
 
 def agent_token(host: str, env: dict[str, str] | None = None) -> str | None:

@@ -233,3 +233,19 @@ def test_bad_target(value: object) -> None:
 def test_good_values() -> None:
     assert parse_switch("ON") is True and parse_switch("off") is False
     assert parse_target("0.95") == 0.95 and parse_target(1) == 1.0
+
+
+def test_settings_from_the_environment(caplog: pytest.LogCaptureFixture) -> None:
+    from vllm_runbook.collector.hook import CollectorSettings
+
+    assert CollectorSettings.from_env({}).autopilot is False
+    on = CollectorSettings.from_env(
+        {"VLLM_RUNBOOK_AUTOPILOT": "on", "VLLM_RUNBOOK_AUTOPILOT_TARGET": "0.85"}
+    )
+    assert (on.autopilot, on.autopilot_target) == (True, 0.85)
+    # A bad value leaves the autopilot off, not the collector unstarted.
+    bad = CollectorSettings.from_env(
+        {"VLLM_RUNBOOK_AUTOPILOT": "on", "VLLM_RUNBOOK_AUTOPILOT_TARGET": "2"}
+    )
+    assert (bad.autopilot, bad.autopilot_target) == (False, 0.9)
+    assert "autopilot left off" in caplog.text and "got '2'" in caplog.text
