@@ -20,12 +20,13 @@ For each, the same engine runs, one after the other:
 
 Printed per row: generated tokens/s and preemptions per 1,000 finished
 requests over the measured part (after `--warmup` seconds; for `mix`, the
-whole run), P50/P99 end-to-end latency of the requests finished in it, the
-max_num_seqs range over the measured part, and for `mix` the seconds after
-the shift until the last preemption with max_num_seqs within ±2 of its final
-value from then on ("settle"; "never" when preemptions go on to the end).
+whole run: `--seconds` short, then `--seconds` long), P50/P99 end-to-end
+latency of the requests finished in it, the max_num_seqs range over the
+measured part, and for `mix` the seconds after the shift until the last
+preemption with max_num_seqs within +-2 of its final value from then on
+("settle"; "never" when preemptions go on to the end).
 
-    .venv/bin/python benchmarks/autopilot.py [--seconds 20] [--warmup 8]
+    .venv/bin/python benchmarks/autopilot.py [--seconds 12] [--warmup 8]
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ ENGINE_ARGS = dict(
 LONG = ((300, 600), 150)
 SHORT = ((20, 80), 32)
 CLIENTS = 48
-SWEEP = {"long": (32, 16, 12, 10, 8, 6), "short": (32, 16, 8), "mix": (32, 12, 10, 8)}
+SWEEP = {"long": (32, 16, 12, 10, 8, 6), "short": (32, 16), "mix": (32, 12, 10, 8)}
 
 
 @dataclass
@@ -112,7 +113,7 @@ class Bench:
         elif setting == "autopilot":
             self._command(autopilot=True)
         result = Run(workload, setting)
-        total = self.seconds + (0 if workload == "mix" else self.warmup)
+        total = run_seconds(workload, self.seconds, self.warmup)
         shape = {"long": LONG, "short": SHORT, "mix": SHORT}[workload]
         started: dict[str, float] = {}
         start = time.perf_counter()
@@ -148,6 +149,12 @@ class Bench:
         while self.engine.has_unfinished_requests():
             self.engine.step()
         return result
+
+
+def run_seconds(workload: str, seconds: float, warmup: float) -> float:
+    """Warm-up then the measured part; `mix` is short for `seconds`, then long
+    for `seconds`, all measured."""
+    return 2 * seconds if workload == "mix" else warmup + seconds
 
 
 def summarize(run: Run, warmup: float, total: float) -> dict[str, Any]:
@@ -190,7 +197,7 @@ def settle_seconds(trace: list[tuple[float, int, int]], shift: float) -> float |
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seconds", type=float, default=20.0, help="measured seconds per run")
+    parser.add_argument("--seconds", type=float, default=12.0, help="measured seconds per run")
     parser.add_argument("--warmup", type=float, default=8.0, help="unmeasured seconds first")
     parser.add_argument("--condition-seconds", type=float, default=3.0)
     parser.add_argument("--workloads", default="long,short,mix")
@@ -206,7 +213,7 @@ def main() -> None:
     rows = []
     for workload in args.workloads.split(","):
         settings = [f"static {n}" for n in SWEEP[workload]] + ["oom-pressure cap", "autopilot"]
-        total = args.seconds + (0 if workload == "mix" else args.warmup)
+        total = run_seconds(workload, args.seconds, args.warmup)
         for setting in settings:
             run = bench.run(workload, setting)
             rows.append((workload, setting, summarize(run, args.warmup, total)))
@@ -224,8 +231,9 @@ def main() -> None:
         settle_text = "" if workload != "mix" else ("never" if settle is None else f"{settle:.1f}")
         low, high = row["seqs"]
         print(
-            f" {workload:<8} | {setting:<18} | {row['tok_s']:>6.0f} | {row['preempt_per_1k']:>14.1f} "
-            f"| {row['p50']:>6.2f} | {row['p99']:>6.2f} | {low:>2}-{high:<2} | {settle_text}"
+            f" {workload:<8} | {setting:<18} | {row['tok_s']:>6.0f} "
+            f"| {row['preempt_per_1k']:>14.1f} | {row['p50']:>6.2f} | {row['p99']:>6.2f} "
+            f"| {low:>2}-{high:<2} | {settle_text}"
         )
     for workload, setting, row in rows:
         if setting == "autopilot" and workload in best:
