@@ -70,8 +70,10 @@ SWEEP = {"long": (32, 16, 12, 10, 8, 6), "short": (32, 16), "mix": (32, 12, 10, 
 class Run:
     workload: str
     setting: str
-    # (wall seconds since start, generated tokens) per finished request.
+    # (seconds since start, end-to-end seconds, generated tokens) per finished request.
     finished: list[tuple[float, float, int]] = field(default_factory=list)
+    # (seconds since start, tokens generated) per request output of each step.
+    tokens: list[tuple[float, int]] = field(default_factory=list)
     # (seconds since start, max_num_seqs after the step, cumulative preemptions).
     trace: list[tuple[float, int, int]] = field(default_factory=list)
 
@@ -116,6 +118,7 @@ class Bench:
         total = run_seconds(workload, self.seconds, self.warmup)
         shape = {"long": LONG, "short": SHORT, "mix": SHORT}[workload]
         started: dict[str, float] = {}
+        generated: dict[str, int] = {}
         start = time.perf_counter()
         for _ in range(CLIENTS):
             started[self._add(shape, rng)] = 0.0
@@ -126,9 +129,16 @@ class Bench:
             if workload == "mix" and now >= total / 2:
                 shape = LONG
             for out in self.engine.step():
+                # Cumulative outputs: count this step's new tokens (a request
+                # preempted and recomputed does not count its tokens twice).
+                count = len(out.outputs[0].token_ids)
+                new_tokens = max(0, count - generated.get(out.request_id, 0))
+                generated[out.request_id] = count
+                result.tokens.append((now, new_tokens))
                 if out.finished:
                     t0 = started.pop(out.request_id)
-                    result.finished.append((now, now - t0, len(out.outputs[0].token_ids)))
+                    generated.pop(out.request_id, None)
+                    result.finished.append((now, now - t0, count))
                     started[self._add(shape, rng)] = now
             preempted = collector.preemptions - base
             result.trace.append((now, int(self.scheduler.max_num_active_reqs), preempted))
@@ -162,7 +172,7 @@ def summarize(run: Run, warmup: float, total: float) -> dict[str, Any]:
     done = [(t, e2e, n) for t, e2e, n in run.finished if t >= measured_from]
     trace = [(t, s, p) for t, s, p in run.trace if t >= measured_from]
     seconds = total - measured_from
-    tokens = sum(n for _, _, n in done)
+    tokens = sum(n for t, n in run.tokens if t >= measured_from)
     preempted = trace[-1][2] - trace[0][2] if trace else 0
     latencies = sorted(e2e for _, e2e, _ in done)
     row: dict[str, Any] = {
