@@ -26,10 +26,10 @@ measured part, and for `mix` the seconds after the shift until the last
 preemption with max_num_seqs within +-2 of its final value from then on
 ("settle"; "never" when preemptions go on to the end).
 
-Seconds (run lengths, tokens/s, latencies, settling) are the engine
-process's CPU seconds unless `--wall-clock`: on a machine shared with other
-work, wall time measures the neighbours. The CPU engine runs torch on one
-thread, so on an idle machine the two agree.
+Seconds (run lengths, tokens/s, latencies, settling) are the CPU seconds
+of the thread that runs the engine (the in-process EngineCore, one OpenMP
+thread) unless `--wall-clock`: on a machine shared with other work, wall
+time measures the neighbours. On an idle machine the two agree.
 
     .venv/bin/python benchmarks/autopilot.py [--seconds 12] [--warmup 8]
 """
@@ -50,6 +50,10 @@ from typing import Any
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_RUNBOOK_PORT", "0")
+# One OpenMP thread: on 2 cores shared with other work, a second OpenMP
+# thread spin-waits at every barrier against the neighbours, and the engine
+# ran 30x slower (measured: 39 steps in 6 s instead of 1,367).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 HEADER = (
     " workload | setting            |  tok/s | preempt/1k req |  P50 s |  P99 s | seqs  | settle s"
@@ -93,7 +97,7 @@ class Bench:
         self.collector = self.scheduler._runbook
         self.seconds, self.warmup, self.condition = seconds, warmup, condition
         self.ids = itertools.count()
-        self.clock = time.perf_counter if wall_clock else time.process_time
+        self.clock = time.perf_counter if wall_clock else time.thread_time
 
     def _add(self, shape: tuple[tuple[int, int], int], rng: random.Random) -> str:
         from vllm import SamplingParams
@@ -239,7 +243,7 @@ def main() -> None:
         for setting in settings:
             run = bench.run(workload, setting)
             rows.append((workload, setting, summarize(run, args.warmup, total)))
-    clock = "wall" if args.wall_clock else "the engine process's CPU"
+    clock = "wall" if args.wall_clock else "the engine thread's CPU"
     print(
         f"{os.cpu_count()} CPUs, load average {load:.1f} at the start, "
         f"{os.getloadavg()[0]:.1f} at the end; {CLIENTS} closed-loop clients; "
