@@ -225,7 +225,9 @@ def main() -> None:
     parser.add_argument("--condition-seconds", type=float, default=3.0)
     parser.add_argument("--workloads", default="long,short,mix")
     parser.add_argument(
-        "--wall-clock", action="store_true", help="wall seconds instead of the process's CPU time"
+        "--wall-clock",
+        action="store_true",
+        help="wall seconds instead of the engine thread's CPU time",
     )
     args = parser.parse_args()
 
