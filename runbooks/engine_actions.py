@@ -153,6 +153,8 @@ class ActionContext:
     begin: Callable[[dict[str, Any], dict[str, Any]], None]
     # The engine's vLLM API server (warm-up requests go there), when known.
     api_url: str | None = None
+    # Sleeps (the executor's: a fake clock in tests, the engine lock kept alive).
+    wait: Callable[[float], None] = time.sleep
 
     @property
     def knobs(self) -> dict[str, Any]:
@@ -220,17 +222,37 @@ def scale_max_num_batched_tokens(
     )
 
 
+# Reads of the KV footprint before set_max_num_seqs(kv_capacity) gives up.
+KV_CAPACITY_REREADS: Final = 10
+KV_CAPACITY_REREAD_SECONDS: Final = 0.2
+
+
 def set_max_num_seqs(params: SetMaxNumSeqs, ctx: ActionContext) -> ActionOutcome:
     """Lower the admission limit, to a number or to the KV capacity now."""
     current = int(ctx.state["knobs"]["max_num_seqs"])
     details: dict[str, Any] = {}
     if params.value == "kv_capacity":
         capacity = kv_capacity_seqs(ctx.state["stats"])
+        for _ in range(KV_CAPACITY_REREADS):
+            if capacity is not None:
+                break
+            # In a preemption storm a step can preempt every running request
+            # (vLLM admits none in a step that preempted): the read between two
+            # such steps sees nothing running. Measured on a served CPU engine:
+            # that one read skipped the cap and left the storm going.
+            ctx.wait(KV_CAPACITY_REREAD_SECONDS)
+            ctx.state = ctx.client.state()
+            capacity = kv_capacity_seqs(ctx.state["stats"])
+            current = int(ctx.state["knobs"]["max_num_seqs"])
         details["kv_capacity_seqs"] = capacity
         if capacity is None:
             return ActionOutcome(
                 details=details,
-                skipped="kv_capacity unknown: no running request holds KV blocks",
+                skipped=(
+                    "kv_capacity unknown: no running request held KV blocks in "
+                    f"{KV_CAPACITY_REREADS + 1} reads over "
+                    f"{KV_CAPACITY_REREADS * KV_CAPACITY_REREAD_SECONDS:g} s"
+                ),
             )
         if capacity >= current:
             # Never raise the limit: capacity above it means KV is not the bound.

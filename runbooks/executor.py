@@ -501,7 +501,12 @@ class Run:
             )
 
         ctx = ActionContext(
-            self.client, state, self.dry_run, begin, self.x.api_urls.get(self.client.url)
+            self.client,
+            state,
+            self.dry_run,
+            begin,
+            self.x.api_urls.get(self.client.url),
+            wait=lambda seconds: self.x.wait(seconds, self.renew),
         )
         outcome: ActionOutcome = self.x.registry.call(step.action, step.params, ctx)
         return outcome

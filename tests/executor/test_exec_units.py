@@ -326,6 +326,31 @@ def test_conditional_step_is_evaluated_after_its_wait(make: Any) -> None:
     assert executor.clock() == 1002.0
 
 
+def test_kv_capacity_is_read_again_while_nothing_runs(make: Any) -> None:
+    """A storm step can preempt every running request: one read between two
+    such steps sees nothing running; the cap reads again before it gives up."""
+    rb = runbook(
+        steps=[{"action": "set_max_num_seqs", "params": {"value": "kv_capacity"}}],
+        verification=None,
+    )
+    emptied = {**PRESSURE, "num_requests_running": 0, "kv_blocks_used": 0, "kv_blocks_free": 255}
+    # checks, the step's own read, two re-reads that still see nothing, then pressure.
+    executor, agent = make(FakeAgent([PRESSURE, emptied, emptied, emptied, PRESSURE]))
+    result = executor.execute(rb, URL)
+    assert statuses(result) == [("set_max_num_seqs", "applied")]
+    assert result.record.steps[0].after == {"max_num_seqs": 12}  # 24 running x 0.5
+    assert result.record.steps[0].params["kv_capacity_seqs"] == 24
+    assert executor.clock() == pytest.approx(1000.6)  # three waits of 0.2 s
+
+    executor, agent = make(FakeAgent([PRESSURE, emptied]))
+    result = executor.execute(rb, URL)
+    assert statuses(result) == [("set_max_num_seqs", "skipped")]
+    assert result.record.steps[0].params["note"] == (
+        "kv_capacity unknown: no running request held KV blocks in 11 reads over 2 s"
+    )
+    assert agent.writes == []
+
+
 def test_step_two_refused_rolls_step_one_back(make: Any) -> None:
     rb = runbook(
         steps=[
