@@ -221,3 +221,24 @@ def test_bad_values_are_refused_in_one_line(pilot_engine: InProcessEngine) -> No
     r = post(pilot_engine, "/v1/knobs", {"autopilot_target": 2})
     assert r.status_code == 400 and "autopilot_target must be in (0, 1]" in r.json()["error"]
     assert httpx.get(url + "/v1/state").json()["knobs"]["autopilot"] is False
+
+
+def test_switched_on_from_the_environment_at_start(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VLLM_RUNBOOK_AUTOPILOT", "on")
+    monkeypatch.setenv("VLLM_RUNBOOK_AUTOPILOT_TARGET", "0.8")
+    eng = InProcessEngine.start(tiny_model, max_num_seqs=8, num_gpu_blocks_override=64)
+    try:
+        assert eng.value(M.AUTOPILOT_ENABLED.name) == 1
+        assert eng.value(M.AUTOPILOT_KV_TARGET.name) == pytest.approx(0.8)
+        assert eng.value(M.AUTOPILOT_KV_HIGH.name) == pytest.approx(0.85)
+        state = httpx.get(eng.collector.server.url + "/v1/state").json()
+        assert (state["knobs"]["autopilot"], state["startup"]["autopilot"]) == (True, False)
+        assert state["autopilot"]["limit"] == 8 and state["autopilot"]["ceiling"] == 8
+        # restore: the autopilot off (its startup value), the target back to the engine's.
+        restored = post(eng, "/v1/restore", {}).json()
+        assert restored["changes"] == [{"knob": "autopilot", "before": True, "after": False}]
+        assert eng.value(M.AUTOPILOT_ENABLED.name) == 0
+    finally:
+        eng.close()
