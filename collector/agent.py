@@ -4,7 +4,8 @@
                        ?since_step=N adds `since`: what happened from the step a
                        change took effect from (counter deltas, finished requests)
     POST /v1/knobs     {"max_num_batched_tokens"|"scale_max_num_batched_tokens",
-                        "max_num_seqs", "policy", "clamp", "dry_run"}  (bearer token)
+                        "max_num_seqs", "policy", "autopilot", "autopilot_target",
+                        "clamp", "dry_run"}  (bearer token)
     POST /v1/restore   {"dry_run"}: every knob back to its startup value (bearer token)
 
 Answers: 200 with before/after and the step from which the change applies;

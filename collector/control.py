@@ -8,6 +8,10 @@ Rules (see DESIGN.md):
   largest multimodal item when mm chunking is off, above the speculative
   draft slots, ≥ the admission limit (every admitted sequence can decode in
   one step), and ≥ 1; max_num_seqs ≥ 1;
+- the autopilot (autopilot.py) is switched here like a knob; its own
+  changes of max_num_seqs go through `apply_autopilot`, within the same
+  bounds, and never above the token budget (whose floor it would move);
+  a command that sets max_num_seqs by hand turns the autopilot off;
 - mutate only between schedule() calls: commands are queued and applied in
   arrival order by whoever holds the scheduler lock first — the engine thread
   at the start of schedule(), or the HTTP thread when the engine is idle.
@@ -26,6 +30,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_runbook.collector.autopilot import Autopilot, parse_switch, parse_target
 from vllm_runbook.collector.tiers import (
     TierConfig,
     TieredRequestQueue,
@@ -34,7 +39,7 @@ from vllm_runbook.collector.tiers import (
     running_by_tier,
 )
 
-KNOBS = ("max_num_batched_tokens", "max_num_seqs", "policy")
+KNOBS = ("max_num_batched_tokens", "max_num_seqs", "policy", "autopilot", "autopilot_target")
 POLICIES = ("fcfs", "priority", "tiered")
 
 
@@ -111,6 +116,19 @@ def parse_command(body: Any, restore: bool = False) -> Command:
                 f"policy must be one of {', '.join(POLICIES)}, got {body['policy']!r}"
             )
         values["policy"] = body["policy"]
+    if body.get("autopilot") is not None:
+        try:
+            values["autopilot"] = parse_switch(body["autopilot"])
+        except ValueError as exc:
+            raise ControlError(str(exc)) from None
+    if body.get("autopilot_target") is not None:
+        target = body["autopilot_target"]
+        if isinstance(target, str):  # JSON numbers only; the CLI parses text
+            raise ControlError(f"autopilot_target must be a number in (0, 1], got {target!r}")
+        try:
+            values["autopilot_target"] = parse_target(target)
+        except ValueError as exc:
+            raise ControlError(str(exc)) from None
     for flag in ("clamp", "dry_run"):
         if not isinstance(body.get(flag, False), bool):
             raise ControlError(f"{flag} must be true or false")
@@ -127,11 +145,13 @@ class EngineControl:
         scheduler: Any,
         current_step: Callable[[], int],
         on_applied: Callable[[int], None] | None = None,
+        autopilot: Autopilot | None = None,
         tiers: TierConfig | None = None,
         clock: Callable[[], float] = time.time,
         waited_since: Callable[[Any], float] | None = None,
     ) -> None:
         self.scheduler = scheduler
+        self.autopilot = autopilot or Autopilot()
         # The tiered policy: vLLM's own code sees FCFS (its `policy` enum has
         # no other value to take); our queue does the ordering and limits.
         self.tiers = tiers or TierConfig()
@@ -226,7 +246,14 @@ class EngineControl:
             "max_num_batched_tokens": int(s.max_num_scheduled_tokens),
             "max_num_seqs": int(s.max_num_active_reqs),
             "policy": "tiered" if self.tiered else getattr(s.policy, "value", str(s.policy)),
+            "autopilot": self.autopilot.enabled,
+            "autopilot_target": self.autopilot.target,
         }
+
+    def autopilot_ceiling(self) -> int:
+        """The highest max_num_seqs the autopilot may set: the startup value,
+        and the budget now (the budget's floor follows max_num_seqs)."""
+        return min(int(self.startup["max_num_seqs"]), int(self.scheduler.max_num_scheduled_tokens))
 
     def bounds(self, max_num_seqs: int | None = None) -> dict[str, Bound]:
         """Bounds now; the budget's floor depends on the admission limit
@@ -324,6 +351,8 @@ class EngineControl:
             scale = values.pop("scale_max_num_batched_tokens")
             values["max_num_batched_tokens"] = max(1, int(before["max_num_batched_tokens"] * scale))
         target.update(values)
+        if "max_num_seqs" in values and "autopilot" not in values:
+            target["autopilot"] = False  # set by hand: the operator takes over
         clamped = []
         seq_bound = self.bounds()["max_num_seqs"]
         target["max_num_seqs"], note = self._check(
@@ -398,10 +427,25 @@ class EngineControl:
             s.max_num_active_reqs = target["max_num_seqs"]
         if target["policy"] != before["policy"]:
             self._switch_policy(target["policy"])
+        if target["autopilot_target"] != before["autopilot_target"]:
+            self.autopilot.set_target(target["autopilot_target"], self.current_step())
+        if target["autopilot"] != before["autopilot"]:
+            if target["autopilot"]:
+                self.autopilot.enable(int(s.max_num_active_reqs), self.current_step())
+            else:
+                self.autopilot.disable()  # the knobs stay where they are
         result["after"] = self.knobs()
         if changes and self.on_applied is not None:
             self.on_applied(self.current_step() + 1)
         return result
+
+    def apply_autopilot(self, limit: int) -> int:
+        """The autopilot's own change of max_num_seqs (engine thread, under the
+        lock, before schedule()): clamped to 1..autopilot_ceiling(). Not a
+        command: no mark, no future; the autopilot counts its changes."""
+        limit = max(1, min(int(limit), self.autopilot_ceiling()))
+        self.scheduler.max_num_active_reqs = limit
+        return limit
 
     def _switch_policy(self, policy_name: str) -> None:
         from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue

@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry
 from vllm_runbook.collector import metrics as M
 from vllm_runbook.collector.agent import install_routes
 from vllm_runbook.collector.auth import TokenError, configured_token, generate_token, is_loopback
+from vllm_runbook.collector.autopilot import DEFAULT_TARGET, Autopilot, parse_switch, parse_target
 from vllm_runbook.collector.control import POLICIES, EngineControl
 from vllm_runbook.collector.exporter import MultiprocessMirror, Sample, StatsExporter, close_quietly
 from vllm_runbook.collector.nvml import NvmlPoller, load_pynvml
@@ -60,6 +61,8 @@ class CollectorSettings:
     window_seconds: float = 60.0
     nvml_interval: float = 5.0
     server_limits: ServerLimits = field(default_factory=ServerLimits)
+    autopilot: bool = False
+    autopilot_target: float = DEFAULT_TARGET
     # The scheduling policy to start with (None: vLLM's own --scheduling-policy),
     # and the tiers of the `tiered` policy and of the per-tier signals.
     policy: str | None = None
@@ -82,9 +85,25 @@ class CollectorSettings:
             window_seconds=float(env.get("VLLM_RUNBOOK_WINDOW_SECONDS", "60")),
             nvml_interval=float(env.get("VLLM_RUNBOOK_NVML_INTERVAL", "5")),
             server_limits=ServerLimits.from_env(env),
+            **_autopilot_settings(env),
             policy=env.get("VLLM_RUNBOOK_POLICY", "").strip().lower() or None,
             tiers=TierConfig.from_env(env),
         )
+
+
+def _autopilot_settings(env: dict[str, str]) -> dict[str, Any]:
+    """VLLM_RUNBOOK_AUTOPILOT and _TARGET. A bad value leaves the autopilot
+    off (one log line) rather than the collector unstarted."""
+    try:
+        return {
+            "autopilot": parse_switch(env.get("VLLM_RUNBOOK_AUTOPILOT", "off")),
+            "autopilot_target": parse_target(
+                env.get("VLLM_RUNBOOK_AUTOPILOT_TARGET", str(DEFAULT_TARGET))
+            ),
+        }
+    except ValueError as exc:
+        logger.error("vllm-runbook: autopilot left off: VLLM_RUNBOOK_AUTOPILOT*: %s", exc)
+        return {"autopilot": False, "autopilot_target": DEFAULT_TARGET}
 
 
 def agent_token(host: str, env: dict[str, str] | None = None) -> str | None:
@@ -234,6 +253,7 @@ class EngineCollector:
         self.wall_clock: Callable[[], float] = time.time
         self._horizon_lock = threading.Lock()
         self._horizon_floor = 0.0
+        self.autopilot = Autopilot(self.settings.autopilot_target)
         # Per tier: seconds from arrival in the engine to the first schedule.
         self.tier_queue_histograms = tuple(Histogram(M.REQUEST_SECONDS_BUCKETS) for _ in TIERS)
         arrived = self._arrived
@@ -241,12 +261,15 @@ class EngineCollector:
             scheduler,
             lambda: self.steps,
             self.on_change_applied,
+            self.autopilot,
             tiers=self.settings.tiers,
             clock=lambda: self.wall_clock(),
             waited_since=lambda r: arrived.get(r.request_id, r.arrival_time),
         )
         if self.settings.policy is not None:
             self.control.start_with_policy(self.settings.policy)
+        if self.settings.autopilot:
+            self.autopilot.enable(int(scheduler.max_num_active_reqs), 0)
 
         self._wrap_prefix_cache_stats(kv_manager)
         self.registry.register(StatsExporter(self.samples, self.labels))
@@ -349,6 +372,10 @@ class EngineCollector:
             "knobs": self.control.knobs(),
             "startup": dict(self.control.startup),
             "bounds": {knob: b.as_dict() for knob, b in bounds.items()},
+            "autopilot": {
+                **self.autopilot.snapshot(),
+                "ceiling": self.control.autopilot_ceiling(),
+            },
             "stats": stats,
             "gpus": self.nvml.snapshot(),
             "schedule_histogram": {
@@ -589,6 +616,52 @@ class EngineCollector:
         max_len = max(lengths, default=0)
         self.length_padding = 1.0 - computed / (len(lengths) * max_len) if max_len else 0.0
 
+    # -- the autopilot (engine thread) ------------------------------------------
+
+    def autopilot_observe(self, scheduler: Any, output: Any, free_before: int) -> None:
+        """After schedule() and on_schedule(): feed the controller this step."""
+        usable = self._usable_blocks
+        self.autopilot.observe(
+            self.steps,
+            scheduler.max_num_active_reqs,
+            self.control.autopilot_ceiling(),
+            len(scheduler.running),
+            len(scheduler.waiting) + len(scheduler.kv_holding_waiting),
+            len(output.preempted_req_ids),
+            1.0 - free_before / usable if usable else 0.0,
+        )
+
+    def autopilot_apply(self) -> None:
+        """Before schedule(), under the scheduler lock: its pending decision."""
+        decision = self.autopilot.pending
+        self.autopilot.pending = None
+        if decision is not None and self.autopilot.enabled:
+            applied = self.control.apply_autopilot(decision.limit)
+            self.autopilot.limit = applied
+            logger.debug(
+                "vllm-runbook: engine %d autopilot: max_num_seqs %d (%s) from step %d",
+                self.dp_rank,
+                applied,
+                decision.reason,
+                self.steps + 1,
+            )
+
+    def autopilot_failed(self, exc: BaseException) -> None:
+        """Fail open: the autopilot turns off, the knobs stay, the engine and
+        the collector go on."""
+        autopilot = self.autopilot
+        if not autopilot.enabled:
+            return
+        autopilot.disable()
+        autopilot.error = f"{type(exc).__name__}: {exc}"
+        logger.error(
+            "vllm-runbook: autopilot turned off for engine %d after an error (%s); "
+            "the engine keeps serving with max_num_seqs %d",
+            self.dp_rank,
+            autopilot.error,
+            int(self.scheduler.max_num_active_reqs),
+        )
+
     def on_request_finished(self, request: Any) -> None:
         """A request is being freed (finished, length-capped, aborted, failed)."""
         from vllm.v1.request import RequestStatus
@@ -600,6 +673,14 @@ class EngineCollector:
         if queued is None:  # never scheduled: it waited until now
             queued = max(0.0, now - arrived) if arrived is not None else 0.0
         reason = RequestStatus.get_finished_reason(request.status)
+        if self.autopilot.enabled:
+            try:
+                budget = self.scheduler.max_num_scheduled_tokens or 1
+                self.autopilot.on_request_finished(
+                    request.num_output_tokens, -(-request.num_prompt_tokens // budget)
+                )
+            except Exception as exc:
+                self.autopilot_failed(exc)
         self.requests.add(
             Finished(
                 step=self.steps,
@@ -683,6 +764,11 @@ class EngineCollector:
                 Sample(M.SCHEDULER_POLICY, 1.0 if name == policy else 0.0, (name,))
                 for name in M.POLICIES
             ),
+            Sample(M.AUTOPILOT_ENABLED, 1.0 if self.autopilot.enabled else 0.0),
+            Sample(M.AUTOPILOT_KV_TARGET, self.autopilot.target),
+            Sample(M.AUTOPILOT_KV_HIGH, self.autopilot.high),
+            Sample(M.AUTOPILOT_CHANGES, self.autopilot.changes_up, ("up",)),
+            Sample(M.AUTOPILOT_CHANGES, self.autopilot.changes_down, ("down",)),
             *self.tier_samples(),
         ]
 
@@ -809,14 +895,24 @@ class RunbookSchedulerMixin:
                 if control.pending:  # knob changes land between steps only
                     control.drain()
                 free_before = runbook.block_pool.get_num_free_blocks()
-                tiered = control.tiered
-                if tiered:
-                    control.begin_tiered_step()
             except Exception as exc:
                 runbook.disable(exc)
-                with contextlib.suppress(Exception):
-                    control.end_tiered_step()  # the queues go on, in order, without limits
                 return super().schedule(*args, **kwargs)  # type: ignore[misc]
+            if runbook.autopilot.pending is not None:
+                try:
+                    runbook.autopilot_apply()
+                except Exception as exc:
+                    runbook.autopilot_failed(exc)
+            # After the autopilot: the tier limits scale with this step's max_num_seqs.
+            tiered = control.tiered
+            if tiered:
+                try:
+                    control.begin_tiered_step()
+                except Exception as exc:
+                    runbook.disable(exc)
+                    with contextlib.suppress(Exception):
+                        control.end_tiered_step()  # the queues go on, in order, without limits
+                    return super().schedule(*args, **kwargs)  # type: ignore[misc]
             start = time.perf_counter()
             try:
                 output = super().schedule(*args, **kwargs)  # type: ignore[misc]
@@ -831,6 +927,12 @@ class RunbookSchedulerMixin:
             runbook.on_schedule(self, output, elapsed, free_before)
         except Exception as exc:
             runbook.disable(exc)
+            return output
+        if runbook.autopilot.enabled:
+            try:
+                runbook.autopilot_observe(self, output, free_before)
+            except Exception as exc:
+                runbook.autopilot_failed(exc)
         return output
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:

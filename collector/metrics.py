@@ -242,6 +242,27 @@ TIER_QUEUE_SECONDS = _spec(
     extra_labels=("tier",),
     buckets=REQUEST_SECONDS_BUCKETS,
 )
+AUTOPILOT_ENABLED = _spec(
+    "autopilot_enabled",
+    "gauge",
+    "1 while the autopilot adjusts max_num_seqs; 0 when off (by hand, by a restore, or after an error).",
+)
+AUTOPILOT_KV_TARGET = _spec(
+    "autopilot_kv_target_ratio",
+    "gauge",
+    "The autopilot's target peak KV cache usage (VLLM_RUNBOOK_AUTOPILOT_TARGET or `runbook set autopilot_target=`): it climbs while the peak stays below.",
+)
+AUTOPILOT_KV_HIGH = _spec(
+    "autopilot_kv_high_ratio",
+    "gauge",
+    "The upper edge of the autopilot's band (target + 0.05, at most 1): a peak above it cuts max_num_seqs.",
+)
+AUTOPILOT_CHANGES = _spec(
+    "autopilot_changes",
+    "counter",
+    "max_num_seqs changes the autopilot made, by direction (up, down).",
+    extra_labels=("direction",),
+)
 NVML_UP = _spec(
     "nvml_up",
     "gauge",

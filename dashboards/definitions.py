@@ -575,13 +575,49 @@ class Panels:
         return Panel(
             "Admission limit (max_num_seqs)",
             "The effective limit on running sequences and the startup value (the ceiling). "
-            "oom-pressure caps it at what the KV cache holds; batch-too-large and kv-hit-low "
+            "oom-pressure caps it at what the KV cache holds, then hands it over to the "
+            "autopilot (steps up and down while it is on); batch-too-large and kv-hit-low "
             "lower it.",
             [
                 Target(Q.gauge(M.MAX_NUM_SEQS), "effective " + ENGINE_LEGEND),
                 Target(Q.gauge(M.STARTUP_MAX_NUM_SEQS), "startup " + ENGINE_LEGEND),
             ],
             stepped=True,
+            width=width,
+        )
+
+    def autopilot(self, width: int = 12) -> Panel:
+        return Panel(
+            "Autopilot (on/off, peak KV usage band)",
+            f"{M.AUTOPILOT_ENABLED.help} While on, it keeps the peak KV cache usage between "
+            "the target and the upper edge: it climbs max_num_seqs while requests wait "
+            "below the target and cuts it on a preemption or a peak above the edge.",
+            [
+                Target(Q.gauge(M.AUTOPILOT_ENABLED), "on " + ENGINE_LEGEND),
+                Target(Q.gauge(M.AUTOPILOT_KV_TARGET), "target " + ENGINE_LEGEND),
+                Target(Q.gauge(M.AUTOPILOT_KV_HIGH), "upper edge " + ENGINE_LEGEND),
+                Target(Q.gauge(M.KV_CACHE_USAGE_PEAK), "peak KV usage " + ENGINE_LEGEND),
+            ],
+            stepped=True,
+            min=0,
+            max=1,
+            width=width,
+        )
+
+    def autopilot_changes(self, width: int = 12) -> Panel:
+        by = Q.BY_ENGINE.removesuffix(")") + ", direction)"
+        return Panel(
+            "Autopilot changes of max_num_seqs",
+            f"{M.AUTOPILOT_CHANGES.help} Per interval; the steps they make are on the "
+            "admission limit panel beside.",
+            [
+                Target(
+                    f"sum {by} (increase({selector(M.AUTOPILOT_CHANGES)}[$__interval]))",
+                    "{{direction}} " + ENGINE_LEGEND,
+                )
+            ],
+            bars=True,
+            decimals=0,
             width=width,
         )
 
@@ -743,7 +779,13 @@ def engine_overview(notes: Q.RuleNotes) -> dict[str, Any]:
             ),
             Row(
                 "Knobs (effective values: a runbook's change is a step)",
-                [p.token_budget_knob(), p.max_num_seqs_knob(), p.policy_knob()],
+                [
+                    p.token_budget_knob(),
+                    p.max_num_seqs_knob(),
+                    p.policy_knob(),
+                    p.autopilot(),
+                    p.autopilot_changes(),
+                ],
             ),
             Row(
                 "GPUs (GPU-only: empty without an NVIDIA GPU)",

@@ -78,6 +78,15 @@ class SetPolicy(ActionParams):
     policy: Literal["fcfs", "priority", "tiered"]
 
 
+class SetAutopilot(ActionParams):
+    """Hand max_num_seqs over to the engine's autopilot (or take it back):
+    it keeps preemptions near zero at the most sequences the KV cache holds,
+    never above the startup value. `target`: its peak KV usage, (0, 1]."""
+
+    enabled: bool = True
+    target: Annotated[float, Field(gt=0, le=1)] | None = None
+
+
 class RestoreKnobs(ActionParams):
     """Put every knob back to the engine's startup value."""
 
@@ -187,6 +196,7 @@ CATALOG_ACTIONS: Final[tuple[tuple[str, type[ActionParams], bool], ...]] = (
     ("scale_max_num_batched_tokens", ScaleMaxNumBatchedTokens, True),
     ("set_max_num_seqs", SetMaxNumSeqs, True),
     ("set_policy", SetPolicy, True),
+    ("set_autopilot", SetAutopilot, True),
     ("restore_knobs", RestoreKnobs, True),
     ("send_warmup_requests", SendWarmupRequests, False),
     ("capture_diagnostics", CaptureDiagnostics, False),

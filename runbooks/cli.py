@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from vllm_runbook.collector.autopilot import parse_switch, parse_target
 from vllm_runbook.runbooks import (
     approvals_cli,
     demo,
@@ -117,11 +118,19 @@ def format_status(url: str, state: dict[str, Any]) -> str:
         f"step {e['step']}  vLLM {e['vllm_version']}  collector {up}",
         f"  {'knob':<24} {'effective':>10} {'startup':>10}  allowed",
     ]
-    for knob in ("max_num_batched_tokens", "max_num_seqs", "policy"):
+    allowed_values = {"policy": "fcfs | priority", "autopilot": "on | off"}
+    for knob in ("max_num_batched_tokens", "max_num_seqs", "policy", "autopilot"):
+        if knob not in knobs:  # an agent from before the autopilot
+            continue
         b = bounds.get(knob)
-        allowed = f"{b['min']}..{b['max']}" if b else "fcfs | priority"
-        mark = " *" if knobs[knob] != startup[knob] else ""
-        lines.append(f"  {knob:<24} {knobs[knob]!s:>10} {startup[knob]!s:>10}  {allowed}{mark}")
+        allowed = f"{b['min']}..{b['max']}" if b else allowed_values[knob]
+        mark = " *" if knobs[knob] != startup.get(knob) else ""
+        show = _onoff if knob == "autopilot" else str
+        now, then = show(knobs[knob]), show(startup.get(knob))
+        lines.append(f"  {knob:<24} {now!s:>10} {then!s:>10}  {allowed}{mark}")
+    pilot = state.get("autopilot")
+    if pilot:
+        lines.append(format_autopilot(pilot))
     lines.append(f"  {'signal':<24} {'value':>10}")
     for label, key, kind in STATUS_SIGNALS:
         if key is None:
@@ -131,9 +140,29 @@ def format_status(url: str, state: dict[str, Any]) -> str:
         else:
             value = _fmt(stats.get(key), kind)
         lines.append(f"  {label:<24} {value:>10}")
-    if any(knobs[k] != startup[k] for k in knobs):
+    if any(knobs[k] != startup.get(k) for k in knobs):
         lines.append("  * changed at runtime; `runbook restore --engine URL` restores")
     return "\n".join(lines)
+
+
+def _onoff(value: Any) -> str:
+    return "on" if value is True else "off" if value is False else _fmt(value)
+
+
+def format_autopilot(pilot: dict[str, Any]) -> str:
+    """One line: the autopilot's band, where it is and what it did last."""
+    band = f"peak KV target {pilot['target']:.2f}..{pilot['high']:.2f}"
+    changes = pilot["changes"]
+    text = f"  autopilot {_onoff(pilot['enabled'])}: {band}, ceiling {pilot['ceiling']}"
+    text += f", changes up {changes['up']} / down {changes['down']}"
+    last = pilot.get("last_change")
+    if last:
+        text += (
+            f"; last: max_num_seqs {last['max_num_seqs']} ({last['reason']}, step {last['step']})"
+        )
+    if pilot.get("error"):
+        text += f"; turned off after an error: {pilot['error']}"
+    return text
 
 
 def format_change(url: str, result: dict[str, Any]) -> str:
@@ -161,6 +190,16 @@ def parse_assignments(items: Sequence[str]) -> dict[str, Any]:
             raise UsageError(f"expected KNOB=VALUE, got {item!r}")
         if key == "policy":
             values["policy"] = raw
+        elif key == "autopilot":
+            try:
+                values["autopilot"] = parse_switch(raw)
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
+        elif key == "autopilot_target":
+            try:
+                values["autopilot_target"] = parse_target(raw)
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
         elif key in ("max_num_batched_tokens", "max_num_seqs"):
             if key == "max_num_batched_tokens" and raw.startswith("x"):
                 try:
@@ -173,7 +212,10 @@ def parse_assignments(items: Sequence[str]) -> dict[str, Any]:
             except ValueError:
                 raise UsageError(f"{key} must be an integer, got {raw!r}") from None
         else:
-            raise UsageError(f"unknown knob {key!r}: max_num_batched_tokens, max_num_seqs, policy")
+            raise UsageError(
+                f"unknown knob {key!r}: max_num_batched_tokens, max_num_seqs, policy, "
+                "autopilot, autopilot_target"
+            )
     if not values:
         raise UsageError("nothing to set: give KNOB=VALUE")
     return values
@@ -269,7 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
         "assignments",
         nargs="+",
         metavar="KNOB=VALUE",
-        help="max_num_batched_tokens=N|xF, max_num_seqs=N, policy=fcfs|priority|tiered",
+        help="max_num_batched_tokens=N|xF, max_num_seqs=N, policy=fcfs|priority|tiered, "
+        "autopilot=on|off, autopilot_target=F (peak KV usage, 0 < F <= 1)",
     )
     p.add_argument("--dry-run", action="store_true", help="show the change, apply nothing")
     p.add_argument(
@@ -277,7 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_set)
 
-    p = sub.add_parser("restore", help="restore every knob to its startup value")
+    p = sub.add_parser(
+        "restore", help="restore every knob to its startup value (the autopilot turns off)"
+    )
     engine_args(p)
     p.add_argument("--dry-run", action="store_true")
     p.set_defaults(func=cmd_restore)

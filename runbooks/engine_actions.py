@@ -31,6 +31,7 @@ from vllm_runbook.runbooks.actions import (
     CaptureDiagnostics,
     RestoreKnobs,
     ScaleMaxNumBatchedTokens,
+    SetAutopilot,
     SetMaxNumSeqs,
     SetPolicy,
     declared_registry,
@@ -46,7 +47,13 @@ from vllm_runbook.runbooks.sources import (
 )
 from vllm_runbook.runbooks.warmup import send_warmup_requests
 
-KNOBS: Final = ("max_num_batched_tokens", "max_num_seqs", "policy")
+KNOBS: Final = (
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "policy",
+    "autopilot",
+    "autopilot_target",
+)
 
 # --- signals -----------------------------------------------------------------------
 
@@ -146,6 +153,8 @@ class ActionContext:
     begin: Callable[[dict[str, Any], dict[str, Any]], None]
     # The engine's vLLM API server (warm-up requests go there), when known.
     api_url: str | None = None
+    # Sleeps (the executor's: a fake clock in tests, the engine lock kept alive).
+    wait: Callable[[float], None] = time.sleep
 
     @property
     def knobs(self) -> dict[str, Any]:
@@ -213,17 +222,37 @@ def scale_max_num_batched_tokens(
     )
 
 
+# Reads of the KV footprint before set_max_num_seqs(kv_capacity) gives up.
+KV_CAPACITY_REREADS: Final = 10
+KV_CAPACITY_REREAD_SECONDS: Final = 0.2
+
+
 def set_max_num_seqs(params: SetMaxNumSeqs, ctx: ActionContext) -> ActionOutcome:
     """Lower the admission limit, to a number or to the KV capacity now."""
     current = int(ctx.state["knobs"]["max_num_seqs"])
     details: dict[str, Any] = {}
     if params.value == "kv_capacity":
         capacity = kv_capacity_seqs(ctx.state["stats"])
+        for _ in range(KV_CAPACITY_REREADS):
+            if capacity is not None:
+                break
+            # In a preemption storm a step can preempt every running request
+            # (vLLM admits none in a step that preempted): the read between two
+            # such steps sees nothing running. Measured on a served CPU engine:
+            # that one read skipped the cap and left the storm going.
+            ctx.wait(KV_CAPACITY_REREAD_SECONDS)
+            ctx.state = ctx.client.state()
+            capacity = kv_capacity_seqs(ctx.state["stats"])
+            current = int(ctx.state["knobs"]["max_num_seqs"])
         details["kv_capacity_seqs"] = capacity
         if capacity is None:
             return ActionOutcome(
                 details=details,
-                skipped="kv_capacity unknown: no running request holds KV blocks",
+                skipped=(
+                    "kv_capacity unknown: no running request held KV blocks in "
+                    f"{KV_CAPACITY_REREADS + 1} reads over "
+                    f"{KV_CAPACITY_REREADS * KV_CAPACITY_REREAD_SECONDS:g} s"
+                ),
             )
         if capacity >= current:
             # Never raise the limit: capacity above it means KV is not the bound.
@@ -249,6 +278,26 @@ def set_policy(params: SetPolicy, ctx: ActionContext) -> ActionOutcome:
     if ctx.state["knobs"]["policy"] == params.policy:
         return ActionOutcome(skipped=f"policy is already {params.policy}")
     return _set_knobs(ctx, {"policy": params.policy}, ("policy",), {})
+
+
+def set_autopilot(params: SetAutopilot, ctx: ActionContext) -> ActionOutcome:
+    """Switch the autopilot (a revert switches it back: its before-value is
+    journaled like a knob's). The details keep where max_num_seqs was when
+    it took over."""
+    knobs = ctx.state["knobs"]
+    if "autopilot" not in knobs:
+        return ActionOutcome(skipped="this engine's agent has no autopilot")
+    request: dict[str, Any] = {"autopilot": params.enabled}
+    touched: tuple[str, ...] = ("autopilot",)
+    if params.target is not None and params.target != knobs["autopilot_target"]:
+        request["autopilot_target"] = params.target
+        touched += ("autopilot_target",)
+    if knobs["autopilot"] == params.enabled and len(touched) == 1:
+        return ActionOutcome(
+            skipped=f"the autopilot is already {'on' if params.enabled else 'off'}"
+        )
+    details = {"max_num_seqs_at_hand_over": knobs["max_num_seqs"]} if params.enabled else {}
+    return _set_knobs(ctx, request, touched, details)
 
 
 def restore_knobs(params: RestoreKnobs, ctx: ActionContext) -> ActionOutcome:
@@ -285,6 +334,7 @@ IMPLEMENTATIONS: Final[Mapping[str, Callable[..., ActionOutcome]]] = {
     "scale_max_num_batched_tokens": scale_max_num_batched_tokens,
     "set_max_num_seqs": set_max_num_seqs,
     "set_policy": set_policy,
+    "set_autopilot": set_autopilot,
     "restore_knobs": restore_knobs,
     "capture_diagnostics": capture_diagnostics,
     "advise": advise,

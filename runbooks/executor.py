@@ -501,7 +501,12 @@ class Run:
             )
 
         ctx = ActionContext(
-            self.client, state, self.dry_run, begin, self.x.api_urls.get(self.client.url)
+            self.client,
+            state,
+            self.dry_run,
+            begin,
+            self.x.api_urls.get(self.client.url),
+            wait=lambda seconds: self.x.wait(seconds, self.renew),
         )
         outcome: ActionOutcome = self.x.registry.call(step.action, step.params, ctx)
         return outcome
@@ -579,6 +584,10 @@ class Run:
             settled=lambda: from_step is None or self.reader.settled,
         )
         tripped = report.pop("tripped")
+        settled = _autopilot_settled(self.reader.last_state)
+        if settled is not None:
+            # Handed over to the autopilot: where it had max_num_seqs when judged.
+            report["autopilot"] = settled
         # The raw post-change measurement, and what a trailing window (which
         # still holds the time before the change) would have said: shown, never used.
         report["measurement"] = self.reader.last_since
@@ -643,3 +652,16 @@ class Run:
             if status in (STEP_APPLIED, STEP_INTERRUPTED):
                 self.store.finish_step(step.id, STEP_REVERTED)
         return self.finish(ROLLED_BACK, exit_code, f"{why}; rolled back")
+
+
+def _autopilot_settled(state: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The autopilot's position in `state`, when it is on."""
+    pilot = (state or {}).get("autopilot")
+    if not isinstance(pilot, dict) or not pilot.get("enabled"):
+        return None
+    return {
+        "max_num_seqs": (state or {}).get("knobs", {}).get("max_num_seqs"),
+        "target": pilot.get("target"),
+        "changes": pilot.get("changes"),
+        "last_change": pilot.get("last_change"),
+    }

@@ -82,6 +82,10 @@ def format_verification(v: Mapping[str, Any], parenthesized: bool = False) -> st
     if isinstance(v.get("measured_seconds"), int | float):
         where.append(f"over {v['measured_seconds']:.0f} s")
     tail = f" [{', '.join(where)}]" if where else ""
+    pilot = v.get("autopilot")
+    if isinstance(pilot, Mapping) and pilot.get("max_num_seqs") is not None:
+        # Handed over: where the autopilot had it when the run was judged.
+        tail += f"; autopilot at max_num_seqs {pilot['max_num_seqs']}"
     return f"{signal} {sides[0]} → {sides[1]}{outcome}{tail}"
 
 

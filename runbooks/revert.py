@@ -280,12 +280,14 @@ def stage_values(
     """Knob values `fraction` of the way from `start` back to `targets`.
 
     Numbers move proportionally (rounded towards the target); the policy is
-    not a number and switches back at the last stage.
+    not a number and switches back at the last stage. The autopilot (a
+    switch) goes back at the first: left on, it would move max_num_seqs
+    against the stages.
     """
     goal: dict[str, Any] = {}
     for knob, target in targets.items():
         current = start[knob]
-        if fraction >= 1.0 or current == target:
+        if fraction >= 1.0 or current == target or isinstance(target, bool):
             goal[knob] = target
         elif isinstance(target, int) and isinstance(current, int):
             step = (target - current) * fraction

@@ -103,7 +103,13 @@ def test_status_shows_knobs_and_signals(ctl_engine: InProcessEngine) -> None:
     assert "block fragmentation" in result.stdout
     as_json = runbook_cli("status", "--engine", ctl_engine.collector.server.url, "--json")
     [state] = json.loads(as_json.stdout)
-    assert state["knobs"] == {"max_num_batched_tokens": 512, "max_num_seqs": 64, "policy": "fcfs"}
+    assert state["knobs"] == {
+        "max_num_batched_tokens": 512,
+        "max_num_seqs": 64,
+        "policy": "fcfs",
+        "autopilot": False,
+        "autopilot_target": 0.9,
+    }
     assert state["bounds"]["max_num_batched_tokens"]["max"] == 512
 
 

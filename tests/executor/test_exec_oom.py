@@ -29,7 +29,13 @@ from tests.engines import InProcessEngine, free_port
 
 pytestmark = pytest.mark.engine
 
-STARTUP = {"max_num_batched_tokens": 512, "max_num_seqs": 32, "policy": "fcfs"}
+STARTUP = {
+    "max_num_batched_tokens": 512,
+    "max_num_seqs": 32,
+    "policy": "fcfs",
+    "autopilot": False,
+    "autopilot_target": 0.9,
+}
 WINDOW_S = 10
 STEP_PACE_S = 0.02  # ≈1,200 steps per workload → ≈30 s: room for the CLI's waits
 
@@ -64,6 +70,8 @@ def knobs(engine: InProcessEngine) -> dict[str, Any]:
         "max_num_batched_tokens": s.max_num_scheduled_tokens,
         "max_num_seqs": s.max_num_active_reqs,
         "policy": s.policy.value,
+        "autopilot": engine.collector.autopilot.enabled,
+        "autopilot_target": engine.collector.autopilot.target,
     }
     return dict(state)
 
@@ -170,7 +178,7 @@ def test_oom_pressure_halves_the_budget_caps_seqs_and_preemptions_fall(
     checks = execution["checks"]
     assert checks["preemption_rate"]["value"] > 0
     assert checks["kv_usage"]["value"] > 0.9
-    halve, cap = execution["steps"]
+    halve, cap, hand_over = execution["steps"]
     assert (halve["action"], halve["status"]) == ("scale_max_num_batched_tokens", "applied")
     assert (halve["before"], halve["after"]) == (
         {"max_num_batched_tokens": 512},
@@ -182,10 +190,24 @@ def test_oom_pressure_halves_the_budget_caps_seqs_and_preemptions_fall(
     assert cap["params"]["target"] == capacity // 2  # headroom 0.5
     assert (cap["before"], cap["after"]) == ({"max_num_seqs": 32}, {"max_num_seqs": capacity // 2})
     assert halve["applied_at_step"] < cap["applied_at_step"]
+    # Then max_num_seqs is handed over to the autopilot, from where the cap left it.
+    assert (hand_over["action"], hand_over["status"]) == ("set_autopilot", "applied")
+    assert (hand_over["before"], hand_over["after"]) == ({"autopilot": False}, {"autopilot": True})
+    assert hand_over["params"]["max_num_seqs_at_hand_over"] == capacity // 2
+    assert cap["applied_at_step"] < hand_over["applied_at_step"]
     verification = execution["verification"]
     assert verification["outcome"] == "improved"
     assert verification["after"] < verification["before"]
-    assert knobs(eng) == {**STARTUP, "max_num_batched_tokens": 256, "max_num_seqs": capacity // 2}
+    # Where the autopilot had it when the verification judged, journaled.
+    settled = verification["autopilot"]["max_num_seqs"]
+    assert 1 <= settled <= 32 and verification["autopilot"]["target"] == 0.9
+    held = knobs(eng)["max_num_seqs"]
+    assert knobs(eng) == {
+        **STARTUP,
+        "max_num_batched_tokens": 256,
+        "max_num_seqs": held,
+        "autopilot": True,
+    }
 
     # Preemptions from the step the cap took effect, against the baseline
     # run from the same point of the workload.
@@ -197,7 +219,9 @@ def test_oom_pressure_halves_the_budget_caps_seqs_and_preemptions_fall(
             f"\n[oom-pressure] first preemption at workload step {pressure_step}; "
             f"budget 512→256 from step {run.relative(halve['applied_at_step'])}, "
             f"max_num_seqs 32→{capacity // 2} (kv_capacity {capacity}) from step "
-            f"{run.relative(capped_at)}\n"
+            f"{run.relative(capped_at)}, autopilot from step "
+            f"{run.relative(hand_over['applied_at_step'])}: max_num_seqs {settled} when "
+            f"judged, {held} at the end\n"
             f"[oom-pressure] preemptions/min ({WINDOW_S} s window) {verification['before']:g} → "
             f"{verification['after']:g}; preemptions in the whole workload: baseline "
             f"{baseline.preemptions}, with the runbook {run.preemptions}; after the cap: "
@@ -225,7 +249,7 @@ def test_oom_pressure_halves_the_budget_caps_seqs_and_preemptions_fall(
     left = parse_duration(match[1])
     assert 600 - (answered - started) <= left <= 600 - (asked - started) + 1
     assert refused.stderr.count("\n") == 1 and "Traceback" not in refused.stderr
-    assert knobs(eng)["max_num_seqs"] == capacity // 2  # refused: nothing touched
+    assert knobs(eng)["max_num_seqs"] == held  # refused: nothing touched
 
     # Revert: the startup values come back; the journal says so.
     code, reverted, err = cli_json("revert", str(execution["id"]), "--db", db_url)
@@ -233,13 +257,21 @@ def test_oom_pressure_halves_the_budget_caps_seqs_and_preemptions_fall(
     revert = reverted["execution"]
     assert (revert["status"], revert["reverts_id"]) == ("succeeded", execution["id"])
     (restore,) = revert["steps"]
-    assert restore["before"] == {"max_num_batched_tokens": 256, "max_num_seqs": capacity // 2}
-    assert restore["after"] == {"max_num_batched_tokens": 512, "max_num_seqs": 32}
+    assert restore["before"] == {
+        "max_num_batched_tokens": 256,
+        "max_num_seqs": held,
+        "autopilot": True,
+    }
+    assert restore["after"] == {
+        "max_num_batched_tokens": 512,
+        "max_num_seqs": 32,
+        "autopilot": False,
+    }
     assert knobs(eng) == STARTUP
     store = Store(db_url)
     original = store.get_execution(execution["id"])
     assert original.status == "reverted"
-    assert [s.status for s in original.steps] == ["reverted", "reverted"]
+    assert [s.status for s in original.steps] == ["reverted", "reverted", "reverted"]
     store.close()
     again = cli("revert", str(execution["id"]), "--db", db_url)
     assert again.returncode == 2 and "already reverted" in again.stderr
@@ -290,13 +322,14 @@ def test_sigkill_while_verifying_then_history_and_revert(
             "verifying",
             "interrupted",
         )
-        halve, skipped = shown["steps"]
+        halve, skipped, hand_over = shown["steps"]
         assert (halve["status"], halve["before"], halve["after"]) == (
             "applied",
             {"max_num_batched_tokens": 512},
             {"max_num_batched_tokens": 256},
         )
         assert skipped["status"] == "skipped" and skipped["params"]["observed"] == 0
+        assert (hand_over["action"], hand_over["status"]) == ("set_autopilot", "applied")
 
         # The dead run's engine lock does not block the revert.
         reverted = cli("revert", str(execution_id), "--db", db_url)
@@ -304,7 +337,7 @@ def test_sigkill_while_verifying_then_history_and_revert(
         assert knobs(eng) == STARTUP
         original = store.get_execution(execution_id)
         assert (original.status, original.error) == ("reverted", "interrupted")
-        assert [s.status for s in original.steps] == ["reverted", "skipped"]
+        assert [s.status for s in original.steps] == ["reverted", "skipped", "reverted"]
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -415,8 +448,9 @@ def test_a_fix_that_works_is_not_rolled_back_by_a_reading_from_before_it(
     out, err = proc.communicate()
     storm.finish()
     execution = json.loads(out)["execution"]
-    halve, cap = execution["steps"]
+    halve, cap, hand_over = execution["steps"]
     assert (cap["action"], cap["status"]) == ("set_max_num_seqs", "applied"), cap
+    assert (hand_over["action"], hand_over["status"]) == ("set_autopilot", "applied")
     capped = cap["after"]["max_num_seqs"]
     v = execution["verification"]
     m = v["measurement"]
@@ -441,15 +475,19 @@ def test_a_fix_that_works_is_not_rolled_back_by_a_reading_from_before_it(
                 f"{g} {r['before']} → {r['after']} ({r['outcome']})" for g, r in v["guards"].items()
             )
         )
-    # Measured from the step the cap took effect at, never before it.
-    assert v["from_step"] == m["from_step"] == applied <= effective
+    # Measured from the step the hand-over (right after the cap) took effect
+    # at, never before it.
+    assert applied < hand_over["applied_at_step"]
+    assert v["from_step"] == m["from_step"] == hand_over["applied_at_step"] <= effective
     exact = cumulative[last_step] - cumulative[effective - 1]
     assert m["preemptions"] == exact
     assert v["after"] == pytest.approx(exact * 60.0 / m["seconds"])
     assert v["outcome"] == "improved", (v, err)
     assert v["after"] <= 0.5 * v["before"]
     assert (proc.returncode, execution["status"]) == (0, "succeeded"), err
-    assert knobs(eng) == {**STARTUP, "max_num_batched_tokens": 256, "max_num_seqs": capped}
+    final = knobs(eng)
+    assert final == {**final, "max_num_batched_tokens": 256, "autopilot": True}
+    assert 1 <= final["max_num_seqs"] <= 32
     code, _, err = cli_json("revert", str(execution["id"]), "--db", db_url)
     assert code == 0, err
     assert knobs(eng) == STARTUP

@@ -24,7 +24,13 @@ from vllm_runbook.runbooks.spec import Catalog, Runbook, load_catalog
 from vllm_runbook.runbooks.store import Store
 
 URL = "http://127.0.0.1:9360"
-STARTUP = {"max_num_batched_tokens": 512, "max_num_seqs": 32, "policy": "priority"}
+STARTUP = {
+    "max_num_batched_tokens": 512,
+    "max_num_seqs": 32,
+    "policy": "priority",
+    "autopilot": False,
+    "autopilot_target": 0.9,
+}
 SINCE_KEYS = ("preemptions_per_minute", "p99_latency_seconds", "error_rate", "kv_hit_ratio")
 PRESSURE = {
     "kv_blocks_used": 255,
@@ -320,6 +326,31 @@ def test_conditional_step_is_evaluated_after_its_wait(make: Any) -> None:
     assert executor.clock() == 1002.0
 
 
+def test_kv_capacity_is_read_again_while_nothing_runs(make: Any) -> None:
+    """A storm step can preempt every running request: one read between two
+    such steps sees nothing running; the cap reads again before it gives up."""
+    rb = runbook(
+        steps=[{"action": "set_max_num_seqs", "params": {"value": "kv_capacity"}}],
+        verification=None,
+    )
+    emptied = {**PRESSURE, "num_requests_running": 0, "kv_blocks_used": 0, "kv_blocks_free": 255}
+    # checks, the step's own read, two re-reads that still see nothing, then pressure.
+    executor, agent = make(FakeAgent([PRESSURE, emptied, emptied, emptied, PRESSURE]))
+    result = executor.execute(rb, URL)
+    assert statuses(result) == [("set_max_num_seqs", "applied")]
+    assert result.record.steps[0].after == {"max_num_seqs": 12}  # 24 running x 0.5
+    assert result.record.steps[0].params["kv_capacity_seqs"] == 24
+    assert executor.clock() == pytest.approx(1000.6)  # three waits of 0.2 s
+
+    executor, agent = make(FakeAgent([PRESSURE, emptied]))
+    result = executor.execute(rb, URL)
+    assert statuses(result) == [("set_max_num_seqs", "skipped")]
+    assert result.record.steps[0].params["note"] == (
+        "kv_capacity unknown: no running request held KV blocks in 11 reads over 2 s"
+    )
+    assert agent.writes == []
+
+
 def test_step_two_refused_rolls_step_one_back(make: Any) -> None:
     rb = runbook(
         steps=[
@@ -404,6 +435,7 @@ def test_dry_run_changes_nothing_and_plans_every_step(make: Any) -> None:
     assert [(s.action, s.status, s.after) for s in result.record.steps] == [
         ("scale_max_num_batched_tokens", "planned", {"max_num_batched_tokens": 256}),
         ("set_max_num_seqs", "planned", {"max_num_seqs": 12}),
+        ("set_autopilot", "planned", {"autopilot": True}),
     ]
 
 
@@ -442,16 +474,25 @@ def test_stepwise_revert_goes_back_in_stages(make: Any) -> None:
     calm = {**PRESSURE, "preemptions_per_minute": 0.0}
     executor, agent = make(FakeAgent([PRESSURE, PRESSURE, PRESSURE, calm]))
     run = executor.execute("oom-pressure", URL, approved=True, condition_seconds=0)
-    assert agent.knobs == {**STARTUP, "max_num_batched_tokens": 256, "max_num_seqs": 12}
+    # Cut, then handed over to the autopilot.
+    assert agent.knobs == {
+        **STARTUP,
+        "max_num_batched_tokens": 256,
+        "max_num_seqs": 12,
+        "autopilot": True,
+    }
+    assert [s.action for s in run.record.steps][-1] == "set_autopilot"
+    assert run.record.steps[-1].params["max_num_seqs_at_hand_over"] == 12
     result = executor.revert(run.record.id, stepwise=True, healthy_period_seconds=60)
+    # The autopilot goes off at the first stage: left on, it would fight the stages.
     assert [(s.before, s.after) for s in result.record.steps] == [
         (
-            {"max_num_batched_tokens": 256, "max_num_seqs": 12},
-            {"max_num_batched_tokens": 384, "max_num_seqs": 22},
+            {"max_num_batched_tokens": 256, "max_num_seqs": 12, "autopilot": True},
+            {"max_num_batched_tokens": 384, "max_num_seqs": 22, "autopilot": False},
         ),
         (
-            {"max_num_batched_tokens": 384, "max_num_seqs": 22},
-            {"max_num_batched_tokens": 512, "max_num_seqs": 32},
+            {"max_num_batched_tokens": 384, "max_num_seqs": 22, "autopilot": False},
+            {"max_num_batched_tokens": 512, "max_num_seqs": 32, "autopilot": False},
         ),
     ]
     assert agent.knobs == STARTUP and result.record.status == "succeeded"

@@ -72,7 +72,11 @@ def test_shipped_catalog_loads() -> None:
     catalog = load_catalog()
     assert set(catalog) == EXPECTED
     oom = catalog["oom-pressure"]
-    assert [s.action for s in oom.steps] == ["scale_max_num_batched_tokens", "set_max_num_seqs"]
+    assert [s.action for s in oom.steps] == [
+        "scale_max_num_batched_tokens",
+        "set_max_num_seqs",
+        "set_autopilot",
+    ]
     assert oom.steps[0].params == {"factor": 0.5}
     assert oom.steps[1].params == {"value": "kv_capacity"}
     assert oom.steps[1].when is not None and oom.steps[1].when.above == 0
@@ -183,6 +187,7 @@ def test_registry_rejects_duplicates_and_validates() -> None:
         "restore_knobs",
         "scale_max_num_batched_tokens",
         "send_warmup_requests",
+        "set_autopilot",
         "set_max_num_seqs",
         "set_policy",
     ]

@@ -65,6 +65,36 @@ def test_report_shows_checks_before_after_and_verification(finished) -> None:  #
     assert lines[lines.index("Verification") + 1] == (
         "  preemptions_per_minute: 37 → 0 (expected decrease within 120 s): passed"
     )
+    assert not any("autopilot" in line for line in lines)
+
+
+def test_report_says_where_the_autopilot_had_it(sqlite_url: str) -> None:
+    store = Store(sqlite_url)
+    record, _ = store.create_execution("oom-pressure", "llama-0", trigger="cli", who="alice")
+    store.transition(record.id, "running")
+    step = store.add_step(
+        record.id, "set_autopilot", {"enabled": True}, before={"autopilot": False}
+    )
+    store.finish_step(step.id, "applied", after={"autopilot": True})
+    store.transition(record.id, "verifying")
+    verification = {
+        "signal": "preemptions_per_minute",
+        "before": 37.0,
+        "after": 0.0,
+        "outcome": "improved",
+        "autopilot": {"max_num_seqs": 10, "target": 0.9, "changes": {"up": 2, "down": 3}},
+    }
+    store.record_verification(record.id, verification)
+    done = store.transition(record.id, "succeeded")
+    store.close()
+    lines = render_report(done).splitlines()
+    assert (
+        "  handed over to the autopilot: max_num_seqs 10 when judged (target peak KV usage 0.9)"
+        in lines
+    )
+    assert lines[lines.index("Steps") + 2] == (
+        "  1  set_autopilot  applied  autopilot: no → yes  -"
+    )
 
 
 def test_notification_keeps_untrusted_labels_literal(finished) -> None:  # type: ignore[no-untyped-def]

@@ -76,7 +76,50 @@ def test_budget_floor_follows_the_admission_limit() -> None:
     with pytest.raises(BoundsError, match=r"below the minimum 32: every admitted sequence"):
         apply(c, {"max_num_batched_tokens": 16})
     result = apply(c, {"max_num_batched_tokens": 16, "max_num_seqs": 8})
-    assert result["after"] == {"max_num_batched_tokens": 16, "max_num_seqs": 8, "policy": "fcfs"}
+    assert result["after"] == {
+        "max_num_batched_tokens": 16,
+        "max_num_seqs": 8,
+        "policy": "fcfs",
+        "autopilot": False,
+        "autopilot_target": 0.9,
+    }
+
+
+def test_autopilot_switch_and_target_are_knobs() -> None:
+    c = control()
+    result = apply(c, {"autopilot": "on", "autopilot_target": 0.8})
+    assert result["changes"] == [
+        {"knob": "autopilot", "before": False, "after": True},
+        {"knob": "autopilot_target", "before": 0.9, "after": 0.8},
+    ]
+    assert c.autopilot.enabled and c.autopilot.limit == 32 and c.autopilot.target == 0.8
+    # Its own changes: clamped to 1..min(startup max_num_seqs, budget).
+    assert c.apply_autopilot(99) == 32 and c.apply_autopilot(0) == 1
+    apply(c, {"max_num_batched_tokens": 16, "max_num_seqs": 1, "autopilot": True})
+    assert c.autopilot_ceiling() == 16 and c.apply_autopilot(20) == 16
+    # max_num_seqs set by hand: the operator takes over.
+    result = apply(c, {"max_num_seqs": 4})
+    assert {"knob": "autopilot", "before": True, "after": False} in result["changes"]
+    assert not c.autopilot.enabled and c.scheduler.max_num_active_reqs == 4
+    apply(c, {"autopilot": "on"})
+    result = apply(c, {}, restore=True)
+    assert result["after"]["autopilot"] is False and result["after"]["autopilot_target"] == 0.9
+    assert result["after"]["max_num_seqs"] == 32 and not c.autopilot.enabled
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"autopilot": "maybe"}, "autopilot must be on or off, got 'maybe'"),
+        ({"autopilot_target": 0}, r"autopilot_target must be in \(0, 1\], got 0"),
+        ({"autopilot_target": 1.5}, r"autopilot_target must be in \(0, 1\], got 1.5"),
+        ({"autopilot_target": "0.9"}, "autopilot_target must be a number"),
+    ],
+)
+def test_bad_autopilot_values_are_refused(body: dict, message: str) -> None:
+    with pytest.raises(ControlError, match=message) as refused:
+        parse_command(body)
+    assert refused.value.status == 400
 
 
 def test_without_chunked_prefill_the_budget_stays_at_max_model_len() -> None:
