@@ -37,7 +37,13 @@ pytestmark = pytest.mark.engine
 
 WINDOW_S = 30
 STEP_S = 0.1  # collector seconds per engine step
-STARTUP = {"max_num_batched_tokens": 512, "max_num_seqs": 32, "policy": "fcfs"}
+STARTUP = {
+    "max_num_batched_tokens": 512,
+    "max_num_seqs": 32,
+    "policy": "fcfs",
+    "autopilot": False,
+    "autopilot_target": 0.9,
+}
 PROMPT, OUTPUT = 256, 64
 EVERY = 3  # one new request every 3 steps: ~23 run at once, KV ~80 % full
 PACE_S = 0.005
