@@ -24,9 +24,10 @@ COLLECTOR_WINDOW_S = 15
 
 # Rules: the seed thresholds, windows and `for` durations in seconds.
 EVALUATION_INTERVAL = "2s"
-# The starved requests wait minutes unless fixed; in the long burst a queued
-# request waits well under this for its first schedule.
-STARVATION_THRESHOLD_S = 25
+# The starved requests wait minutes unless fixed; in the long burst (with the
+# autopilot holding max_num_seqs down) a queued request waited up to ~30 s on a
+# loaded machine: the threshold stays above that.
+STARVATION_THRESHOLD_S = 45
 RULE_OVERRIDES: dict[str, dict[str, object]] = {
     # A window long enough that the finding resolves after the burst, not
     # between the fix and the end of the burst (the revert would bring it back).
