@@ -50,7 +50,7 @@ STEADY_S = 20
 # queued work that a busy machine's pauses cannot drain.
 STREAM_CLIENTS = 96
 BURST_AFTER_FIX_S, BURST_MAX_S = 8, 100
-STARVATION_AFTER_FIX_S, STARVATION_MAX_S = 10, 80
+STARVATION_AFTER_FIX_S, STARVATION_MAX_S = 10, 100
 RECOVERY_MIN_S, RECOVERY_MAX_S = 12, 70
 STORY_DEADLINE_S = 300  # from the start, including engine start-up
 

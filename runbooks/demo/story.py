@@ -92,12 +92,13 @@ def wait_healthy(process: Process, url: str, deadline_s: float) -> None:
         ) from None
 
 
-def _queued(client: EngineClient, seqs: int) -> bool:
-    """Every slot busy and a few more requests waiting."""
+def _queued(client: EngineClient) -> bool:
+    """Every slot the admission limit allows now busy, and a few more requests waiting."""
     try:
-        stats = client.state()["stats"]
+        state = client.state()
     except EngineClientError:
         return False
+    stats, seqs = state["stats"], int(state["knobs"]["max_num_seqs"])
     running = stats.get("num_requests_running") or 0
     return running >= seqs and (stats.get("num_requests_waiting") or 0) >= 2
 
@@ -226,9 +227,12 @@ def run(directory: Path, ci: bool) -> int:
         # A few more high-priority requests than slots, then the low ones, then
         # the rest of the stream: under `priority` the low ones wait as long as
         # any high one does; in arrival order only the first few are ahead.
-        seqs = int(client.state()["knobs"]["max_num_seqs"])
+        # Sized by the startup limit: the autopilot oom-pressure handed over to
+        # may climb back to it while this phase runs (measured: 8 as the phase
+        # began, 16 a few seconds later, and the low ones went straight in).
+        seqs = int(client.state()["startup"]["max_num_seqs"])
         first = traffic.clients(seqs + 4, stream_request)
-        _wait(demo, 30, lambda: _queued(client, seqs))
+        _wait(demo, 30, lambda: _queued(client))
         low.extend(traffic.send(prompt_token_ids(64, 97 * i), 16, LOW) for i in range(8))
         _wait(demo, 0.5)
         rest = traffic.clients(STREAM_CLIENTS - seqs - 4, stream_request)
