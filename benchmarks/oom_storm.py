@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_runbook.collector.tiny_model import create_tiny_model, prompt_token_ids
-from vllm_runbook.runbooks.processes import free_port, logged_process
+from vllm_runbook.runbooks.processes import api_server_command, free_port, logged_process
 
 HEADER = "| what | before | after | outcome |\n|---|---|---|---|"
 
@@ -49,32 +49,17 @@ KV_BLOCKS, BLOCK_SIZE, BUDGET, MAX_NUM_SEQS, MAX_MODEL_LEN = 256, 32, 512, 32, 1
 
 
 def engine_command(model: Path, port: int) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model),
-        "--served-model-name",
-        "tiny-llama",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--block-size",
-        str(BLOCK_SIZE),
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--max-num-seqs",
-        str(MAX_NUM_SEQS),
-        "--max-num-batched-tokens",
-        str(BUDGET),
-        "--num-gpu-blocks-override",
-        str(KV_BLOCKS),
-        "--enforce-eager",
-        "--gpu-memory-utilization",
-        "0.2",
-    ]
+    return api_server_command(
+        model,
+        port,
+        block_size=BLOCK_SIZE,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=MAX_NUM_SEQS,
+        max_num_batched_tokens=BUDGET,
+        num_gpu_blocks_override=KV_BLOCKS,
+        enforce_eager=True,
+        gpu_memory_utilization=0.2,
+    )
 
 
 class ClosedLoop:

