@@ -89,7 +89,7 @@ class Replica:
             approval_timeout_s=timeout,
             protect_reads=protect_reads,
             metrics=self.metrics,
-            browser=browser,
+            **({} if browser is None else {"browser": browser}),
         )
         self.client = TestClient(app, base_url="http://127.0.0.1")
 
