@@ -103,7 +103,7 @@ def cfg(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def replica(sqlite_url: str, cfg: Path) -> Iterator[Replica]:
-    r = Replica(sqlite_url, cfg, FakeAgent(), Credentials(token=TOKEN, name="ops-bot"))
+    r = Replica(sqlite_url, cfg, FakeAgent(), Credentials(token=TOKEN))
     with r.client:
         yield r
     r.store.close()
@@ -144,7 +144,7 @@ def test_approve_through_the_api_runs_it_and_the_journal_says_who(replica: Repli
     r = api.post(approve, json={"note": "KV full"}, headers=AUTH)
     assert r.status_code == 200, r.text
     assert r.json()["message"] == (
-        f"execution #{waiting.id} (oom-pressure on http://127.0.0.1:9) approved by ops-bot; "
+        f"execution #{waiting.id} (oom-pressure on http://127.0.0.1:9) approved by webhook token; "
         "the service runs it"
     )
     assert replica.worker.tick() == 1
@@ -152,7 +152,7 @@ def test_approve_through_the_api_runs_it_and_the_journal_says_who(replica: Repli
     assert (done.status, done.decision, done.decided_by, done.decision_note) == (
         SUCCEEDED,
         "approved",
-        "ops-bot",
+        "webhook token",  # the token's name (webhook.token_name)
         "KV full",
     )
     assert done.decided_at is not None and done.started_at is not None
@@ -163,7 +163,7 @@ def test_approve_through_the_api_runs_it_and_the_journal_says_who(replica: Repli
     again = api.post(f"/api/executions/{waiting.id}/reject", headers=AUTH)
     assert again.status_code == 410
     assert again.json()["error"].startswith(
-        f"execution #{waiting.id} (oom-pressure) was already approved by ops-bot at "
+        f"execution #{waiting.id} (oom-pressure) was already approved by webhook token at "
     )
 
 

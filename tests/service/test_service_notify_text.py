@@ -30,7 +30,7 @@ NOTE = "fine\r\n<!here> Rejected by nobody\t"
 def replica(sqlite_url: str, tmp_path: Path) -> Iterator[Replica]:
     cfg = tmp_path / "runbook.yaml"
     cfg.write_text(CONFIG)
-    r = Replica(sqlite_url, cfg, FakeAgent(), Credentials(token=TOKEN, name="ops-bot"))
+    r = Replica(sqlite_url, cfg, FakeAgent(), Credentials(token=TOKEN))
     with r.client:
         yield r
     r.store.close()
@@ -72,18 +72,18 @@ def test_labels_and_notes_stay_on_their_line_and_are_escaped_for_each_receiver(
         f"[AWAITING APPROVAL] oom-pressure on http://127.0.0.1:9 (execution #{ex})",
         "Alert: VllmOOMPressure &lt;!channel&gt; &lt;https://evil.example/|Approve&gt; &amp; co "
         f"{FORGED} Approved by root ",
-        "Approved by ops-bot: fine &lt;!here&gt; Rejected by nobody ",
+        "Approved by webhook token: fine &lt;!here&gt; Rejected by nobody ",
     ]
     [hook] = hooks.bodies["/hook"]
     assert hook["text"].splitlines() == [
         f"[AWAITING APPROVAL] oom-pressure on http://127.0.0.1:9 (execution #{ex})",
         f"Alert: {alert}",
-        "Approved by ops-bot: fine <!here> Rejected by nobody ",
+        "Approved by webhook token: fine <!here> Rejected by nobody ",
     ]
     # The JSON receiver gets the label and the note verbatim, each in its own field.
     assert hook["alert"] == HOSTILE
     assert (hook["execution"]["decided_by"], hook["execution"]["decision_note"]) == (
-        "ops-bot",
+        "webhook token",
         NOTE,
     )
 
