@@ -36,7 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from vllm_runbook.runbooks.service import telemetry as T
 from vllm_runbook.runbooks.service.alertmanager import WebhookPayload, unstorable_text
-from vllm_runbook.runbooks.service.browser import BrowserGuard, BrowserPolicy
+from vllm_runbook.runbooks.service.browser import BrowserGuard, BrowserPolicy, unknown_host
 from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
 from vllm_runbook.runbooks.service.webhooks import GroupCommitter, Router
 from vllm_runbook.runbooks.service.worker import Worker
@@ -99,16 +99,6 @@ def _error(status: int, message: str, **extra: Any) -> JSONResponse:
     return JSONResponse({"error": message, **extra}, status_code=status)
 
 
-def unknown_host(request: Request) -> Response:
-    """400 for a Host the service does not answer to (see service/browser.py)."""
-    host = (request.headers.get("host") or "(none)")[:200]
-    return Response(
-        f"unknown Host {host}: this service answers to its own names only\n",
-        status_code=400,
-        media_type="text/plain",
-    )
-
-
 def create_app(
     store: Store,
     router: Router,
@@ -144,7 +134,7 @@ def create_app(
         # Open on loopback, but only under the service's own names: a DNS name
         # rebound to 127.0.0.1 would let another site's script read it.
         if not browser.host_allowed(request.headers.get("host")):
-            return unknown_host(request)
+            return unknown_host(request.headers.get("host"))
         return None
 
     def unauthorized() -> JSONResponse:

@@ -127,11 +127,8 @@ class BrowserPolicy:
         if own == self.page_origin:
             return True
         netloc = urlsplit(own).netloc
-        return (
-            host_header is not None
-            and netloc == host_header.strip().lower()
-            and (self.host_allowed(host_header))
-        )
+        own_host = (host_header or "").strip().lower()
+        return netloc == own_host and self.host_allowed(host_header)
 
     def cross_site(self, headers: Headers, *, browser_form: bool) -> bool:
         """A state-changing request from another origin, as the browser tells it.
@@ -158,6 +155,10 @@ class BrowserPolicy:
     def _mac(self, *parts: str) -> str:
         return hmac.new(self.key, "|".join(parts).encode(), hashlib.sha256).hexdigest()
 
+    def _signed(self, mac: str, *parts: str) -> bool:
+        # Bytes: compare_digest refuses str with non-ASCII (a client's cookie or form).
+        return hmac.compare_digest(mac.encode(), self._mac(*parts).encode())
+
     def new_session(self) -> str:
         issued, nonce = str(int(self.clock())), secrets.token_urlsafe(24)
         return f"{issued}.{nonce}.{self._mac('session', issued, nonce)}"
@@ -168,9 +169,7 @@ class BrowserPolicy:
             age = self.clock() - int(issued)
         except ValueError:
             return False
-        return hmac.compare_digest(mac, self._mac("session", issued, nonce)) and (
-            0 <= age < SESSION_LIFETIME_S
-        )
+        return self._signed(mac, "session", issued, nonce) and 0 <= age < SESSION_LIFETIME_S
 
     def form_token(self, session: str) -> str:
         expires, nonce = str(int(self.clock()) + FORM_TOKEN_LIFETIME_S), secrets.token_urlsafe(16)
@@ -186,11 +185,19 @@ class BrowserPolicy:
             left = int(expires) - self.clock()
         except ValueError:
             return "stale or foreign form: reload the page"
-        if not hmac.compare_digest(mac, self._mac("form", session, expires, nonce)):
+        if not self._signed(mac, "form", session, expires, nonce):
             return "stale or foreign form: reload the page"
         if left <= 0:
             return "the form expired: reload the page"
         return None
+
+
+def unknown_host(host_header: str | None) -> PlainTextResponse:
+    """400 for a Host the service does not answer to (`host_allowed` said no)."""
+    host = (host_header or "(none)")[:200]
+    return PlainTextResponse(
+        f"unknown Host {host}: this service answers to its own names only\n", status_code=400
+    )
 
 
 class BrowserGuard:

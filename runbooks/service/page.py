@@ -36,6 +36,7 @@ from vllm_runbook.runbooks.service.browser import (
     SESSION_COOKIE,
     SESSION_LIFETIME_S,
     BrowserPolicy,
+    unknown_host,
 )
 from vllm_runbook.runbooks.store import ExecutionNotFound, ExecutionRecord, Store, StoreError
 from vllm_runbook.runbooks.store.models import APPROVED, REJECTED, utcnow
@@ -111,14 +112,12 @@ def mount_page(
     """`open_on_loopback`: the page needs no credentials (bound to loopback);
     else reading needs what `read_refusal` accepts and an answer the webhook's
     credentials (a read token shows the page, it does not act)."""
-    from vllm_runbook.runbooks.service.app import unknown_host
-
     env = _environment()
     stylesheet = PAGE_CSS.read_text(encoding="utf-8")
 
     def denied(request: Request, *, act: bool = False) -> Response | None:
         if not browser.host_allowed(request.headers.get("host")):
-            return unknown_host(request)
+            return unknown_host(request.headers.get("host"))
         if open_on_loopback:
             return None
         header = request.headers.get("authorization")

@@ -178,6 +178,8 @@ def test_a_form_token_answers_for_its_own_session_and_expires(
     assert refused_with(token, None) == no_session  # the cookie was not sent (another site)
     assert refused_with(token, mine + "x") == no_session  # a session the service did not sign
     assert refused_with("", mine) == stale
+    assert refused_with("9999999999.é.ü", mine) == stale  # not ASCII: still a 403, not a 500
+    assert not BrowserPolicy.build(TOKEN).session_valid("1.é.ü")
     # Signed by another service (another webhook secret): foreign.
     stranger = BrowserPolicy.build("another-secret", clock=clock)
     assert refused_with(stranger.form_token(mine), mine) == stale
