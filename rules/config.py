@@ -16,6 +16,9 @@
       default: notify
     webhook:
       token_file: secrets/webhook-token       # or username + password_file (basic auth)
+      token_name: alertmanager                # who an answer with the token is recorded as
+    page:
+      hosts: [runbook.internal]               # more names the page answers to (Host)
     approvals:
       timeout: 15m                            # an unanswered approval is then refused
     notifications:                            # execution events to on-call (runbooks/notify.py)
@@ -43,6 +46,7 @@ runbook catalog.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
@@ -118,6 +122,15 @@ class WebhookConfig:
     token_file: Path | None = None
     username: str | None = None
     password_file: Path | None = None
+    token_name: str = "webhook token"  # the journal's `decided_by` for answers with the token
+
+
+@dataclass(frozen=True)
+class PageConfig:
+    """Names (Host) the on-call page answers to beyond loopback, the bind
+    address and the host of notifications.page_url."""
+
+    hosts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -171,6 +184,7 @@ class Config:
     overrides: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
     automation: Automation = field(default_factory=Automation)
     webhook: WebhookConfig = field(default_factory=WebhookConfig)
+    page: PageConfig = field(default_factory=PageConfig)
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
     approvals: ApprovalsConfig = field(default_factory=ApprovalsConfig)
     notifications: NotificationsConfig = field(default_factory=NotificationsConfig)
@@ -310,7 +324,27 @@ def _override(value: object) -> dict[str, object]:
     return dict(value)
 
 
+_LABEL = r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?"
+_HOST_NAME = re.compile(rf"^{_LABEL}(?:\.{_LABEL})*$")
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _host(value: str) -> str:
+    name = value.strip().lower().removeprefix("[").removesuffix("]")
+    if not (_is_ip(name) or _HOST_NAME.match(name)):
+        raise _detail(f"{value!r} is not a host name (no scheme, port or path: runbook.example)")
+    return name
+
+
 Text = Annotated[str, BeforeValidator(_text)]
+HostName = Annotated[str, BeforeValidator(_text), AfterValidator(_host)]
 Url = Annotated[str, BeforeValidator(_text), AfterValidator(_url)]
 Duration = Annotated[float, BeforeValidator(_duration)]
 
@@ -385,6 +419,7 @@ class _Webhook(_Section):
     token_file: Text | None = None
     username: Text | None = None
     password_file: Text | None = None
+    token_name: Text | None = None
 
     @model_validator(mode="after")
     def _one_scheme(self) -> _Webhook:
@@ -392,7 +427,13 @@ class _Webhook(_Section):
             raise _detail("give token_file or username + password_file, not both")
         if (self.username is None) != (self.password_file is None):
             raise _detail("basic auth needs both username and password_file")
+        if self.token_name is not None and self.username is not None:
+            raise _detail("token_name names the token; with basic auth the user name is recorded")
         return self
+
+
+class _Page(_Section):
+    hosts: list[HostName] = Field(default_factory=list)
 
 
 class _Executor(_Section):
@@ -453,6 +494,7 @@ class _File(_Section):
     executor: _Executor = Field(default_factory=_Executor)
     approvals: _Approvals = Field(default_factory=_Approvals)
     notifications: _Notifications = Field(default_factory=_Notifications)
+    page: _Page = Field(default_factory=_Page)
 
 
 # The model whose keys an `unknown key` message lists, by the mapping's path.
@@ -461,6 +503,7 @@ _SECTIONS: dict[tuple[str, ...], type[BaseModel]] = {
     ("engines",): _Engine,
     ("rules",): _Rules,
     ("webhook",): _Webhook,
+    ("page",): _Page,
     ("executor",): _Executor,
     ("approvals",): _Approvals,
     ("notifications",): _Notifications,
@@ -540,7 +583,9 @@ def _build(model: _File, doc: MarkedDict, path: Path) -> Config:
             None if hook.token_file is None else base / hook.token_file,
             hook.username,
             None if hook.password_file is None else base / hook.password_file,
+            hook.token_name or WebhookConfig.token_name,
         ),
+        page=PageConfig(tuple(model.page.hosts)),
         executor=ExecutorConfig(**model.executor.model_dump()),
         approvals=ApprovalsConfig(model.approvals.timeout),
         notifications=NotificationsConfig(

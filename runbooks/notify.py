@@ -22,7 +22,10 @@ page) and counted in `vllm_runbook_service_notifications_total`.
 
 Receivers: `webhook` posts the event as JSON (optionally with a bearer
 token); `slack` posts `{"text": ...}` (a Slack-compatible incoming webhook),
-the text rendered from templates/notification.txt.j2 in the sandbox.
+the text rendered from templates/notification.txt.j2 in the sandbox. Alert
+labels and notes are untrusted: in the text every value is one line and, for
+Slack, escaped (render.py), so it can add no line, mention or link; the
+webhook's JSON carries them in their own fields (`alert`, `execution`).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from typing import Any, Final, Protocol
 
 import httpx
 from vllm_runbook.rules.config import NotificationsConfig
-from vllm_runbook.runbooks.render import render_notification
+from vllm_runbook.runbooks.render import PLAIN, SLACK, render_notification
 from vllm_runbook.runbooks.store import ExecutionRecord, Store, StoreError
 from vllm_runbook.runbooks.store.models import (
     AWAITING_APPROVAL,
@@ -134,10 +137,18 @@ def receivers_from(config: NotificationsConfig) -> list[Receiver]:
     return out
 
 
-def message(record: ExecutionRecord, event: str, page_url: str | None = None) -> str:
-    """The human text of an event (Slack's `text`, the webhook's `text`)."""
+def message(
+    record: ExecutionRecord, event: str, page_url: str | None = None, receiver_format: str = PLAIN
+) -> str:
+    """The human text of an event (the webhook's `text`; SLACK: Slack's `text`)."""
     link = f"{page_url.rstrip('/')}/#execution-{record.id}" if page_url else None
-    return render_notification(record, alert_name=alert_name(record), event=event, link=link)
+    return render_notification(
+        record,
+        alert_name=alert_name(record),
+        event=event,
+        link=link,
+        receiver_format=receiver_format,
+    )
 
 
 def payload(record: ExecutionRecord, event: str, page_url: str | None = None) -> dict[str, Any]:
@@ -163,7 +174,7 @@ class HttpSender:
     def __call__(self, receiver: Receiver, event: str, record: ExecutionRecord) -> None:
         headers = {"Authorization": f"Bearer {receiver.token}"} if receiver.token else {}
         if receiver.type == "slack":
-            body: dict[str, Any] = {"text": message(record, event, self.page_url)}
+            body: dict[str, Any] = {"text": message(record, event, self.page_url, SLACK)}
         else:
             body = payload(record, event, self.page_url)
         response = self.client.post(receiver.url, json=body, headers=headers)

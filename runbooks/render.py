@@ -8,13 +8,19 @@ numbers: `ExecutionRecord.to_dict()` and stringified labels), never live
 objects, so there is nothing behind an attribute to reach; the sandbox
 refuses private and dunder attributes on top of that. Values are inserted as
 text and never evaluated, so `{{ ''.__class__ }}` in a label stays literal.
-Autoescape is off: the output is plain text, not HTML.
+Autoescape is off: the output is plain text, not HTML (the page's template is
+autoescaped HTML, service/page.py). A notification is escaped for its
+receiver instead: every `{{ value }}` becomes one line (control characters,
+line and bidi-override characters replaced by a space; capped), and for Slack
+`&`, `<`, `>` become entities, so an alert label can add no line, mention
+(`<!channel>`) or link (`<https://…|Approve>`) to the message.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
@@ -26,6 +32,12 @@ from vllm_runbook.runbooks.store import ExecutionRecord
 TEMPLATES_DIR: Final = Path(__file__).resolve().parent / "templates"
 REPORT_TEMPLATE: Final = "report.txt.j2"
 NOTIFICATION_TEMPLATE: Final = "notification.txt.j2"
+# C0/C1 controls (newlines, tabs, escapes), line/paragraph separators and the
+# bidi embeddings/overrides/isolates that reorder what a reader sees.
+_NOT_ONE_LINE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]+")
+MAX_VALUE_CHARS: Final = 1000  # per value in a notification; the journal keeps it whole
+PLAIN: Final = "plain"  # the webhook receiver's `text`
+SLACK: Final = "slack"  # Slack's `text` (mrkdwn: entities for & < >)
 
 
 def format_value(value: Any) -> str:
@@ -133,7 +145,28 @@ def format_change(before: Mapping[str, Any] | None, after: Mapping[str, Any] | N
     )
 
 
-def make_environment(loader_dir: Path = TEMPLATES_DIR) -> SandboxedEnvironment:
+def one_line(value: object) -> str:
+    """`value` as one line of text: controls and separators become a space, capped."""
+    text = _NOT_ONE_LINE.sub(" ", str(value))
+    return text if len(text) <= MAX_VALUE_CHARS else text[: MAX_VALUE_CHARS - 1] + "…"
+
+
+def slack_escape(text: str) -> str:
+    """Slack's escaping of message text: its only control characters."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+# What a notification's every `{{ value }}` goes through, per receiver format.
+NOTIFICATION_ESCAPES: Final[dict[str, Callable[[object], str]]] = {
+    PLAIN: one_line,
+    SLACK: lambda value: slack_escape(one_line(value)),
+}
+
+
+def make_environment(
+    loader_dir: Path = TEMPLATES_DIR, finalize: Callable[[object], str] | None = None
+) -> SandboxedEnvironment:
+    """`finalize`: applied to every `{{ value }}` (a notification's escaping)."""
     env = SandboxedEnvironment(
         loader=FileSystemLoader(str(loader_dir)),
         autoescape=False,
@@ -141,6 +174,7 @@ def make_environment(loader_dir: Path = TEMPLATES_DIR) -> SandboxedEnvironment:
         trim_blocks=True,
         lstrip_blocks=True,
         keep_trailing_newline=True,
+        finalize=finalize,
     )
     env.filters["value"] = format_value
     env.filters["signal"] = lambda value, name: format_signal(str(name), value)
@@ -150,6 +184,7 @@ def make_environment(loader_dir: Path = TEMPLATES_DIR) -> SandboxedEnvironment:
 
 
 _ENV: SandboxedEnvironment | None = None
+_NOTIFICATION_ENVS: dict[str, SandboxedEnvironment] = {}
 
 
 def _environment() -> SandboxedEnvironment:
@@ -157,6 +192,14 @@ def _environment() -> SandboxedEnvironment:
     if _ENV is None:
         _ENV = make_environment()
     return _ENV
+
+
+def _notification_environment(receiver_format: str) -> SandboxedEnvironment:
+    env = _NOTIFICATION_ENVS.get(receiver_format)
+    if env is None:
+        env = make_environment(finalize=NOTIFICATION_ESCAPES[receiver_format])
+        _NOTIFICATION_ENVS[receiver_format] = env
+    return env
 
 
 def untrusted_text(mapping: Mapping[Any, Any] | None) -> dict[str, str]:
@@ -212,11 +255,13 @@ def render_notification(
     annotations: Mapping[Any, Any] | None = None,
     event: str | None = None,
     link: str | None = None,
+    receiver_format: str = PLAIN,
 ) -> str:
     """A short text for chat/pager about an execution and the alert behind it;
-    `event` (e.g. "awaiting approval") replaces the status in the first line."""
+    `event` (e.g. "awaiting approval") replaces the status in the first line.
+    `receiver_format`: PLAIN or SLACK, how each value is escaped (module doc)."""
     return (
-        _environment()
+        _notification_environment(receiver_format)
         .get_template(NOTIFICATION_TEMPLATE)
         .render(
             e=_context(execution),

@@ -3,15 +3,19 @@
 POST /webhooks/alertmanager   Alertmanager webhook v4 (bearer or basic auth)
 GET  /healthz                 liveness, and whether the store answers
 GET  /metrics                 the service's own metrics
+GET  /openapi.json            the API's schema (no Swagger UI: it would load a CDN's script)
 GET  /api/executions          the journal (JSON)
 GET  /api/incidents           incidents recorded by the rule evaluator (JSON)
 GET  /api/pending             executions awaiting approval (JSON)
 POST /api/executions/{id}/approve|reject   a person's answer (the webhook's
-                              credentials; JSON body {"note": ..., "by": ...}, both optional)
+                              credentials, which name who answered; JSON body {"note": ...})
 GET  /                        the on-call page (service/page.py)
 
-The /api reads and the page show engines, alert labels and reasons. Bound off
-loopback (`protect_reads`) they need credentials: the webhook's, or the read token.
+The reads (/api, /metrics, /openapi.json) and the page show engines, alert
+labels and reasons. Bound off loopback (`protect_reads`) they need credentials:
+the webhook's, or the read token. On loopback they are open to the names the
+service answers to (service/browser.py: a rebound DNS name gets 400), and
+every state change from a browser must come from the service's own origin.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from vllm_runbook.runbooks.service import telemetry as T
 from vllm_runbook.runbooks.service.alertmanager import WebhookPayload, unstorable_text
+from vllm_runbook.runbooks.service.browser import BrowserGuard, BrowserPolicy, unknown_host
 from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
 from vllm_runbook.runbooks.service.webhooks import GroupCommitter, Router
 from vllm_runbook.runbooks.service.worker import Worker
@@ -47,11 +52,18 @@ _SUSPECT_ESCAPE = re.compile(rb"\\u(?:0000|[dD][89a-fA-F])")
 
 @dataclass(frozen=True)
 class Credentials:
-    """What Alertmanager's http_config sends: a bearer token or basic auth."""
+    """What Alertmanager's http_config sends: a bearer token or basic auth.
+    `name`: who a decision made with the token is recorded as (basic auth
+    records its user name)."""
 
     token: str | None = None
     username: str | None = None
     password: str | None = None
+    name: str = "webhook token"
+
+    @property
+    def secret(self) -> str:
+        return self.token or self.password or ""
 
     def check(self, header: str | None) -> bool:
         if not header:
@@ -70,15 +82,13 @@ class Credentials:
             )
         return False
 
-    def basic_user(self, header: str | None) -> str | None:
-        """The basic-auth user name of a header `check` accepted (who decided)."""
-        scheme, _, value = (header or "").partition(" ")
-        if scheme.lower() != "basic":
+    def identity(self, header: str | None) -> str | None:
+        """Who these credentials say is asking: the basic-auth user name or the
+        token's configured name, once `check` accepted the header; else None."""
+        if not self.check(header):
             return None
-        try:
-            return base64.b64decode(value.strip(), validate=True).decode().partition(":")[0]
-        except (ValueError, UnicodeDecodeError):
-            return None
+        scheme = (header or "").partition(" ")[0].lower()
+        return self.name if scheme == "bearer" else self.username
 
 
 def _reject_constant(name: str) -> Any:
@@ -100,21 +110,32 @@ def create_app(
     protect_reads: bool = False,
     read_credentials: Credentials | None = None,
     approval_timeout_s: float = DEFAULT_APPROVAL_TIMEOUT_S,
+    browser: BrowserPolicy | None = None,
 ) -> FastAPI:
     """The app; `status` adds to /healthz (e.g. whether this replica leads the rules).
-    `protect_reads`: /api reads and the page need `credentials` or
+    `protect_reads`: the reads and the page need `credentials` or
     `read_credentials` (`runbook serve` sets it when bound off loopback).
-    `approval_timeout_s`: how long an execution awaits approval."""
+    `approval_timeout_s`: how long an execution awaits approval.
+    `browser`: the names the service answers to and its page sessions
+    (default: loopback names only, sessions signed with `credentials`)."""
     if not credentials.token and not credentials.password:
         raise ValueError("the webhook needs a token or basic-auth credentials")
+    browser = browser or BrowserPolicy.build(credentials.secret)
 
-    def may_read(request: Request) -> bool:
-        if not protect_reads:
-            return True
+    def read_refusal(request: Request) -> Response | None:
+        """None when `request` may read; else the answer that says why not."""
         header = request.headers.get("authorization")
-        return credentials.check(header) or (
+        if credentials.check(header) or (
             read_credentials is not None and read_credentials.check(header)
-        )
+        ):
+            return None
+        if protect_reads:
+            return unauthorized()
+        # Open on loopback, but only under the service's own names: a DNS name
+        # rebound to 127.0.0.1 would let another site's script read it.
+        if not browser.host_allowed(request.headers.get("host")):
+            return unknown_host(request.headers.get("host"))
+        return None
 
     def unauthorized() -> JSONResponse:
         return JSONResponse(
@@ -125,7 +146,11 @@ def create_app(
 
     metrics = metrics or ServiceMetrics()
     committer = GroupCommitter(store, router)
-    app = FastAPI(title="vllm-runbook", version="0.1.0")
+    # No Swagger UI or ReDoc (they load a CDN's script); the schema is a guarded read.
+    app = FastAPI(
+        title="vllm-runbook", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None
+    )
+    app.add_middleware(BrowserGuard, policy=browser)
     app.router.on_shutdown.append(committer.close)
 
     def rejected(reason: str, status_code: int, message: str, **extra: Any) -> JSONResponse:
@@ -193,13 +218,21 @@ def create_app(
         return JSONResponse({"status": "ok", **(status() if status else {})})
 
     @app.get("/metrics")
-    def prometheus_metrics() -> Response:
+    def prometheus_metrics(request: Request) -> Response:
+        if (refusal := read_refusal(request)) is not None:
+            return refusal
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/openapi.json", include_in_schema=False)
+    def openapi(request: Request) -> Response:
+        if (refusal := read_refusal(request)) is not None:
+            return refusal
+        return JSONResponse(app.openapi())
 
     @app.get("/api/executions")
     def executions(request: Request, engine: str | None = None, limit: int = 50) -> Response:
-        if not may_read(request):
-            return unauthorized()
+        if (refusal := read_refusal(request)) is not None:
+            return refusal
         try:
             rows = store.list_executions(engine, limit=max(1, min(limit, 1000)))
         except StoreError as exc:
@@ -208,8 +241,8 @@ def create_app(
 
     @app.get("/api/incidents")
     def incidents(request: Request, open_only: bool = False) -> Response:
-        if not may_read(request):
-            return unauthorized()
+        if (refusal := read_refusal(request)) is not None:
+            return refusal
         try:
             rows = store.list_incidents(open_only=open_only)
         except StoreError as exc:
@@ -218,8 +251,8 @@ def create_app(
 
     @app.get("/api/pending")
     def pending(request: Request) -> Response:
-        if not may_read(request):
-            return unauthorized()
+        if (refusal := read_refusal(request)) is not None:
+            return refusal
         try:
             rows = store.pending_approvals()
         except StoreError as exc:
@@ -227,8 +260,9 @@ def create_app(
         return JSONResponse([r.to_dict() for r in rows])
 
     async def decide(request: Request, execution_id: int, decision: str) -> Response:
-        header = request.headers.get("authorization")
-        if not credentials.check(header):
+        # Who answered is who the credentials say (never a name the body claims).
+        who = credentials.identity(request.headers.get("authorization"))
+        if who is None:
             return unauthorized()
         body: dict[str, Any] = {}
         raw = await request.body()
@@ -237,11 +271,14 @@ def create_app(
                 body = json.loads(raw)
             except (ValueError, UnicodeDecodeError):
                 return _error(400, "body is not JSON")
-            if not isinstance(body, dict) or not all(
-                isinstance(body.get(k), str | None) for k in ("note", "by")
-            ):
-                return _error(422, 'body: {"note": "...", "by": "..."} (strings, both optional)')
-        who = credentials.basic_user(header) or body.get("by") or "api"
+            if not isinstance(body, dict) or not isinstance(body.get("note"), str | None):
+                return _error(422, 'body: {"note": "..."} (a string, optional)')
+            if "by" in body:
+                return _error(
+                    422,
+                    'body: "by" is not accepted: the journal records who answered from the '
+                    "credentials (the basic-auth user, or the token's webhook.token_name)",
+                )
         try:
             result = await asyncio.to_thread(
                 store.decide,
@@ -279,7 +316,9 @@ def create_app(
         store,
         credentials,
         worker,
+        browser,
         approval_timeout_s=approval_timeout_s,
-        may_read=may_read if protect_reads else None,
+        read_refusal=read_refusal,
+        open_on_loopback=not protect_reads,
     )
     return app

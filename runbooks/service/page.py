@@ -1,23 +1,23 @@
 """The on-call page of `runbook serve`: `/`, server-rendered, refreshing itself.
 
     GET  /                                   firing incidents, approvals, recent executions
+    GET  /page.css                           its stylesheet (the CSP allows no inline style)
     POST /ui/executions/{id}/approve|reject  the page's buttons (a form; 303 back to /)
 
-No front-end build: one Jinja2 template (templates/page.html.j2) in an
-autoescaping sandbox (alert labels and notes are untrusted text) and a meta
-refresh. Bound off loopback, the page asks for the API's read credentials (basic
-auth is what a browser can send) and an answer needs the webhook's; on
-loopback it is open like the rest of the service's reads. The forms carry a
-token derived from the service's credentials, so another site cannot make a
-visitor's browser approve (the same on every replica: any one may serve the
-form or take the click).
+No front-end build and no script: one Jinja2 template (templates/page.html.j2)
+in an autoescaping sandbox (alert labels and notes are untrusted text) and a
+meta refresh. Bound off loopback, the page asks for the API's read
+credentials (basic auth is what a browser can send) and an answer needs the
+webhook's; on loopback it is open like the rest of the service's reads, and
+an answer is recorded as "anonymous (loopback)" unless the browser sent the
+webhook's credentials. Either way it answers only under the service's own
+names, an answer must come from the page's own origin with the session
+cookie the page set and a form token bound to it (service/browser.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import math
 from collections.abc import Callable
 from datetime import timedelta
@@ -31,6 +31,13 @@ from jinja2.sandbox import SandboxedEnvironment
 from vllm_runbook.runbooks.guardrails import format_duration
 from vllm_runbook.runbooks.notify import alert_name
 from vllm_runbook.runbooks.render import TEMPLATES_DIR, format_change, format_value
+from vllm_runbook.runbooks.service.browser import (
+    SECURE_SESSION_COOKIE,
+    SESSION_COOKIE,
+    SESSION_LIFETIME_S,
+    BrowserPolicy,
+    unknown_host,
+)
 from vllm_runbook.runbooks.store import ExecutionNotFound, ExecutionRecord, Store, StoreError
 from vllm_runbook.runbooks.store.models import APPROVED, REJECTED, utcnow
 
@@ -39,6 +46,9 @@ if TYPE_CHECKING:
     from vllm_runbook.runbooks.service.worker import Worker
 
 PAGE_TEMPLATE: Final = "page.html.j2"
+PAGE_CSS: Final = TEMPLATES_DIR / "page.css"
+# Who an answer from the open loopback page is recorded as: nobody was authenticated.
+ANONYMOUS: Final = "anonymous (loopback)"
 REFRESH_SECONDS: Final = 10
 RECENT: Final = 20
 MAX_FORM_BYTES: Final = 16 * 1024
@@ -56,11 +66,6 @@ def _environment() -> SandboxedEnvironment:
     env.filters["change"] = format_change
     env.filters["when"] = lambda t: "-" if t is None else t.strftime("%Y-%m-%d %H:%M:%SZ")
     return env
-
-
-def form_token(credentials: Credentials) -> str:
-    secret = (credentials.token or credentials.password or "").encode()
-    return hmac.new(secret, b"vllm-runbook page form", hashlib.sha256).hexdigest()
 
 
 def _view(store: Store, timeout_s: float) -> dict[str, Any]:
@@ -98,21 +103,25 @@ def mount_page(
     store: Store,
     credentials: Credentials,
     worker: Worker | None,
+    browser: BrowserPolicy,
     *,
     approval_timeout_s: float,
-    may_read: Callable[[Request], bool] | None,
+    read_refusal: Callable[[Request], Response | None],
+    open_on_loopback: bool,
 ) -> None:
-    """`may_read`: None on loopback (open); else the API's read check. An
-    answer (approve/reject) off loopback needs the webhook's credentials: a
-    read token shows the page, it does not act."""
+    """`open_on_loopback`: the page needs no credentials (bound to loopback);
+    else reading needs what `read_refusal` accepts and an answer the webhook's
+    credentials (a read token shows the page, it does not act)."""
     env = _environment()
-    token = form_token(credentials)
+    stylesheet = PAGE_CSS.read_text(encoding="utf-8")
 
     def denied(request: Request, *, act: bool = False) -> Response | None:
-        if may_read is None:
+        if not browser.host_allowed(request.headers.get("host")):
+            return unknown_host(request.headers.get("host"))
+        if open_on_loopback:
             return None
         header = request.headers.get("authorization")
-        if credentials.check(header) if act else may_read(request):
+        if credentials.check(header) if act else read_refusal(request) is None:
             return None
         scheme = "Basic" if credentials.password else "Bearer"
         return Response(
@@ -122,6 +131,19 @@ def mount_page(
             media_type="text/plain",
         )
 
+    def session_cookie(request: Request) -> tuple[str, bool]:
+        """The session cookie's name for this request, and whether it is Secure."""
+        secure = browser.secure(request.url.scheme, request.headers.get("host"))
+        return (SECURE_SESSION_COOKIE if secure else SESSION_COOKIE), secure
+
+    def answers_as(request: Request) -> str | None:
+        who = credentials.identity(request.headers.get("authorization"))
+        return who or (ANONYMOUS if open_on_loopback else None)
+
+    @app.get("/page.css", include_in_schema=False)
+    def css() -> Response:
+        return Response(stylesheet, media_type="text/css", headers={"Cache-Control": "no-cache"})
+
     @app.get("/", response_class=HTMLResponse)
     def page(request: Request, msg: str | None = None) -> Response:
         if (refusal := denied(request)) is not None:
@@ -130,20 +152,42 @@ def mount_page(
             view = _view(store, approval_timeout_s)
         except StoreError as exc:
             return HTMLResponse(f"store unavailable: {exc}", status_code=503)
-        html = env.get_template(PAGE_TEMPLATE).render(message=msg, token=token, **view)
-        return HTMLResponse(html)
+        name, secure = session_cookie(request)
+        cookie = request.cookies.get(name)
+        fresh = not browser.session_valid(cookie)
+        session = browser.new_session() if fresh or cookie is None else cookie
+        html = env.get_template(PAGE_TEMPLATE).render(
+            message=msg, token=browser.form_token(session), answer_as=answers_as(request), **view
+        )
+        # no-store: the page holds a form token; a shared cache must not keep it.
+        response = HTMLResponse(html, headers={"Cache-Control": "no-store"})
+        if fresh:
+            response.set_cookie(
+                name,
+                session,
+                max_age=SESSION_LIFETIME_S,
+                path="/",
+                secure=secure,
+                httponly=True,
+                samesite="strict",
+            )
+        return response
 
     async def decide(request: Request, execution_id: int, decision: str) -> Response:
+        # Host here; the Origin / Sec-Fetch-Site check ran before (BrowserGuard).
         if (refusal := denied(request, act=True)) is not None:
             return refusal
         body = await request.body()
         if len(body) > MAX_FORM_BYTES:
             return Response("form too large\n", status_code=413, media_type="text/plain")
         form = {k: v[0] for k, v in parse_qs(body.decode("utf-8", "replace")).items()}
-        if not hmac.compare_digest(form.get("token", ""), token):
-            return Response("stale or foreign form: reload the page\n", status_code=403)
-        who = credentials.basic_user(request.headers.get("authorization"))
-        who = who or form.get("by", "").strip() or "page"
+        name, _ = session_cookie(request)
+        problem = browser.token_problem(request.cookies.get(name), form.get("token", ""))
+        if problem is not None:
+            return Response(problem + "\n", status_code=403, media_type="text/plain")
+        who = answers_as(request)  # off loopback `denied` required an identity
+        if who is None:
+            return Response("credentials required\n", status_code=401, media_type="text/plain")
         try:
             result = await asyncio.to_thread(
                 store.decide,

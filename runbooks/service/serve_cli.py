@@ -76,14 +76,15 @@ def credentials_from(config: Any, host: str) -> Any:
     from vllm_runbook.runbooks.service.app import Credentials
 
     webhook = config.webhook
+    name = webhook.token_name  # who an answer with the token is recorded as
     if webhook.token_file is not None:
-        return Credentials(token=_read_secret(webhook.token_file, "webhook token_file"))
+        return Credentials(token=_read_secret(webhook.token_file, "webhook token_file"), name=name)
     if webhook.username and webhook.password_file is not None:
         password = _read_secret(webhook.password_file, "webhook password_file")
         return Credentials(username=webhook.username, password=password)
     env = os.environ.get("RUNBOOK_WEBHOOK_TOKEN", "").strip()
     if env:
-        return Credentials(token=env)
+        return Credentials(token=env, name=name)
     if not is_loopback(host):
         raise TokenError(
             f"binding to {host} (not loopback) needs webhook credentials "
@@ -99,7 +100,7 @@ def credentials_from(config: Any, host: str) -> Any:
     logging.getLogger("vllm_runbook.service").warning(
         "webhook token generated in %s: point Alertmanager's credentials_file there", path
     )
-    return Credentials(token=_read_secret(path, "webhook token"))
+    return Credentials(token=_read_secret(path, "webhook token"), name=name)
 
 
 def build(
@@ -116,6 +117,7 @@ def build(
     from vllm_runbook.runbooks.client import normalize_url
     from vllm_runbook.runbooks.engine_actions import engine_registry
     from vllm_runbook.runbooks.service.app import create_app
+    from vllm_runbook.runbooks.service.browser import BrowserPolicy
     from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
     from vllm_runbook.runbooks.service.webhooks import Router
     from vllm_runbook.runbooks.store import Store, upgrade
@@ -177,10 +179,11 @@ def build(
             metrics=metrics,
         )
     status = (lambda: {"rules_leader": leader.is_leader}) if leader is not None else None
+    credentials = credentials_from(config, host)
     app = create_app(
         store,
         router,
-        credentials_from(config, host),
+        credentials,
         runner,
         metrics=metrics,
         status=status,
@@ -188,6 +191,13 @@ def build(
         protect_reads=not is_loopback(host),
         read_credentials=read_credentials_from_env(),
         approval_timeout_s=config.approvals.timeout_seconds,
+        # The names the page and the open reads answer to (a rebound DNS name gets 400).
+        browser=BrowserPolicy.build(
+            credentials.secret,
+            page_url=config.notifications.page_url,
+            hosts=config.page.hosts,
+            bind_host=host,
+        ),
     )
     app.state.runbooks = runbooks
     app.state.notifier = None

@@ -90,7 +90,7 @@ def test_runbook_serve_starts_on_the_rendered_configuration(overlay: str, tmp_pa
     try:
         assert worker is None
         assert leader is None  # an empty inventory: nothing for the embedded rules to scrape
-        with TestClient(app) as client:
+        with TestClient(app, base_url="http://127.0.0.1") as client:
             health = client.get(serve["readinessProbe"]["httpGet"]["path"])
             assert (health.status_code, health.json()) == (200, {"status": "ok"})
             hook = "/webhooks/alertmanager"

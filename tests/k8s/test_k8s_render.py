@@ -148,6 +148,12 @@ def test_monitors_select_the_service_and_the_agents(overlay: str) -> None:
     assert [e["port"] for e in monitor["spec"]["endpoints"]] == [
         p["name"] for p in service["spec"]["ports"]
     ]
+    # Bound off loopback, /metrics is a read: the read token, which `serve` reads from env.
+    [endpoint] = monitor["spec"]["endpoints"]
+    read_token = {"name": "vllm-runbook", "key": "read-token"}
+    assert endpoint["authorization"] == {"type": "Bearer", "credentials": read_token}
+    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container(objects)["env"]}
+    assert env["RUNBOOK_READ_TOKEN"] == {**read_token, "optional": True}
     pods = one(objects, "PodMonitor")
     (endpoint,) = pods["spec"]["podMetricsEndpoints"]
     keep, instance = endpoint["relabelings"]
@@ -171,6 +177,7 @@ def test_secrets_reach_the_service(overlay: str) -> None:
     env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container(objects)["env"]}
     assert env == {
         "RUNBOOK_DB_URL": {"name": "vllm-runbook", "key": "database-url"},
+        "RUNBOOK_READ_TOKEN": {"name": "vllm-runbook", "key": "read-token", "optional": True},
         "VLLM_RUNBOOK_TOKEN": {"name": "vllm-runbook", "key": "agent-token", "optional": True},
     }
     volumes = {v["name"]: v for v in pod_spec(objects)["volumes"]}

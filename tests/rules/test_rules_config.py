@@ -133,7 +133,7 @@ def test_every_problem_named_with_file_and_line(tmp_path: Path) -> None:
     )
     assert problems(path) == [
         f"{path}:1: unknown key databse (allowed: database, engines, rules, automation, webhook, "
-        "executor, approvals, notifications)",
+        "executor, approvals, notifications, page)",
         f"{path}:4: engines[0].agent must be an http(s) URL, got 'localhost:9360'",
         f"{path}:5: engines[1].name 'llama-0' already used at line 3",
         f"{path}:7: engines[1].labels: keys and values must be strings (['instance'])",
@@ -285,7 +285,7 @@ def test_null_values_are_the_defaults(tmp_path: Path) -> None:
     path = write(tmp_path, "databse:\nrules: {catalgo: null}\n")
     assert problems(path) == [  # a misspelt key is an error even with no value
         f"{path}:1: unknown key databse (allowed: database, engines, rules, automation, webhook, "
-        "executor, approvals, notifications)",
+        "executor, approvals, notifications, page)",
         f"{path}:2: unknown key rules.catalgo (allowed: evaluation_interval, leader_lease, "
         "catalog, overrides)",
     ]
@@ -370,4 +370,41 @@ def test_bad_notifications_are_named_with_file_and_line(tmp_path: Path) -> None:
         f"{path}:4: notifications.receivers[0].type: 'pager' is not one of webhook, slack",
         f"{path}:5: notifications.receivers[1].url must be an http(s) URL, got 'hooks.example'",
         f"{path}:6: notifications.retries: Input should be greater than or equal to 0",
+    ]
+
+
+def test_the_page_names_and_the_tokens_name(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """\
+        webhook:
+          token_file: t
+          token_name: alertmanager-prod
+        page:
+          hosts: [Runbook.Internal, 10.0.0.5, "[::1]"]
+        """,
+    )
+    config = load_config(path)
+    assert config.webhook.token_name == "alertmanager-prod"
+    assert config.page.hosts == ("runbook.internal", "10.0.0.5", "::1")
+    assert load_config(write(tmp_path, "database: x\n")).webhook.token_name == "webhook token"
+    path = write(
+        tmp_path,
+        """\
+        webhook:
+          username: u
+          password_file: p
+          token_name: x
+        page:
+          hosts: [ok.example, "https://runbook.example", "runbook.example:8080"]
+          url: x
+        """,
+    )
+    assert problems(path) == [
+        f"{path}:2: webhook: token_name names the token; with basic auth the user name is recorded",
+        f"{path}:6: page.hosts[1]: 'https://runbook.example' is not a host name (no scheme, port "
+        "or path: runbook.example)",
+        f"{path}:6: page.hosts[2]: 'runbook.example:8080' is not a host name (no scheme, port "
+        "or path: runbook.example)",
+        f"{path}:7: unknown key page.url (allowed: hosts)",
     ]

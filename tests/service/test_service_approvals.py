@@ -19,6 +19,7 @@ from vllm_runbook.rules.config import load_config
 from vllm_runbook.runbooks.cli import main
 from vllm_runbook.runbooks.executor import Executor
 from vllm_runbook.runbooks.service.app import Credentials, create_app
+from vllm_runbook.runbooks.service.browser import BrowserPolicy
 from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
 from vllm_runbook.runbooks.service.webhooks import Router
 from vllm_runbook.runbooks.service.worker import Worker
@@ -58,6 +59,7 @@ class Replica:
         credentials: Credentials,
         *,
         protect_reads: bool = False,
+        browser: BrowserPolicy | None = None,
     ) -> None:
         config = load_config(cfg)
         router = Router(
@@ -87,8 +89,9 @@ class Replica:
             approval_timeout_s=timeout,
             protect_reads=protect_reads,
             metrics=self.metrics,
+            **({} if browser is None else {"browser": browser}),
         )
-        self.client = TestClient(app)
+        self.client = TestClient(app, base_url="http://127.0.0.1")
 
 
 @pytest.fixture
@@ -128,10 +131,20 @@ def test_approve_through_the_api_runs_it_and_the_journal_says_who(replica: Repli
     approve = f"/api/executions/{waiting.id}/approve"
     assert api.post(approve, json={"note": "KV full"}).status_code == 401
     assert api.post("/api/executions/999/approve", headers=AUTH).status_code == 404
-    r = api.post(approve, json={"note": "KV full", "by": "ann"}, headers=AUTH)
+    # Who answered comes from the credentials, never from what the body claims.
+    claimed = api.post(approve, json={"note": "KV full", "by": "ann"}, headers=AUTH)
+    assert (claimed.status_code, claimed.json()) == (
+        422,
+        {
+            "error": 'body: "by" is not accepted: the journal records who answered from the '
+            "credentials (the basic-auth user, or the token's webhook.token_name)"
+        },
+    )
+    assert replica.store.get_execution(waiting.id).decision is None
+    r = api.post(approve, json={"note": "KV full"}, headers=AUTH)
     assert r.status_code == 200, r.text
     assert r.json()["message"] == (
-        f"execution #{waiting.id} (oom-pressure on http://127.0.0.1:9) approved by ann; "
+        f"execution #{waiting.id} (oom-pressure on http://127.0.0.1:9) approved by webhook token; "
         "the service runs it"
     )
     assert replica.worker.tick() == 1
@@ -139,7 +152,7 @@ def test_approve_through_the_api_runs_it_and_the_journal_says_who(replica: Repli
     assert (done.status, done.decision, done.decided_by, done.decision_note) == (
         SUCCEEDED,
         "approved",
-        "ann",
+        "webhook token",  # the token's name (webhook.token_name)
         "KV full",
     )
     assert done.decided_at is not None and done.started_at is not None
@@ -150,7 +163,7 @@ def test_approve_through_the_api_runs_it_and_the_journal_says_who(replica: Repli
     again = api.post(f"/api/executions/{waiting.id}/reject", headers=AUTH)
     assert again.status_code == 410
     assert again.json()["error"].startswith(
-        f"execution #{waiting.id} (oom-pressure) was already approved by ann at "
+        f"execution #{waiting.id} (oom-pressure) was already approved by webhook token at "
     )
 
 
@@ -337,19 +350,25 @@ def test_page_off_loopback_needs_the_api_credentials_and_a_form_token(
         page = client.get("/", headers=BASIC)
         assert page.status_code == 200
         assert f'id="approve-{waiting.id}"' in page.text
-        token = re.search(r'name="token" value="([0-9a-f]{64})"', page.text)
+        assert "answers are recorded as ann" in page.text
+        token = re.search(r'name="token" value="([^"]+)"', page.text)
         assert token is not None
         action = f"/ui/executions/{waiting.id}/approve"
+        own = {"Origin": "http://127.0.0.1", **BASIC}
         # Another site's form (no token) cannot approve, even with the browser's credentials.
-        forged = client.post(action, data={"note": "x"}, headers=BASIC, follow_redirects=False)
+        forged = client.post(action, data={"note": "x"}, headers=own, follow_redirects=False)
         assert forged.status_code == 403
-        assert client.post(action, data={"token": token[1]}).status_code == 401
+        no_auth = {"Origin": "http://127.0.0.1"}
+        assert client.post(action, data={"token": token[1]}, headers=no_auth).status_code == 401
         ok = client.post(
-            action, data={"token": token[1], "note": "go"}, headers=BASIC, follow_redirects=False
+            action,
+            data={"token": token[1], "note": "go", "by": "mallory"},
+            headers=own,
+            follow_redirects=False,
         )
         assert ok.status_code == 303
         done = r.store.get_execution(waiting.id)
-        # Basic auth names the person; the form's `by` cannot override it.
+        # Basic auth names the person; a `by` field in the form changes nothing.
         assert (done.status, done.decision, done.decided_by, done.decision_note) == (
             PENDING,
             "approved",

@@ -11,16 +11,16 @@ images are copies of these)."""
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import yaml
 
-from tests.engines import REPO_ROOT, ServedEngine, http_get, require_tool
+from tests.engines import REPO_ROOT, ServedEngine, http_get
+from tests.service.chromium import chromium, wait_until
 from tests.service.processes import RunbookServe
 from tests.service.test_service_notify import Hooks
 from tests.service.test_service_webhooks import payload
@@ -30,37 +30,12 @@ pytestmark = [pytest.mark.engine, pytest.mark.served]
 TOKEN = "page-webhook-token"
 ARTIFACTS = REPO_ROOT / "artifacts" / "oncall-page"
 FINAL = ("succeeded", "failed", "rolled_back", "refused")
-T = TypeVar("T")
-
-
-def wait_until(what: str, probe: Callable[[], T | None], limit: float) -> T:
-    """Poll until `probe` gives something (a deadline, not a timing assertion)."""
-    end = time.monotonic() + limit
-    while time.monotonic() < end:
-        found = probe()
-        if found:
-            return found
-        time.sleep(0.25)
-    raise AssertionError(f"{what}: not within {limit:g} s")
 
 
 @pytest.fixture
 def browser() -> Iterator[Any]:
-    chromium = require_tool("chromium")
-    driver_path = require_tool("chromedriver")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
-        options.add_argument(arg)
-    options.add_argument("--window-size=1280,1100")
-    driver = webdriver.Chrome(service=Service(driver_path), options=options)
-    try:
+    with chromium() as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 def deliver(url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -122,12 +97,16 @@ def run_page_test(tiny_model: Path, tmp_path: Path, browser: Any, hooks: Hooks) 
             assert browser.find_element(By.ID, f"status-{ex}").text == "pending"
             browser.save_screenshot(str(ARTIFACTS / "oncall-page-pending.png"))
 
-            row.find_element(By.NAME, "by").send_keys("ann")
+            # On loopback nobody is authenticated: the page says so, the journal records it.
+            assert browser.find_element(By.ID, "as-of").text.endswith(
+                "answers are recorded as anonymous (loopback)"
+            )
             row.find_element(By.NAME, "note").send_keys("KV cache full, go")
             browser.find_element(By.ID, f"approve-{ex}").click()
             message = browser.find_element(By.ID, "message").text
             assert message == (
-                f"execution #{ex} (oom-pressure on {served.agent_url}) approved by ann; "
+                f"execution #{ex} (oom-pressure on {served.agent_url}) approved by "
+                "anonymous (loopback); "
                 "the service runs it"
             )
 
@@ -136,7 +115,7 @@ def run_page_test(tiny_model: Path, tmp_path: Path, browser: Any, hooks: Hooks) 
                 return record if record["status"] in FINAL else None
 
             record = wait_until("the approved execution finishes", final, 180)
-            assert record["decided_by"] == "ann"
+            assert record["decided_by"] == "anonymous (loopback)"
             assert record["decision_note"] == "KV cache full, go"
             # The engine's budget was halved by the run (and stays, or was rolled back).
             [scale] = [s for s in record["steps"] if s["action"] == "scale_max_num_batched_tokens"]
@@ -158,7 +137,8 @@ def run_page_test(tiny_model: Path, tmp_path: Path, browser: Any, hooks: Hooks) 
                 in steps
             )
             block = browser.find_element(By.ID, f"execution-{ex}").text
-            assert "approved by ann at " in block and "KV cache full, go" in block
+            assert "approved by anonymous (loopback) at " in block
+            assert "KV cache full, go" in block
             if record["verification"] is not None:
                 verification = browser.find_element(By.ID, f"verification-{ex}").text
                 assert verification.startswith("verification: preemptions_per_minute ")

@@ -14,7 +14,7 @@ from tests.service.test_service_webhooks import payload
 
 WEBHOOK_TOKEN = "webhook-token-for-reads"
 READ_TOKEN = "read-only-token"
-READS = ("/api/executions", "/api/incidents")
+READS = ("/api/executions", "/api/incidents", "/api/pending", "/metrics", "/openapi.json")
 
 CONFIG = """\
 engines:
@@ -38,7 +38,7 @@ def client_for(host: str, tmp_path: Path, sqlite_url: str) -> TestClient:
     _config, _store, app, _worker, _leader = build(
         str(config), sqlite_url, host, worker=False, rules=False
     )
-    return TestClient(app)
+    return TestClient(app, base_url="http://127.0.0.1")
 
 
 def basic(user: str, password: str) -> dict[str, str]:
@@ -111,9 +111,30 @@ def test_off_loopback_without_a_read_token_only_the_webhook_credentials_read(
     config = tmp_path / "runbook.yaml"
     config.write_text(CONFIG.split("webhook:")[0])
     _c, _s, app, _w, _l = build(str(config), sqlite_url, "0.0.0.0", worker=False, rules=False)
-    client = TestClient(app)
+    client = TestClient(app, base_url="http://127.0.0.1")
     for path in READS:
         assert client.get(path).status_code == 401
         assert client.get(path, headers={"Authorization": "Bearer "}).status_code == 401
         ok = client.get(path, headers={"Authorization": f"Bearer {WEBHOOK_TOKEN}"})
-        assert ok.status_code == 200 and ok.json() == []
+        assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "10.1.2.3"])
+def test_the_schema_and_the_metrics_follow_the_reads_and_no_swagger_ui_is_served(
+    host: str, tmp_path: Path, sqlite_url: str, with_read_token: None
+) -> None:
+    client = client_for(host, tmp_path, sqlite_url)
+    reader = {"Authorization": f"Bearer {READ_TOKEN}"}
+    open_reads = host == "127.0.0.1"
+    for path in ("/metrics", "/openapi.json"):
+        r = client.get(path)
+        assert r.status_code == (200 if open_reads else 401), path
+        assert client.get(path, headers=reader).status_code == 200
+    metrics = client.get("/metrics", headers=reader).text
+    assert "vllm_runbook_service_webhooks_received_total" in metrics
+    schema = client.get("/openapi.json", headers=reader).json()
+    assert {"/api/pending", "/api/executions/{execution_id}/approve"} <= set(schema["paths"])
+    assert "/openapi.json" not in schema["paths"]
+    # Swagger UI and ReDoc would load a CDN's script into the service's origin: none.
+    for path in ("/docs", "/redoc", "/docs/oauth2-redirect"):
+        assert client.get(path, headers=reader).status_code == 404, path

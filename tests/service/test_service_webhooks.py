@@ -102,7 +102,9 @@ def make_client(url: str, tmp_path: Path) -> TestClient:
         {r.alert: r.runbook for r in config.load_rules()},
         frozenset(load_runbook_catalog()),
     )
-    return TestClient(create_app(Store(url), router, Credentials(token=TOKEN)))
+    return TestClient(
+        create_app(Store(url), router, Credentials(token=TOKEN)), base_url="http://127.0.0.1"
+    )
 
 
 def test_firing_alert_creates_one_pending_execution(sqlite_url: str, tmp_path: Path) -> None:

@@ -55,7 +55,7 @@ class Service:
         app = create_app(
             self.store, router, Credentials(token=TOKEN), self.worker, metrics=self.metrics
         )
-        self.client = TestClient(app)
+        self.client = TestClient(app, base_url="http://127.0.0.1")
 
     def deliver(self, body: dict[str, Any], headers: dict[str, str] = AUTH) -> Any:
         return self.client.post("/webhooks/alertmanager", json=body, headers=headers)
@@ -283,7 +283,7 @@ def test_serve_wires_the_inventory_into_the_executor_and_the_metrics(tmp_path: P
     _, store, app, worker, _ = build(str(cfg), None, "127.0.0.1")
     try:
         assert worker.executor.api_urls == {"http://127.0.0.1:9": "http://127.0.0.1:8000"}
-        text = TestClient(app).get("/metrics").text
+        text = TestClient(app, base_url="http://127.0.0.1").get("/metrics").text
         assert (
             'vllm_runbook_service_executions_total{runbook="warmup",status="succeeded"} 0.0' in text
         )

@@ -115,7 +115,7 @@ def test_serve_automates_a_catalog_under_new_alert_and_runbook_names(tmp_path: P
 
     _, store, app, _, _ = build(str(cfg), None, "127.0.0.1", False, False, [runbooks_dir])
     try:
-        r = TestClient(app).post(
+        r = TestClient(app, base_url="http://127.0.0.1").post(
             "/webhooks/alertmanager",
             json=firing("ClusterKVExhausted"),
             headers={"Authorization": f"Bearer {TOKEN}"},

@@ -60,7 +60,7 @@ def test_the_wheel_holds_one_top_level_name_and_its_data(wheel: Path) -> None:
         f"{pkg}/{p.relative_to(ROOT / pkg)}"
         for pkg, patterns in (
             ("rules", ["catalog/*.yaml"]),
-            ("runbooks", ["catalog/*.yaml", "templates/*.j2", "DEMO.md"]),
+            ("runbooks", ["catalog/*.yaml", "templates/*.j2", "templates/*.css", "DEMO.md"]),
             ("runbooks", ["store/migrations/script.py.mako", "store/migrations/env.py"]),
             ("runbooks", ["store/migrations/versions/*.py"]),
             ("dashboards", ["*.json", "*.yml", "provisioning/*.yaml"]),
@@ -78,7 +78,9 @@ def test_the_wheel_holds_one_top_level_name_and_its_data(wheel: Path) -> None:
     assert named <= shipped  # the globs above do find the data
     assert (
         len([s for s in shipped if s.startswith("runbooks/templates/")])
-        == len(list((ROOT / "runbooks" / "templates").glob("*.j2")))
+        == len(
+            [p for p in (ROOT / "runbooks" / "templates").iterdir() if p.suffix in (".j2", ".css")]
+        )
         > 0
     )
     assert shipped - inside == set()
