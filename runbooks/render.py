@@ -212,9 +212,11 @@ def render_notification(
     annotations: Mapping[Any, Any] | None = None,
     event: str | None = None,
     link: str | None = None,
+    key: str | None = None,
 ) -> str:
     """A short text for chat/pager about an execution and the alert behind it;
-    `event` (e.g. "awaiting approval") replaces the status in the first line."""
+    `event` (e.g. "awaiting approval") replaces the status in the first line;
+    `key` (the event's, the same in every delivery of it) ends the text."""
     return (
         _environment()
         .get_template(NOTIFICATION_TEMPLATE)
@@ -225,6 +227,7 @@ def render_notification(
             annotations=untrusted_text(annotations),
             event=event,
             link=link,
+            key=key,
         )
     )
 

@@ -17,7 +17,16 @@ from sqlalchemy import create_engine, text
 from vllm_runbook.runbooks.store import Store, upgrade
 
 PG_SERVER = os.environ.get("RUNBOOK_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432")
-TABLES = ("notifications", "steps", "executions", "incidents", "webhook_events", "leases")
+TABLES = (
+    "notifications",
+    "notification_cursors",
+    "execution_events",
+    "steps",
+    "executions",
+    "incidents",
+    "webhook_events",
+    "leases",
+)
 
 
 def _admin_engine():  # type: ignore[no-untyped-def]

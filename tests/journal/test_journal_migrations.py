@@ -23,6 +23,8 @@ TABLES = {
     "webhook_events",
     "leases",
     "notifications",
+    "execution_events",
+    "notification_cursors",
 }
 
 
@@ -62,7 +64,7 @@ def test_programmatic_upgrade_is_idempotent_and_reversible(tmp_path: Path) -> No
     url = f"sqlite:///{tmp_path}/p.db"
     assert current_revision(url) is None
     head = head_revision()
-    assert head == "0002"
+    assert head == "0003"
     assert upgrade(url) == head
     assert upgrade(url) == head  # second start of the service: nothing to do
     Store(url).create_execution("warmup", "e", trigger="cli", who="me")
@@ -91,7 +93,7 @@ def test_programmatic_upgrade_postgres_from_two_processes(fresh_pg_database: str
     ]
     outputs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
-    assert [out.strip() for out, _ in outputs] == ["0002", "0002"]
+    assert [out.strip() for out, _ in outputs] == ["0003", "0003"]
 
 
 def test_upgrade_of_a_newer_database_is_a_clear_error(tmp_path: Path) -> None:
@@ -118,4 +120,4 @@ def test_migrations_located_without_the_repository(tmp_path: Path) -> None:
         env=dict(os.environ),
         timeout=120,
     )
-    assert (out.returncode, out.stdout) == (0, "0002\n"), out.stderr
+    assert (out.returncode, out.stdout) == (0, "0003\n"), out.stderr
