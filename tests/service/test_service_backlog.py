@@ -16,8 +16,6 @@ import pytest
 from sqlalchemy import text
 from vllm_runbook.runbooks.notify import Notifier, Receiver
 from vllm_runbook.runbooks.service.app import Credentials
-from vllm_runbook.runbooks.store.approvals import expired_ids_sql
-from vllm_runbook.runbooks.store.executions import runnable_ids_sql
 from vllm_runbook.runbooks.store.models import SUCCEEDED
 
 from tests.service.fake_agent import FakeAgent
@@ -138,6 +136,9 @@ def test_the_worker_and_the_expiry_read_their_partial_indexes(replica: Replica) 
     size: with 300 executions awaiting a person and statistics gathered, the
     store's queries are answered from ix_executions_runnable and
     ix_executions_awaiting, not from every pending row."""
+    from vllm_runbook.runbooks.store.approvals import expired_ids_sql
+    from vllm_runbook.runbooks.store.executions import runnable_ids_sql
+
     created = deliver(replica, many(300))
     approve = f"/api/executions/{created[0]['id']}/approve"
     assert replica.client.post(approve, headers=AUTH).status_code == 200

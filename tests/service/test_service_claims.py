@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 from vllm_runbook.runbooks.notify import Notifier, Receiver
 from vllm_runbook.runbooks.store import Store
-from vllm_runbook.runbooks.store.events import append_events
 from vllm_runbook.runbooks.store.models import (
     AWAITING_APPROVAL,
     NOTIFY_DELIVERED,
@@ -176,6 +175,8 @@ def test_a_replica_that_stops_hands_its_claims_over_at_once(store: Store, hooks:
 def test_an_event_commits_with_its_change_and_ids_become_visible_in_order(
     store: Store,
 ) -> None:
+    from vllm_runbook.runbooks.store.events import append_events
+
     first, second, third = awaiting(store, 3)
     base = max(e.id for e in store.events_after(0))
     # A change that rolls back leaves no event.
