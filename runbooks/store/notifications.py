@@ -225,13 +225,19 @@ class NotificationStore(StoreBase):
         claimed, or their claim lapsed), oldest first, for `lease_seconds`."""
         now = utcnow()
         expires = now + timedelta(seconds=lease_seconds)
+        claimable = (
+            Notification.receiver == receiver,
+            Notification.status == NOTIFY_QUEUED,
+            or_(Notification.claim_expires_at.is_(None), Notification.claim_expires_at <= now),
+        )
+        # Looked for in a read first: an idle delivery thread asks every
+        # second, and a write would take SQLite's lock each time.
+        with self.session() as s:
+            if s.scalar(select(Notification.id).where(*claimable).limit(1)) is None:
+                return []
         free = (
             select(Notification.id)
-            .where(
-                Notification.receiver == receiver,
-                Notification.status == NOTIFY_QUEUED,
-                or_(Notification.claim_expires_at.is_(None), Notification.claim_expires_at <= now),
-            )
+            .where(*claimable)
             .order_by(Notification.id)
             .limit(limit)
             # PostgreSQL: replicas claiming at once take different rows (SQLite
