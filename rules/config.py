@@ -28,6 +28,7 @@
       retries: 4                              # after the first attempt
       backoff: 1s                             # before the first retry, doubled each time
       timeout: 5s                             # per attempt
+      claim_lease: 30s                        # a dead replica's claims are sent again after it
       page_url: http://runbook.internal:8080  # links in messages (default: none)
     executor:                                 # override every runbook's waits (tests, demos)
       verify_seconds: 10s                     # verification deadline
@@ -155,6 +156,9 @@ class NotificationsConfig:
     backoff_seconds: float = 1.0
     timeout_seconds: float = 5.0
     page_url: str | None = None
+    # How long a replica's claim on a queued notification lasts unrenewed:
+    # another replica sends it again once a dead replica's claim lapsed.
+    claim_lease_seconds: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -472,6 +476,7 @@ class _Notifications(_Section):
     retries: Annotated[int, Field(ge=0, le=20, strict=True)] = 4
     backoff: Duration = 1.0
     timeout: Annotated[float, BeforeValidator(_duration), AfterValidator(_positive)] = 5.0
+    claim_lease: Duration = 30.0
     page_url: Url | None = None
 
     @model_validator(mode="after")
@@ -479,6 +484,13 @@ class _Notifications(_Section):
         names = [r.name for r in self.receivers]
         if dup := sorted({n for n in names if names.count(n) > 1}):
             raise _detail(f"receiver names must be unique ({', '.join(dup)})")
+        # The claim is renewed every quarter lease, between attempts: one
+        # attempt (connect, send, read: up to ~3 timeouts) must fit in the rest.
+        if self.claim_lease < 4 * self.timeout:
+            raise _detail(
+                f"claim_lease ({self.claim_lease:g} s) must be at least "
+                f"4 x timeout ({self.timeout:g} s)"
+            )
         return self
 
 
@@ -599,6 +611,7 @@ def _build(model: _File, doc: MarkedDict, path: Path) -> Config:
             model.notifications.backoff,
             model.notifications.timeout,
             model.notifications.page_url,
+            model.notifications.claim_lease,
         ),
         leader_lease=rules.leader_lease or default_leader_lease(rules.evaluation_interval),
         override_lines={str(a): line for a, line in lines.items()},

@@ -4,21 +4,30 @@
     notifier.start()      # a feed thread + one delivery thread per receiver
     notifier.stop()
 
-Events are read from the journal, not pushed by the executor: the feed polls
-the executions written since it last looked and derives, from each record,
-the events its history implies (`events_of`): awaiting approval, started,
-then succeeded | no measurable change | failed | rolled back | refused |
-interrupted, and reverted. So every path that writes the journal (the
-webhook, the worker, `runbook exec`, `runbook approve` on another machine, a
-crashed run settled later) notifies, and the executor is never blocked or
-even aware of it.
+Events are not pushed by the executor: every transaction that changes an
+execution appends the events it implies to the store's events table, in the
+same commit (store/events.py): awaiting approval, started, then succeeded |
+no measurable change | failed | rolled back | refused | interrupted, and
+reverted. So every path that writes the journal (the webhook, the worker,
+`runbook exec`, `runbook approve` on another machine, a crashed run settled
+later) notifies, and the executor is never blocked or even aware of it.
 
-Each (execution, event, receiver) is claimed in the store's outbox before it
-is sent (a unique key): among replicas watching one database the one whose
-claim wins delivers, once. A delivery is retried with exponential backoff on
-its receiver's own thread (a slow or dead receiver delays only itself); its
-fate is recorded in the outbox (visible in `runbook history ID` and on the
-page) and counted in `vllm_runbook_service_notifications_total`.
+The feed reads the events table by id from a cursor per receiver (ids only
+grow and become visible in order, so a page never repeats and nothing is
+skipped however many events share a timestamp), and queues one outbox row
+per event and receiver, moving the cursors in the same transaction; the
+cursors are in the database, so a restart goes on where the feed stopped.
+
+Each receiver's delivery thread claims queued rows for a lease
+(`notifications.claim_lease`), renews the claim while it tries, and records
+the fate: among replicas watching one database the one holding the claim
+delivers. A replica that dies leaves its claims to lapse; another replica
+then claims and sends them again: delivery is at least once, and every
+message carries the event's key (the webhook's `key`, the Slack text's last
+line) so a receiver drops a duplicate. A delivery is retried with exponential
+backoff on its receiver's own thread (a slow or dead receiver delays only
+itself); its fate is recorded in the outbox (visible in `runbook history ID`
+and on the page) and counted in `vllm_runbook_service_notifications_total`.
 
 Receivers: `webhook` posts the event as JSON (optionally with a bearer
 token); `slack` posts `{"text": ...}` (a Slack-compatible incoming webhook),
@@ -31,52 +40,52 @@ webhook's JSON carries them in their own fields (`alert`, `execution`).
 from __future__ import annotations
 
 import logging
-import queue
+import os
+import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any, Final, Protocol
 
 import httpx
 from vllm_runbook.rules.config import NotificationsConfig
 from vllm_runbook.runbooks.render import PLAIN, SLACK, render_notification
 from vllm_runbook.runbooks.store import ExecutionRecord, Store, StoreError
-from vllm_runbook.runbooks.store.models import (
-    AWAITING_APPROVAL,
-    FAILED,
-    INTERRUPTED_REASON,
-    NOTIFY_DELIVERED,
-    NOTIFY_FAILED,
-    REFUSED,
-    REVERTED,
-    ROLLED_BACK,
-    SUCCEEDED,
-    utcnow,
+from vllm_runbook.runbooks.store.events import (
+    AWAITING,
+    EVENTS,
+    NO_CHANGE,
+    STARTED,
+    derive_events,
 )
+from vllm_runbook.runbooks.store.models import NOTIFY_DELIVERED, NOTIFY_FAILED
+from vllm_runbook.runbooks.store.notifications import Claim
+
+__all__ = [
+    "AWAITING",
+    "EVENTS",
+    "NO_CHANGE",
+    "STARTED",
+    "HttpSender",
+    "Notifier",
+    "Receiver",
+    "events_of",
+    "message",
+    "payload",
+    "receivers_from",
+]
 
 log = logging.getLogger("vllm_runbook.notify")
 
-AWAITING: Final = "awaiting approval"
-STARTED: Final = "started"
-NO_CHANGE: Final = "no measurable change"
-EVENTS: Final = (
-    AWAITING,
-    STARTED,
-    "succeeded",
-    NO_CHANGE,
-    "failed",
-    "rolled back",
-    "refused",
-    "interrupted",
-    "reverted",
-)
-# How far back the feed looks when it starts: events written while no
-# replica ran are still sent (claims make a second look harmless).
+# Where the feed of a receiver never fed starts: events written in the last
+# minutes before it first ran are still sent (a new receiver does not get the
+# whole history). Afterwards its cursor is stored.
 START_LOOKBACK: Final = timedelta(minutes=5)
-# Re-read this much before the newest change seen: clocks of replicas writing
-# one database differ a little, and a transaction may commit late.
-OVERLAP: Final = timedelta(seconds=5)
+FEED_PAGE: Final = 1000  # events read per query
+CLAIM_BATCH: Final = 16  # outbox rows a delivery thread claims at once
+DEFAULT_CLAIM_LEASE_S: Final = 30.0
 
 
 def alert_name(record: ExecutionRecord) -> str | None:
@@ -86,38 +95,28 @@ def alert_name(record: ExecutionRecord) -> str | None:
 
 
 def events_of(record: ExecutionRecord) -> list[str]:
-    """The events an execution's record implies so far, in order.
-
-    Dry runs and reverts (executions that restore another) are not
-    remediations: they notify nothing (the reverted one says `reverted`).
-    """
-    if record.dry_run or record.reverts_id is not None:
-        return []
-    events = []
-    if record.reason == AWAITING_APPROVAL or record.decision is not None:
-        events.append(AWAITING)
-    if record.started_at is not None:
-        events.append(STARTED)
-    if record.interrupted or (record.status == FAILED and record.error == INTERRUPTED_REASON):
-        events.append("interrupted")
-    elif record.status == FAILED:
-        outcome = (record.verification or {}).get("outcome")
-        events.append(NO_CHANGE if outcome == "not improved" else "failed")
-    elif record.status == SUCCEEDED:
-        events.append("succeeded")
-    elif record.status == ROLLED_BACK:
-        events.append("rolled back")
-    elif record.status == REFUSED:
-        events.append("refused")
-    elif record.status == REVERTED:
-        events.append("reverted")
-    return events
+    """The events an execution's record implies so far, in order (what the
+    store appends as the execution changes; store/events.py)."""
+    return derive_events(
+        dry_run=record.dry_run,
+        reverts_id=record.reverts_id,
+        reason=record.reason,
+        decision=record.decision,
+        started_at=record.started_at,
+        status=record.status,
+        error=record.error,
+        verification=record.verification,
+        interrupted=record.interrupted,
+    )
 
 
 class Sender(Protocol):
-    """Sends one event; raises on failure (the notifier retries)."""
+    """Sends one event; raises on failure (the notifier retries). `key` is the
+    event's key: the same in every delivery of that event."""
 
-    def __call__(self, receiver: Receiver, event: str, record: ExecutionRecord) -> None: ...
+    def __call__(
+        self, receiver: Receiver, event: str, record: ExecutionRecord, key: str
+    ) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -138,9 +137,14 @@ def receivers_from(config: NotificationsConfig) -> list[Receiver]:
 
 
 def message(
-    record: ExecutionRecord, event: str, page_url: str | None = None, receiver_format: str = PLAIN
+    record: ExecutionRecord,
+    event: str,
+    page_url: str | None = None,
+    key: str | None = None,
+    receiver_format: str = PLAIN,
 ) -> str:
-    """The human text of an event (the webhook's `text`; SLACK: Slack's `text`)."""
+    """The human text of an event (the webhook's `text`; SLACK: Slack's `text`);
+    its last line names the event's key."""
     link = f"{page_url.rstrip('/')}/#execution-{record.id}" if page_url else None
     return render_notification(
         record,
@@ -148,18 +152,22 @@ def message(
         event=event,
         link=link,
         receiver_format=receiver_format,
+        key=key,
     )
 
 
-def payload(record: ExecutionRecord, event: str, page_url: str | None = None) -> dict[str, Any]:
-    """The generic webhook's JSON body."""
+def payload(
+    record: ExecutionRecord, event: str, page_url: str | None = None, key: str | None = None
+) -> dict[str, Any]:
+    """The generic webhook's JSON body; `key` is the event's (drop a repeated key)."""
     return {
         "event": event,
+        "key": key,
         "execution_id": record.id,
         "runbook": record.runbook,
         "engine": record.engine,
         "alert": alert_name(record),
-        "text": message(record, event, page_url),
+        "text": message(record, event, page_url, key),
         "execution": record.to_dict(),
     }
 
@@ -171,12 +179,12 @@ class HttpSender:
         self.client = httpx.Client(timeout=timeout_s, follow_redirects=False)
         self.page_url = page_url
 
-    def __call__(self, receiver: Receiver, event: str, record: ExecutionRecord) -> None:
+    def __call__(self, receiver: Receiver, event: str, record: ExecutionRecord, key: str) -> None:
         headers = {"Authorization": f"Bearer {receiver.token}"} if receiver.token else {}
         if receiver.type == "slack":
-            body: dict[str, Any] = {"text": message(record, event, self.page_url, SLACK)}
+            body: dict[str, Any] = {"text": message(record, event, self.page_url, key, SLACK)}
         else:
-            body = payload(record, event, self.page_url)
+            body = payload(record, event, self.page_url, key)
         response = self.client.post(receiver.url, json=body, headers=headers)
         if not response.is_success:
             raise RuntimeError(f"HTTP {response.status_code} from {receiver.url}")
@@ -193,6 +201,24 @@ def _why(error: BaseException) -> str:
     return str(error) or type(error).__name__
 
 
+class _Held:
+    """The claims of one batch: renewed once a quarter of the lease has passed,
+    so a claim outlives any one attempt (the lease is at least 4 timeouts)."""
+
+    def __init__(self, notifier: Notifier, claims: list[Claim]) -> None:
+        self.notifier = notifier
+        self.ids = {c.id for c in claims}
+        self.renewed = time.monotonic()
+
+    def keep(self, claim_id: int) -> bool:
+        """Whether this replica still holds the claim (renewing the batch if due)."""
+        n = self.notifier
+        if claim_id in self.ids and time.monotonic() - self.renewed >= n.claim_lease_s / 4:
+            self.ids = n.store.renew_claims(self.ids, n.holder, n.claim_lease_s)
+            self.renewed = time.monotonic()
+        return claim_id in self.ids
+
+
 class Notifier:
     """The feed thread and one delivery thread per receiver (see the module doc)."""
 
@@ -206,24 +232,30 @@ class Notifier:
         timeout_s: float = 5.0,
         page_url: str | None = None,
         interval_s: float = 1.0,
+        claim_lease_s: float = DEFAULT_CLAIM_LEASE_S,
         sender: Sender | None = None,
         metrics: Any = None,
         on_finished: Callable[[str, str, int], None] | None = None,
     ) -> None:
+        if claim_lease_s < 4 * timeout_s:
+            raise ValueError(
+                f"claim lease {claim_lease_s:g} s: at least 4 x the timeout ({timeout_s:g} s)"
+            )
         self.store = store
         self.receivers = list(receivers)
         self.retries = retries
         self.backoff_s = backoff_s
         self.interval_s = interval_s
+        self.claim_lease_s = claim_lease_s
         self._http = None if sender is not None else HttpSender(timeout_s, page_url)
         self.sender: Sender = sender or self._http  # type: ignore[assignment]
         self.metrics = metrics
         self.on_finished = on_finished
-        self.since = utcnow() - START_LOOKBACK
+        # Names this replica in the claims it takes (as the worker's leases do).
+        self.holder = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
+        self._cursors: dict[str, int] = {}
         self._stop = threading.Event()
-        self._queues: dict[str, queue.Queue[tuple[int, str, int]]] = {
-            r.name: queue.Queue() for r in self.receivers
-        }
+        self._wakes = {r.name: threading.Event() for r in self.receivers}
         self._threads = [threading.Thread(target=self._feed, name="notify-feed", daemon=True)] + [
             threading.Thread(target=self._deliver, args=(r,), name=f"notify-{r.name}", daemon=True)
             for r in self.receivers
@@ -238,6 +270,7 @@ class Notifier:
             backoff_s=config.backoff_seconds,
             timeout_s=config.timeout_seconds,
             page_url=config.page_url,
+            claim_lease_s=config.claim_lease_seconds,
             **kwargs,
         )
 
@@ -248,6 +281,8 @@ class Notifier:
 
     def stop(self) -> None:
         self._stop.set()
+        for wake in self._wakes.values():
+            wake.set()
         for thread in self._threads:
             if thread.is_alive():
                 thread.join(timeout=10)
@@ -267,53 +302,109 @@ class Notifier:
             self._stop.wait(self.interval_s)
 
     def poll(self) -> int:
-        """Claim the events written since the last poll; returns how many were queued."""
-        queued = 0
-        newest: datetime | None = None
-        for record in self.store.executions_changed_since(self.since - OVERLAP):
-            if record.updated_at is not None and (newest is None or record.updated_at > newest):
-                newest = record.updated_at
-            for event in events_of(record):
-                for receiver in self.receivers:
-                    claim = self.store.claim_notification(record.id, event, receiver.name)
-                    if claim is not None:
-                        self._queues[receiver.name].put((claim, event, record.id))
-                        queued += 1
-        if newest is not None and newest > self.since:
-            self.since = newest
+        """Queue an outbox row per receiver for every event written since the
+        feed last looked; returns how many rows this call queued (rows another
+        replica queued first are not counted)."""
+        names = [r.name for r in self.receivers]
+        if not names:
+            return 0
+        stored = self.store.feed_cursors(names, lookback=START_LOOKBACK)
+        # Another replica may have moved the stored cursors further: start there.
+        cursors = {n: max(stored[n], self._cursors.get(n, 0)) for n in names}
+        queued, seen = 0, False
+        while not self._stop.is_set():
+            events = self.store.events_after(min(cursors.values()), limit=FEED_PAGE)
+            if not events:
+                break
+            seen = True
+            queued += sum(self.store.queue_notifications(events, cursors).values())
+            cursors = {n: max(c, events[-1].id) for n, c in cursors.items()}
+            if len(events) < FEED_PAGE:
+                break
+        self._cursors = cursors
+        if seen:
+            for wake in self._wakes.values():
+                wake.set()
         return queued
 
     # --- delivery ------------------------------------------------------------------
 
     def _deliver(self, receiver: Receiver) -> None:
-        inbox = self._queues[receiver.name]
+        wake = self._wakes[receiver.name]
         while not self._stop.is_set():
+            sent = 0
             try:
-                claim, event, execution_id = inbox.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            try:
-                self.deliver(receiver, claim, event, execution_id)
+                sent = self.send_queued(receiver)
+            except StoreError as exc:
+                log.warning("notifications: %s: store unavailable (%s)", receiver.name, exc)
             except Exception:
                 log.exception("notifications: %s: unexpected error", receiver.name)
+            if not sent:
+                # New rows wake us (this replica's feed); claims of a replica
+                # that died lapse without a sound: looked for every interval.
+                wake.wait(self.interval_s)
+                wake.clear()
 
-    def deliver(self, receiver: Receiver, claim: int, event: str, execution_id: int) -> str:
-        """Send one claimed event, retrying with backoff; record and count its fate."""
-        record = self.store.get_execution(execution_id)
+    def send_queued(self, receiver: Receiver) -> int:
+        """Claim and deliver the queued rows of `receiver` until none is left
+        that nobody holds; returns how many this replica delivered or failed."""
+        done = 0
+        while not self._stop.is_set():
+            claims = self.store.claim_notifications(
+                receiver.name, self.holder, self.claim_lease_s, limit=CLAIM_BATCH
+            )
+            if not claims:
+                break
+            held = _Held(self, claims)
+            records = self.store.executions_by_id(c.execution_id for c in claims)
+            for claim in claims:
+                if self._stop.is_set():
+                    break
+                record = records.get(claim.execution_id)
+                if self.deliver(receiver, claim, held.keep, record) is not None:
+                    done += 1
+            if self._stop.is_set():
+                # Stopping: what this replica holds goes to the others now,
+                # not when the lease lapses.
+                self.store.release_claims(held.ids, self.holder)
+        return done
+
+    def deliver(
+        self,
+        receiver: Receiver,
+        claim: Claim,
+        keep: Callable[[int], bool] | None = None,
+        record: ExecutionRecord | None = None,
+    ) -> str | None:
+        """Send one claimed row, retrying with backoff; record and count its fate.
+        None when the claim was lost (it lapsed and another replica took it) or
+        the notifier stops: the fate is then another replica's to record."""
+        keep = keep or (lambda _id: True)
+        if record is None:
+            record = self.store.get_execution(claim.execution_id)
+        key = claim.event_key or f"notification-{claim.id}"
         attempts, error = 0, None
         for attempt in range(self.retries + 1):
-            # 1 s, 2 s, 4 s, ... (backoff_s doubled) before a retry; a stop cuts it short.
-            if attempt and self._stop.wait(self.backoff_s * 2 ** (attempt - 1)):
-                break
+            # 1 s, 2 s, 4 s, ... (backoff_s doubled) before a retry.
+            if attempt and not self._pause(self.backoff_s * 2 ** (attempt - 1), claim.id, keep):
+                return None
+            if not keep(claim.id):
+                log.warning(
+                    "notification %s of execution #%d to %s: claim lost to another replica",
+                    claim.event,
+                    claim.execution_id,
+                    receiver.name,
+                )
+                return None
             attempts += 1
             try:
-                self.sender(receiver, event, record)
+                self.sender(receiver, claim.event, record, key)
             except Exception as exc:  # every failure of a receiver is retried alike
                 error = _why(exc)
                 log.warning(
                     "notification %s of execution #%d to %s: attempt %d failed: %s",
-                    event,
-                    execution_id,
+                    claim.event,
+                    claim.execution_id,
                     receiver.name,
                     attempts,
                     error,
@@ -324,9 +415,23 @@ class Notifier:
         outcome = NOTIFY_FAILED if error is not None else NOTIFY_DELIVERED
         if outcome == NOTIFY_FAILED:
             error = f"after {attempts} attempt(s): {error}"
-        self.store.finish_notification(claim, outcome, attempts, error)
+        recorded = self.store.finish_notification(
+            claim.id, outcome, attempts, error, holder=self.holder
+        )
+        if recorded is None:
+            return None  # our claim lapsed meanwhile: the new holder records its own
         if self.metrics is not None:
             self.metrics.notification_sent(receiver.name, outcome)
         if self.on_finished is not None:
-            self.on_finished(receiver.name, event, execution_id)
+            self.on_finished(receiver.name, claim.event, claim.execution_id)
         return outcome
+
+    def _pause(self, seconds: float, claim_id: int, keep: Callable[[int], bool]) -> bool:
+        """Wait before a retry, keeping the claim; False when stopping or lost."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            if self._stop.wait(min(left, self.claim_lease_s / 4)):
+                return False
+            if not keep(claim_id):
+                return False
+        return True

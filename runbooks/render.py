@@ -256,10 +256,12 @@ def render_notification(
     event: str | None = None,
     link: str | None = None,
     receiver_format: str = PLAIN,
+    key: str | None = None,
 ) -> str:
     """A short text for chat/pager about an execution and the alert behind it;
     `event` (e.g. "awaiting approval") replaces the status in the first line.
-    `receiver_format`: PLAIN or SLACK, how each value is escaped (module doc)."""
+    `receiver_format`: PLAIN or SLACK, how each value is escaped (module doc);
+    `key` (the event's, the same in every delivery of it) ends the text."""
     return (
         _notification_environment(receiver_format)
         .get_template(NOTIFICATION_TEMPLATE)
@@ -270,6 +272,7 @@ def render_notification(
             annotations=untrusted_text(annotations),
             event=event,
             link=link,
+            key=key,
         )
     )
 

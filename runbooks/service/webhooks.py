@@ -32,6 +32,7 @@ from vllm_runbook.rules.config import Automation, EngineConfig
 from vllm_runbook.runbooks.client import normalize_url
 from vllm_runbook.runbooks.service.alertmanager import Alert, WebhookPayload
 from vllm_runbook.runbooks.store import Store, StoreError, StoreUnavailable
+from vllm_runbook.runbooks.store.events import touch_executions
 from vllm_runbook.runbooks.store.models import Execution, WebhookEvent, episode_key, utcnow
 
 log = logging.getLogger("vllm_runbook.service")
@@ -202,6 +203,7 @@ def _write(store: Store, s: Session, batch: Sequence[_Planned]) -> list[Outcome]
             .returning(executions.c.id, executions.c.episode_key)
         )
         created = {str(key): id_ for id_, key in s.execute(stmt, list(rows.values()))}
+        touch_executions(s, created.values())  # their events commit with them
     ids = dict(created)
     missing = [k for k in rows if k not in ids]
     if missing:  # earlier deliveries (or another replica) made them

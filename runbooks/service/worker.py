@@ -8,6 +8,13 @@ A pending execution awaiting approval ("approve" mode) is left for a person
 (vllm_runbook.runbooks.approvals); once approved the worker runs it like any
 other, under the same lease. Each tick also refuses the approvals that
 expired, and an alert that resolves refuses its execution still waiting.
+
+Work is found by what it is, not by where it sits in the journal: each tick
+reads the runnable executions (pending, an alert's, waiting for nobody)
+from a partial index, oldest first, however many executions are finished or
+await a person. A webhook delivery or an answer taken by this process wakes
+the worker at once (`wake`); what another replica or `runbook approve`
+records is found at the next poll (`interval`, 1 s).
 """
 
 from __future__ import annotations
@@ -23,13 +30,15 @@ from typing import Any
 from vllm_runbook.rules.config import ExecutorConfig
 from vllm_runbook.runbooks.executor import Executor
 from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
-from vllm_runbook.runbooks.store import Store, StoreError
+from vllm_runbook.runbooks.store import ExecutionRecord, Store, StoreError
 from vllm_runbook.runbooks.store.approvals import DEFAULT_APPROVAL_TIMEOUT_S
 from vllm_runbook.runbooks.store.models import AWAITING_APPROVAL, PENDING
 
 log = logging.getLogger("vllm_runbook.service")
 
 __all__ = ["AWAITING_APPROVAL", "ExecutorHook", "Worker"]
+
+RUNNABLE_PAGE = 100  # runnable executions read per query
 
 
 class Worker:
@@ -96,35 +105,16 @@ class Worker:
                 expired.engine,
                 expired.reason,
             )
-        for record in self.store.list_executions(limit=200):
-            if (
-                record.status != "pending"
-                or record.trigger not in ("alert", "rule")
-                or record.reason == AWAITING_APPROVAL
-            ):
-                continue
-            if not self.store.acquire_lease(
-                f"execution:{record.id}", self.holder, self.lease_seconds
-            ):
-                continue  # another replica runs it
-            if self.store.get_execution(record.id).status != PENDING:
-                continue  # refused meanwhile (the alert resolved, a rejection)
-            result = self.executor.run_pending(
-                record.id,
-                approved=True,
-                verify_seconds=self.waits.verify_seconds,
-                condition_seconds=self.waits.condition_seconds,
-            )
-            if self.metrics is not None:
-                self.metrics.execution_finished(result.record)
-            log.warning(
-                "runbook %s on %s for alert %s: %s",
-                record.runbook,
-                record.engine,
-                record.alert_fingerprint,
-                result.record.status + (f" ({result.message})" if result.message else ""),
-            )
-            ran += 1
+        # Every runnable execution, however old and however large the journal:
+        # an indexed query of what is runnable, a page at a time.
+        after = 0
+        while not self._stop.is_set():
+            page = self.store.runnable_executions(after_id=after, limit=RUNNABLE_PAGE)
+            for record in page:
+                ran += self._run_one(record)
+            if len(page) < RUNNABLE_PAGE:
+                break
+            after = page[-1].id
         while True:
             try:
                 item = self.resolved.get_nowait()
@@ -132,6 +122,28 @@ class Worker:
                 break
             self._revert(item)
         return ran
+
+    def _run_one(self, record: ExecutionRecord) -> int:
+        if not self.store.acquire_lease(f"execution:{record.id}", self.holder, self.lease_seconds):
+            return 0  # another replica runs it
+        if self.store.get_execution(record.id).status != PENDING:
+            return 0  # ran or refused meanwhile (the alert resolved, a rejection)
+        result = self.executor.run_pending(
+            record.id,
+            approved=True,
+            verify_seconds=self.waits.verify_seconds,
+            condition_seconds=self.waits.condition_seconds,
+        )
+        if self.metrics is not None:
+            self.metrics.execution_finished(result.record)
+        log.warning(
+            "runbook %s on %s for alert %s: %s",
+            record.runbook,
+            record.engine,
+            record.alert_fingerprint,
+            result.record.status + (f" ({result.message})" if result.message else ""),
+        )
+        return 1
 
     def _revert(self, item: dict[str, Any]) -> None:
         starts_at = datetime.fromisoformat(item["startsAt"])

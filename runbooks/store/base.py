@@ -22,6 +22,7 @@ from vllm_runbook.runbooks.store.database import (
     translated_errors,
 )
 from vllm_runbook.runbooks.store.errors import StoreError
+from vllm_runbook.runbooks.store.events import install as install_events
 
 
 def iso(value: datetime | None) -> str | None:
@@ -39,6 +40,9 @@ class StoreBase:
         self._write_sessions = sessionmaker(
             self.engine.execution_options(**{WRITE_OPTION: True}), expire_on_commit=False
         )
+        # Every transaction that changes an execution records its events (events.py).
+        install_events(self._sessions)
+        install_events(self._write_sessions)
 
     def __repr__(self) -> str:
         return f"Store({display_url(self.url)!r})"

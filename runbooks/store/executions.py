@@ -17,14 +17,16 @@ the executor asks them, under its admission lease, before it acts.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Final
 
-from sqlalchemy import Select, func, select, update
+from sqlalchemy import Select, func, select, text, update
 from sqlalchemy.orm import Session, selectinload
 from vllm_runbook.runbooks.store.base import StoreBase, iso
 from vllm_runbook.runbooks.store.errors import ExecutionNotFound, IllegalTransition, StoreError
+from vllm_runbook.runbooks.store.events import touch_executions
 from vllm_runbook.runbooks.store.models import (
     ACTIVE_STATUSES,
     AWAITING_APPROVAL,
@@ -34,6 +36,7 @@ from vllm_runbook.runbooks.store.models import (
     INTERRUPTED_REASON,
     PENDING,
     REFUSED,
+    RUNNABLE_SQL,
     RUNNING,
     STEP_APPLIED,
     STEP_APPLYING,
@@ -59,6 +62,27 @@ _STEP_FINISH_STATUSES: Final = {
     STEP_APPLIED: frozenset({STEP_REVERTED}),
     STEP_INTERRUPTED: frozenset({STEP_REVERTED}),
 }
+
+
+def runnable_ids_sql(dialect: str) -> str:
+    """The worker's query (bind `after`, `limit`). SQLite without statistics
+    prefers ix_executions_status (every pending row, those awaiting a person
+    included): name the partial index. PostgreSQL picks it from its statistics."""
+    index = " INDEXED BY ix_executions_runnable" if dialect == "sqlite" else ""
+    return (
+        f"SELECT id FROM executions{index} WHERE {RUNNABLE_SQL} AND id > :after "
+        "ORDER BY id LIMIT :limit"
+    )
+
+
+def runs_in_its_process(status: str, trigger: str) -> bool:
+    """Whether the process a row names (hostname, pid) is the one running it,
+    so that its death interrupts the execution: a run under way, or a CLI
+    execution not started yet (`runbook exec` records it, then runs it). A
+    pending alert execution names the replica that received the webhook; any
+    worker runs it, and that replica dying interrupts nothing."""
+    return status in (RUNNING, VERIFYING) or (status == PENDING and trigger == "cli")
+
 
 # --- records ---------------------------------------------------------------------
 
@@ -146,7 +170,7 @@ class ExecutionRecord:
     @classmethod
     def from_row(cls, row: Execution, *, with_steps: bool = True) -> ExecutionRecord:
         interrupted = (
-            row.status in ACTIVE_STATUSES
+            runs_in_its_process(row.status, row.trigger)
             and row.hostname == HOSTNAME
             and row.pid is not None
             and not process_alive(row.pid, row.pid_start)
@@ -286,6 +310,8 @@ class ExecutionStore(StoreBase):
             )
             new_id = s.execute(stmt).scalar_one_or_none()
             created = new_id is not None
+            if new_id is not None:
+                touch_executions(s, [new_id])  # its events commit with it
             found = s.scalars(
                 select(Execution)
                 .where(Execution.episode_key == key)
@@ -350,6 +376,17 @@ class ExecutionStore(StoreBase):
                 raise ExecutionNotFound(execution_id)
             return ExecutionRecord.from_row(row)
 
+    def executions_by_id(self, ids: Iterable[int]) -> dict[int, ExecutionRecord]:
+        """The executions of `ids` that exist, with their steps, in one query."""
+        wanted = sorted(set(ids))
+        if not wanted:
+            return {}
+        query = (
+            select(Execution).where(Execution.id.in_(wanted)).options(selectinload(Execution.steps))
+        )
+        with self.session() as s:
+            return {r.id: ExecutionRecord.from_row(r) for r in s.scalars(query)}
+
     def list_executions(
         self, engine: str | None = None, *, runbook: str | None = None, limit: int = 50
     ) -> list[ExecutionRecord]:
@@ -361,6 +398,24 @@ class ExecutionStore(StoreBase):
             query = query.where(Execution.runbook == runbook)
         query = query.order_by(Execution.id.desc()).limit(limit)
         with self.session() as s:
+            return [ExecutionRecord.from_row(r) for r in s.scalars(query)]
+
+    def runnable_executions(self, *, after_id: int = 0, limit: int = 100) -> list[ExecutionRecord]:
+        """Pending alert executions that wait for nobody (the worker's work),
+        oldest first, from the partial index `ix_executions_runnable`: the
+        cost is the number runnable, not the journal's size. `after_id` pages."""
+        with self.session() as s:
+            ids = list(
+                s.scalars(text(runnable_ids_sql(self.dialect)), {"after": after_id, "limit": limit})
+            )
+            if not ids:
+                return []
+            query = (
+                select(Execution)
+                .where(Execution.id.in_(ids))
+                .options(selectinload(Execution.steps))
+                .order_by(Execution.id)
+            )
             return [ExecutionRecord.from_row(r) for r in s.scalars(query)]
 
     def find_episode(
@@ -436,21 +491,23 @@ class ExecutionStore(StoreBase):
         hosts are left alone: their liveness cannot be judged from here.
         Returns the ids marked.
         """
-        query = select(Execution.id, Execution.pid, Execution.pid_start).where(
-            Execution.status.in_(ACTIVE_STATUSES), Execution.hostname == HOSTNAME
-        )
+        query = select(
+            Execution.id, Execution.pid, Execution.pid_start, Execution.status, Execution.trigger
+        ).where(Execution.status.in_(ACTIVE_STATUSES), Execution.hostname == HOSTNAME)
         with self.session() as s:
             candidates = [
                 row.id
                 for row in s.execute(query)
-                if row.pid is not None and not process_alive(row.pid, row.pid_start)
+                if runs_in_its_process(row.status, row.trigger)
+                and row.pid is not None
+                and not process_alive(row.pid, row.pid_start)
             ]
         recovered: list[int] = []
         for execution_id in candidates:
             with self.session(write=True) as s:
                 row = self._get_locked(s, execution_id)
                 # Re-check under the lock: another process may have got there.
-                if row.status not in ACTIVE_STATUSES:
+                if not runs_in_its_process(row.status, row.trigger):
                     continue
                 now = utcnow()
                 row.status, row.error, row.finished_at = "failed", INTERRUPTED_REASON, now

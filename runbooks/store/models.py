@@ -40,6 +40,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     event,
+    text,
 )
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
@@ -122,6 +123,17 @@ NOTIFY_QUEUED, NOTIFY_DELIVERED, NOTIFY_FAILED = "queued", "delivered", "failed"
 NOTIFICATION_STATUSES: Final = (NOTIFY_QUEUED, NOTIFY_DELIVERED, NOTIFY_FAILED)
 INTERRUPTED_REASON: Final = "interrupted"
 
+# What the worker runs: pending alert executions that wait for nobody. One SQL
+# text for the partial index and for the worker's query, with literal values:
+# SQLite uses a partial index only for a query whose WHERE holds the index's
+# terms as written (a bound parameter does not match a literal).
+RUNNABLE_SQL: Final = (
+    "status = 'pending' AND \"trigger\" IN ('alert', 'rule') "
+    f"AND (reason IS NULL OR reason <> '{AWAITING_APPROVAL}')"
+)
+# What awaits a person (the approvals' expiry and the pending list).
+AWAITING_SQL: Final = f"status = 'pending' AND reason = '{AWAITING_APPROVAL}'"
+
 
 def _in(column: str, values: tuple[str, ...]) -> str:
     return f"{column} IN ({', '.join(repr(v) for v in values)})"
@@ -197,6 +209,21 @@ class Execution(Base):
         Index("ix_executions_runbook_engine_started", "runbook", "engine", "started_at"),
         Index("ix_executions_engine_id", "engine", "id"),
         Index("ix_executions_status", "status"),
+        # Partial indexes: the worker's and the expiry's queries read only the
+        # rows they want, whatever the number of finished executions (or of
+        # executions awaiting a person, for the worker).
+        Index(
+            "ix_executions_runnable",
+            "id",
+            sqlite_where=text(RUNNABLE_SQL),
+            postgresql_where=text(RUNNABLE_SQL),
+        ),
+        Index(
+            "ix_executions_awaiting",
+            "created_at",
+            sqlite_where=text(AWAITING_SQL),
+            postgresql_where=text(AWAITING_SQL),
+        ),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -316,9 +343,41 @@ class WebhookEvent(Base):
     processed: Mapped[bool] = mapped_column(Boolean, default=False)
 
 
+class ExecutionEvent(Base):
+    """One event of an execution (awaiting approval, started, succeeded, ...),
+    appended in the transaction that changed the execution (events.py).
+
+    `id` is the feed's cursor: it only grows, and an event becomes visible
+    only after every event with a smaller id is settled (committed or rolled
+    back), so a reader that remembers the last id it read misses nothing.
+    `key` is the event's identity for receivers: every message about this
+    event carries it, so a receiver drops a duplicate delivery.
+    """
+
+    __tablename__ = "execution_events"
+    __table_args__ = (
+        UniqueConstraint("execution_id", "event"),
+        UniqueConstraint("key"),
+        # SQLite would reuse the largest rowid once deleted: never go back.
+        {"sqlite_autoincrement": True},
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    execution_id: Mapped[int] = mapped_column(ForeignKey("executions.id", ondelete="CASCADE"))
+    event: Mapped[str] = mapped_column(String(32))
+    key: Mapped[str] = mapped_column(String(36))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
 class Notification(Base):
     """One execution event for one receiver (notify.py): the outbox row that
-    makes each event go out once across replicas, and the delivery's fate."""
+    makes each event go out once across replicas, and the delivery's fate.
+
+    A replica claims a queued row for `claim_expires_at` before sending it and
+    renews the claim while it tries; a claim that lapses (its replica died)
+    is taken by another replica. `claims` counts them: a row claimed more
+    than once may have reached its receiver more than once (same `event_key`).
+    """
 
     __tablename__ = "notifications"
     __table_args__ = (
@@ -336,6 +395,21 @@ class Notification(Base):
     last_error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # The event's key (execution_events.key), carried in every message.
+    event_key: Mapped[str | None] = mapped_column(String(36))
+    claimed_by: Mapped[str | None] = mapped_column(String(255))
+    claim_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    claims: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
+
+
+class NotificationCursor(Base):
+    """Per receiver: every event up to `event_id` has its outbox row. Shared
+    by the replicas, so a restart goes on where the last feed stopped."""
+
+    __tablename__ = "notification_cursors"
+
+    receiver: Mapped[str] = mapped_column(String(64), primary_key=True)
+    event_id: Mapped[int] = mapped_column(Integer)
 
 
 class Lease(Base):

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine, text
-from vllm_runbook.runbooks.store import Store, upgrade
+from vllm_runbook.runbooks.store import Base, Store, upgrade
 
 PG_SERVER = os.environ.get("RUNBOOK_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432")
-TABLES = ("notifications", "steps", "executions", "incidents", "webhook_events", "leases")
+# Every table of the store (the models are the schema's single source).
+TABLES = tuple(t.name for t in Base.metadata.sorted_tables)
 
 
 def _admin_engine():  # type: ignore[no-untyped-def]

@@ -139,3 +139,45 @@ def test_live_execution_is_not_interrupted(sqlite_url: str) -> None:
     assert store.get_execution(record.id).interrupted is False
     assert store.recover_interrupted() == []
     store.close()
+
+
+CREATE_AND_DIE = """
+import sys
+from datetime import UTC, datetime
+from vllm_runbook.runbooks.store import Store
+record, _ = Store(sys.argv[1]).create_execution(
+    "oom-pressure", "llama-0", trigger="alert", who="alertmanager:VllmOOMPressure",
+    alert_fingerprint="fp-1", alert_starts_at=datetime.now(UTC), reason=sys.argv[2] or None,
+)
+print(record.id)
+"""
+
+
+@pytest.mark.parametrize("reason", ["awaiting approval", ""])
+def test_a_pending_alert_execution_outlives_the_replica_that_recorded_it(
+    db_url: str, reason: str
+) -> None:
+    """The replica that took the webhook names itself in the row, but any
+    worker runs the execution: that replica's death (killed, restarted)
+    interrupts nothing. It used to be settled `failed: interrupted` by the next
+    run on the host, so an execution awaiting approval never ran."""
+    out = subprocess.run(
+        [sys.executable, "-c", CREATE_AND_DIE, db_url, reason],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        check=True,
+    )
+    execution_id = int(out.stdout)
+    store = Store(db_url)
+    record = store.get_execution(execution_id)
+    assert (record.status, record.interrupted, record.display_status) == (
+        "pending",
+        False,
+        "pending",
+    )
+    assert store.recover_interrupted() == []
+    assert store.get_execution(execution_id).status == "pending"
+    assert [r.id for r in store.runnable_executions()] == ([] if reason else [execution_id])
+    store.close()

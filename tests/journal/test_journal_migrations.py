@@ -23,6 +23,8 @@ TABLES = {
     "webhook_events",
     "leases",
     "notifications",
+    "execution_events",
+    "notification_cursors",
 }
 
 
@@ -62,7 +64,7 @@ def test_programmatic_upgrade_is_idempotent_and_reversible(tmp_path: Path) -> No
     url = f"sqlite:///{tmp_path}/p.db"
     assert current_revision(url) is None
     head = head_revision()
-    assert head == "0002"
+    assert head == "0003"
     assert upgrade(url) == head
     assert upgrade(url) == head  # second start of the service: nothing to do
     Store(url).create_execution("warmup", "e", trigger="cli", who="me")
@@ -91,7 +93,7 @@ def test_programmatic_upgrade_postgres_from_two_processes(fresh_pg_database: str
     ]
     outputs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
-    assert [out.strip() for out, _ in outputs] == ["0002", "0002"]
+    assert [out.strip() for out, _ in outputs] == ["0003", "0003"]
 
 
 def test_upgrade_of_a_newer_database_is_a_clear_error(tmp_path: Path) -> None:
@@ -118,4 +120,57 @@ def test_migrations_located_without_the_repository(tmp_path: Path) -> None:
         env=dict(os.environ),
         timeout=120,
     )
-    assert (out.returncode, out.stdout) == (0, "0002\n"), out.stderr
+    assert (out.returncode, out.stdout) == (0, "0003\n"), out.stderr
+
+
+def _upgrade_from_0002_with_an_outbox(url: str) -> None:
+    """0002 → 0003 on a journal that notified: each event already in the
+    outbox gets its event row and key (the new feed does not send it again);
+    a row left queued by a replica that died is claimable."""
+    upgrade(url, "0002")
+    engine = create_engine(url.replace("postgresql://", "postgresql+psycopg://"))
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            'INSERT INTO executions (id, runbook, engine, "trigger", who, dry_run, status, '
+            "created_at, updated_at) VALUES (7, 'oom-pressure', 'e', 'cli', 'me', false, "
+            "'succeeded', '2026-12-01 10:00:00', '2026-12-01 10:00:05')"
+        )
+        for i, (event, receiver, status) in enumerate(
+            [
+                ("started", "ops", "delivered"),
+                ("started", "chat", "delivered"),
+                ("succeeded", "ops", "queued"),
+            ]
+        ):
+            conn.exec_driver_sql(
+                "INSERT INTO notifications (execution_id, event, receiver, status, attempts, "
+                f"created_at) VALUES (7, '{event}', '{receiver}', '{status}', {1 - i // 2}, "
+                f"'2026-12-01 10:00:0{i}')"
+            )
+    assert upgrade(url) == "0003"
+    store = Store(url)
+    events = store.events_of_execution(7)
+    assert [e.event for e in events] == ["started", "succeeded"]
+    keys = {e.event: e.key for e in events}
+    rows = store.notifications([7])[7]
+    assert [(n.event, n.receiver, n.status, n.event_key, n.claims) for n in rows] == [
+        ("started", "ops", "delivered", keys["started"], 0),
+        ("started", "chat", "delivered", keys["started"], 0),
+        ("succeeded", "ops", "queued", keys["succeeded"], 0),
+    ]
+    [claim] = store.claim_notifications("ops", "replica-b", 30.0)
+    assert (claim.execution_id, claim.event, claim.event_key) == (7, "succeeded", keys["succeeded"])
+    # A later change of the execution derives nothing already recorded.
+    store.transition(7, "reverted")
+    assert [e.event for e in store.events_of_execution(7)] == ["started", "succeeded", "reverted"]
+    store.close()
+    engine.dispose()
+
+
+def test_upgrade_from_0002_keeps_the_outbox_sqlite(tmp_path: Path) -> None:
+    _upgrade_from_0002_with_an_outbox(f"sqlite:///{tmp_path}/o.db")
+
+
+@pytest.mark.service
+def test_upgrade_from_0002_keeps_the_outbox_postgres(fresh_pg_database: str) -> None:
+    _upgrade_from_0002_with_an_outbox(fresh_pg_database)

@@ -334,6 +334,7 @@ def test_approvals_and_notifications(tmp_path: Path) -> None:
           retries: 2
           backoff: 500ms
           timeout: 3s
+          claim_lease: 1m
           page_url: http://runbook.example:8080
         """,
     )
@@ -350,7 +351,26 @@ def test_approvals_and_notifications(tmp_path: Path) -> None:
         3.0,
         "http://runbook.example:8080",
     )
+    assert n.claim_lease_seconds == 60.0
     assert load_config(None).approvals.timeout_seconds == 15 * 60.0
+    assert load_config(None).notifications.claim_lease_seconds == 30.0
+
+
+def test_a_claim_lease_shorter_than_four_timeouts_is_refused(tmp_path: Path) -> None:
+    """A claim is renewed every quarter lease, between attempts: an attempt
+    (up to a few timeouts) must fit, or a live replica's claim would lapse and
+    another replica would send the same event again."""
+    path = write(
+        tmp_path,
+        """\
+        notifications:
+          timeout: 10s
+          claim_lease: 30s
+        """,
+    )
+    assert problems(path) == [
+        f"{path}:2: notifications: claim_lease (30 s) must be at least 4 x timeout (10 s)"
+    ]
 
 
 def test_bad_notifications_are_named_with_file_and_line(tmp_path: Path) -> None:

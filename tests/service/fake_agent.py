@@ -5,7 +5,11 @@ max_num_seqs is at its startup value and stop once it is lowered."""
 
 from __future__ import annotations
 
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 from vllm_runbook.runbooks.client import CommandRefused
 
@@ -81,3 +85,84 @@ class FakeAgent:
 
     def restore(self, dry_run: bool = False) -> Any:
         return self.set_knobs(dry_run=dry_run, **STARTUP)
+
+
+class AgentHTTP:
+    """A FakeAgent behind the agent's HTTP API on loopback (GET /v1/state,
+    POST /v1/knobs, POST /v1/restore), for `runbook serve` in a subprocess.
+    The state carries what the engine client checks of an agent's answer."""
+
+    def __init__(self, agent: FakeAgent | None = None) -> None:
+        self.agent = agent or FakeAgent()
+        fake = self.agent
+        lock = threading.Lock()
+
+        def state(since_step: int | None) -> dict[str, Any]:
+            answer = fake.state(since_step)
+            answer["engine"] = {
+                "model_name": "m",
+                "engine": "0",
+                "step": fake.step,
+                "vllm_version": "fake",
+                "started_at": 0.0,
+            }
+            answer["collector_up"] = True
+            answer["bounds"] = {
+                "max_num_batched_tokens": {
+                    "min": fake.knobs["max_num_seqs"],
+                    "max": STARTUP["max_num_batched_tokens"],
+                },
+                "max_num_seqs": {"min": 1, "max": STARTUP["max_num_seqs"]},
+            }
+            return answer
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self, status: int, body: dict[str, Any]) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                parts = urlsplit(self.path)
+                if parts.path != "/v1/state":
+                    return self._answer(404, {"error": "not found"})
+                since = parse_qs(parts.query).get("since_step")
+                with lock:
+                    self._answer(200, state(int(since[0]) if since else None))
+
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length) or b"{}")
+                try:
+                    with lock:
+                        if self.path == "/v1/restore":
+                            result = fake.restore(dry_run=bool(body.get("dry_run")))
+                        elif self.path == "/v1/knobs":
+                            result = fake.set_knobs(**body)
+                        else:
+                            return self._answer(404, {"error": "not found"})
+                except CommandRefused as exc:
+                    return self._answer(400, {"error": str(exc)})
+                before, after = result["before"], result["after"]
+                result["changes"] = [
+                    {"knob": k, "before": before[k], "after": after[k]}
+                    for k in after
+                    if before.get(k) != after[k]
+                ]
+                self._answer(200, result)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

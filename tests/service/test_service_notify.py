@@ -118,10 +118,7 @@ def replica(sqlite_url: str, tmp_path: Path) -> Iterator[Replica]:
 def drain(notifier: Notifier) -> None:
     """Deliver what the last poll queued, here and now (the threads are not started)."""
     for receiver in notifier.receivers:
-        inbox = notifier._queues[receiver.name]
-        while not inbox.empty():
-            claim, event, execution_id = inbox.get_nowait()
-            notifier.deliver(receiver, claim, event, execution_id)
+        notifier.send_queued(receiver)
 
 
 def test_events_reach_the_receivers_and_failures_are_recorded(
@@ -145,6 +142,7 @@ def test_events_reach_the_receivers_and_failures_are_recorded(
         retries=2,
         backoff_s=0.01,
         timeout_s=60.0,
+        claim_lease_s=240.0,
         page_url="http://runbook.example:8080",
         metrics=metrics,
     )
@@ -164,6 +162,9 @@ def test_events_reach_the_receivers_and_failures_are_recorded(
         "oom-pressure",
         "VllmOOMPressure",
     )
+    # Every message carries the event's key: the journal's, the same for every receiver.
+    [awaiting] = replica.store.events_of_execution(waiting.id)
+    assert (awaiting.event, first["key"]) == ("awaiting approval", awaiting.key)
     [slack] = hooks.bodies["/ok-slack"]
     assert set(slack) == {"text", "_auth"}
     assert slack["text"].splitlines() == [
@@ -171,6 +172,7 @@ def test_events_reach_the_receivers_and_failures_are_recorded(
         "Alert: VllmOOMPressure",
         "Reason: awaiting approval",
         f"http://runbook.example:8080/#execution-{waiting.id}",
+        f"Event key: {awaiting.key}",
     ]
 
     approve = f"/api/executions/{waiting.id}/approve"
@@ -238,7 +240,7 @@ def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 def test_a_receiver_that_hangs_never_holds_up_the_executor(replica: Replica, hooks: Hooks) -> None:
     receivers = [Receiver("hold", "webhook", hooks.url + "/hold")]
     notifier = Notifier(
-        replica.store, receivers, retries=0, timeout_s=60.0, interval_s=0.05
+        replica.store, receivers, retries=0, timeout_s=60.0, claim_lease_s=240.0, interval_s=0.05
     ).start()
     try:
         fire(replica)
