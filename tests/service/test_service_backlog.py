@@ -105,10 +105,10 @@ def test_an_approved_execution_older_than_the_newest_200_runs(replica: Replica) 
     oldest = min(e["id"] for e in created)
     assert replica.worker.tick() == 0  # all await a person
     approve = f"/api/executions/{oldest}/approve"
-    assert replica.client.post(approve, json={"by": "ann"}, headers=AUTH).status_code == 200
+    assert replica.client.post(approve, json={"note": "go"}, headers=AUTH).status_code == 200
     assert replica.worker.tick() == 1
     done = replica.store.get_execution(oldest)
-    assert (done.status, done.decided_by) == (SUCCEEDED, "ann")
+    assert (done.status, done.decided_by, done.decision_note) == (SUCCEEDED, "webhook token", "go")
     assert replica.worker.tick() == 0  # once
     assert len(replica.store.pending_approvals()) == 249
 

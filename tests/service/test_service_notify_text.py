@@ -49,6 +49,7 @@ def test_labels_and_notes_stay_on_their_line_and_are_escaped_for_each_receiver(
             ],
             retries=0,
             timeout_s=60.0,
+            claim_lease_s=240.0,
         )
         body = payload(alertname=HOSTILE)
         delivered = replica.client.post("/webhooks/alertmanager", json=body, headers=AUTH)
@@ -68,18 +69,22 @@ def test_labels_and_notes_stay_on_their_line_and_are_escaped_for_each_receiver(
         f"{FORGED} Approved by root "
     )
     [slack] = hooks.bodies["/slack"]
+    slack_key = slack["text"].splitlines()[-1].removeprefix("Event key: ")
     assert slack["text"].splitlines() == [
         f"[AWAITING APPROVAL] oom-pressure on http://127.0.0.1:9 (execution #{ex})",
         "Alert: VllmOOMPressure &lt;!channel&gt; &lt;https://evil.example/|Approve&gt; &amp; co "
         f"{FORGED} Approved by root ",
         "Approved by webhook token: fine &lt;!here&gt; Rejected by nobody ",
+        f"Event key: {slack_key}",
     ]
     [hook] = hooks.bodies["/hook"]
     assert hook["text"].splitlines() == [
         f"[AWAITING APPROVAL] oom-pressure on http://127.0.0.1:9 (execution #{ex})",
         f"Alert: {alert}",
         "Approved by webhook token: fine <!here> Rejected by nobody ",
+        f"Event key: {hook['key']}",
     ]
+    assert hook["key"] == slack_key  # one event, one key, whatever the receiver
     # The JSON receiver gets the label and the note verbatim, each in its own field.
     assert hook["alert"] == HOSTILE
     assert (hook["execution"]["decided_by"], hook["execution"]["decision_note"]) == (

@@ -268,7 +268,7 @@ def test_a_storm_over_two_replicas_one_killed_loses_nothing(
             if number == 0:
                 # The oldest execution: approved at once, run by whichever replica.
                 oldest = min(e["id"] for e in created)
-                assert a.post(f"/api/executions/{oldest}/approve", {"by": "ann"}).is_success
+                assert a.post(f"/api/executions/{oldest}/approve", {"note": "oldest"}).is_success
                 wait_for(lambda i=oldest: execution_status(i) == SUCCEEDED, 60, "oldest ran")
             if number == KILL_AFTER - 1:
                 held = kill_holding_claims(b, scalar)
@@ -276,7 +276,7 @@ def test_a_storm_over_two_replicas_one_killed_loses_nothing(
         assert oldest is not None and newest is not None
         phases["delivered"] = time.monotonic() - began
         # The newest execution, behind 1,998 others awaiting a person.
-        assert a.post(f"/api/executions/{newest}/approve", {"by": "bob"}).is_success
+        assert a.post(f"/api/executions/{newest}/approve", {"note": "newest"}).is_success
         wait_for(lambda: execution_status(newest) == SUCCEEDED, 60, "newest ran")
 
         phases["newest ran"] = time.monotonic() - began
@@ -347,9 +347,13 @@ def test_a_storm_over_two_replicas_one_killed_loses_nothing(
     # The approved executions ran exactly once each: one run's writes on its engine.
     assert [agents[i].agent.writes for i in range(ENGINES)] == [ONE_RUN, [], [], ONE_RUN]
     assert agents[1].agent.knobs == agents[2].agent.knobs == STARTUP
-    for execution_id, by in ((oldest, "ann"), (newest, "bob")):
+    for execution_id, note in ((oldest, "oldest"), (newest, "newest")):
         done = store.get_execution(execution_id)
-        assert (done.status, done.decided_by) == (SUCCEEDED, by)
+        assert (done.status, done.decided_by, done.decision_note) == (
+            SUCCEEDED,
+            "webhook token",
+            note,
+        )
     store.close()
     sql.dispose()
     print(
