@@ -1057,6 +1057,29 @@ def runbook_activity(notes: Q.RuleNotes) -> dict[str, Any]:
                         width=12,
                     ),
                     Panel(
+                        "Limits: alerts and requests refused, deliveries pruned",
+                        f"Alerts: {S.ALERTS_REJECTED.help} Requests: {S.REQUESTS_REFUSED.help} "
+                        f"Pruned: {S.WEBHOOK_EVENTS_PRUNED.help} Per interval, where it "
+                        "happened.",
+                        [
+                            Target(
+                                events(S.ALERTS_REJECTED.series_name, "$__interval", "reason"),
+                                "alerts rejected {{reason}}",
+                            ),
+                            Target(
+                                events(S.REQUESTS_REFUSED.series_name, "$__interval", "reason"),
+                                "requests refused {{reason}}",
+                            ),
+                            Target(
+                                events(S.WEBHOOK_EVENTS_PRUNED.series_name, "$__interval", "limit"),
+                                "pruned {{limit}}",
+                            ),
+                        ],
+                        bars=True,
+                        decimals=0,
+                        width=24,
+                    ),
+                    Panel(
                         "Rule evaluation time P50 / P99",
                         S.RULE_EVALUATION.help,
                         [

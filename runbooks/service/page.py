@@ -31,7 +31,13 @@ from jinja2.sandbox import SandboxedEnvironment
 from vllm_runbook.runbooks.guardrails import format_duration
 from vllm_runbook.runbooks.notify import alert_name
 from vllm_runbook.runbooks.render import TEMPLATES_DIR, format_change, format_value
-from vllm_runbook.runbooks.store import ExecutionNotFound, ExecutionRecord, Store, StoreError
+from vllm_runbook.runbooks.store import (
+    ExecutionNotFound,
+    ExecutionRecord,
+    InvalidInput,
+    Store,
+    StoreError,
+)
 from vllm_runbook.runbooks.store.models import APPROVED, REJECTED, utcnow
 
 if TYPE_CHECKING:
@@ -41,7 +47,6 @@ if TYPE_CHECKING:
 PAGE_TEMPLATE: Final = "page.html.j2"
 REFRESH_SECONDS: Final = 10
 RECENT: Final = 20
-MAX_FORM_BYTES: Final = 16 * 1024
 
 
 def _environment() -> SandboxedEnvironment:
@@ -136,9 +141,7 @@ def mount_page(
     async def decide(request: Request, execution_id: int, decision: str) -> Response:
         if (refusal := denied(request, act=True)) is not None:
             return refusal
-        body = await request.body()
-        if len(body) > MAX_FORM_BYTES:
-            return Response("form too large\n", status_code=413, media_type="text/plain")
+        body = await request.body()  # at most 64 KiB: RequestLimits (service/limits.py)
         form = {k: v[0] for k, v in parse_qs(body.decode("utf-8", "replace")).items()}
         if not hmac.compare_digest(form.get("token", ""), token):
             return Response("stale or foreign form: reload the page\n", status_code=403)
@@ -155,6 +158,8 @@ def mount_page(
             )
         except ExecutionNotFound as exc:
             message = str(exc)
+        except InvalidInput as exc:
+            return Response(f"{exc}\n", status_code=422, media_type="text/plain")
         except StoreError as exc:
             return HTMLResponse(f"store unavailable: {exc}", status_code=503)
         else:

@@ -1,4 +1,5 @@
 from tests.journal.conftest import (  # noqa: F401 - fixtures shared with the journal tests
+    db_url,
     fresh_pg_database,
     pg_database,
     pg_migrated,
