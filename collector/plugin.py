@@ -5,7 +5,7 @@ Registered under the `vllm.general_plugins` entry point group, so vLLM calls
 is built (EngineCore.__init__). We wrap `SchedulerConfig.get_scheduler_cls`
 so the class vLLM picks (Scheduler, AsyncScheduler, or a user's) comes back
 with the hook mixed in. Where the user already chose our class with
-`--scheduler-cls vllm_runbook.collector.scheduler.RunbookScheduler`, nothing changes.
+`--scheduler-cls vllm_runbook.collector.scheduler.RunbookAutoScheduler`, nothing changes.
 
 Disable with `VLLM_PLUGINS=` (an empty allow-list) or by naming only other
 plugins there.

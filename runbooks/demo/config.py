@@ -44,15 +44,16 @@ RUNBOOK_TIMINGS: dict[str, dict[str, Any]] = {
     "latency-spike": {"verification.deadline_seconds": 10},  # shipped: 120
 }
 
-# Phase lengths (seconds): minimum, and the most a phase waits for its event.
+# Phase lengths (seconds): each phase runs until its event happened (and a
+# little after); these are the bounds past which the story fails and says
+# what the phase measured. On an idle 2-core machine the story takes ~4 min.
 STEADY_S = 20
-# High-priority clients in the starvation phase: 16 run, ~80 wait, minutes of
-# queued work that a busy machine's pauses cannot drain.
-STREAM_CLIENTS = 96
-BURST_AFTER_FIX_S, BURST_MAX_S = 8, 100
-STARVATION_AFTER_FIX_S, STARVATION_MAX_S = 10, 100
-RECOVERY_MIN_S, RECOVERY_MAX_S = 12, 70
-STORY_DEADLINE_S = 300  # from the start, including engine start-up
+BURST_AFTER_FIX_S, BURST_MAX_S = 8, 150
+# The starvation phase: the threshold, `for` and one evaluation after the low
+# ones arrive, the switch, the low ones served, then a few seconds of FCFS.
+STARVATION_AFTER_FIX_S, STARVATION_MAX_S = 10, 180
+RECOVERY_MIN_S, RECOVERY_MAX_S = 12, 90
+STORY_DEADLINE_S = 540  # from the start, including engine start-up
 
 
 def engine_command(model: Path, port: int) -> list[str]:

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 from vllm_runbook.runbooks.client import EngineClient, EngineClientError
 from vllm_runbook.runbooks.demo.config import LOW
-from vllm_runbook.runbooks.demo.traffic import Traffic
+from vllm_runbook.runbooks.demo.traffic import QueueReading, Traffic
 from vllm_runbook.runbooks.render import (
     format_check,
     format_guards,
@@ -160,6 +160,7 @@ class Monitor:
     def __init__(self, demo: Demo, client: EngineClient, traffic: Traffic, feed: EventFeed) -> None:
         self.demo, self.client, self.traffic, self.feed = demo, client, traffic, feed
         self.state: dict[str, Any] | None = None
+        self.state_t = 0.0  # when `state` was read (time.time())
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self._last_preemptions: float | None = None
@@ -171,6 +172,17 @@ class Monitor:
     def close(self) -> None:
         self.stop.set()
         self.thread.join(10)
+
+    def queue(self) -> QueueReading | None:
+        """The engine's admission limit and waiting queue from the latest state."""
+        state, t = self.state, self.state_t
+        if state is None:
+            return None
+        queues = state.get("queues") or {}
+        waiting = queues.get("waiting")
+        if waiting is None:
+            waiting = state["stats"].get("num_requests_waiting") or 0
+        return QueueReading(t, int(state["knobs"]["max_num_seqs"]), int(waiting))
 
     def _run(self) -> None:
         next_tick = time.monotonic()
@@ -184,8 +196,8 @@ class Monitor:
     def _sample(self) -> None:
         asked = time.time()
         state = self.client.state()
-        self.state = state
         now = time.time()
+        self.state, self.state_t = state, now
         s, k = state["stats"], state["knobs"]
         flying = self.traffic.in_flight()
         oldest = max((now - r.t0 for r in flying), default=0.0)
@@ -224,6 +236,39 @@ class Monitor:
             f"budget {k['max_num_batched_tokens']:4d}  seqs {k['max_num_seqs']:3d}  "
             f"{k['policy']}"
         )
+
+
+class PhaseMeasure:
+    """The peak KV usage and the preemptions a phase saw, from the monitor's
+    samples (for the message when the phase's finding never fires)."""
+
+    def __init__(self, monitor: Monitor) -> None:
+        self.monitor = monitor
+        self.started = time.monotonic()
+        self.peak_kv: float | None = None
+        self.first_preemptions: float | None = None
+        self.last_preemptions: float | None = None
+
+    def update(self) -> None:
+        state = self.monitor.state
+        if state is None:
+            return
+        stats = state["stats"]
+        kv, preemptions = stats.get("kv_cache_usage_ratio"), stats.get("preemptions_total")
+        if kv is not None:
+            self.peak_kv = kv if self.peak_kv is None else max(self.peak_kv, kv)
+        if preemptions is not None:
+            if self.first_preemptions is None:
+                self.first_preemptions = preemptions
+            self.last_preemptions = preemptions
+
+    def seconds(self) -> float:
+        return time.monotonic() - self.started
+
+    def __str__(self) -> str:
+        first, last = self.first_preemptions, self.last_preemptions
+        preempted = "n/a" if first is None or last is None else f"{last - first:.0f}"
+        return f"{preempted} preemptions, peak KV usage {_pct(self.peak_kv)}"
 
 
 def _pct(value: Any, digits: int = 0) -> str:

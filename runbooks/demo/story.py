@@ -21,6 +21,7 @@ from vllm_runbook.runbooks.demo.config import (
     BURST_MAX_S,
     COLLECTOR_WINDOW_S,
     EVALUATION_INTERVAL,
+    HIGH,
     KV_BLOCKS,
     LOW,
     MAX_NUM_SEQS,
@@ -28,16 +29,24 @@ from vllm_runbook.runbooks.demo.config import (
     RECOVERY_MIN_S,
     STARVATION_AFTER_FIX_S,
     STARVATION_MAX_S,
+    STARVATION_THRESHOLD_S,
     STEADY_S,
     STORY_DEADLINE_S,
-    STREAM_CLIENTS,
     engine_command,
     write_config,
     write_runbooks,
 )
-from vllm_runbook.runbooks.demo.live import Demo, EventFeed, Monitor, finished, runs_of
+from vllm_runbook.runbooks.demo.live import (
+    Demo,
+    EventFeed,
+    Monitor,
+    PhaseMeasure,
+    finished,
+    runs_of,
+)
 from vllm_runbook.runbooks.demo.summary import conclude
 from vllm_runbook.runbooks.demo.traffic import (
+    Backlog,
     Request,
     Traffic,
     long_request,
@@ -192,7 +201,9 @@ def run(directory: Path, ci: bool) -> int:
         stack.callback(monitor.close)
         feed.start()
         stack.callback(feed.close)
-        low: list[Request] = []
+        low: list[Request] = []  # every low-priority request sent
+        starved: list[Request] = []  # the batch that was starved (the last one)
+        measured: dict[str, str] = {}  # alert -> what the phase measured when it did not fire
 
         def enter(name: str, what: str) -> None:
             traffic.phase = name
@@ -208,45 +219,92 @@ def run(directory: Path, ci: bool) -> int:
         # 2. long burst until oom-pressure acted and its effect shows
         enter("long-burst", "16 clients, 500-750 token prompts: the KV cache overflows")
         burst = traffic.clients(16, long_request)
+        burst_seen = PhaseMeasure(monitor)
         fixed_at: list[float] = []
 
         def oom_done() -> bool:
+            burst_seen.update()
             runs = [e for e in runs_of(feed, "oom-pressure") if finished(e)]
             if runs and not fixed_at:
                 fixed_at.append(time.monotonic())
             return bool(fixed_at) and time.monotonic() - fixed_at[0] >= BURST_AFTER_FIX_S
 
-        _wait(demo, BURST_MAX_S, oom_done)
+        if not _wait(demo, BURST_MAX_S, oom_done):
+            measured["VllmOOMPressure"] = f"in {burst_seen.seconds():.0f} s of burst {burst_seen}"
         burst.stop()  # long requests still in flight are cancelled
 
         # 3. starvation until latency-spike acted and the starved requests got through
         enter(
             "starvation",
-            f"{STREAM_CLIENTS} high-priority clients; 8 low-priority requests wait behind them",
+            "a high-priority backlog that never drains; 8 low-priority requests wait behind it",
         )
-        # A few more high-priority requests than slots, then the low ones, then
-        # the rest of the stream: under `priority` the low ones wait as long as
-        # any high one does; in arrival order only the first few are ahead.
-        # Sized by the startup limit: the autopilot oom-pressure handed over to
-        # may climb back to it while this phase runs (measured: 8 as the phase
-        # began, 16 a few seconds later, and the low ones went straight in).
-        seqs = int(client.state()["startup"]["max_num_seqs"])
-        first = traffic.clients(seqs + 4, stream_request)
-        _wait(demo, 30, lambda: _queued(client))
-        low.extend(traffic.send(prompt_token_ids(64, 97 * i), 16, LOW) for i in range(8))
-        _wait(demo, 0.5)
-        rest = traffic.clients(STREAM_CLIENTS - seqs - 4, stream_request)
+        # Open-loop high-priority arrivals: first as many as the admission
+        # limit allows now (whatever the autopilot left it at) and a few more,
+        # then the low ones, then a queue sized by the measured completion
+        # rate. Under `priority` the low ones wait as long as any high one
+        # does; in arrival order only the first few are ahead of them.
+        backlog = Backlog(traffic, stream_request, monitor.queue, priority=HIGH)
+        backlog.depth = 4
+
+        def filled() -> bool:
+            backlog.tick()
+            return _queued(client)
+
+        _wait(demo, 30, filled)
+        batches: list[list[Request]] = []
+
+        def send_low() -> None:
+            first = 1000 * len(batches)
+            batches.append(
+                [traffic.send(prompt_token_ids(64, first + 97 * i), 16, LOW) for i in range(8)]
+            )
+            low.extend(batches[-1])
+
+        send_low()
+        backlog.size_by_rate()
         served_at: list[float] = []
 
         def starved_served() -> bool:
+            waiting = sum(1 for r in low if r.t1 is None)
+            backlog.tick(lower_waiting=waiting)
             runs = [e for e in runs_of(feed, "latency-spike") if finished(e)]
-            if runs and len(low) == 8 and all(r.t1 is not None for r in low) and not served_at:
+            policy = (monitor.state or {}).get("knobs", {}).get("policy")
+            acted = (
+                bool(runs_of(feed, "latency-spike"))
+                or "VllmRequestStarvation" in feed.fired
+                or policy not in (None, "priority")
+            )
+            if not acted and any(r.ok for r in batches[-1]):
+                # The queue drained before the finding fired and the low ones
+                # got in: they were not starved. Start their wait again.
+                waited = max((r.t1 or time.time()) - r.t0 for r in batches[-1])
+                demo.say(
+                    f"the high-priority queue drained: low-priority requests admitted after "
+                    f"{waited:.0f} s; 8 more sent"
+                )
+                send_low()
+            last = batches[-1]
+            if runs and all(r.t1 is not None for r in last) and not served_at:
                 served_at.append(time.monotonic())
             return bool(served_at) and time.monotonic() - served_at[0] >= STARVATION_AFTER_FIX_S
 
-        _wait(demo, STARVATION_MAX_S, starved_served)
-        first.stop()
-        rest.stop()
+        if not _wait(demo, STARVATION_MAX_S, starved_served):
+            now = time.time()
+            oldest = max(((r.t1 or now) - r.t0 for r in low), default=0.0)
+            measured["VllmRequestStarvation"] = (
+                f"the oldest low-priority request waited {oldest:.0f} s (threshold "
+                f"{STARVATION_THRESHOLD_S} s) in {len(batches)} batch(es) of 8; the "
+                f"high-priority queue kept {backlog.depth} deep held at least "
+                f"{backlog.min_waiting} and was empty at {backlog.drained} readings"
+            )
+        backlog.stop()
+        starved = batches[-1]
+        if backlog.min_waiting is not None:
+            demo.say(
+                f"while low-priority requests waited, at least {backlog.min_waiting} high-priority "
+                f"ones waited ahead of them (queue kept {backlog.depth} deep; empty at "
+                f"{backlog.drained} readings)"
+            )
 
         # 4. recovery until every change is reverted
         enter("recovery", "4 steady clients; the findings resolve, the service reverts")
@@ -267,7 +325,7 @@ def run(directory: Path, ci: bool) -> int:
         traffic.close()
         story_s = time.monotonic() - t_start
 
-    return conclude(demo, signals, feed, traffic, low, final, story_s, agent)
+    return conclude(demo, signals, feed, traffic, starved, low, final, story_s, measured)
 
 
 def _stop(demo: Demo, process: Process) -> None:

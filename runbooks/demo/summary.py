@@ -23,11 +23,15 @@ def conclude(
     signals: Path,
     feed: EventFeed,
     traffic: Traffic,
+    starved: list[Request],
     low: list[Request],
     final: dict[str, Any],
     story_s: float,
-    agent: str,
+    measured: dict[str, str],
 ) -> int:
+    """Print the summary and the verdict. `starved`: the low-priority batch that
+    waited for the fix; `low`: every low-priority request sent; `measured`: per
+    alert that never fired, what its phase measured instead."""
     history = History.load(signals)
     executions = sorted(feed.executions.values(), key=lambda e: e["id"])
     reverts = reverts_of(executions)
@@ -40,9 +44,9 @@ def conclude(
         if e.get("reverts_id") is None:
             for line in execution_lines(e, reverts.get(e["id"]), history, origin):
                 print("  " + line)
-    starved = starvation_effect(feed, low)
-    if starved is not None:
-        print("  " + starved[0])
+    effect = starvation_effect(feed, starved)
+    if effect is not None:
+        print("  " + effect[0])
 
     picture = demo.directory / "demo-timeline.png"
     try:
@@ -63,12 +67,12 @@ def conclude(
             f"--db sqlite:///{demo.directory / 'runbook.db'}"
         )
 
-    problems = story_problems(feed, traffic, low, final, picture)
-    if starved is not None and starved[1]:
+    problems = story_problems(feed, traffic, low, final, picture, measured)
+    if effect is not None and effect[1]:
         # Timing on a loaded machine decides whether the low-priority requests
         # were still stuck when the policy switched; the story (detection,
         # action, recovery) does not depend on it, so say it, don't fail.
-        print(f"note: {starved[1]}")
+        print(f"note: {effect[1]}")
     print(f"\nstory: {story_s:.0f} s")
     if problems:
         print("demo: FAILED: " + "; ".join(problems))
@@ -112,6 +116,7 @@ def story_problems(
     low: list[Request],
     final: dict[str, Any],
     picture: Path,
+    measured: dict[str, str] | None = None,
 ) -> list[str]:
     problems = []
     fired = feed.fired
@@ -120,7 +125,8 @@ def story_problems(
         ("VllmRequestStarvation", "latency-spike"),
     ):
         if alert not in fired:
-            problems.append(f"no detection: {alert} never fired")
+            why = (measured or {}).get(alert)
+            problems.append(f"no detection: {alert} never fired" + (f" ({why})" if why else ""))
         runs = runs_of(feed, runbook)
         acted = [e for e in runs if any(s["status"] in ("applied", "reverted") for s in e["steps"])]
         if not acted:

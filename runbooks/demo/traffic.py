@@ -4,6 +4,8 @@ asyncio loop in a background thread, every request timed and logged."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import math
 import random
 import threading
 import time
@@ -126,9 +128,14 @@ class Traffic:
 
     def send(self, prompt: list[int], max_tokens: int, priority: int) -> Request:
         """Send one request without waiting for it; the Request fills in when done."""
+        return self.send_cancellable(prompt, max_tokens, priority)[0]
+
+    def send_cancellable(
+        self, prompt: list[int], max_tokens: int, priority: int
+    ) -> tuple[Request, concurrent.futures.Future[None]]:
+        """`send`, and the future that cancels the request in flight."""
         req = self._new(max_tokens, priority)
-        asyncio.run_coroutine_threadsafe(self._send(req, prompt), self.loop)
-        return req
+        return req, asyncio.run_coroutine_threadsafe(self._send(req, prompt), self.loop)
 
     def clients(
         self, n: int, make: Callable[[random.Random], tuple[list[int], int, int]]
@@ -155,6 +162,104 @@ class Traffic:
     def completed_since(self, t: float) -> int:
         with self._lock:
             return sum(1 for r in self.requests if r.t1 is not None and r.t1 >= t and r.ok)
+
+
+@dataclass
+class QueueReading:
+    """What the backlog keeper needs of the engine, from the agent's latest state."""
+
+    t: float  # when it was read (time.time())
+    max_num_seqs: int  # the admission limit now (the autopilot may move it)
+    waiting: int  # requests in the engine's waiting queue (any priority)
+
+
+class Backlog:
+    """Open-loop high-priority arrivals that keep a queue in front of the engine.
+
+    Closed-loop clients come in waves: when their requests finish together the
+    engine's queue can empty for a moment, and whatever lower-priority request
+    waits is admitted. Starvation needs a backlog that never drains, so this
+    keeps the number of high-priority requests waiting (in the engine or on
+    their way to it) at least `depth` deep, whatever the admission limit and
+    the engine's speed: `depth` follows the measured completion rate
+    (`seconds_of_work` of it), so the queue outlasts a pause of the client
+    process that long. `tick()` is called about twice a second.
+    """
+
+    def __init__(
+        self,
+        traffic: Traffic,
+        make: Callable[[random.Random], tuple[list[int], int, int]],
+        read: Callable[[], QueueReading | None],
+        *,
+        priority: int,
+        min_depth: int = 32,
+        max_depth: int = 200,
+        seconds_of_work: float = 30.0,
+    ) -> None:
+        self.traffic, self.make, self.read, self.priority = traffic, make, read, priority
+        self.min_depth, self.max_depth, self.seconds_of_work = min_depth, max_depth, seconds_of_work
+        self.depth = 0  # high-priority requests to keep queued beyond the admission limit
+        self.sized = False  # True: depth follows the completion rate
+        self.rng = random.Random(random.randrange(1 << 30))
+        self.sent: list[tuple[Request, concurrent.futures.Future[None]]] = []
+        self.started = time.time()
+        # What the phase measured, for its story and its failure message.
+        self.min_waiting: int | None = None  # fewest high-priority requests waiting in the engine
+        self.drained = 0  # readings with none waiting while others waited behind them
+        self._last_reading_t = 0.0
+
+    def in_flight(self) -> int:
+        return sum(1 for req, _ in self.sent if req.t1 is None)
+
+    def completion_rate(self, window_s: float = 20.0) -> float | None:
+        """High-priority requests completed per second over the last `window_s`
+        (None until the phase has run that long)."""
+        now = time.time()
+        if now - self.started < window_s:
+            return None
+        since = now - window_s
+        done = sum(1 for req, _ in self.sent if req.ok and (req.t1 or 0.0) >= since)
+        return done / window_s
+
+    def size_by_rate(self) -> None:
+        """From now on the queue is sized by the measured completion rate (and
+        never shrinks: a pause of the engine lowers the rate, not the need)."""
+        self.sized = True
+        rate = self.completion_rate()
+        want = self.min_depth if rate is None else math.ceil(rate * self.seconds_of_work)
+        self.depth = max(self.depth, min(self.max_depth, max(self.min_depth, want)))
+
+    def tick(self, lower_waiting: int = 0) -> None:
+        """Top the queue up; `lower_waiting`: requests of lower priority still
+        waiting behind it (they are in the engine's waiting count too)."""
+        reading = self.read()
+        limit = 1 if reading is None else max(1, reading.max_num_seqs)
+        want = limit + self.depth
+        if reading is not None and reading.t > self._last_reading_t:
+            self._last_reading_t = reading.t
+            waiting_high = max(0, reading.waiting - lower_waiting)
+            if lower_waiting:
+                fewest = self.min_waiting
+                self.min_waiting = waiting_high if fewest is None else min(fewest, waiting_high)
+                if waiting_high == 0:
+                    self.drained += 1
+            if self.sized and waiting_high < self.depth // 2:
+                # Requests slow to reach the engine (a busy API server) are not
+                # queued yet: send more until the engine itself holds a queue.
+                want = max(want, self.in_flight() + self.depth - waiting_high)
+            if self.sized:
+                self.size_by_rate()
+        want = min(want, limit + 4 * max(self.depth, 1))
+        for _ in range(max(0, want - self.in_flight())):
+            prompt, max_tokens, _ = self.make(self.rng)
+            self.sent.append(self.traffic.send_cancellable(prompt, max_tokens, self.priority))
+
+    def stop(self) -> None:
+        """Cancel the requests still in flight (vLLM aborts them)."""
+        for req, future in self.sent:
+            if req.t1 is None:
+                future.cancel()
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:

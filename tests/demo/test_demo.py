@@ -37,6 +37,7 @@ STORY = [
 ]
 
 
+@pytest.mark.timeout(1000)
 def test_demo_story_detects_fixes_and_reverts(tmp_path: Path) -> None:
     # The test session's conftest makes vLLM run in-process and sets the
     # agent's port and token directory: the demo chooses its own.
@@ -54,7 +55,7 @@ def test_demo_story_detects_fixes_and_reverts(tmp_path: Path) -> None:
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
     )
     out = proc.stdout
     assert proc.returncode == 0, out[-6000:] + proc.stderr[-3000:]

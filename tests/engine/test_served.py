@@ -201,9 +201,12 @@ def test_explicit_scheduler_cls_without_the_plugin(tiny_model: Path, tmp_path: P
         tiny_model,
         tmp_path / "serve.log",
         env={"VLLM_PLUGINS": ""},
-        extra_args=["--scheduler-cls", "vllm_runbook.collector.scheduler.RunbookScheduler"],
+        extra_args=["--scheduler-cls", "vllm_runbook.collector.scheduler.RunbookAutoScheduler"],
     ) as served:
         assert served.complete(40, max_tokens=3)["usage"]["completion_tokens"] == 3
+        # The CPU backend schedules synchronously: the class built is the sync one.
+        state = json.loads(http_get(served.agent_url + "/v1/state", timeout=30)[1])
+        assert state["engine"]["scheduler_class"] == "RunbookScheduler"
         status, text = http_get(served.agent_url + "/metrics")
         assert status == 200
         ours = _samples(text)

@@ -184,3 +184,32 @@ def test_visible_gpu_indices() -> None:
     assert visible_gpu_indices(4, None) == [0, 1, 2, 3]
     assert visible_gpu_indices(4, "2,3") == [2, 3]
     assert visible_gpu_indices(4, "") == []
+
+
+def test_auto_scheduler_builds_the_class_of_the_engines_scheduling_mode(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from vllm_runbook.collector import scheduler as S
+
+    def config(async_scheduling: bool | None) -> SimpleNamespace:
+        return SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=async_scheduling))
+
+    assert S.scheduler_class_for(config(True)) is S.RunbookAsyncScheduler
+    assert S.scheduler_class_for(config(False)) is S.RunbookScheduler
+    assert S.scheduler_class_for(config(None)) is S.RunbookScheduler
+    assert issubclass(S.RunbookAsyncScheduler, S.AsyncScheduler)
+    assert not issubclass(S.RunbookScheduler, S.AsyncScheduler)
+
+    # What vLLM does with the class it is given: one call with keyword arguments.
+    built: list[tuple[str, dict[str, object]]] = []
+
+    def fake_init(self: object, **kwargs: object) -> None:
+        built.append((type(self).__name__, kwargs))
+
+    monkeypatch.setattr(S.RunbookScheduler, "__init__", fake_init)
+    monkeypatch.setattr(S.RunbookAsyncScheduler, "__init__", fake_init)
+    for mode, name in ((True, "RunbookAsyncScheduler"), (False, "RunbookScheduler")):
+        built.clear()
+        obj = S.RunbookAutoScheduler(vllm_config=config(mode), log_stats=False)
+        assert type(obj).__name__ == name
+        assert built == [(name, {"vllm_config": config(mode), "log_stats": False})]
