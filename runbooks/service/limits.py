@@ -139,7 +139,8 @@ class RequestLimits:
             if upload.complete:  # after the body: only a disconnect can come, no deadline
                 return await receive()
             try:
-                message = await asyncio.wait_for(receive(), max(0.0, upload.deadline - loop.time()))
+                async with asyncio.timeout_at(upload.deadline):  # no task per read (wait_for)
+                    message = await receive()
             except TimeoutError:
                 raise _BodyTimedOut from None
             if message["type"] == "http.request":
