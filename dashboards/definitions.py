@@ -1059,24 +1059,21 @@ def runbook_activity(notes: Q.RuleNotes) -> dict[str, Any]:
                     Panel(
                         "Limits: alerts and requests refused, deliveries pruned",
                         f"Alerts: {S.ALERTS_REJECTED.help} Requests: {S.REQUESTS_REFUSED.help} "
-                        f"Pruned: {S.WEBHOOK_EVENTS_PRUNED.help} Per interval, where it "
-                        "happened.",
+                        f"Pruned: {S.WEBHOOK_EVENTS_PRUNED.help} Per second.",
                         [
                             Target(
-                                events(S.ALERTS_REJECTED.series_name, "$__interval", "reason"),
+                                service_rate(S.ALERTS_REJECTED, "reason"),
                                 "alerts rejected {{reason}}",
                             ),
                             Target(
-                                events(S.REQUESTS_REFUSED.series_name, "$__interval", "reason"),
+                                service_rate(S.REQUESTS_REFUSED, "reason"),
                                 "requests refused {{reason}}",
                             ),
                             Target(
-                                events(S.WEBHOOK_EVENTS_PRUNED.series_name, "$__interval", "limit"),
+                                service_rate(S.WEBHOOK_EVENTS_PRUNED, "limit"),
                                 "pruned {{limit}}",
                             ),
                         ],
-                        bars=True,
-                        decimals=0,
                         width=24,
                     ),
                     Panel(
