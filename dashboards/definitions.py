@@ -1057,6 +1057,26 @@ def runbook_activity(notes: Q.RuleNotes) -> dict[str, Any]:
                         width=12,
                     ),
                     Panel(
+                        "Limits: alerts and requests refused, deliveries pruned",
+                        f"Alerts: {S.ALERTS_REJECTED.help} Requests: {S.REQUESTS_REFUSED.help} "
+                        f"Pruned: {S.WEBHOOK_EVENTS_PRUNED.help} Per second.",
+                        [
+                            Target(
+                                service_rate(S.ALERTS_REJECTED, "reason"),
+                                "alerts rejected {{reason}}",
+                            ),
+                            Target(
+                                service_rate(S.REQUESTS_REFUSED, "reason"),
+                                "requests refused {{reason}}",
+                            ),
+                            Target(
+                                service_rate(S.WEBHOOK_EVENTS_PRUNED, "limit"),
+                                "pruned {{limit}}",
+                            ),
+                        ],
+                        width=24,
+                    ),
+                    Panel(
                         "Rule evaluation time P50 / P99",
                         S.RULE_EVALUATION.help,
                         [

@@ -34,6 +34,16 @@
       verify_seconds: 10s                     # verification deadline
       condition_seconds: 2s                   # each step's `when: after_seconds`
       healthy_period_seconds: 5s              # between the stages of a stepwise revert
+    limits:                                   # what `runbook serve` takes from a client
+      webhook_body: 4MiB                      # a larger delivery: 413
+      header_timeout: 10s                     # a request's head must arrive within this
+      body_timeout: 30s                       # and its body within this after the head
+      keep_alive: 5s                          # an idle connection is closed after this
+      max_connections: 100                    # beyond: 503 (Alertmanager retries)
+    retention:                                # stored Alertmanager deliveries
+      max_age: 7d                             # older ones are deleted
+      max_size: 256MiB                        # and the oldest beyond this total
+      interval: 10m                           # how often the service prunes
 
 Every key has a default, so no file at all is a valid one-machine setup.
 Relative paths are relative to the file. Unknown keys are errors (a typo must
@@ -90,6 +100,18 @@ _ENGINE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
 ReceiverType = Literal["webhook", "slack"]
 RECEIVER_TYPES: tuple[str, ...] = get_args(ReceiverType)
 DEFAULT_APPROVAL_TIMEOUT = 15 * 60.0
+KIB, MIB, GIB = 1024, 1024**2, 1024**3
+_SIZE = re.compile(r"^(\d+)\s*(B|KB|MB|GB|KiB|MiB|GiB)?$")
+_SIZE_UNITS = {
+    None: 1,
+    "B": 1,
+    "KB": 1000,
+    "MB": 1000**2,
+    "GB": 1000**3,
+    "KiB": KIB,
+    "MiB": MIB,
+    "GiB": GIB,
+}
 
 
 @dataclass(frozen=True)
@@ -174,6 +196,27 @@ class ExecutorConfig:
     healthy_period_seconds: float | None = None
 
 
+@dataclass(frozen=True)
+class LimitsConfig:
+    """What `runbook serve` takes from a client before it refuses or hangs up
+    (runbooks/service/limits.py; docs/service.md, "Limits, timeouts and retention")."""
+
+    webhook_body_bytes: int = 4 * MIB
+    header_timeout_seconds: float = 10.0
+    body_timeout_seconds: float = 30.0
+    keep_alive_seconds: float = 5.0
+    max_connections: int = 100
+
+
+@dataclass(frozen=True)
+class RetentionConfig:
+    """How long stored Alertmanager deliveries (webhook_events) are kept."""
+
+    max_age_seconds: float = 7 * 86400.0
+    max_bytes: int = 256 * MIB
+    interval_seconds: float = 600.0
+
+
 def default_leader_lease(evaluation_interval: float) -> float:
     return max(MIN_LEADER_LEASE, 3 * evaluation_interval)
 
@@ -192,6 +235,8 @@ class Config:
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
     approvals: ApprovalsConfig = field(default_factory=ApprovalsConfig)
     notifications: NotificationsConfig = field(default_factory=NotificationsConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
     leader_lease: float = MIN_LEADER_LEASE  # seconds; default max(15 s, 3 x interval)
     # line of each alert under rules.overrides, to place the catalog's complaints
     override_lines: Mapping[str, int] = field(default_factory=dict, repr=False)
@@ -295,6 +340,21 @@ def _duration(value: object) -> float:
         return parse_duration(value)
     except RuleProblem as exc:
         raise _detail(exc.message) from None
+
+
+def _size(value: object) -> int:
+    """Bytes: a positive integer, or one with a unit (``4MiB``, ``256MB``, ``64KiB``)."""
+    match = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        match = _SIZE.match(str(value))
+    elif isinstance(value, str):
+        match = _SIZE.match(value.strip())
+    if match is None:
+        raise _detail(f"bad size {value!r}: expected bytes, or e.g. '64KiB', '4MiB', '256MB'")
+    size = int(match.group(1)) * _SIZE_UNITS[match.group(2)]
+    if size <= 0:
+        raise _phrase("must be positive")
+    return size
 
 
 def _labels(value: object) -> dict[str, str]:
@@ -494,6 +554,24 @@ class _Notifications(_Section):
         return self
 
 
+PositiveDuration = Annotated[float, BeforeValidator(_duration), AfterValidator(_positive)]
+Size = Annotated[int, BeforeValidator(_size)]
+
+
+class _Limits(_Section):
+    webhook_body: Size = LimitsConfig.webhook_body_bytes
+    header_timeout: PositiveDuration = LimitsConfig.header_timeout_seconds
+    body_timeout: PositiveDuration = LimitsConfig.body_timeout_seconds
+    keep_alive: PositiveDuration = LimitsConfig.keep_alive_seconds
+    max_connections: Annotated[int, Field(ge=1, strict=True)] = LimitsConfig.max_connections
+
+
+class _Retention(_Section):
+    max_age: PositiveDuration = RetentionConfig.max_age_seconds
+    max_size: Size = RetentionConfig.max_bytes
+    interval: PositiveDuration = RetentionConfig.interval_seconds
+
+
 class _File(_Section):
     database: Text | None = None
     engines: Annotated[list[_Engine], WrapValidator(_unique_names)] = Field(default_factory=list)
@@ -507,6 +585,8 @@ class _File(_Section):
     approvals: _Approvals = Field(default_factory=_Approvals)
     notifications: _Notifications = Field(default_factory=_Notifications)
     page: _Page = Field(default_factory=_Page)
+    limits: _Limits = Field(default_factory=_Limits)
+    retention: _Retention = Field(default_factory=_Retention)
 
 
 # The model whose keys an `unknown key` message lists, by the mapping's path.
@@ -520,6 +600,8 @@ _SECTIONS: dict[tuple[str, ...], type[BaseModel]] = {
     ("approvals",): _Approvals,
     ("notifications",): _Notifications,
     ("notifications", "receivers"): _Receiver,
+    ("limits",): _Limits,
+    ("retention",): _Retention,
 }
 # Errors about the value's own type: located at its key even when it is a mapping.
 _TYPE_ERRORS = {"list_type", "dict_type", "model_type", "model_attributes_type"}
@@ -612,6 +694,16 @@ def _build(model: _File, doc: MarkedDict, path: Path) -> Config:
             model.notifications.timeout,
             model.notifications.page_url,
             model.notifications.claim_lease,
+        ),
+        limits=LimitsConfig(
+            model.limits.webhook_body,
+            model.limits.header_timeout,
+            model.limits.body_timeout,
+            model.limits.keep_alive,
+            model.limits.max_connections,
+        ),
+        retention=RetentionConfig(
+            model.retention.max_age, model.retention.max_size, model.retention.interval
         ),
         leader_lease=rules.leader_lease or default_leader_lease(rules.evaluation_interval),
         override_lines={str(a): line for a, line in lines.items()},

@@ -24,7 +24,7 @@ from vllm_runbook.rules.errors import ConfigError
 from vllm_runbook.runbooks.executor import default_who, format_duration
 from vllm_runbook.runbooks.journal_cli import _add_db_option, _fail, _guarded
 from vllm_runbook.runbooks.render import format_table
-from vllm_runbook.runbooks.store import Store
+from vllm_runbook.runbooks.store import Store, has_journal
 from vllm_runbook.runbooks.store.approvals import TOO_LATE
 from vllm_runbook.runbooks.store.models import APPROVED, REJECTED, utcnow
 
@@ -84,6 +84,12 @@ def cmd_pending(args: argparse.Namespace) -> int:
     setup = _setup(args)
     if isinstance(setup, int):
         return setup
+    if not has_journal(setup.db):  # read-only: a missing store is no error, and stays missing
+        if args.json:
+            print(json.dumps({"pending": []}, indent=2))
+        else:
+            print("no executions awaiting approval (no journal yet)")
+        return EXIT_OK
     store = Store(setup.db)
     try:
         records = store.pending_approvals()
@@ -121,6 +127,8 @@ def _decide(args: argparse.Namespace, decision: str) -> int:
     setup = _setup(args)
     if isinstance(setup, int):
         return setup
+    if not has_journal(setup.db):  # nothing to decide, and nothing created by asking
+        return _fail(EXIT_USAGE, f"no executions yet (no execution with id {args.id})")
     store = Store(setup.db)
     try:
         result = store.decide(

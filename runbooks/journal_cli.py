@@ -6,7 +6,7 @@ returns an exit code. Errors are one line on stderr, never a traceback:
 
     0  ok
     1  store error that is not an outage (e.g. database at an unknown revision)
-    2  usage error (bad argument, unknown runbook or execution id)
+    2  usage error (bad argument, unknown runbook or execution id, a note over 4096 characters)
     3  invalid runbook catalog (each problem as file:line: runbook NAME: message)
     3  `show --engine`: the engine unreachable or authentication failed
     4  store unavailable (down, locked, or not migrated: run `runbook db upgrade`)
@@ -30,6 +30,7 @@ from vllm_runbook.runbooks.spec import Catalog, CatalogError, Runbook, load_cata
 from vllm_runbook.runbooks.store import (
     ExecutionNotFound,
     ExecutionRecord,
+    InvalidInput,
     Store,
     StoreError,
     StoreUnavailable,
@@ -63,7 +64,7 @@ def _guarded(handler: Handler) -> Handler:
             return handler(args)
         except StoreUnavailable as e:
             return _fail(EXIT_STORE_UNAVAILABLE, str(e))
-        except ExecutionNotFound as e:
+        except (ExecutionNotFound, InvalidInput) as e:
             return _fail(EXIT_USAGE, str(e))
         except StoreError as e:
             return _fail(EXIT_STORE_ERROR, str(e))

@@ -123,6 +123,27 @@ NOTIFICATIONS = _spec(
     "outcome",
 )
 
+ALERTS_REJECTED = _spec(
+    "alerts_rejected",
+    "counter",
+    "Alerts of stored deliveries that were not stored themselves, by reason "
+    "(starts_at_out_of_range: startsAt outside years 1-9999 in UTC).",
+    "reason",
+)
+REQUESTS_REFUSED = _spec(
+    "requests_refused",
+    "counter",
+    "Requests refused or cut by the service's limits, by reason "
+    "(body_too_large|body_timeout|header_timeout|client_disconnected).",
+    "reason",
+)
+WEBHOOK_EVENTS_PRUNED = _spec(
+    "webhook_events_pruned",
+    "counter",
+    "Stored Alertmanager deliveries deleted by the retention job, by limit (max_age|max_size).",
+    "limit",
+)
+
 SERVICE_METRICS: tuple[MetricSpec, ...] = (
     WEBHOOKS_RECEIVED,
     WEBHOOKS_REJECTED,
@@ -137,6 +158,9 @@ SERVICE_METRICS: tuple[MetricSpec, ...] = (
     INCIDENTS_FIRING,
     KNOB_CHANGES,
     NOTIFICATIONS,
+    ALERTS_REJECTED,
+    REQUESTS_REFUSED,
+    WEBHOOK_EVENTS_PRUNED,
 )
 SERVICE_METRICS_BY_NAME = {m.name: m for m in SERVICE_METRICS}
 

@@ -3,11 +3,19 @@
 Unknown fields are ignored (newer Alertmanagers add some); the fields the
 service relies on are required and typed, so a malformed delivery is refused
 with a 4xx before anything is stored.
+
+A well-formed time can still be one the journal cannot hold: startsAt
+0001-01-01T00:30:00+01:00 is before year 1 in UTC (Python cannot even convert
+it). Such an alert is rejected on its own (`Alert.starts_at_problem`), and the
+rest of its group is stored: a 4xx or 5xx for the whole delivery would drop
+its valid alerts or make Alertmanager retry it forever. endsAt is kept in the
+stored payload only (Alertmanager's zero time, 0001-01-01T00:00:00Z, means
+"no end yet"), so any parseable value is accepted.
 """
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -36,6 +44,15 @@ class Alert(_Lenient):
         if value.tzinfo is None:
             raise ValueError("startsAt must carry a timezone (RFC 3339)")
         return value
+
+    def starts_at_problem(self) -> str | None:
+        """Why startsAt cannot be stored (None: it can): it must be a time of
+        the years 1 to 9999 once converted to UTC, as the journal keeps it."""
+        try:
+            self.startsAt.astimezone(UTC)
+        except OverflowError:
+            return f"startsAt {self.startsAt.isoformat()} is outside years 1-9999 in UTC"
+        return None
 
     @property
     def alertname(self) -> str:

@@ -16,6 +16,9 @@ labels and reasons. Bound off loopback (`protect_reads`) they need credentials:
 the webhook's, or the read token. On loopback they are open to the names the
 service answers to (service/browser.py: a rebound DNS name gets 400), and
 every state change from a browser must come from the service's own origin.
+
+Every route's body limit and the body-read timeout are enforced before the
+body is read (service/limits.py, RequestLimits around the whole app).
 """
 
 from __future__ import annotations
@@ -34,19 +37,26 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
+from vllm_runbook.rules.config import LimitsConfig
 from vllm_runbook.runbooks.service import telemetry as T
 from vllm_runbook.runbooks.service.alertmanager import WebhookPayload, unstorable_text
 from vllm_runbook.runbooks.service.browser import BrowserGuard, BrowserPolicy, unknown_host
+from vllm_runbook.runbooks.service.limits import BODY_TOO_LARGE, WEBHOOK_PATH, RequestLimits
 from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
 from vllm_runbook.runbooks.service.webhooks import GroupCommitter, Router
 from vllm_runbook.runbooks.service.worker import Worker
-from vllm_runbook.runbooks.store import ExecutionNotFound, Store, StoreError, StoreUnavailable
+from vllm_runbook.runbooks.store import (
+    ExecutionNotFound,
+    InvalidInput,
+    Store,
+    StoreError,
+    StoreUnavailable,
+)
 from vllm_runbook.runbooks.store.approvals import DEFAULT_APPROVAL_TIMEOUT_S, TOO_LATE
 from vllm_runbook.runbooks.store.models import APPROVED, REFUSED, REJECTED
 
 log = logging.getLogger("vllm_runbook.service")
 
-MAX_BODY_BYTES = 4 * 1024 * 1024
 _SUSPECT_ESCAPE = re.compile(rb"\\u(?:0000|[dD][89a-fA-F])")
 
 
@@ -111,13 +121,16 @@ def create_app(
     read_credentials: Credentials | None = None,
     approval_timeout_s: float = DEFAULT_APPROVAL_TIMEOUT_S,
     browser: BrowserPolicy | None = None,
+    limits: LimitsConfig | None = None,
 ) -> FastAPI:
     """The app; `status` adds to /healthz (e.g. whether this replica leads the rules).
     `protect_reads`: the reads and the page need `credentials` or
     `read_credentials` (`runbook serve` sets it when bound off loopback).
     `approval_timeout_s`: how long an execution awaits approval.
     `browser`: the names the service answers to and its page sessions
-    (default: loopback names only, sessions signed with `credentials`)."""
+    (default: loopback names only, sessions signed with `credentials`).
+    `limits`: the webhook's body limit and the body-read timeout (the
+    configuration's `limits`; the rest of it is uvicorn's, set by serve)."""
     if not credentials.token and not credentials.password:
         raise ValueError("the webhook needs a token or basic-auth credentials")
     browser = browser or BrowserPolicy.build(credentials.secret)
@@ -153,11 +166,19 @@ def create_app(
     app.add_middleware(BrowserGuard, policy=browser)
     app.router.on_shutdown.append(committer.close)
 
+    def refused(path: str, reason: str) -> None:
+        metrics.requests_refused.labels(reason).inc()
+        if path == WEBHOOK_PATH and reason == BODY_TOO_LARGE:
+            metrics.webhooks_rejected.labels(T.REJECT_MALFORMED).inc()
+
+    app.add_middleware(RequestLimits, limits=limits or LimitsConfig(), on_refused=refused)
+    app.state.refused = refused  # the server's header timeout counts there too
+
     def rejected(reason: str, status_code: int, message: str, **extra: Any) -> JSONResponse:
         metrics.webhooks_rejected.labels(reason).inc()
         return _error(status_code, message, **extra)
 
-    @app.post("/webhooks/alertmanager")
+    @app.post(WEBHOOK_PATH)
     async def alertmanager(request: Request) -> Response:
         if not credentials.check(request.headers.get("authorization")):
             metrics.webhooks_rejected.labels(T.REJECT_AUTH).inc()
@@ -166,9 +187,7 @@ def create_app(
                 status_code=401,
                 headers={"WWW-Authenticate": 'Bearer realm="vllm-runbook"'},
             )
-        body = await request.body()
-        if len(body) > MAX_BODY_BYTES:
-            return rejected(T.REJECT_MALFORMED, 413, f"payload larger than {MAX_BODY_BYTES} bytes")
+        body = await request.body()  # within its limit: RequestLimits cuts it at the limit
         try:
             # NaN/Infinity are not JSON; they would not survive the store either.
             raw = json.loads(body, parse_constant=_reject_constant)
@@ -193,7 +212,7 @@ def create_app(
             return rejected(T.REJECT_MALFORMED, 422, f"invalid Alertmanager payload: {problem}")
         try:
             # Off the event loop: the writer thread commits, then we answer.
-            outcome = await asyncio.wrap_future(committer.submit(payload, raw))
+            outcome = await asyncio.wrap_future(committer.submit(payload, raw, len(body)))
         except StoreUnavailable as exc:
             log.error("webhook: store unavailable, Alertmanager will retry: %s", exc)
             return rejected(T.REJECT_STORE_DOWN, 503, "store unavailable; retry later")
@@ -201,6 +220,16 @@ def create_app(
             log.error("webhook: the store refused a delivery: %s", exc)
             return rejected(T.REJECT_STORE_DOWN, 500, "the store refused the delivery")
         metrics.webhooks_received.labels(payload.status).inc()
+        if outcome.rejected:
+            metrics.alerts_rejected.labels(T.ALERT_STARTS_AT_OUT_OF_RANGE).inc(
+                len(outcome.rejected)
+            )
+            log.warning(
+                "webhook: %d alert(s) of group %s not stored: %s",
+                len(outcome.rejected),
+                payload.groupKey,
+                "; ".join(f"{r['fingerprint']}: {r['reason']}" for r in outcome.rejected[:5]),
+            )
         for runbook in outcome.created:
             metrics.execution_created(runbook)
         if worker is not None:
@@ -211,8 +240,10 @@ def create_app(
 
     @app.get("/healthz")
     def healthz() -> Response:
+        # Healthy means deliveries can be stored: a write, rolled back (the
+        # SQLite file is the one opened and writable, PostgreSQL not read-only).
         try:
-            store.list_executions(limit=1)
+            store.probe_write()
         except StoreError as exc:
             return _error(503, f"store unavailable: {exc}")
         return JSONResponse({"status": "ok", **(status() if status else {})})
@@ -271,6 +302,8 @@ def create_app(
                 body = json.loads(raw)
             except (ValueError, UnicodeDecodeError):
                 return _error(400, "body is not JSON")
+            except RecursionError:
+                return _error(400, "body is not JSON: nested too deeply")
             if not isinstance(body, dict) or not isinstance(body.get("note"), str | None):
                 return _error(422, 'body: {"note": "..."} (a string, optional)')
             if "by" in body:
@@ -290,6 +323,8 @@ def create_app(
             )
         except ExecutionNotFound as exc:
             return _error(404, str(exc))
+        except InvalidInput as exc:
+            return _error(422, str(exc))
         except StoreError as exc:
             return _error(503, f"store unavailable: {exc}")
         if not result.ok:

@@ -38,7 +38,13 @@ from vllm_runbook.runbooks.service.browser import (
     BrowserPolicy,
     unknown_host,
 )
-from vllm_runbook.runbooks.store import ExecutionNotFound, ExecutionRecord, Store, StoreError
+from vllm_runbook.runbooks.store import (
+    ExecutionNotFound,
+    ExecutionRecord,
+    InvalidInput,
+    Store,
+    StoreError,
+)
 from vllm_runbook.runbooks.store.models import APPROVED, REJECTED, utcnow
 
 if TYPE_CHECKING:
@@ -51,7 +57,6 @@ PAGE_CSS: Final = TEMPLATES_DIR / "page.css"
 ANONYMOUS: Final = "anonymous (loopback)"
 REFRESH_SECONDS: Final = 10
 RECENT: Final = 20
-MAX_FORM_BYTES: Final = 16 * 1024
 
 
 def _environment() -> SandboxedEnvironment:
@@ -177,9 +182,7 @@ def mount_page(
         # Host here; the Origin / Sec-Fetch-Site check ran before (BrowserGuard).
         if (refusal := denied(request, act=True)) is not None:
             return refusal
-        body = await request.body()
-        if len(body) > MAX_FORM_BYTES:
-            return Response("form too large\n", status_code=413, media_type="text/plain")
+        body = await request.body()  # at most 64 KiB: RequestLimits (service/limits.py)
         form = {k: v[0] for k, v in parse_qs(body.decode("utf-8", "replace")).items()}
         name, _ = session_cookie(request)
         problem = browser.token_problem(request.cookies.get(name), form.get("token", ""))
@@ -199,6 +202,8 @@ def mount_page(
             )
         except ExecutionNotFound as exc:
             message = str(exc)
+        except InvalidInput as exc:
+            return Response(f"{exc}\n", status_code=422, media_type="text/plain")
         except StoreError as exc:
             return HTMLResponse(f"store unavailable: {exc}", status_code=503)
         else:

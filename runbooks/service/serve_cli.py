@@ -198,8 +198,12 @@ def build(
             hosts=config.page.hosts,
             bind_host=host,
         ),
+        limits=config.limits,
     )
+    from vllm_runbook.runbooks.service.retention import Retention
+
     app.state.runbooks = runbooks
+    app.state.retention = Retention(store, config.retention, metrics)
     app.state.notifier = None
     if config.notifications.receivers:
         from vllm_runbook.runbooks.notify import Notifier
@@ -259,6 +263,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from apscheduler.schedulers.background import BackgroundScheduler
     from vllm_runbook.rules.errors import CatalogError, ConfigError
     from vllm_runbook.rules.scheduling import schedule_cycle
+    from vllm_runbook.runbooks.service.limits import MAX_HEAD_BYTES, timed_h11_protocol
     from vllm_runbook.runbooks.spec import CatalogError as RunbookCatalogError
     from vllm_runbook.runbooks.store import StoreUnavailable
 
@@ -269,7 +274,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for chatty in ("httpx", "apscheduler"):
         logging.getLogger(chatty).setLevel(logging.WARNING)
     try:
-        config, _store, app, worker, leader = build(
+        config, store, app, worker, leader = build(
             args.config, args.db, args.host, not args.no_worker, not args.no_rules, args.catalog
         )
     except (ConfigError, CatalogError) as exc:
@@ -285,11 +290,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"runbook: error: {exc}", file=sys.stderr)
         return EXIT_STORE
     log_unreadable_at_start(config.engines, app.state.runbooks)
-    scheduler = None
+    # The service's background jobs: the rules' cycle (when it evaluates) and
+    # the retention of stored deliveries.
+    scheduler = BackgroundScheduler()
     if leader is not None:
-        scheduler = BackgroundScheduler()
         schedule_cycle(scheduler, leader.cycle, config.evaluation_interval)
-        scheduler.start()
+    app.state.retention.schedule(scheduler)
+    scheduler.start()
     if worker is not None:
         worker.start()
     notifier = app.state.notifier
@@ -301,20 +308,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if stopped.is_set():
             return
         stopped.set()
-        if scheduler is not None:
-            scheduler.shutdown(wait=True)
+        scheduler.shutdown(wait=True)
         if leader is not None:
             leader.stop()  # the other replicas need not wait for the lease to lapse
         if worker is not None:
             worker.stop()
         if notifier is not None:
             notifier.stop()
+        # Close the connections: SQLite folds its write-ahead log into the file.
+        store.close()
 
     # uvicorn re-raises SIGTERM/SIGINT after its shutdown (the default action ends
     # the process), so a `finally` here would not run: stop in the app's shutdown.
     app.router.on_shutdown.append(stop)
+    limits = config.limits
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            # h11 with a deadline on each request head (service/limits.py); the
+            # body's limit and deadline are the app's RequestLimits.
+            http=timed_h11_protocol(limits.header_timeout_seconds, app.state.refused),
+            h11_max_incomplete_event_size=MAX_HEAD_BYTES,
+            timeout_keep_alive=limits.keep_alive_seconds,
+            limit_concurrency=limits.max_connections,
+        )
     finally:
         stop()
     return EXIT_OK

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, cast
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm_runbook.runbooks import service_metrics as S
 from vllm_runbook.runbooks.engine_actions import KNOBS
+from vllm_runbook.runbooks.service.limits import REFUSAL_REASONS as REQUEST_REFUSAL_REASONS
 from vllm_runbook.runbooks.store import ExecutionRecord, StepRecord
 from vllm_runbook.runbooks.store.models import (
     FAILED,
@@ -49,6 +50,10 @@ PENDING = "pending"
 COUNTED_STATUSES = (PENDING, SUCCEEDED, FAILED, ROLLED_BACK, REVERTED, REFUSED)
 SCRAPE_ERROR_REASONS = ("unreachable", "http_status", "parse")
 NOTIFY_OUTCOMES = (NOTIFY_DELIVERED, NOTIFY_FAILED)
+# Why an alert of a stored delivery was not stored (ALERTS_REJECTED `reason`).
+ALERT_STARTS_AT_OUT_OF_RANGE = "starts_at_out_of_range"
+# The retention's limits (WEBHOOK_EVENTS_PRUNED `limit`).
+PRUNED_MAX_AGE, PRUNED_MAX_SIZE = "max_age", "max_size"
 
 
 def knob_changes(step: StepRecord) -> list[str]:
@@ -88,6 +93,14 @@ class ServiceMetrics:
         self.incidents_firing = cast(Gauge, built[S.INCIDENTS_FIRING])
         self.knob_changes = cast(Counter, built[S.KNOB_CHANGES])
         self.notifications = cast(Counter, built[S.NOTIFICATIONS])
+        self.alerts_rejected = cast(Counter, built[S.ALERTS_REJECTED])
+        self.requests_refused = cast(Counter, built[S.REQUESTS_REFUSED])
+        self.webhook_events_pruned = cast(Counter, built[S.WEBHOOK_EVENTS_PRUNED])
+        self.alerts_rejected.labels(ALERT_STARTS_AT_OUT_OF_RANGE)
+        for reason in REQUEST_REFUSAL_REASONS:
+            self.requests_refused.labels(reason)
+        for limit in (PRUNED_MAX_AGE, PRUNED_MAX_SIZE):
+            self.webhook_events_pruned.labels(limit)
         for receiver in receivers:
             for outcome in NOTIFY_OUTCOMES:
                 self.notifications.labels(receiver, outcome)

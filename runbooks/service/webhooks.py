@@ -71,9 +71,17 @@ class Outcome:
     executions: list[dict[str, Any]] = field(default_factory=list)
     skipped: list[dict[str, str]] = field(default_factory=list)
     resolved: list[dict[str, str]] = field(default_factory=list)  # episodes to revert
+    # Alerts that cannot be stored (a startsAt outside the journal's range):
+    # refused one by one, the rest of the group is stored.
+    rejected: list[dict[str, str]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"event": self.event_id, "executions": self.executions, "skipped": self.skipped}
+        return {
+            "event": self.event_id,
+            "executions": self.executions,
+            "skipped": self.skipped,
+            "rejected": self.rejected,
+        }
 
     @property
     def created(self) -> list[str]:
@@ -87,15 +95,18 @@ class _Planned:
 
     payload: WebhookPayload
     raw: dict[str, Any]
+    size: int = 0  # bytes of the body as received
     executions: list[dict[str, Any]] = field(default_factory=list)  # row values
     modes: list[str] = field(default_factory=list)
     skipped: list[dict[str, str]] = field(default_factory=list)
     resolved: list[dict[str, str]] = field(default_factory=list)
+    rejected: list[dict[str, str]] = field(default_factory=list)
 
 
-def plan(router: Router, payload: WebhookPayload, raw: dict[str, Any]) -> _Planned:
-    """Route every alert (no database): pending executions, skips, episodes to revert."""
-    planned = _Planned(payload, raw)
+def plan(router: Router, payload: WebhookPayload, raw: dict[str, Any], size: int = 0) -> _Planned:
+    """Route every alert (no database): pending executions, skips, rejections,
+    episodes to revert. `size`: the body's bytes (kept for the retention)."""
+    planned = _Planned(payload, raw, size)
     now = utcnow()
     for alert in payload.alerts:
 
@@ -104,6 +115,12 @@ def plan(router: Router, payload: WebhookPayload, raw: dict[str, Any]) -> _Plann
                 {"alert": alert.alertname, "fingerprint": alert.fingerprint, "reason": reason}
             )
 
+        problem = alert.starts_at_problem()
+        if problem is not None:  # nothing of it can be keyed or stored
+            planned.rejected.append(
+                {"alert": alert.alertname, "fingerprint": alert.fingerprint, "reason": problem}
+            )
+            continue
         runbook = router.runbook(alert)
         if runbook is None:
             skip("no runbook for this alert")
@@ -184,6 +201,7 @@ def _write(store: Store, s: Session, batch: Sequence[_Planned]) -> list[Outcome]
                     "payload": p.raw,
                     "processed": True,  # events and executions commit together
                     "received_at": utcnow(),
+                    "payload_bytes": p.size,
                 }
                 for p in batch
             ],
@@ -213,7 +231,7 @@ def _write(store: Store, s: Session, batch: Sequence[_Planned]) -> list[Outcome]
         ids.update({str(key): id_ for id_, key in found})
     outcomes = []
     for p, event_id in zip(batch, event_ids, strict=True):
-        outcome = Outcome(event_id, skipped=p.skipped, resolved=p.resolved)
+        outcome = Outcome(event_id, skipped=p.skipped, resolved=p.resolved, rejected=p.rejected)
         for values, mode in zip(p.executions, p.modes, strict=True):
             key = values["episode_key"]
             outcome.executions.append(
@@ -240,9 +258,11 @@ def ingest_many(store: Store, batch: Sequence[_Planned]) -> list[Outcome]:
         return _write(store, s, batch)
 
 
-def ingest(store: Store, router: Router, payload: WebhookPayload, raw: dict[str, Any]) -> Outcome:
+def ingest(
+    store: Store, router: Router, payload: WebhookPayload, raw: dict[str, Any], size: int = 0
+) -> Outcome:
     """One delivery, its own transaction."""
-    return ingest_many(store, [plan(router, payload, raw)])[0]
+    return ingest_many(store, [plan(router, payload, raw, size)])[0]
 
 
 class GroupCommitter:
@@ -262,9 +282,11 @@ class GroupCommitter:
         self._thread = threading.Thread(target=self._run, name="webhook-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, payload: WebhookPayload, raw: dict[str, Any]) -> Future[Outcome]:
+    def submit(
+        self, payload: WebhookPayload, raw: dict[str, Any], size: int = 0
+    ) -> Future[Outcome]:
         future: Future[Outcome] = Future()
-        self._queue.put((plan(self.router, payload, raw), future))
+        self._queue.put((plan(self.router, payload, raw, size), future))
         return future
 
     def close(self) -> None:

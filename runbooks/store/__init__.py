@@ -16,6 +16,7 @@ from vllm_runbook.runbooks.store.database import (
 from vllm_runbook.runbooks.store.errors import (
     ExecutionNotFound,
     IllegalTransition,
+    InvalidInput,
     SchemaMissing,
     StoreError,
     StoreUnavailable,
@@ -61,6 +62,7 @@ __all__ = [
     "IllegalTransition",
     "Incident",
     "IncidentRecord",
+    "InvalidInput",
     "Lease",
     "SchemaMissing",
     "Step",

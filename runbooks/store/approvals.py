@@ -21,7 +21,7 @@ from typing import Final
 from sqlalchemy import bindparam, select, text
 from sqlalchemy.orm import selectinload
 from vllm_runbook.runbooks.store.base import StoreBase
-from vllm_runbook.runbooks.store.errors import ExecutionNotFound
+from vllm_runbook.runbooks.store.errors import ExecutionNotFound, InvalidInput
 from vllm_runbook.runbooks.store.executions import ExecutionRecord
 from vllm_runbook.runbooks.store.models import (
     APPROVED,
@@ -33,12 +33,16 @@ from vllm_runbook.runbooks.store.models import (
     Execution,
     UTCDateTime,
     episode_key,
+    is_row_id,
     utcnow,
 )
 
 DEFAULT_APPROVAL_TIMEOUT_S: Final = 15 * 60.0
 RESOLVED_BEFORE_APPROVAL: Final = "alert resolved before approval"
 EXPIRED_PREFIX: Final = "approval expired"
+# A decision's note is a sentence or a paragraph, kept in the journal and shown
+# on the page and in notifications: longer text is refused, not truncated.
+MAX_NOTE_CHARS: Final = 4096
 
 # Outcomes of `decide` (what the CLI, the API and the page tell the person).
 DECIDED: Final = "decided"
@@ -126,10 +130,17 @@ class ApprovalStore(StoreBase):
         Approved: the reason is cleared, so the worker runs it (with consent).
         Rejected: refused with "rejected by WHO: NOTE". An execution whose
         approval time ran out is refused as expired here and then, and the
-        answer is TOO_LATE. Raises ExecutionNotFound for an unknown id.
+        answer is TOO_LATE. Raises ExecutionNotFound for an unknown id,
+        InvalidInput for a note over MAX_NOTE_CHARS.
         """
         if decision not in (APPROVED, REJECTED):
             raise ValueError(f"decision {decision!r} is not {APPROVED!r} or {REJECTED!r}")
+        if note is not None and len(note) > MAX_NOTE_CHARS:
+            raise InvalidInput(
+                f"the note has {len(note)} characters; at most {MAX_NOTE_CHARS} are kept"
+            )
+        if not is_row_id(execution_id):
+            raise ExecutionNotFound(execution_id)
         now = now or utcnow()
         with self.session(write=True) as s:
             row = s.get(Execution, execution_id, with_for_update=True)

@@ -6,6 +6,8 @@ The tables' methods live beside it (executions.py, leases.py, incidents.py);
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
@@ -16,13 +18,15 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 from vllm_runbook.runbooks.store.database import (
     WRITE_OPTION,
+    SqliteFileGuard,
     display_url,
     make_engine,
     resolve_url,
     translated_errors,
 )
-from vllm_runbook.runbooks.store.errors import StoreError
+from vllm_runbook.runbooks.store.errors import StoreError, StoreUnavailable
 from vllm_runbook.runbooks.store.events import install as install_events
+from vllm_runbook.runbooks.store.models import Lease, utcnow
 
 
 def iso(value: datetime | None) -> str | None:
@@ -43,6 +47,8 @@ class StoreBase:
         # Every transaction that changes an execution records its events (events.py).
         install_events(self._sessions)
         install_events(self._write_sessions)
+        self._file_guard = SqliteFileGuard.install(self.engine, self.url)
+        self._file_gone = False
 
     def __repr__(self) -> str:
         return f"Store({display_url(self.url)!r})"
@@ -60,10 +66,46 @@ class StoreBase:
 
         `write=True` takes SQLite's write lock at BEGIN so concurrent writers
         wait on the busy timeout rather than failing mid-transaction.
+        Every transaction first checks that a SQLite store's file is still the
+        one this process opened (SqliteFileGuard), and a write checks again
+        after its commit: a caller that returns success (a webhook's 200) has
+        its rows in the file a restart reads.
         """
         factory = self._write_sessions if write else self._sessions
-        with translated_errors(self.url), factory() as session, session.begin():
-            yield session
+        with translated_errors(self.url):
+            self.check_file()
+            with factory() as session, session.begin():
+                yield session
+            if write:
+                self.check_file()
+
+    def check_file(self) -> None:
+        """StoreUnavailable when a SQLite store's file was removed or replaced.
+
+        Then the pooled connections are closed at once: SQLite checkpoints the
+        write-ahead log into the old file and deletes it, so that whoever opens
+        the path next does not replay this process's log into the new file."""
+        if self._file_guard is None:
+            return
+        try:
+            self._file_guard.check()
+        except StoreUnavailable:
+            if not self._file_gone:
+                self._file_gone = True
+                self.engine.dispose()
+            raise
+
+    def probe_write(self) -> None:
+        """Raise StoreError unless this store can write now: a write transaction
+        inserts a row and rolls it back (the SQLite file is still the one opened
+        and writable; PostgreSQL is reachable and not read-only)."""
+        probe = f"probe:{socket.gethostname()}:{os.getpid()}"[:128]
+        with translated_errors(self.url):
+            self.check_file()
+            with self._write_sessions() as session:
+                session.add(Lease(name=probe, holder=probe, expires_at=utcnow()))
+                session.flush()
+                session.rollback()
 
     def _insert(self) -> Any:
         # ON CONFLICT DO NOTHING exists in both dialects we support; it makes

@@ -7,7 +7,9 @@ dialect needs, and turns driver errors into the store's own exceptions.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -91,6 +93,88 @@ def make_engine(url: str) -> Engine:
     return engine
 
 
+class SqliteFileGuard:
+    """Whether the path of a SQLite store still names the file this process opened.
+
+    A SQLite connection keeps its file open: delete or replace the file under a
+    running service and its writes go on, into an inode that no later process
+    will ever open, so deliveries answered 200 vanish at the next restart. The
+    guard pins the file's (device, inode) at the first connection and `check`
+    refuses once the path names another file or none; the store checks before
+    every transaction and after every write's commit (a write answered after
+    that check is in the file the path names). Nothing reopens the new file:
+    what this process holds in memory (leases, the worker's runs) belongs to the
+    old one, so it stays unavailable until restarted.
+
+    SQLite does not delete the write-ahead log of a file that moved when its
+    last connection closes, and the next process to open the path would replay
+    it into whatever file is there now (a restored backup gets this process's
+    pages). So once the file is gone, each connection is checkpointed with
+    TRUNCATE as it closes (`_release`): the log's pages go into the old file
+    and the log at the path is left empty.
+    """
+
+    def __init__(self, path: Path, url: str) -> None:
+        self.path = path.absolute()  # SQLite opens relative paths from the cwd of now
+        self.url = url
+        self._identity: tuple[int, int] | None = None
+        self._lock = threading.Lock()
+        self.gone = False  # the path named another file, or none, at a check
+
+    @classmethod
+    def install(cls, engine: Engine, url: str) -> SqliteFileGuard | None:
+        """A guard for `engine` when it is a SQLite file (None: PostgreSQL, memory)."""
+        parsed = engine.url
+        database = parsed.database
+        if parsed.get_backend_name() != "sqlite" or database in (None, "", ":memory:"):
+            return None
+        if database.startswith("file:"):  # a SQLite URI: the path is not a file name
+            return None
+        guard = cls(Path(database), url)
+        guard._identity = guard._stat()  # the file as it is now, if it exists yet
+        event.listen(engine, "connect", guard._pin)
+        event.listen(engine, "close", guard._release)
+        return guard
+
+    def _stat(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise StoreUnavailable(
+                f"store {display_url(self.url)} unavailable: {self.path}: {e.strerror}"
+            ) from None
+        return st.st_dev, st.st_ino
+
+    def _pin(self, _dbapi_connection: Any, _record: Any) -> None:
+        # The first connection creates a missing file: pin what it opened.
+        with self._lock:
+            if self._identity is None:
+                self._identity = self._stat()
+
+    def _release(self, dbapi_connection: Any, _record: Any) -> None:
+        if not self.gone:
+            return
+        with contextlib.suppress(Exception):  # best effort: the connection is closing anyway
+            dbapi_connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+    def check(self) -> None:
+        """Raise StoreUnavailable when the path no longer names the pinned file."""
+        if self._identity is None:
+            return
+        now = self._stat()
+        if now == self._identity:
+            return
+        self.gone = True
+        what = "removed" if now is None else "replaced by another file"
+        raise StoreUnavailable(
+            f"store {display_url(self.url)} unavailable: its file {self.path} was {what} "
+            "after this process opened it; nothing more is written to the old file "
+            "(restart to open the file now at that path)"
+        )
+
+
 def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
     # Hand transaction control to SQLAlchemy's "begin" event (the pysqlite
     # driver would otherwise issue its own deferred BEGIN).
@@ -111,6 +195,9 @@ def _sqlite_on_begin(connection: Any) -> None:
 
 # SQLSTATEs meaning "the schema is not what the code expects".
 _PG_SCHEMA_SQLSTATES: Final = {"42P01", "42703"}  # undefined_table, undefined_column
+# A database that cannot take writes now (a read-only standby or transaction):
+# unavailable, like SQLite's "attempt to write a readonly database".
+_PG_UNAVAILABLE_SQLSTATES: Final = {"25006"}  # read_only_sql_transaction
 _SQLITE_SCHEMA_MESSAGES: Final = ("no such table", "no such column", "has no column named")
 
 
@@ -134,7 +221,11 @@ def translated_errors(url: str) -> Iterator[None]:
                 f"store {display_url(url)} has no up-to-date runbook schema "
                 f"(run `runbook db upgrade`): {message}"
             ) from e
-        if isinstance(e, exc.OperationalError | exc.InterfaceError) or e.connection_invalidated:
+        if (
+            isinstance(e, exc.OperationalError | exc.InterfaceError)
+            or e.connection_invalidated
+            or sqlstate in _PG_UNAVAILABLE_SQLSTATES
+        ):
             raise StoreUnavailable(f"store {display_url(url)} unavailable: {message}") from e
         raise StoreError(f"store {display_url(url)}: {message}") from e
     except exc.TimeoutError as e:

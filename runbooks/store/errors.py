@@ -4,10 +4,12 @@
     ├── StoreUnavailable        the database cannot be reached, opened or locked
     │   └── SchemaMissing       reachable, but `runbook db upgrade` has not run
     ├── IllegalTransition       a status change the execution state machine forbids
-    └── ExecutionNotFound       no execution with that id (also a LookupError)
+    ├── ExecutionNotFound       no execution with that id (also a LookupError)
+    └── InvalidInput            a value the journal does not take (also a ValueError)
 
 Callers map the branch, not the driver: the CLI exits 4 on StoreUnavailable,
-the service answers 5xx so Alertmanager retries. No SQLAlchemy or driver
+the service answers 5xx so Alertmanager retries; InvalidInput is the
+person's mistake (CLI exit 2, HTTP 422). No SQLAlchemy or driver
 exception leaves the store's public API.
 """
 
@@ -42,3 +44,7 @@ class ExecutionNotFound(StoreError, LookupError):
     def __init__(self, execution_id: int) -> None:
         super().__init__(f"no execution with id {execution_id}")
         self.execution_id = execution_id
+
+
+class InvalidInput(StoreError, ValueError):
+    """A value the journal does not take (e.g. a decision's note over its limit)."""

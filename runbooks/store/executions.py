@@ -51,6 +51,7 @@ from vllm_runbook.runbooks.store.models import (
     Execution,
     Step,
     episode_key,
+    is_row_id,
     utcnow,
 )
 from vllm_runbook.runbooks.store.processes import HOSTNAME, process_alive, process_start
@@ -364,12 +365,16 @@ class ExecutionStore(StoreBase):
             self._get_locked(s, execution_id).verification = verification
 
     def _get_locked(self, s: Session, execution_id: int) -> Execution:
+        if not is_row_id(execution_id):
+            raise ExecutionNotFound(execution_id)
         row = s.get(Execution, execution_id, with_for_update=True)
         if row is None:
             raise ExecutionNotFound(execution_id)
         return row
 
     def get_execution(self, execution_id: int) -> ExecutionRecord:
+        if not is_row_id(execution_id):
+            raise ExecutionNotFound(execution_id)
         with self.session() as s:
             row = s.get(Execution, execution_id, options=[selectinload(Execution.steps)])
             if row is None:

@@ -6,7 +6,8 @@
 What it stores, one module each: executions and their steps, checks and
 verification, and the guardrail queries on them (executions.py); leases
 (leases.py); incidents (incidents.py); approvals (approvals.py); the
-notifications outbox (notifications.py). The engine, the sessions and the
+notifications outbox (notifications.py); the stored deliveries' retention
+(webhook_events.py). The engine, the sessions and the
 dialect's insert are shared (base.py); which process wrote a row and whether
 it still runs is processes.py.
 """
@@ -19,9 +20,17 @@ from vllm_runbook.runbooks.store.incidents import IncidentRecord, IncidentStore
 from vllm_runbook.runbooks.store.leases import LeaseStore
 from vllm_runbook.runbooks.store.notifications import NotificationStore
 from vllm_runbook.runbooks.store.processes import process_alive
+from vllm_runbook.runbooks.store.webhook_events import WebhookEventStore
 
 __all__ = ["ExecutionRecord", "IncidentRecord", "StepRecord", "Store", "process_alive"]
 
 
-class Store(ExecutionStore, LeaseStore, IncidentStore, ApprovalStore, NotificationStore):
+class Store(
+    ExecutionStore,
+    LeaseStore,
+    IncidentStore,
+    ApprovalStore,
+    NotificationStore,
+    WebhookEventStore,
+):
     """Durable journal of runbook executions (SQLite file or PostgreSQL)."""

@@ -135,6 +135,16 @@ RUNNABLE_SQL: Final = (
 AWAITING_SQL: Final = f"status = 'pending' AND reason = '{AWAITING_APPROVAL}'"
 
 
+# Row ids are INTEGER columns: 32-bit on PostgreSQL. An id outside can name no
+# row, and asking the database for it is an error there (and on SQLite beyond
+# 64 bits): lookups answer "no such execution" instead.
+MAX_ROW_ID: Final = 2**31 - 1
+
+
+def is_row_id(value: int) -> bool:
+    return 1 <= value <= MAX_ROW_ID
+
+
 def _in(column: str, values: tuple[str, ...]) -> str:
     return f"{column} IN ({', '.join(repr(v) for v in values)})"
 
@@ -330,10 +340,18 @@ def _sync_incident_open_key(_mapper: Any, _connection: Any, incident: Incident) 
 
 
 class WebhookEvent(Base):
-    """One Alertmanager delivery, stored before it is acknowledged."""
+    """One Alertmanager delivery, stored before it is acknowledged.
+
+    Kept for a while for whoever asks what Alertmanager sent, then pruned by
+    the service (retention: age and total size; webhook_events.py)."""
 
     __tablename__ = "webhook_events"
-    __table_args__ = (Index("ix_webhook_events_processed_id", "processed", "id"),)
+    __table_args__ = (
+        Index("ix_webhook_events_processed_id", "processed", "id"),
+        # Pruning: by age (a range on received_at) and by total size (newest
+        # first, summing payload_bytes) from this index alone.
+        Index("ix_webhook_events_received_at_payload_bytes", "received_at", "payload_bytes"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     received_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
@@ -341,6 +359,8 @@ class WebhookEvent(Base):
     status: Mapped[str] = mapped_column(String(16))
     payload: Mapped[dict[str, Any]] = mapped_column(JsonDocument)
     processed: Mapped[bool] = mapped_column(Boolean, default=False)
+    # Bytes of the delivery's body as received: what the size cap sums.
+    payload_bytes: Mapped[int] = mapped_column(Integer, default=0)
 
 
 class ExecutionEvent(Base):

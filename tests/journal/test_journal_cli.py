@@ -23,7 +23,7 @@ def test_db_upgrade_then_empty_history(tmp_path: Path, capsys: pytest.CaptureFix
     assert not (tmp_path / "c.db").exists()
     assert run(capsys, "db", "upgrade", "--db", url) == (
         0,
-        f"{url}: at revision 0003 (head 0003)\n",
+        f"{url}: at revision 0004 (head 0004)\n",
         "",
     )
     assert run(capsys, "history", "--db", url) == (0, "no executions recorded\n", "")

@@ -6,7 +6,8 @@ import concurrent.futures
 import json
 from pathlib import Path
 
-from vllm_runbook.runbooks.store import Store, current_revision, head_revision
+import pytest
+from vllm_runbook.runbooks.store import Store, current_revision, head_revision, upgrade
 
 from tests.engines import free_port, runbook_cli
 
@@ -87,3 +88,57 @@ def test_a_postgresql_store_behind_says_what_to_run(fresh_pg_database: str) -> N
     assert "has no runbook schema; this release needs " in done.stderr
     assert "run `runbook db upgrade --db postgresql+psycopg://" in done.stderr
     assert current_revision(fresh_pg_database) is None  # nothing migrated behind its back
+
+
+def test_pending_and_answers_on_a_missing_journal_say_nothing_is_there(tmp_path: Path) -> None:
+    # A fresh machine: no journal in the default place yet.
+    home = tmp_path / "data"
+    env = {"XDG_DATA_HOME": str(home), "RUNBOOK_DB_URL": ""}
+    done = runbook_cli("pending", env=env)
+    assert (done.returncode, done.stdout, done.stderr) == (
+        0,
+        "no executions awaiting approval (no journal yet)\n",
+        "",
+    )
+    done = runbook_cli("pending", "--json", env=env)
+    assert (done.returncode, json.loads(done.stdout), done.stderr) == (0, {"pending": []}, "")
+    for verb in ("approve", "reject"):
+        done = runbook_cli(verb, "3", env=env)
+        assert (done.returncode, done.stdout, done.stderr) == (
+            2,
+            "",
+            "runbook: no executions yet (no execution with id 3)\n",
+        )
+    done = runbook_cli("history", env=env)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "no executions yet\n", "")
+    assert not (home / "vllm-runbook" / "runbook.db").exists()  # reading created nothing
+
+
+@pytest.mark.service
+def test_pending_on_a_postgresql_database_without_a_journal(fresh_pg_database: str) -> None:
+    done = runbook_cli("pending", "--db", fresh_pg_database)
+    assert (done.returncode, done.stdout, done.stderr) == (
+        0,
+        "no executions awaiting approval (no journal yet)\n",
+        "",
+    )
+    assert current_revision(fresh_pg_database) is None
+
+
+@pytest.mark.parametrize(
+    "backend", ["sqlite", pytest.param("postgresql", marks=pytest.mark.service)]
+)
+def test_read_commands_on_a_journal_behind_say_to_upgrade(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    url = (
+        f"sqlite:///{tmp_path / 'old.db'}"
+        if backend == "sqlite"
+        else str(request.getfixturevalue("fresh_pg_database"))
+    )
+    upgrade(url, "0001")  # a journal written by an older release
+    for command in (["pending"], ["history"], ["approve", "1"]):
+        done = runbook_cli(*command, "--db", url)
+        assert done.returncode == 4, (command, done.stdout, done.stderr)
+        assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+        assert "has no up-to-date runbook schema (run `runbook db upgrade`)" in done.stderr

@@ -64,7 +64,7 @@ def test_programmatic_upgrade_is_idempotent_and_reversible(tmp_path: Path) -> No
     url = f"sqlite:///{tmp_path}/p.db"
     assert current_revision(url) is None
     head = head_revision()
-    assert head == "0003"
+    assert head == "0004"
     assert upgrade(url) == head
     assert upgrade(url) == head  # second start of the service: nothing to do
     Store(url).create_execution("warmup", "e", trigger="cli", who="me")
@@ -93,7 +93,7 @@ def test_programmatic_upgrade_postgres_from_two_processes(fresh_pg_database: str
     ]
     outputs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
-    assert [out.strip() for out, _ in outputs] == ["0003", "0003"]
+    assert [out.strip() for out, _ in outputs] == ["0004", "0004"]
 
 
 def test_upgrade_of_a_newer_database_is_a_clear_error(tmp_path: Path) -> None:
@@ -120,7 +120,7 @@ def test_migrations_located_without_the_repository(tmp_path: Path) -> None:
         env=dict(os.environ),
         timeout=120,
     )
-    assert (out.returncode, out.stdout) == (0, "0003\n"), out.stderr
+    assert (out.returncode, out.stdout) == (0, "0004\n"), out.stderr
 
 
 def _upgrade_from_0002_with_an_outbox(url: str) -> None:
@@ -147,7 +147,7 @@ def _upgrade_from_0002_with_an_outbox(url: str) -> None:
                 f"created_at) VALUES (7, '{event}', '{receiver}', '{status}', {1 - i // 2}, "
                 f"'2026-12-01 10:00:0{i}')"
             )
-    assert upgrade(url) == "0003"
+    assert upgrade(url) == "0004"
     store = Store(url)
     events = store.events_of_execution(7)
     assert [e.event for e in events] == ["started", "succeeded"]
@@ -174,3 +174,34 @@ def test_upgrade_from_0002_keeps_the_outbox_sqlite(tmp_path: Path) -> None:
 @pytest.mark.service
 def test_upgrade_from_0002_keeps_the_outbox_postgres(fresh_pg_database: str) -> None:
     _upgrade_from_0002_with_an_outbox(fresh_pg_database)
+
+
+@pytest.mark.parametrize(
+    "backend", ["sqlite", pytest.param("postgresql", marks=pytest.mark.service)]
+)
+def test_0004_sizes_the_deliveries_stored_before(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    url = (
+        f"sqlite:///{tmp_path / 'm.db'}"
+        if backend == "sqlite"
+        else str(request.getfixturevalue("fresh_pg_database"))
+    )
+    upgrade(url, "0002")
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            "INSERT INTO webhook_events (received_at, group_key, status, payload, processed) "
+            "VALUES ('2026-12-01 10:00:00', '{}', 'firing', '{\"alerts\": [\"é\"]}', true)"
+        )
+    assert upgrade(url) == "0004"
+    with engine.connect() as conn:
+        stored, size = conn.exec_driver_sql(
+            "SELECT CAST(payload AS TEXT), payload_bytes FROM webhook_events"
+        ).one()
+    engine.dispose()
+    assert size == len(stored.encode()) == len('{"alerts": ["é"]}'.encode())
+    store = Store(url)
+    assert store.webhook_events_size() == (1, 18)
+    assert store.prune_webhook_events(max_age_s=None, max_bytes=17).by_size == 1
+    store.close()

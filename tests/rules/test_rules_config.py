@@ -11,6 +11,8 @@ from vllm_runbook.rules.config import (
     Config,
     EngineConfig,
     ExecutorConfig,
+    LimitsConfig,
+    RetentionConfig,
     WebhookConfig,
     load_config,
 )
@@ -133,7 +135,7 @@ def test_every_problem_named_with_file_and_line(tmp_path: Path) -> None:
     )
     assert problems(path) == [
         f"{path}:1: unknown key databse (allowed: database, engines, rules, automation, webhook, "
-        "executor, approvals, notifications, page)",
+        "executor, approvals, notifications, page, limits, retention)",
         f"{path}:4: engines[0].agent must be an http(s) URL, got 'localhost:9360'",
         f"{path}:5: engines[1].name 'llama-0' already used at line 3",
         f"{path}:7: engines[1].labels: keys and values must be strings (['instance'])",
@@ -285,7 +287,7 @@ def test_null_values_are_the_defaults(tmp_path: Path) -> None:
     path = write(tmp_path, "databse:\nrules: {catalgo: null}\n")
     assert problems(path) == [  # a misspelt key is an error even with no value
         f"{path}:1: unknown key databse (allowed: database, engines, rules, automation, webhook, "
-        "executor, approvals, notifications, page)",
+        "executor, approvals, notifications, page, limits, retention)",
         f"{path}:2: unknown key rules.catalgo (allowed: evaluation_interval, leader_lease, "
         "catalog, overrides)",
     ]
@@ -427,4 +429,54 @@ def test_the_page_names_and_the_tokens_name(tmp_path: Path) -> None:
         f"{path}:6: page.hosts[2]: 'runbook.example:8080' is not a host name (no scheme, port "
         "or path: runbook.example)",
         f"{path}:7: unknown key page.url (allowed: hosts)",
+    ]
+
+
+def test_limits_and_retention(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """\
+        limits:
+          webhook_body: 8MiB
+          header_timeout: 2s
+          body_timeout: 1m
+          keep_alive: 500ms
+          max_connections: 32
+        retention: {max_age: 2d, max_size: 1GB, interval: 30s}
+        """,
+    )
+    config = load_config(path)
+    assert config.limits == LimitsConfig(8 * 1024**2, 2.0, 60.0, 0.5, 32)
+    assert config.retention == RetentionConfig(2 * 86400.0, 10**9, 30.0)
+    defaults = load_config(None)
+    assert defaults.limits == LimitsConfig(4 * 1024**2, 10.0, 30.0, 5.0, 100)
+    assert defaults.retention == RetentionConfig(7 * 86400.0, 256 * 1024**2, 600.0)
+    path = write(tmp_path, "limits: {webhook_body: 4096}\nretention: {max_size: 64KiB}\n")
+    config = load_config(path)
+    assert (config.limits.webhook_body_bytes, config.retention.max_bytes) == (4096, 65536)
+
+
+def test_bad_limits_and_retention_are_named_with_file_and_line(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """\
+        limits:
+          webhook_body: 4 apples
+          header_timeout: 0s
+          max_connections: 0
+          max_body: 1
+        retention:
+          max_age: forever
+          max_size: 0
+        """,
+    )
+    assert problems(path) == [
+        f"{path}:2: limits.webhook_body: bad size '4 apples': expected bytes, "
+        "or e.g. '64KiB', '4MiB', '256MB'",
+        f"{path}:3: limits.header_timeout: bad duration '0s': must be positive",
+        f"{path}:4: limits.max_connections: Input should be greater than or equal to 1",
+        f"{path}:5: unknown key limits.max_body (allowed: webhook_body, header_timeout, "
+        "body_timeout, keep_alive, max_connections)",
+        f"{path}:7: retention.max_age: bad duration 'forever': expected e.g. '30s', '5m', '1h30m'",
+        f"{path}:8: retention.max_size must be positive",
     ]

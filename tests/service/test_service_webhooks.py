@@ -9,6 +9,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -192,6 +193,83 @@ def test_malformed_payloads_are_4xx_and_store_nothing(
     raw = json.dumps(payload()).replace('"truncatedAlerts": 0', '"truncatedAlerts": Infinity')
     r = client.post("/webhooks/alertmanager", content=raw.encode(), headers=AUTH)
     assert r.status_code == 400 and "Infinity" in r.json()["error"]
+
+
+def alert(fingerprint: str, starts_at: str, status: str = "firing") -> dict[str, Any]:
+    [one] = payload(status=status, fingerprint=fingerprint)["alerts"]
+    return {**one, "startsAt": starts_at}
+
+
+def rejected_metric(client: TestClient) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith('vllm_runbook_service_alerts_rejected_total{reason="starts_at_out'):
+            return float(line.split()[-1])
+    raise AssertionError("no alerts_rejected_total series")
+
+
+# Well-formed RFC 3339 times outside years 1-9999 once in UTC: Python cannot
+# convert them, no database column holds them.
+@pytest.mark.parametrize("starts_at", ["0001-01-01T00:30:00+01:00", "9999-12-31T23:30:00-01:00"])
+def test_an_alert_whose_time_the_journal_cannot_hold_is_rejected_alone(
+    db_url: str, tmp_path: Path, starts_at: str
+) -> None:
+    client = make_client(db_url, tmp_path)
+    body = payload()
+    body["alerts"] = [
+        alert("good-1", "2026-11-29T10:00:00Z"),
+        alert("poison", starts_at),
+        alert("poison-resolved", starts_at, status="resolved"),
+        alert("good-2", "2026-11-29T10:05:00Z"),
+    ]
+    r = client.post("/webhooks/alertmanager", json=body, headers=AUTH)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    reason = f"startsAt {starts_at} is outside years 1-9999 in UTC"
+    assert answer["rejected"] == [
+        {"alert": "VllmOOMPressure", "fingerprint": "poison", "reason": reason},
+        {"alert": "VllmOOMPressure", "fingerprint": "poison-resolved", "reason": reason},
+    ]
+    assert [e["created"] for e in answer["executions"]] == [True, True]
+    assert answer["skipped"] == []
+    assert counts(db_url) == (1, 2)  # the delivery and its two good alerts
+    store = Store(db_url)
+    fingerprints = sorted(str(e.alert_fingerprint) for e in store.list_executions())
+    store.close()
+    assert fingerprints == ["good-1", "good-2"]
+    assert rejected_metric(client) == 2
+    # Alertmanager's next delivery of the group is answered the same: no retry loop.
+    again = client.post("/webhooks/alertmanager", json=body, headers=AUTH)
+    assert again.status_code == 200 and len(again.json()["rejected"]) == 2
+    assert counts(db_url) == (2, 2)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("endsAt", "0001-01-01T00:00:00Z"),  # Alertmanager's zero time: "no end yet"
+        ("endsAt", "0001-01-01T00:30:00+01:00"),
+        ("endsAt", "9999-12-31T23:30:00-01:00"),
+        ("endsAt", "2026-11-29T10:00:00"),  # naive: endsAt is only kept in the payload
+        ("startsAt", "0001-01-01T00:00:00Z"),
+        ("startsAt", "9999-12-31T23:59:59.999999Z"),
+        ("startsAt", "2026-11-29T10:00:00.123456789123456789Z"),  # beyond microseconds
+        ("startsAt", "2026-11-29T10:00:00.5+23:59"),
+    ],
+)
+def test_edge_times_that_can_be_stored_are(
+    db_url: str, tmp_path: Path, field: str, value: str
+) -> None:
+    client = make_client(db_url, tmp_path)
+    body = payload(fingerprint="edge")
+    body["alerts"][0][field] = value
+    r = client.post("/webhooks/alertmanager", json=body, headers=AUTH)
+    assert r.status_code == 200, r.text
+    assert r.json()["rejected"] == [] and r.json()["executions"][0]["created"] is True
+    assert counts(db_url) == (1, 1)
+    [row] = client.get("/api/executions").json()
+    starts = datetime.fromisoformat(body["alerts"][0]["startsAt"].replace("Z", "+00:00"))
+    # The journal keeps startsAt in UTC, to the microsecond (Python's precision).
+    assert datetime.fromisoformat(row["alert_starts_at"]) == starts
 
 
 json_values = st.recursive(
