@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import pytest
 from fastapi.testclient import TestClient
 from vllm_runbook.runbooks.service.app import Credentials
-from vllm_runbook.runbooks.service.page import form_token
+from vllm_runbook.runbooks.service.browser import SESSION_COOKIE, BrowserPolicy
 from vllm_runbook.runbooks.store import Store
 from vllm_runbook.runbooks.store.approvals import MAX_NOTE_CHARS
 
@@ -87,7 +87,9 @@ def status_of(response: bytes) -> int | None:
 
 
 def head(path: str, *headers: str) -> bytes:
-    lines = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", *headers, "", ""]
+    # The page's routes take only same-origin browser requests (else 403 before the body).
+    own = ["Sec-Fetch-Site: same-origin"] if path.startswith("/ui/") else []
+    lines = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", *own, *headers, "", ""]
     return "\r\n".join(lines).encode()
 
 
@@ -245,10 +247,10 @@ def test_a_note_over_the_limit_is_refused_everywhere(db_url: str, tmp_path: Path
         422,
         {"error": f"the note has {MAX_NOTE_CHARS + 1} characters; at most 4096 are kept"},
     )
-    token = form_token(Credentials(token=TOKEN))
     r = client.post(
         f"/ui/executions/{execution}/approve",
-        data={"token": token, "note": "n" * (MAX_NOTE_CHARS + 1)},
+        data={**page_form(client), "note": "n" * (MAX_NOTE_CHARS + 1)},
+        headers=OWN_ORIGIN,
         follow_redirects=False,
     )
     assert (r.status_code, r.text) == (422, "the note has 4097 characters; at most 4096 are kept\n")
@@ -263,10 +265,22 @@ def test_a_note_over_the_limit_is_refused_everywhere(db_url: str, tmp_path: Path
     assert store.get_execution(execution).awaiting_approval  # nothing decided
     # At the limit, in the longest form a person can send: taken whole.
     note = "\U0001f600" * MAX_NOTE_CHARS
-    r = client.post(url, json={"note": note, "by": "ann"}, headers=AUTH)
+    r = client.post(url, json={"note": note}, headers=AUTH)
     assert r.status_code == 200, r.text
     assert store.get_execution(execution).decision_note == note
     store.close()
+
+
+def page_form(client: TestClient) -> dict[str, str]:
+    """A page session (its cookie set on `client`) and its form token, as the
+    page hands them out (sessions signed with the webhook secret)."""
+    policy = BrowserPolicy.build(Credentials(token=TOKEN).secret)
+    session = policy.new_session()
+    client.cookies.set(SESSION_COOKIE, session)
+    return {"token": policy.form_token(session)}
+
+
+OWN_ORIGIN = {"Origin": "http://127.0.0.1"}
 
 
 OUT_OF_RANGE = [2**63, 99999999999999999999, 2**31, -1, 0]
@@ -282,7 +296,8 @@ def test_ids_outside_the_databases_integers_are_unknown_ids(
         assert (r.status_code, r.json()) == (404, {"error": f"no execution with id {bad_id}"})
         r = client.post(
             f"/ui/executions/{bad_id}/{verb}",
-            data={"token": form_token(Credentials(token=TOKEN))},
+            data=page_form(client),
+            headers=OWN_ORIGIN,
             follow_redirects=False,
         )
         # The page answers an unknown id as any other: back to the page, saying so.
