@@ -27,8 +27,8 @@ from vllm_runbook.rules import condition as C
 from vllm_runbook.rules.durations import parse_duration
 from vllm_runbook.rules.errors import (
     DurationError,
-    RuleProblem,
-    RuleSyntaxError,
+    Problem,
+    SyntaxProblem,
     UnknownParameterError,
     UnknownSignalError,
 )
@@ -62,9 +62,7 @@ class ConditionParser:
         self.for_seconds = for_seconds  # the rule's `for`: baselines end before it
 
     # -- helpers ---------------------------------------------------------------
-    def fail(
-        self, msg: str, node: object = None, cls: type[RuleProblem] = RuleSyntaxError
-    ) -> NoReturn:
+    def fail(self, msg: str, node: object = None, cls: type[Problem] = SyntaxProblem) -> NoReturn:
         raise cls(msg, line=line_of(node, self.line))
 
     def value(self, raw: object, node: object = None) -> object:

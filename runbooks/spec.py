@@ -18,11 +18,9 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Collection, Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -32,6 +30,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from vllm_runbook.rules.errors import RUNBOOK_CATALOG, CatalogError, Problem, SyntaxProblem
+from vllm_runbook.rules.yamlmarks import MarkedDict, load, locate, validation_problems
 from vllm_runbook.runbooks.actions import ActionRegistry, UnknownAction, declared_registry
 
 CATALOG_DIR: Final = Path(__file__).resolve().parent / "catalog"
@@ -246,29 +246,6 @@ class Runbook(_Strict):
 
 # --- loading -------------------------------------------------------------------
 
-Path_ = tuple[str | int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class CatalogProblem:
-    file: str
-    line: int | None
-    runbook: str | None
-    message: str
-
-    def __str__(self) -> str:
-        where = self.file if self.line is None else f"{self.file}:{self.line}"
-        who = f" runbook {self.runbook}:" if self.runbook else ""
-        return f"{where}:{who} {self.message}"
-
-
-class CatalogError(Exception):
-    """One or more runbook files are invalid; str() lists them, one per line."""
-
-    def __init__(self, problems: Iterable[CatalogProblem]) -> None:
-        self.problems = tuple(problems)
-        super().__init__("\n".join(str(p) for p in self.problems))
-
 
 def _display(path: Path) -> str:
     # Relative to the working directory when inside it: short and clickable.
@@ -278,69 +255,12 @@ def _display(path: Path) -> str:
         return str(path)
 
 
-class _MarkedLoader:
-    """YAML → plain data, remembering the line of every key and item."""
-
-    def __init__(self, text: str) -> None:
-        self._loader = yaml.SafeLoader(text)
-        self.lines: dict[Path_, int] = {}
-
-    def load(self) -> Any:
-        try:
-            node = self._loader.get_single_node()
-        finally:
-            self._loader.dispose()
-        if node is None:
-            return None
-        return self._build(node, ())
-
-    def _build(self, node: yaml.Node, path: Path_) -> Any:
-        self.lines.setdefault(path, node.start_mark.line + 1)
-        if isinstance(node, yaml.MappingNode):
-            result: dict[Any, Any] = {}
-            for key_node, value_node in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    raise _NodeError(key_node, "merge keys (<<) are not supported")
-                key = self._loader.construct_object(key_node, deep=True)
-                if not isinstance(key, str | int):
-                    raise _NodeError(key_node, f"mapping key {key!r} must be a string")
-                if key in result:
-                    raise _NodeError(key_node, f"duplicate key {key!r}")
-                self.lines[(*path, key)] = key_node.start_mark.line + 1
-                result[key] = self._build(value_node, (*path, key))
-            return result
-        if isinstance(node, yaml.SequenceNode):
-            return [self._build(item, (*path, i)) for i, item in enumerate(node.value)]
-        return self._loader.construct_object(node, deep=True)
-
-    def line_of(self, path: Path_) -> int | None:
-        # A missing field has no line of its own: report its parent's.
-        for end in range(len(path), -1, -1):
-            if path[:end] in self.lines:
-                return self.lines[path[:end]]
-        return None
-
-
-class _NodeError(Exception):
-    def __init__(self, node: yaml.Node, message: str) -> None:
-        super().__init__(message)
-        self.line = node.start_mark.line + 1
-        self.message = message
-
-
-def _format_loc(loc: Path_) -> str:
-    text = ""
-    for part in loc:
-        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
-    return text
-
-
 def load_runbook_file(
     path: Path,
     registry: ActionRegistry | None = None,
     *,
     alerts: Collection[str] | None = None,
-) -> tuple[Runbook | None, list[CatalogProblem]]:
+) -> tuple[Runbook | None, list[Problem]]:
     """Parse and validate one runbook file; returns (runbook or None, problems).
 
     With `alerts` (the rule catalog's alert names) every trigger must be one of them.
@@ -350,36 +270,22 @@ def load_runbook_file(
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        return None, [CatalogProblem(shown, None, None, f"cannot read: {e}")]
-    marked = _MarkedLoader(text)
+        return None, [SyntaxProblem(f"cannot read: {e}", file=shown)]
     try:
-        data = marked.load()
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        line = None if mark is None else mark.line + 1
-        return None, [CatalogProblem(shown, line, None, f"invalid YAML: {e.problem or e}")]
-    except yaml.YAMLError as e:
-        return None, [CatalogProblem(shown, None, None, f"invalid YAML: {e}")]
-    except _NodeError as e:
-        return None, [CatalogProblem(shown, e.line, None, e.message)]
-    if not isinstance(data, dict):
-        return None, [CatalogProblem(shown, 1, None, "a runbook file must be a mapping")]
+        data = load(text, shown)
+    except Problem as e:
+        return None, [e]
+    if not isinstance(data, MarkedDict):
+        return None, [SyntaxProblem("a runbook file must be a mapping", file=shown, line=1)]
     name = data.get("name") if isinstance(data.get("name"), str) else path.stem
 
-    problems: list[CatalogProblem] = []
-
-    def problem(loc: Path_, message: str) -> None:
-        problems.append(CatalogProblem(shown, marked.line_of(loc), name, message))
-
+    problems: list[Problem] = []
     try:
         context = {"alerts": alerts} if alerts is not None else None
         runbook: Runbook | None = Runbook.model_validate(data, context=context)
     except ValidationError as e:
         runbook = None
-        for error in e.errors():
-            loc = tuple(error["loc"])
-            where = _format_loc(loc)
-            problem(loc, f"{where}: {error['msg']}" if where else error["msg"])
+        problems += validation_problems(e, data, shown, runbook=name)
     # Actions are checked even when other fields failed, so one run shows all.
     steps = data.get("steps")
     for i, step in enumerate(steps if isinstance(steps, list) else []):
@@ -388,11 +294,12 @@ def load_runbook_file(
         try:
             registry.validate(step["action"], step.get("params") or {})
         except UnknownAction as e:
-            problem(("steps", i, "action"), str(e))
+            line = locate(data, ("steps", i, "action"))[1]
+            problems.append(SyntaxProblem(str(e), file=shown, line=line, runbook=name))
         except ValidationError as e:
-            for error in e.errors():
-                loc = ("steps", i, "params", *error["loc"])
-                problem(loc, f"action {step['action']}: {_format_loc(loc)}: {error['msg']}")
+            at = ("steps", i, "params")
+            prefix = f"action {step['action']}: "
+            problems += validation_problems(e, data, shown, at=at, prefix=prefix, runbook=name)
     return (runbook if not problems else None), problems
 
 
@@ -433,10 +340,10 @@ def load_catalog(
     runbooks: dict[str, Runbook] = {}
     sources: dict[str, Path] = {}
     lines: dict[str, int] = {}
-    problems: list[CatalogProblem] = []
+    problems: list[Problem] = []
     for directory in directories if directories is not None else [CATALOG_DIR]:
         if not directory.is_dir():
-            problems.append(CatalogProblem(_display(directory), None, None, "not a directory"))
+            problems.append(SyntaxProblem("not a directory", file=_display(directory)))
             continue
         files = sorted(p for p in directory.iterdir() if p.suffix in {".yaml", ".yml"})
         for path in files:
@@ -447,12 +354,12 @@ def load_catalog(
             if runbook.name in runbooks:
                 first = sources[runbook.name]
                 problems.append(
-                    CatalogProblem(
-                        _display(path),
-                        _name_line(path),
-                        runbook.name,
+                    Problem(
                         f"duplicate runbook name (first defined in "
                         f"{_display(first)}:{lines[runbook.name]})",
+                        file=_display(path),
+                        line=_name_line(path),
+                        runbook=runbook.name,
                     )
                 )
                 continue
@@ -460,11 +367,10 @@ def load_catalog(
             sources[runbook.name] = path
             lines[runbook.name] = _name_line(path) or 1
     if problems:
-        raise CatalogError(problems)
+        raise CatalogError(problems, what=RUNBOOK_CATALOG)
     return Catalog(runbooks, sources)
 
 
 def _name_line(path: Path) -> int | None:
-    loader = _MarkedLoader(path.read_text(encoding="utf-8"))
-    loader.load()
-    return loader.lines.get(("name",))
+    doc = load(path.read_text(encoding="utf-8"), _display(path))
+    return doc.key_lines.get("name") if isinstance(doc, MarkedDict) else None

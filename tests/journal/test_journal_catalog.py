@@ -6,6 +6,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from vllm_runbook.rules.errors import CatalogError
 from vllm_runbook.rules.model import load_catalog as load_rules
 from vllm_runbook.runbooks.actions import (
     ActionNotImplemented,
@@ -15,7 +16,7 @@ from vllm_runbook.runbooks.actions import (
     UnknownAction,
     declared_registry,
 )
-from vllm_runbook.runbooks.spec import CATALOG_DIR, CatalogError, load_catalog
+from vllm_runbook.runbooks.spec import CATALOG_DIR, load_catalog
 
 EXPECTED = {
     "batch-too-large",
