@@ -32,7 +32,7 @@ from vllm_runbook.rules.errors import (
     UnknownParameterError,
     UnknownSignalError,
 )
-from vllm_runbook.rules.signals import SIGNALS, Signal
+from vllm_runbook.rules.signals import SIGNALS, Signal, unknown_signal
 from vllm_runbook.rules.yamlmarks import MarkedDict, line_of
 
 _COMPARE = {"above": ">", "at_least": ">=", "below": "<", "at_most": "<="}
@@ -121,9 +121,10 @@ class ConditionParser:
         name = self.value(raw, node)
         if not isinstance(name, str):
             self.fail(f"expected a signal name, got {name!r}", node)
-        signal = SIGNALS.get(name)
-        if signal is None:
-            self.fail(f"unknown signal {name!r}", node, UnknownSignalError)
+        why = unknown_signal(name)
+        if why is not None:
+            self.fail(why, node, UnknownSignalError)
+        signal = SIGNALS[name]
         if types and signal.type not in types:
             self.fail(
                 f"signal {name!r} is a {signal.type}; here a {' or '.join(types)} is needed", node

@@ -31,70 +31,11 @@ from pydantic import (
     model_validator,
 )
 from vllm_runbook.rules.errors import RUNBOOK_CATALOG, CatalogError, Problem, SyntaxProblem
+from vllm_runbook.rules.signals import READABLE, RENAMED, SIGNALS, unknown_signal
 from vllm_runbook.rules.yamlmarks import MarkedDict, load, locate, validation_problems
 from vllm_runbook.runbooks.actions import ActionRegistry, UnknownAction, declared_registry
 
 CATALOG_DIR: Final = Path(__file__).resolve().parent / "catalog"
-
-# The signals a check, condition or verification may read. The executor
-# computes each from the engine's agent (collector metrics) or vLLM's own
-# /metrics; this table is the contract between the catalog and it.
-KNOWN_SIGNALS: Final[Mapping[str, str]] = {
-    "kv_cache_usage_ratio": "KV blocks used / usable blocks",
-    "kv_blocks_free": "free KV blocks in the block pool",
-    "kv_capacity_seqs": (
-        "sequences the KV cache holds at the running requests' current average footprint "
-        "(usable blocks / average blocks per running request)"
-    ),
-    "preemptions_per_minute": "requests preempted per minute (rate of the preemptions counter)",
-    "max_sequence_tokens": "longest context (prompt + generated) among running requests",
-    "num_requests_running": "requests in the running queue",
-    "num_requests_waiting": "requests waiting to be scheduled (queue depth)",
-    "max_num_batched_tokens": "effective token budget per step",
-    "max_num_seqs": "effective admission limit",
-    "scheduler_policy": "active scheduling policy (fcfs | priority | tiered)",
-    "budget_fill_ratio": "scheduled tokens / token budget",
-    "p99_latency_seconds": "P99 end-to-end request latency",
-    "waiting_seconds_p99": "P99 time requests spend waiting before their first schedule",
-    "oldest_waiting_seconds": (
-        "how long the oldest request still waiting for its first schedule has been in the "
-        "engine's queue (0 when none waits)"
-    ),
-    "hot_requests_waiting": "hot-tier (short-prompt) requests waiting to be scheduled",
-    "tier_oldest_waiting_seconds": (
-        "the longest wait, over the prompt-length tiers, of a request still waiting for its "
-        "first schedule (0 when none waits)"
-    ),
-    "admitted_before_time": (
-        "Unix time before which every request the engine received has been scheduled at least "
-        "once (the oldest waiting request's arrival in the engine, or now when none waits); "
-        "never decreases, stands still while a request starves"
-    ),
-    "throughput_tokens_per_second": "generated + prefilled tokens per second",
-    "schedule_seconds_p99": "P99 wall time of scheduler.schedule()",
-    "block_fragmentation_ratio": "1 - computed tokens / (blocks held x block_size)",
-    "kv_hit_ratio": "prefix-cache hits / queries over the window",
-    "gpu_utilization_ratio": "GPU compute utilisation per GPU (NVML)",
-    "gpu_memory_used_bytes": "GPU memory in use per GPU (NVML)",
-    "error_rate": "failed requests / requests",
-    "oom_rate": "out-of-memory failures / requests",
-    "engine_uptime_seconds": "seconds since the engine started",
-    "length_padding_ratio": (
-        "latest step: 1 - sum(len) / (n x max len) over the scheduled requests' context "
-        "lengths (the length spread a static batcher would pad)"
-    ),
-    "padding_ratio": "cudagraph padding: padded - unpadded over padded tokens, over the window",
-    "gpu_utilization_spread": "highest minus lowest GPU utilisation among the engine's GPUs",
-    "gpu_memory_spread_ratio": (
-        "(highest - lowest) / highest GPU memory in use among the engine's GPUs"
-    ),
-    "tensor_parallel_size": "GPUs one model replica is split over (tensor parallel)",
-    "finish_reasons": "requests finished over the window, by vLLM's finish reason",
-    "http_error_rate": (
-        "share of the API server's POST requests answered with a server error (HTTP 5xx), "
-        "including those that never reached the engine"
-    ),
-}
 
 Name = Annotated[str, Field(pattern=r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$", max_length=64)]
 Identifier = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]*$", max_length=64)]
@@ -105,8 +46,13 @@ class _Strict(BaseModel):
 
 
 def _known_signal(value: str) -> str:
-    if value not in KNOWN_SIGNALS:
-        raise ValueError(f"unknown signal {value!r} (known: {', '.join(sorted(KNOWN_SIGNALS))})")
+    # The one registry of signals (vllm_runbook.rules.signals): what a runbook may
+    # read from the engine. A renamed signal's message says its new name.
+    why = unknown_signal(value, readable=True)
+    if why is not None:
+        unknown = value not in SIGNALS and value not in RENAMED
+        known = f" (known: {', '.join(sorted(READABLE))})" if unknown else ""
+        raise ValueError(why + known)
     return value
 
 

@@ -43,7 +43,7 @@ triggers: [VllmOOMPressure]
 checks:
   - name: kv_usage
     description: KV usage
-    signal: kv_cache_usage_ratio
+    signal: kv_cache_usage
 steps:
   - action: scale_max_num_batched_tokens
     params: {{factor: 0.5}}
@@ -138,7 +138,7 @@ def test_model_errors_are_all_reported_with_lines(tmp_path: Path) -> None:
     text = (
         VALID.format(name="Bad_Name")
         .replace("VllmOOMPressure", "VllmNoSuchAlert")
-        .replace("kv_cache_usage_ratio", "kv_usage_percent")
+        .replace("kv_cache_usage", "kv_usage_percent")
         + "guardrails:\n  cooldown_seconds: -1\n  max_runs: 3\n"
     )
     write(tmp_path, "bad.yaml", text)
