@@ -6,8 +6,8 @@
 A page marks a region with the lines `<!-- BEGIN generated:NAME -->` and
 `<!-- END generated:NAME -->`; everything between them is replaced by the
 output of the generator NAME (below), built from the same catalogs the code
-runs on: the metric declarations, the rule catalog, the runbook catalog and
-the CLI's argparse parser. Text outside the markers is never touched.
+runs on: the metric declarations, the signal registry, the rule catalog, the
+runbook catalog and the CLI's argparse parser. Text outside the markers is never touched.
 
 It lives in dashboards/ because that is the one layer allowed to import all
 the others (collector, rules, runbooks), as the dashboard generator does.
@@ -28,6 +28,7 @@ from pathlib import Path
 from vllm_runbook.collector import metrics as collector_metrics
 from vllm_runbook.collector.metrics import MetricSpec
 from vllm_runbook.rules import load_catalog as load_rule_catalog
+from vllm_runbook.rules.signals import RENAMED, SIGNALS
 from vllm_runbook.runbooks import service_metrics
 from vllm_runbook.runbooks.spec import Runbook
 from vllm_runbook.runbooks.spec import load_catalog as load_runbook_catalog
@@ -131,14 +132,29 @@ def _verification(runbook: Runbook) -> str:
 
 
 def gen_signals() -> str:
-    """Signal → source → window, from the runbooks' signal table."""
-    from vllm_runbook.runbooks.sources import SOURCES
-    from vllm_runbook.runbooks.spec import KNOWN_SIGNALS
+    """Every signal of the registry: what it is, the series a rule reads, where and over
+    what time a runbook reads it (a histogram's _sum and _count are not repeated)."""
+    rows = [
+        "| signal | unit | what | a rule reads (Prometheus) | a runbook reads | window |",
+        "|---|---|---|---|---|---|",
+    ]
+    for s in SIGNALS.values():
+        if s.how in ("sum", "count"):
+            continue
+        series = "—"
+        if s.metric is not None:
+            series = f"{s.type} `{s.metric}`" + (f" per `{s.per}`" if s.per else "")
+        source, window = (s.reading.source, s.reading.window) if s.reading else ("—", "—")
+        rows.append(
+            f"| `{s.name}` | {s.unit} | {_cell(s.help)} | {series} | {_cell(source)} "
+            f"| {_cell(window)} |"
+        )
+    return "\n".join(rows) + "\n"
 
-    rows = ["| signal | what | source | window |", "|---|---|---|---|"]
-    for name, meaning in KNOWN_SIGNALS.items():
-        src = SOURCES[name]
-        rows.append(f"| `{name}` | {_cell(meaning)} | {_cell(src.source)} | {_cell(src.window)} |")
+
+def gen_signal_renames() -> str:
+    rows = ["| was | now |", "|---|---|"]
+    rows += [f"| `{old}` | `{new}` |" for old, new in RENAMED.items()]
     return "\n".join(rows) + "\n"
 
 
@@ -221,6 +237,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "alerts": gen_alerts,
     "runbooks": gen_runbooks,
     "signals": gen_signals,
+    "signal-renames": gen_signal_renames,
     "cli": gen_cli,
 }
 

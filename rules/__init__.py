@@ -7,7 +7,7 @@ evaluator = Evaluator(rules, store, MemoryIncidentSink())
 scraper = Scraper(store, [Target("http://127.0.0.1:8000/metrics", "llama-0")])
 scraper.scrape_once(); evaluator.evaluate()  # or scheduling.schedule(...)
 text = export(catalog, overrides)            # Prometheus rule file
-config = load_config("runbook.yaml")          # the deployment's file, ConfigError if broken
+config = load_config("runbook.yaml")          # the deployment's file, CatalogError if broken
 
 This layer knows no store, no web service and no agent client: the service
 that wires the rules to the store (RulesService, SqlIncidentSink) lives in
@@ -19,7 +19,7 @@ runbooks layer passes those of the runbook catalog it deploys.
 from __future__ import annotations
 
 from vllm_runbook.rules.config import Automation, AutomationMode, Config, EngineConfig, load_config
-from vllm_runbook.rules.errors import CatalogError, ConfigError, RuleProblem, RulesError
+from vllm_runbook.rules.errors import CatalogError, Problem, RulesError
 from vllm_runbook.rules.evaluator import Evaluator, store_for_rules
 from vllm_runbook.rules.incidents import (
     IncidentEvent,
@@ -45,7 +45,6 @@ __all__ = [
     "Catalog",
     "CatalogError",
     "Config",
-    "ConfigError",
     "Dispatcher",
     "EngineConfig",
     "Evaluator",
@@ -55,9 +54,9 @@ __all__ = [
     "LoggingRemediationHook",
     "MemoryIncidentSink",
     "OpenAlert",
+    "Problem",
     "RemediationHook",
     "Rule",
-    "RuleProblem",
     "RulesError",
     "ScrapeResult",
     "Scraper",

@@ -28,6 +28,12 @@ class Selector:
     signal: Signal
     matchers: tuple[tuple[str, str], ...] = ()
 
+    @property
+    def metric(self) -> str:
+        """The series queried (the parser selects only signals that are series)."""
+        assert self.signal.metric is not None, self.signal.name
+        return self.signal.metric
+
 
 @dataclass(frozen=True)
 class Instant:

@@ -49,7 +49,8 @@ Every key has a default, so no file at all is a valid one-machine setup.
 Relative paths are relative to the file. Unknown keys are errors (a typo must
 not silently fall back to a default); every problem is reported at once, in
 file order, as ``file:line: message``. The schema is the pydantic models below
-(one per section); `_problem` turns each of their errors into that line.
+(one per section); `vllm_runbook.rules.yamlmarks.validation_problems` turns each of
+their errors into that line.
 Runbook names under `automation` are checked against the names the caller
 passes (`load_config(path, runbooks=...)`): this layer does not know the
 runbook catalog.
@@ -77,18 +78,18 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_core import ErrorDetails, InitErrorDetails, PydanticCustomError
+from pydantic_core import InitErrorDetails, PydanticCustomError
 from vllm_runbook.rules.durations import parse_duration
 from vllm_runbook.rules.errors import (
+    CONFIGURATION,
     CatalogError,
-    ConfigError,
-    RuleProblem,
-    RuleSyntaxError,
+    Problem,
+    SyntaxProblem,
     UnknownParameterError,
 )
 from vllm_runbook.rules.model import Catalog, Rule, load_catalog
 from vllm_runbook.rules.scrape import Target
-from vllm_runbook.rules.yamlmarks import MarkedDict, MarkedList, load
+from vllm_runbook.rules.yamlmarks import MarkedDict, MarkedList, load, validation_problems
 
 AutomationMode = Literal["auto", "approve", "notify"]
 AUTOMATION_MODES: tuple[str, ...] = get_args(AutomationMode)
@@ -248,7 +249,7 @@ class Config:
     def bind(self, catalog: Catalog) -> list[Rule]:
         """The catalog's rules with this file's overrides; problems located in this file."""
         known = set(catalog.alerts)
-        problems: list[RuleProblem] = [
+        problems: list[Problem] = [
             self._locate(
                 UnknownParameterError(f"override for unknown alert {a!r}", file="overrides"), a
             )
@@ -263,7 +264,7 @@ class Config:
             raise CatalogError(problems)
         return rules
 
-    def _locate(self, problem: RuleProblem, alert: str | None) -> RuleProblem:
+    def _locate(self, problem: Problem, alert: str | None) -> Problem:
         # The catalog names bad overrides with file "overrides": point at this file.
         if problem.file != "overrides" or self.path is None:
             return problem
@@ -283,29 +284,30 @@ def load_config(path: str | Path | None, *, runbooks: Collection[str] | None = N
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
-        raise ConfigError([RuleSyntaxError(f"cannot read: {exc.strerror}", file=shown)]) from None
+        problem = SyntaxProblem(f"cannot read: {exc.strerror}", file=shown)
+        raise CatalogError([problem], what=CONFIGURATION) from None
     try:
         doc = load(text, shown)
-    except RuleProblem as exc:
-        raise ConfigError([exc]) from None
+    except Problem as exc:
+        raise CatalogError([exc], what=CONFIGURATION) from None
     if doc is None:
         return Config(path=path)
     if not isinstance(doc, MarkedDict):
         msg = "a configuration file is a mapping (database, engines, rules, ...)"
-        raise ConfigError([RuleSyntaxError(msg, file=shown, line=1)])
+        raise CatalogError([SyntaxProblem(msg, file=shown, line=1)], what=CONFIGURATION)
     try:
         model = _File.model_validate(doc, context={"runbooks": runbooks})
     except ValidationError as exc:
-        problems = [_problem(err, doc, shown) for err in exc.errors()]
+        problems = validation_problems(exc, doc, shown, wording="schema", model=_File)
         problems.sort(key=lambda p: p.line or 0)  # file order, whichever check found it
-        raise ConfigError(problems) from None
+        raise CatalogError(problems, what=CONFIGURATION) from None
     return _build(model, doc, path)
 
 
 # -- the file's schema -----------------------------------------------------------------
 # Validators raise PydanticCustomError whose type says how the message joins the
 # key's dotted path: "phrase" -> `PATH message`, "detail" -> `PATH: message`,
-# "whole" -> `message` (it names its section itself). `_problem` adds file:line.
+# "whole" -> `message` (it names its section itself). yamlmarks adds file:line.
 
 
 def _phrase(message: str) -> PydanticCustomError:
@@ -338,7 +340,7 @@ def _engine_name(value: str) -> str:
 def _duration(value: object) -> float:
     try:
         return parse_duration(value)
-    except RuleProblem as exc:
+    except Problem as exc:
         raise _detail(exc.message) from None
 
 
@@ -587,73 +589,6 @@ class _File(_Section):
     page: _Page = Field(default_factory=_Page)
     limits: _Limits = Field(default_factory=_Limits)
     retention: _Retention = Field(default_factory=_Retention)
-
-
-# The model whose keys an `unknown key` message lists, by the mapping's path.
-_SECTIONS: dict[tuple[str, ...], type[BaseModel]] = {
-    (): _File,
-    ("engines",): _Engine,
-    ("rules",): _Rules,
-    ("webhook",): _Webhook,
-    ("page",): _Page,
-    ("executor",): _Executor,
-    ("approvals",): _Approvals,
-    ("notifications",): _Notifications,
-    ("notifications", "receivers"): _Receiver,
-    ("limits",): _Limits,
-    ("retention",): _Retention,
-}
-# Errors about the value's own type: located at its key even when it is a mapping.
-_TYPE_ERRORS = {"list_type", "dict_type", "model_type", "model_attributes_type"}
-
-
-def _problem(err: ErrorDetails, doc: MarkedDict, file: str) -> RuleProblem:
-    """One pydantic error as `file:line: message`, the line found by walking the YAML."""
-    loc = tuple(p for p in err["loc"] if p != "[key]")  # a bad mapping key: at that key
-    where, line, node = _walk(doc, loc)
-    kind, msg = err["type"], err["msg"]
-    if kind == "phrase":
-        text = f"{where} {msg}"
-    elif kind == "detail":
-        text = f"{where}: {msg}"
-    elif kind == "whole":
-        text = msg
-    elif kind == "extra_forbidden":
-        section = _SECTIONS.get(tuple(p for p in loc[:-1] if isinstance(p, str)))
-        allowed = f" (allowed: {', '.join(section.model_fields)})" if section else ""
-        text = f"unknown key {where}{allowed}"
-    elif kind == "missing":
-        text = f"{where} is required"
-    elif kind == "list_type":
-        text = f"{where} must be a list of {{name, agent, vllm, labels}}"
-    elif kind in _TYPE_ERRORS:
-        item = " with name and agent" if where.endswith("]") else ""
-        text = f"{where} must be a mapping{item}"
-    else:  # pydantic's own wording, still located
-        text = f"{where}: {msg}" if where else msg
-    if kind not in _TYPE_ERRORS and isinstance(node, MarkedDict):
-        line = node.line  # a problem with a mapping's contents: its first line
-    return RuleSyntaxError(text, file=file, line=line)
-
-
-def _walk(doc: MarkedDict, loc: tuple[str | int, ...]) -> tuple[str, int, object]:
-    """The dotted path of `loc` (``engines[1].name``), its key's line and the node there."""
-    where, line = "", doc.line
-    node: object = doc
-    for part in loc:
-        if isinstance(node, MarkedList) and isinstance(part, int) and part < len(node):
-            where, line, node = (
-                f"{where}[{part}]",
-                getattr(node[part], "line", node.line),
-                node[part],
-            )
-            continue
-        where = f"{where}.{part}" if where else str(part)
-        if isinstance(node, MarkedDict) and part in node:
-            line, node = node.line_of(part), node[part]
-        else:
-            node = None  # not in the file (a missing key): the enclosing line
-    return where, line, node
 
 
 def _build(model: _File, doc: MarkedDict, path: Path) -> Config:

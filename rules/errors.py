@@ -1,13 +1,15 @@
 """Every exception the rules package raises, drawn once.
 
     RulesError                      base of everything below
-    ├── CatalogError                a rule catalog (or its overrides) is broken; carries
-    │                               one RuleProblem per mistake, never drops a rule
-    │   └── ConfigError             the configuration file is broken (same shape: problems)
+    ├── CatalogError                a rule catalog, a runbook catalog or the configuration
+    │                               file is broken; carries one Problem per mistake, never
+    │                               drops one (`what` says which of the three)
     ├── ResourceNameError           a Kubernetes name, namespace or label the export
     │                               would write and the API server would refuse
-    └── RuleProblem                 one mistake, located as ``file:line: rule NAME: msg``
-        ├── RuleSyntaxError         malformed YAML or a field of the wrong shape
+    └── Problem                     one mistake, located as
+        │                           ``file:line: rule NAME: msg`` / ``file:line: runbook NAME: msg``
+        ├── SyntaxProblem           malformed YAML or a field of the wrong shape (any of the
+        │                           three files: `vllm_runbook.rules.yamlmarks` raises it)
         ├── UnknownSignalError      a condition names a signal the registry lacks
         ├── DurationError           a duration that does not parse (``5 minutes``)
         ├── UnknownRunbookError     a runbook name the deployed runbook catalog lacks
@@ -15,11 +17,23 @@
         ├── DuplicateRuleError      the same alert and severity defined twice
         └── TemplateError           an annotation template outside the supported subset
 
+The runbook catalog (`vllm_runbook.runbooks.spec`) reports its mistakes with
+the same Problem and CatalogError: every YAML file an operator writes fails
+the same way, and the CLI maps one class to its exit code.
+
 Scrape failures are not exceptions to callers: the scraper counts them and
 goes on (see ``vllm_runbook.rules.scrape``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Final, Literal
+
+RULE_CATALOG: Final = "rule catalog"
+RUNBOOK_CATALOG: Final = "runbook catalog"
+CONFIGURATION: Final = "configuration"
+Broken = Literal["rule catalog", "runbook catalog", "configuration"]
 
 
 class RulesError(Exception):
@@ -30,8 +44,8 @@ class ResourceNameError(RulesError):
     """A Kubernetes object name, namespace or label that the API server would refuse."""
 
 
-class RuleProblem(RulesError):
-    """One mistake in a rule file, with where it is."""
+class Problem(RulesError):
+    """One mistake in a rule file, a runbook file or the configuration file, with where it is."""
 
     def __init__(
         self,
@@ -40,16 +54,18 @@ class RuleProblem(RulesError):
         file: str | None = None,
         line: int | None = None,
         rule: str | None = None,
+        runbook: str | None = None,
     ) -> None:
         self.message = message
         self.file = file
         self.line = line
         self.rule = rule
+        self.runbook = runbook
         super().__init__(str(self))
 
     def located(
         self, *, file: str | None = None, line: int | None = None, rule: str | None = None
-    ) -> RuleProblem:
+    ) -> Problem:
         """Fill in location parts the raiser did not know (inner parsers know less)."""
         self.file = self.file or file
         self.line = self.line or line
@@ -61,48 +77,47 @@ class RuleProblem(RulesError):
         where = self.file or "<rules>"
         if self.line is not None:
             where += f":{self.line}"
-        rule = f" rule {self.rule}:" if self.rule else ""
-        return f"{where}:{rule} {self.message}"
+        who = f" rule {self.rule}:" if self.rule else ""
+        who += f" runbook {self.runbook}:" if self.runbook else ""
+        return f"{where}:{who} {self.message}"
 
 
-class RuleSyntaxError(RuleProblem):
+class SyntaxProblem(Problem):
     pass
 
 
-class UnknownSignalError(RuleProblem):
+class UnknownSignalError(Problem):
     pass
 
 
-class DurationError(RuleProblem):
+class DurationError(Problem):
     pass
 
 
-class UnknownRunbookError(RuleProblem):
+class UnknownRunbookError(Problem):
     pass
 
 
-class UnknownParameterError(RuleProblem):
+class UnknownParameterError(Problem):
     pass
 
 
-class DuplicateRuleError(RuleProblem):
+class DuplicateRuleError(Problem):
     pass
 
 
-class TemplateError(RuleProblem):
+class TemplateError(Problem):
     pass
 
 
 class CatalogError(RulesError):
-    """A broken catalog: every problem found, one line each."""
+    """A broken catalog or configuration file: every problem found, one line each.
 
-    def __init__(self, problems: list[RuleProblem]) -> None:
+    One class for the rule catalog, the runbook catalog and the configuration:
+    callers treat them alike (nothing may start; exit 2 on the command line),
+    and `what` names which one for a heading."""
+
+    def __init__(self, problems: Iterable[Problem], *, what: Broken = RULE_CATALOG) -> None:
         self.problems = list(problems)
+        self.what: Broken = what
         super().__init__("\n".join(str(p) for p in self.problems))
-
-
-class ConfigError(CatalogError):
-    """A broken configuration file: every problem found, one ``file:line: msg`` each.
-
-    A subclass of CatalogError because callers treat both alike: nothing may
-    start, and each problem is one line for the operator."""

@@ -103,7 +103,7 @@ class Compiler:
         store = self.store
         match node:
             case C.Instant(sel):
-                name, matchers, per = sel.signal.metric, sel.matchers, sel.signal.per
+                name, matchers, per = sel.metric, sel.matchers, sel.signal.per
 
                 def instant(eng: EngineSeries, t: float, cache: Cache) -> Value:
                     return _group(
@@ -124,7 +124,7 @@ class Compiler:
 
                 return time_since
             case C.Rate(sel, window):
-                name, matchers, per = sel.signal.metric, sel.matchers, sel.signal.per
+                name, matchers, per = sel.metric, sel.matchers, sel.signal.per
 
                 def rate(eng: EngineSeries, t: float, cache: Cache) -> Value:
                     return _group(
@@ -136,7 +136,7 @@ class Compiler:
 
                 return rate
             case C.OverTime(fn_name, sel, window):
-                name, matchers, per = sel.signal.metric, sel.matchers, sel.signal.per
+                name, matchers, per = sel.metric, sel.matchers, sel.signal.per
                 reduce = _OVER_TIME[fn_name]
 
                 def over_time(eng: EngineSeries, t: float, cache: Cache) -> Value:
@@ -148,7 +148,7 @@ class Compiler:
 
                 return over_time
             case C.Quantile(q, sel, window):
-                name, matchers = sel.signal.metric + "_bucket", sel.matchers
+                name, matchers = sel.metric + "_bucket", sel.matchers
                 per = sel.signal.per
 
                 def quantile(eng: EngineSeries, t: float, cache: Cache) -> Value:

@@ -34,7 +34,7 @@ def store_for_rules(
     counters: set[str] = set()
     for rule in rules:
         for leaf, offset in C.leaves(rule.condition):
-            name = leaf.sel.signal.metric
+            name = leaf.sel.metric
             match leaf:
                 case C.Rate(_, window) | C.OverTime(_, _, window):
                     span = window

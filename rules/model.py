@@ -25,13 +25,13 @@ from vllm_runbook.rules.durations import parse_duration
 from vllm_runbook.rules.errors import (
     CatalogError,
     DuplicateRuleError,
-    RuleProblem,
-    RuleSyntaxError,
+    Problem,
+    SyntaxProblem,
     UnknownParameterError,
     UnknownRunbookError,
 )
 from vllm_runbook.rules.parse import ConditionParser
-from vllm_runbook.rules.yamlmarks import MarkedDict, load
+from vllm_runbook.rules.yamlmarks import MarkedDict, load, validation_problems
 
 CATALOG_DIR = Path(__file__).parent / "catalog"
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -125,12 +125,12 @@ class Catalog:
 
     def bind(self, overrides: Overrides | None = None) -> list[Rule]:
         overrides = overrides or {}
-        problems: list[RuleProblem] = _check_overrides(self.specs, overrides)
+        problems: list[Problem] = _check_overrides(self.specs, overrides)
         rules: list[Rule] = []
         for located in self.specs:
             try:
                 rules.append(_bind(located, overrides.get(located.spec.alert, {})))
-            except RuleProblem as exc:
+            except Problem as exc:
                 problems.append(exc.located(file=located.file, rule=located.spec.alert))
         if problems:
             raise CatalogError(problems)
@@ -151,8 +151,8 @@ def load_catalog(
     root = Path(path) if path is not None else CATALOG_DIR
     files = sorted(root.glob("*.yaml")) if root.is_dir() else [root]
     if not files:
-        raise CatalogError([RuleSyntaxError("no *.yaml rule files", file=str(root))])
-    problems: list[RuleProblem] = []
+        raise CatalogError([SyntaxProblem("no *.yaml rule files", file=str(root))])
+    problems: list[Problem] = []
     specs: list[LocatedSpec] = []
     for f in files:
         shown = _display(f, display_root)
@@ -160,10 +160,10 @@ def load_catalog(
             loaded, found = _load_file(f, shown, runbooks)
             specs.extend(loaded)
             problems.extend(found)
-        except RuleProblem as exc:
+        except Problem as exc:
             problems.append(exc.located(file=shown))
         except OSError as exc:
-            problems.append(RuleSyntaxError(f"cannot read: {exc.strerror}", file=shown))
+            problems.append(SyntaxProblem(f"cannot read: {exc.strerror}", file=shown))
     problems.extend(_duplicates(specs))
     try:
         Catalog(specs).bind()  # parse every condition with its defaults now
@@ -185,7 +185,7 @@ def _display(f: Path, root: Path | None) -> str:
 
 def _load_file(
     path: Path, shown: str, runbooks: Collection[str] | None
-) -> tuple[list[LocatedSpec], list[RuleProblem]]:
+) -> tuple[list[LocatedSpec], list[Problem]]:
     """The file's valid specs and the problems of the others (checked further later)."""
     doc = load(path.read_text(encoding="utf-8"), shown)
     if (
@@ -193,21 +193,22 @@ def _load_file(
         or set(doc) != {"rules"}
         or not isinstance(doc["rules"], list)
     ):
-        raise RuleSyntaxError(
+        raise SyntaxProblem(
             "a rule file is a mapping with one key, rules: [ ... ]", line=getattr(doc, "line", 1)
         )
-    problems: list[RuleProblem] = []
+    problems: list[Problem] = []
     out: list[LocatedSpec] = []
     for raw in doc["rules"]:
         line = getattr(raw, "line", doc.line)
         name = raw.get("alert") if isinstance(raw, MarkedDict) else None
         if not isinstance(raw, MarkedDict):
-            problems.append(RuleSyntaxError("a rule must be a mapping", file=shown, line=line))
+            problems.append(SyntaxProblem("a rule must be a mapping", file=shown, line=line))
             continue
         try:
             spec = RuleSpec.model_validate(raw)
         except ValidationError as exc:
-            problems.extend(_pydantic_problems(exc, raw, shown, name))
+            rule = name if isinstance(name, str) else None
+            problems.extend(validation_problems(exc, raw, shown, rule=rule))
             continue
         if runbooks is not None and spec.runbook is not None and spec.runbook not in runbooks:
             problems.append(
@@ -224,28 +225,9 @@ def _load_file(
     return out, problems
 
 
-def _pydantic_problems(
-    exc: ValidationError, raw: MarkedDict, file: str, name: object
-) -> list[RuleProblem]:
-    out: list[RuleProblem] = []
-    for err in exc.errors():
-        loc = err["loc"]
-        key = loc[0] if loc else None
-        where = ".".join(str(p) for p in loc)
-        line = raw.line_of(key) if key in raw else raw.line
-        msg = (
-            err["msg"] if key not in (None, "for") or err["type"] != "missing" else "missing 'for'"
-        )
-        rule = name if isinstance(name, str) else None
-        out.append(
-            RuleSyntaxError(f"{where}: {msg}" if where else msg, file=file, line=line, rule=rule)
-        )
-    return out
-
-
-def _duplicates(specs: list[LocatedSpec]) -> list[RuleProblem]:
+def _duplicates(specs: list[LocatedSpec]) -> list[Problem]:
     seen: dict[tuple[str, str], LocatedSpec] = {}
-    out: list[RuleProblem] = []
+    out: list[Problem] = []
     for s in specs:
         key = (s.spec.alert, s.spec.severity)
         if key in seen:
@@ -264,11 +246,11 @@ def _duplicates(specs: list[LocatedSpec]) -> list[RuleProblem]:
     return out
 
 
-def _check_overrides(specs: list[LocatedSpec], overrides: Overrides) -> list[RuleProblem]:
+def _check_overrides(specs: list[LocatedSpec], overrides: Overrides) -> list[Problem]:
     params: dict[str, set[str]] = {}
     for s in specs:
         params.setdefault(s.spec.alert, set()).update(s.spec.parameters)
-    out: list[RuleProblem] = []
+    out: list[Problem] = []
     for alert, values in overrides.items():
         if alert not in params:
             out.append(
@@ -276,9 +258,7 @@ def _check_overrides(specs: list[LocatedSpec], overrides: Overrides) -> list[Rul
             )
             continue
         if not isinstance(values, Mapping):
-            out.append(
-                RuleSyntaxError("overrides are {param: value}", file="overrides", rule=alert)
-            )
+            out.append(SyntaxProblem("overrides are {param: value}", file="overrides", rule=alert))
             continue
         for name in values:
             if name not in params[alert]:
@@ -299,7 +279,7 @@ def _bind(located: LocatedSpec, override: Mapping[str, object]) -> Rule:
     for name, value in override.items():
         if name in params:
             if isinstance(value, bool) or not isinstance(value, int | float | str):
-                raise RuleSyntaxError(
+                raise SyntaxProblem(
                     f"override {name}: expected a number or a duration, got {value!r}"
                 )
             params[name] = value
@@ -310,7 +290,7 @@ def _bind(located: LocatedSpec, override: Mapping[str, object]) -> Rule:
     for key in ("summary", "description"):
         try:
             template.check(getattr(spec, key), params)
-        except RuleProblem as exc:
+        except Problem as exc:
             raise exc.located(line=raw.line_of(key)) from None
     return Rule(
         alert=spec.alert,
@@ -333,5 +313,5 @@ def _for_seconds(value: object, line: int) -> float:
         return 0.0  # `for: 0s` means fire at once; parse_duration insists on positive windows
     try:
         return parse_duration(value)
-    except RuleProblem as exc:
+    except Problem as exc:
         raise exc.located(line=line) from None

@@ -27,12 +27,12 @@ from vllm_runbook.rules import condition as C
 from vllm_runbook.rules.durations import parse_duration
 from vllm_runbook.rules.errors import (
     DurationError,
-    RuleProblem,
-    RuleSyntaxError,
+    Problem,
+    SyntaxProblem,
     UnknownParameterError,
     UnknownSignalError,
 )
-from vllm_runbook.rules.signals import SIGNALS, Signal
+from vllm_runbook.rules.signals import SIGNALS, Signal, unknown_signal
 from vllm_runbook.rules.yamlmarks import MarkedDict, line_of
 
 _COMPARE = {"above": ">", "at_least": ">=", "below": "<", "at_most": "<="}
@@ -62,9 +62,7 @@ class ConditionParser:
         self.for_seconds = for_seconds  # the rule's `for`: baselines end before it
 
     # -- helpers ---------------------------------------------------------------
-    def fail(
-        self, msg: str, node: object = None, cls: type[RuleProblem] = RuleSyntaxError
-    ) -> NoReturn:
+    def fail(self, msg: str, node: object = None, cls: type[Problem] = SyntaxProblem) -> NoReturn:
         raise cls(msg, line=line_of(node, self.line))
 
     def value(self, raw: object, node: object = None) -> object:
@@ -123,9 +121,10 @@ class ConditionParser:
         name = self.value(raw, node)
         if not isinstance(name, str):
             self.fail(f"expected a signal name, got {name!r}", node)
-        signal = SIGNALS.get(name)
-        if signal is None:
-            self.fail(f"unknown signal {name!r}", node, UnknownSignalError)
+        why = unknown_signal(name)
+        if why is not None:
+            self.fail(why, node, UnknownSignalError)
+        signal = SIGNALS[name]
         if types and signal.type not in types:
             self.fail(
                 f"signal {name!r} is a {signal.type}; here a {' or '.join(types)} is needed", node

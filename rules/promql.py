@@ -30,7 +30,7 @@ class PromQLRenderer:
 
     @staticmethod
     def selector(sel: C.Selector, suffix: str = "") -> str:
-        name = sel.signal.metric + suffix
+        name = sel.metric + suffix
         if not sel.matchers:
             return name
         # json.dumps escapes quotes and backslashes the way PromQL strings expect

@@ -1,16 +1,35 @@
-"""The signals a rule may name, mapped to exact metric series.
+"""Every signal a rule or a runbook may name, declared once: one name per quantity.
 
-Rules say ``preemptions`` or ``e2e_latency``; this registry knows that the
-first is the collector's counter ``vllm_runbook_preemptions_total`` and the
-second vLLM's histogram ``vllm:e2e_request_latency_seconds``. Collector names
-come from ``vllm_runbook.collector.metrics`` so a rename there breaks here, loudly.
-A name not in SIGNALS is an UnknownSignalError at load time.
+A rule's condition and a runbook's check, `when`, verification and guards
+name signals from `SIGNALS`; the docs' signal table is generated from it.
+Each entry says what the quantity is (`help`, `unit`, `type`) and how each
+side reads it:
+
+- `metric`: the exact Prometheus series a rule queries (the collector's
+  names come from `vllm_runbook.collector.metrics`, so a rename there breaks
+  here, loudly). None: not a series, rules cannot name it.
+- `reading`: where a runbook reads it on one engine (the engine's agent, NVML
+  through it, or vLLM's API server) and over what time. None: rules only.
+
+Derived measurements are named by one rule (docs/signals.md): the base
+signal's name, then what was done to it (`of` + ``_`` + `how`):
+
+    preemptions_per_minute   rate of the counter `preemptions`, per minute (_per_second)
+    schedule_time_p99        99th percentile of the histogram `schedule_time`
+    schedule_time_sum/_count the histogram's sum and count, as counters
+    gpu_utilization_max      highest over the base's `per` label (its GPUs, its tiers)
+    gpu_utilization_spread   highest minus lowest over it; _spread_ratio: that / highest
+    tier_requests_waiting_hot  one value of the `per` label
+
+A name not in SIGNALS is an UnknownSignalError (a rule) or a validation
+error (a runbook) at load time; a name in RENAMED says what it is called now.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Final, Literal
 
 from vllm_runbook.collector import metrics as M
 
@@ -21,84 +40,425 @@ SignalType = Literal["gauge", "counter", "histogram"]
 # model_name and engine (the DP rank).
 ENGINE_LABELS: tuple[str, ...] = ("instance", "model_name", "engine")
 
+# Where a runbook reads a signal.
+AGENT: Final = "collector (engine agent /v1/state)"
+NVML: Final = "NVML (engine agent /v1/state)"
+API: Final = "vLLM API server /metrics"
+# Over what time.
+NOW: Final = "latest step"
+WINDOW: Final = "trailing window (VLLM_RUNBOOK_WINDOW_SECONDS) before; from the change's step after"
+READS: Final = "between two reads before; from the change's step after"
+NVML_POLL: Final = "latest NVML poll"
+AT_READ: Final = "at the read"
+
+# How a derived signal is measured from its base (`of`): the suffix of its name.
+RATES: Final = ("per_second", "per_minute")  # of a counter
+HISTOGRAM_PARTS: Final = ("p99", "sum", "count")  # of a histogram
+OVER_LABEL: Final = ("max", "spread", "spread_ratio")  # over the base's `per` label
+
+
+@dataclass(frozen=True)
+class Reading:
+    """How a runbook reads a signal on one engine."""
+
+    source: str
+    window: str
+    # Measured over a window: after a change, read only from the change's step on.
+    windowed: bool = False
+
 
 @dataclass(frozen=True)
 class Signal:
     name: str
-    metric: str  # exact series name (histograms: without _bucket/_sum/_count)
-    type: SignalType
+    type: SignalType  # a derived value read by runbooks is a gauge: one number now
+    unit: str
     help: str
-    per: str | None = None  # extra label that splits one engine's series (GPUs)
+    metric: str | None = None  # exact series (histograms: without _bucket/_sum/_count)
+    per: str | None = None  # extra label that splits one engine's series (GPUs, tiers)
+    reading: Reading | None = None
+    of: str | None = None  # derived: the base signal...
+    # ...and what was done to it: RATES, HISTOGRAM_PARTS, OVER_LABEL or a value of its label
+    how: str | None = None
+    higher_is_worse: bool = False  # the circuit breaker's direction for a guard
 
 
-def _collector(name: str, spec: M.MetricSpec, help_: str) -> Signal:
-    per = next((label for label in ("gpu", "tier") if label in spec.extra_labels), None)
-    return Signal(name, spec.series_name, spec.type, help_, per)
+def _collector(
+    name: str,
+    spec: M.MetricSpec,
+    unit: str,
+    help_: str,
+    reading: Reading | None = None,
+    *,
+    higher_is_worse: bool = False,
+) -> Signal:
+    per = next((label for label in ("gpu", "tier", "policy") if label in spec.extra_labels), None)
+    return Signal(
+        name,
+        spec.type,
+        unit,
+        help_,
+        spec.series_name,
+        per,
+        reading,
+        higher_is_worse=higher_is_worse,
+    )
 
+
+def _derived(
+    of: str,
+    how: str,
+    unit: str,
+    help_: str,
+    reading: Reading,
+    *,
+    higher_is_worse: bool = False,
+) -> Signal:
+    return Signal(
+        f"{of}_{how}",
+        "gauge",
+        unit,
+        help_,
+        reading=reading,
+        of=of,
+        how=how,
+        higher_is_worse=higher_is_worse,
+    )
+
+
+def _runbooks_only(
+    name: str, unit: str, help_: str, reading: Reading, *, higher_is_worse: bool = False
+) -> Signal:
+    return Signal(name, "gauge", unit, help_, reading=reading, higher_is_worse=higher_is_worse)
+
+
+_LATEST = Reading(AGENT, NOW)
+_WINDOWED = Reading(AGENT, WINDOW, windowed=True)
 
 _BASE: tuple[Signal, ...] = (
+    # --- KV cache --------------------------------------------------------------------
+    _collector(
+        "kv_cache_usage",
+        M.KV_CACHE_USAGE,
+        "ratio",
+        "KV blocks used / usable blocks",
+        _LATEST,
+        higher_is_worse=True,
+    ),
+    _collector(
+        "kv_cache_usage_peak",
+        M.KV_CACHE_USAGE_PEAK,
+        "ratio",
+        "peak KV usage at step start over the window",
+    ),
+    _collector(
+        "kv_blocks_free", M.KV_BLOCKS_FREE, "blocks", "free KV blocks in the block pool", _LATEST
+    ),
+    _runbooks_only(
+        "kv_capacity_seqs",
+        "sequences",
+        "sequences the KV cache holds at the running requests' current average footprint "
+        "(usable blocks / average blocks per running request)",
+        _LATEST,
+    ),
     _collector(
         "kv_hit_ratio",
         M.KV_HIT_RATIO,
-        "prefix cache hit ratio over the collector's window (NaN without lookups)",
+        "ratio",
+        "prefix-cache hits / queries over the collector's window (NaN without lookups)",
+        Reading(AGENT + ": prefix-cache counters", WINDOW, windowed=True),
     ),
     _collector(
-        "prefix_cache_queries", M.PREFIX_CACHE_QUERIES, "tokens looked up in the prefix cache"
-    ),
-    _collector("prefix_cache_hits", M.PREFIX_CACHE_HITS, "tokens found in the prefix cache"),
-    _collector(
-        "block_fragmentation", M.BLOCK_FRAGMENTATION, "KV block fragmentation after the latest step"
-    ),
-    _collector("padding_ratio", M.PADDING_RATIO, "cudagraph padding share of executed tokens"),
-    _collector(
-        "length_padding_ratio", M.LENGTH_PADDING_RATIO, "padding a static batcher would need"
-    ),
-    _collector("schedule_seconds", M.SCHEDULE_SECONDS, "wall time of schedule()"),
-    _collector("scheduled_tokens", M.SCHEDULED_TOKENS, "tokens scheduled"),
-    _collector("token_budget", M.TOKEN_BUDGET, "token budget offered"),
-    _collector("budget_fill", M.BUDGET_FILL, "latest step: scheduled / budget"),
-    _collector("requests_running", M.REQUESTS_RUNNING, "requests running"),
-    _collector("requests_waiting", M.REQUESTS_WAITING, "requests waiting (incl. preempted)"),
-    _collector("preemptions", M.PREEMPTIONS, "requests preempted"),
-    _collector(
-        "tier_requests_waiting", M.TIER_REQUESTS_WAITING, "requests waiting, per prompt-length tier"
+        "prefix_cache_queries",
+        M.PREFIX_CACHE_QUERIES,
+        "tokens",
+        "tokens looked up in the prefix cache",
     ),
     _collector(
-        "tier_requests_running", M.TIER_REQUESTS_RUNNING, "requests running, per prompt-length tier"
+        "prefix_cache_hits", M.PREFIX_CACHE_HITS, "tokens", "tokens found in the prefix cache"
+    ),
+    _collector(
+        "block_fragmentation",
+        M.BLOCK_FRAGMENTATION,
+        "ratio",
+        "after the latest step: 1 - computed tokens / (blocks held x block_size) over the "
+        "running requests",
+        _LATEST,
+        higher_is_worse=True,
+    ),
+    _collector("preemptions", M.PREEMPTIONS, "requests", "requests preempted"),
+    _derived(
+        "preemptions",
+        "per_minute",
+        "requests/min",
+        "requests preempted per minute",
+        _WINDOWED,
+        higher_is_worse=True,
+    ),
+    _runbooks_only(
+        "oom_rate",
+        "ratio",
+        "preemptions per finished request (vLLM V1's out-of-memory is a preemption)",
+        Reading(AGENT + ": preemptions / finished requests", WINDOW, windowed=True),
+        higher_is_worse=True,
+    ),
+    # --- queues and admission -----------------------------------------------------------
+    _collector(
+        "requests_running", M.REQUESTS_RUNNING, "requests", "requests in the running queue", _LATEST
+    ),
+    _collector(
+        "requests_waiting",
+        M.REQUESTS_WAITING,
+        "requests",
+        "requests waiting to be scheduled, preempted ones included (queue depth)",
+        _LATEST,
+        higher_is_worse=True,
+    ),
+    _collector(
+        "oldest_waiting",
+        M.OLDEST_WAITING,
+        "seconds",
+        "how long the oldest request still waiting for its first schedule has been in the "
+        "engine's queue (0 when none waits)",
+        _LATEST,
+        higher_is_worse=True,
+    ),
+    _runbooks_only(
+        "admitted_before_time",
+        "Unix time",
+        "Unix time before which every request the engine received has been scheduled at least "
+        "once (the oldest waiting request's arrival in the engine, or now when none waits); "
+        "never decreases, stands still while a request starves",
+        _LATEST,
+    ),
+    _collector(
+        "tier_requests_waiting",
+        M.TIER_REQUESTS_WAITING,
+        "requests",
+        "requests waiting, per prompt-length tier",
+    ),
+    _derived(
+        "tier_requests_waiting",
+        "hot",
+        "requests",
+        "hot-tier (short-prompt) requests waiting to be scheduled",
+        Reading(AGENT + ": per-tier queues", AT_READ),
+    ),
+    _collector(
+        "tier_requests_running",
+        M.TIER_REQUESTS_RUNNING,
+        "requests",
+        "requests running, per prompt-length tier",
     ),
     _collector(
         "tier_oldest_waiting",
         M.TIER_OLDEST_WAITING,
+        "seconds",
         "age of the oldest request waiting for its first schedule, per tier",
     ),
-    _collector("kv_cache_usage", M.KV_CACHE_USAGE, "KV blocks used / usable"),
-    _collector(
-        "kv_cache_usage_peak", M.KV_CACHE_USAGE_PEAK, "peak KV usage at step start over the window"
+    _derived(
+        "tier_oldest_waiting",
+        "max",
+        "seconds",
+        "the longest wait, over the prompt-length tiers, of a request still waiting for its "
+        "first schedule (0 when none waits)",
+        Reading(AGENT + ": per-tier queues", AT_READ),
     ),
-    _collector("engine_start_time", M.ENGINE_START_TIME, "unix time the engine started"),
-    _collector("gpu_memory_used", M.GPU_MEMORY_USED, "GPU memory in use, per GPU"),
-    _collector("gpu_memory_total", M.GPU_MEMORY_TOTAL, "GPU memory in total, per GPU"),
-    _collector("gpu_utilization", M.GPU_UTILIZATION, "GPU compute utilisation, per GPU"),
+    # --- knobs and the step ------------------------------------------------------------
+    _collector(
+        "max_num_batched_tokens",
+        M.MAX_NUM_BATCHED_TOKENS,
+        "tokens",
+        "effective token budget per step",
+        _LATEST,
+    ),
+    _collector("max_num_seqs", M.MAX_NUM_SEQS, "sequences", "effective admission limit", _LATEST),
+    _collector(
+        "scheduler_policy",
+        M.SCHEDULER_POLICY,
+        "policy",
+        "active scheduling policy (fcfs | priority | tiered); as a series, 1 for the active one",
+        _LATEST,
+    ),
+    _collector("scheduled_tokens", M.SCHEDULED_TOKENS, "tokens", "tokens scheduled"),
+    _derived(
+        "scheduled_tokens",
+        "per_second",
+        "tokens/s",
+        "tokens scheduled per second (prefill and decode)",
+        Reading(AGENT + ": scheduled tokens counter", READS, windowed=True),
+    ),
+    _collector("token_budget", M.TOKEN_BUDGET, "tokens", "token budget offered"),
+    _collector(
+        "budget_fill",
+        M.BUDGET_FILL,
+        "ratio",
+        "latest step: scheduled tokens / token budget",
+        _LATEST,
+    ),
+    _collector(
+        "max_sequence_tokens",
+        M.MAX_SEQUENCE_TOKENS,
+        "tokens",
+        "longest context (prompt + generated) among running requests",
+        _LATEST,
+        higher_is_worse=True,
+    ),
+    _collector(
+        "length_padding_ratio",
+        M.LENGTH_PADDING_RATIO,
+        "ratio",
+        "latest step: 1 - sum(len) / (n x max len) over the scheduled requests' context "
+        "lengths (the length spread a static batcher would pad)",
+        _LATEST,
+    ),
+    _collector(
+        "padding_ratio",
+        M.PADDING_RATIO,
+        "ratio",
+        "cudagraph padding: padded - unpadded over padded tokens, over the window",
+        Reading(AGENT, "trailing window (VLLM_RUNBOOK_WINDOW_SECONDS)"),
+    ),
+    _collector("schedule_time", M.SCHEDULE_SECONDS, "seconds", "wall time of schedule()"),
+    _derived(
+        "schedule_time",
+        "p99",
+        "seconds",
+        "P99 wall time of scheduler.schedule()",
+        Reading(AGENT + ": schedule() histogram", "since engine start"),
+        higher_is_worse=True,
+    ),
+    # --- requests ----------------------------------------------------------------------
     Signal(
         "e2e_latency",
-        "vllm:e2e_request_latency_seconds",
         "histogram",
-        "vLLM end-to-end request latency",
+        "seconds",
+        "vLLM's end-to-end request latency (from the API server's arrival)",
+        "vllm:e2e_request_latency_seconds",
     ),
     Signal(
         "time_to_first_token",
-        "vllm:time_to_first_token_seconds",
         "histogram",
-        "vLLM time to first token",
+        "seconds",
+        "vLLM's time to first token",
+        "vllm:time_to_first_token_seconds",
     ),
-    Signal("generation_tokens", "vllm:generation_tokens_total", "counter", "vLLM generated tokens"),
-    Signal("prompt_tokens", "vllm:prompt_tokens_total", "counter", "vLLM prompt tokens"),
+    _collector(
+        "engine_e2e_latency",
+        M.REQUEST_E2E_SECONDS,
+        "seconds",
+        "per finished request: from its arrival in the engine to its finish",
+    ),
+    _derived(
+        "engine_e2e_latency",
+        "p99",
+        "seconds",
+        "P99 end-to-end latency of the requests finished in the window (as the engine saw it)",
+        Reading(AGENT + ": end-to-end time of finished requests", WINDOW, windowed=True),
+        higher_is_worse=True,
+    ),
+    _collector(
+        "engine_queue_time",
+        M.REQUEST_QUEUE_SECONDS,
+        "seconds",
+        "per finished request: from its arrival in the engine to its first schedule",
+    ),
+    _derived(
+        "engine_queue_time",
+        "p99",
+        "seconds",
+        "P99 time the requests finished in the window waited before their first schedule",
+        Reading(AGENT + ": queue time of finished requests", WINDOW, windowed=True),
+        higher_is_worse=True,
+    ),
+    Signal(
+        "generation_tokens",
+        "counter",
+        "tokens",
+        "vLLM's generated tokens",
+        "vllm:generation_tokens_total",
+    ),
+    Signal(
+        "prompt_tokens", "counter", "tokens", "vLLM's prompt tokens", "vllm:prompt_tokens_total"
+    ),
     Signal(
         "requests_finished",
-        "vllm:request_success_total",
         "counter",
-        "vLLM finished requests, label finished_reason",
+        "requests",
+        "vLLM's finished requests, label finished_reason",
+        "vllm:request_success_total",
     ),
+    _runbooks_only(
+        "error_rate",
+        "ratio",
+        "finished requests with finish reason 'error' / finished requests",
+        Reading(AGENT + ": finish reason 'error' / finished", WINDOW, windowed=True),
+        higher_is_worse=True,
+    ),
+    _runbooks_only(
+        "finish_reasons",
+        "requests by reason",
+        "requests finished over the window, by vLLM's finish reason",
+        Reading(AGENT + ": finished requests", "trailing window"),
+    ),
+    _runbooks_only(
+        "http_error_rate",
+        "ratio",
+        "share of the API server's POST requests answered with a server error (HTTP 5xx), "
+        "including those that never reached the engine",
+        Reading(
+            API + ": http_requests_total, POST answered 5xx / POST", "since the API server started"
+        ),
+    ),
+    # --- GPUs and the engine ----------------------------------------------------------------
+    _collector("gpu_memory_used", M.GPU_MEMORY_USED, "bytes", "GPU memory in use, per GPU (NVML)"),
+    _derived(
+        "gpu_memory_used",
+        "max",
+        "bytes",
+        "GPU memory in use on the engine's fullest GPU (NVML)",
+        Reading(NVML, NVML_POLL),
+        higher_is_worse=True,
+    ),
+    _derived(
+        "gpu_memory_used",
+        "spread_ratio",
+        "ratio",
+        "(highest - lowest) / highest GPU memory in use among the engine's GPUs",
+        Reading(NVML, NVML_POLL),
+    ),
+    _collector(
+        "gpu_memory_total", M.GPU_MEMORY_TOTAL, "bytes", "GPU memory in total, per GPU (NVML)"
+    ),
+    _collector(
+        "gpu_utilization",
+        M.GPU_UTILIZATION,
+        "ratio",
+        "GPU compute utilisation, per GPU (NVML)",
+    ),
+    _derived(
+        "gpu_utilization",
+        "max",
+        "ratio",
+        "GPU compute utilisation of the engine's busiest GPU (NVML)",
+        Reading(NVML, NVML_POLL),
+    ),
+    _derived(
+        "gpu_utilization",
+        "spread",
+        "ratio",
+        "highest minus lowest GPU utilisation among the engine's GPUs",
+        Reading(NVML, NVML_POLL),
+    ),
+    _runbooks_only(
+        "tensor_parallel_size",
+        "GPUs",
+        "GPUs one model replica is split over (tensor parallel)",
+        Reading(AGENT + ": the engine's parallel config", "at start"),
+    ),
+    _collector(
+        "engine_start_time", M.ENGINE_START_TIME, "Unix time", "Unix time the engine started"
+    ),
+    _runbooks_only("engine_uptime", "seconds", "seconds since the engine started", _LATEST),
 )
 
 
@@ -107,12 +467,68 @@ def _with_histogram_parts(signals: tuple[Signal, ...]) -> dict[str, Signal]:
     out: dict[str, Signal] = {}
     for s in signals:
         out[s.name] = s
-        if s.type == "histogram":
+        if s.type == "histogram" and s.metric is not None:
             for part in ("sum", "count"):
                 out[f"{s.name}_{part}"] = Signal(
-                    f"{s.name}_{part}", f"{s.metric}_{part}", "counter", f"{s.help} ({part})", s.per
+                    f"{s.name}_{part}",
+                    "counter",
+                    s.unit if part == "sum" else "observations",
+                    f"{s.help} ({part})",
+                    f"{s.metric}_{part}",
+                    s.per,
+                    of=s.name,
+                    how=part,
                 )
     return out
 
 
-SIGNALS: dict[str, Signal] = _with_histogram_parts(_BASE)
+SIGNALS: Final[Mapping[str, Signal]] = _with_histogram_parts(_BASE)
+
+# Old names, and what each is called now: a catalog that still uses one is
+# told the new name (no aliases: one quantity, one name).
+RENAMED: Final[Mapping[str, str]] = {
+    "kv_cache_usage_ratio": "kv_cache_usage",
+    "num_requests_running": "requests_running",
+    "num_requests_waiting": "requests_waiting",
+    "block_fragmentation_ratio": "block_fragmentation",
+    "budget_fill_ratio": "budget_fill",
+    "oldest_waiting_seconds": "oldest_waiting",
+    "hot_requests_waiting": "tier_requests_waiting_hot",
+    "tier_oldest_waiting_seconds": "tier_oldest_waiting_max",
+    "throughput_tokens_per_second": "scheduled_tokens_per_second",
+    "p99_latency_seconds": "engine_e2e_latency_p99",
+    "waiting_seconds_p99": "engine_queue_time_p99",
+    "schedule_seconds": "schedule_time",
+    "schedule_seconds_sum": "schedule_time_sum",
+    "schedule_seconds_count": "schedule_time_count",
+    "schedule_seconds_p99": "schedule_time_p99",
+    "gpu_utilization_ratio": "gpu_utilization_max",
+    "gpu_memory_used_bytes": "gpu_memory_used_max",
+    "gpu_memory_spread_ratio": "gpu_memory_used_spread_ratio",
+    "engine_uptime_seconds": "engine_uptime",
+}
+
+# What runbooks can read: every signal with a reading, in the registry's order.
+READABLE: Final[Mapping[str, Signal]] = {n: s for n, s in SIGNALS.items() if s.reading}
+
+
+def unknown_signal(name: str, *, readable: bool = False) -> str | None:
+    """Why `name` cannot be named here (None: it can). `readable`: by a runbook,
+    which reads the engine; else by a rule, which queries Prometheus series."""
+    if name in RENAMED:
+        return f"signal {name!r} was renamed {RENAMED[name]!r}"
+    signal = SIGNALS.get(name)
+    if signal is None:
+        return f"unknown signal {name!r}"
+    if readable and signal.reading is None:
+        hint = _derived_hint(name)
+        return f"signal {name!r} is a Prometheus series for rules; a runbook cannot read it{hint}"
+    if not readable and signal.metric is None:
+        base = f"; it is derived from {signal.of!r}" if signal.of else ""
+        return f"signal {name!r} is read by runbooks from the engine, not a Prometheus series{base}"
+    return None
+
+
+def _derived_hint(name: str) -> str:
+    readable = [n for n, s in READABLE.items() if s.of == name]
+    return f" (runbooks read {', '.join(readable)})" if readable else ""

@@ -20,7 +20,7 @@ from datetime import datetime, timedelta
 from typing import Any, Final
 
 from vllm_runbook.rules.config import DEFAULT_APPROVAL_TIMEOUT, load_config
-from vllm_runbook.rules.errors import ConfigError
+from vllm_runbook.rules.errors import CatalogError
 from vllm_runbook.runbooks.executor import default_who, format_duration
 from vllm_runbook.runbooks.journal_cli import _add_db_option, _fail, _guarded
 from vllm_runbook.runbooks.render import format_table
@@ -70,7 +70,7 @@ class _Setup:
 def _setup(args: argparse.Namespace) -> _Setup | int:
     try:
         return _Setup(args)
-    except ConfigError as exc:
+    except CatalogError as exc:
         return _fail(EXIT_USAGE, str(exc).splitlines()[0])
 
 

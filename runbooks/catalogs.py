@@ -52,7 +52,7 @@ def runbook_names(
     directories: Iterable[Path] | None = None, registry: ActionRegistry | None = None
 ) -> list[str]:
     """The names of the runbook catalog (default: the shipped one), triggers unchecked;
-    runbooks.spec.CatalogError when a file is broken."""
+    CatalogError (rules.errors) when a file is broken."""
     return list(load_runbook_catalog(directories, registry))
 
 
@@ -65,7 +65,7 @@ def load_rules(
     config: Config, runbooks: Collection[str], path: str | Path | None = None
 ) -> list[Rule]:
     """The rule catalog (`path`, else the configuration's), bound with its overrides,
-    every `runbook` label checked against `runbooks`; rules CatalogError if broken."""
+    every `runbook` label checked against `runbooks`; CatalogError if broken."""
     return config.bind(load_rule_catalog(path or config.catalog, runbooks=list(runbooks)))
 
 
@@ -75,8 +75,8 @@ def load_deployment(
     registry: ActionRegistry | None = None,
 ) -> Deployment:
     """The configuration, the rule catalog it names and the runbook catalog, each
-    checked against the others. Raises rules ConfigError / CatalogError or
-    runbooks.spec.CatalogError with every problem."""
+    checked against the others. Raises CatalogError (rules.errors) with every
+    problem; its `what` says which file is broken."""
     dirs = list(runbook_dirs) if runbook_dirs is not None else None
     names = runbook_names(dirs, registry)
     config = load_config(config_path, names)

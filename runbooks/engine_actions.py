@@ -10,11 +10,11 @@ the engine* (crash safety: a SIGKILL after `begin` leaves the values to
 restore). Mutating actions call `begin` exactly once, right before the
 write; an action that finds nothing to change returns `skipped` instead.
 
-`SignalReader` turns `/v1/state` into the signals named by
-`vllm_runbook.runbooks.spec.KNOWN_SIGNALS` (sources in
-`vllm_runbook.runbooks.sources`). A signal that cannot be read on this engine
-(no GPU, no finished request yet) reads None and `SignalReader.unavailable`
-says why: the executor reports it rather than guessing.
+`SignalReader` turns `/v1/state` into the signals a runbook may read
+(`vllm_runbook.rules.signals`, sources in `vllm_runbook.runbooks.sources`). A
+signal that cannot be read on this engine (no GPU, no finished request yet)
+reads None and `SignalReader.unavailable` says why: the executor reports it
+rather than guessing.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class SignalReader:
         if scheduled is not None and self._previous is not None:
             then, before = self._previous
             if now > then:
-                signals["throughput_tokens_per_second"] = (scheduled - before) / (now - then)
+                signals["scheduled_tokens_per_second"] = (scheduled - before) / (now - then)
         if scheduled is not None:
             self._previous = (now, float(scheduled))
         post_change: dict[str, str] = {}

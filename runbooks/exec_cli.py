@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any, Final
 
+from vllm_runbook.rules.errors import CatalogError
 from vllm_runbook.runbooks.client import CommandRefused, EngineClientError, normalize_url
 from vllm_runbook.runbooks.executor import (
     EXIT_REFUSED,
@@ -31,7 +32,7 @@ from vllm_runbook.runbooks.executor import (
 )
 from vllm_runbook.runbooks.render import render_report
 from vllm_runbook.runbooks.revert import RevertRefused
-from vllm_runbook.runbooks.spec import CatalogError, load_catalog
+from vllm_runbook.runbooks.spec import load_catalog
 from vllm_runbook.runbooks.store import (
     ExecutionNotFound,
     Store,

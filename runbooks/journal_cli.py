@@ -25,8 +25,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Final, TextIO
 
+from vllm_runbook.rules.errors import CatalogError
 from vllm_runbook.runbooks.render import format_table, format_value, render_report
-from vllm_runbook.runbooks.spec import Catalog, CatalogError, Runbook, load_catalog
+from vllm_runbook.runbooks.spec import Catalog, Runbook, load_catalog
 from vllm_runbook.runbooks.store import (
     ExecutionNotFound,
     ExecutionRecord,

@@ -8,8 +8,8 @@ moments. Whoever watches the engine (the demo does) appends them to a
 
     {"kind": "phase",   "t": 1718000000.0, "name": "long-burst"}
     {"kind": "sample",  "t": ..., "engine": "http://127.0.0.1:9360", "phase": "long-burst",
-     "rps": 4.0, "kv_hit_ratio": 0.41, "block_fragmentation_ratio": 0.03,
-     "kv_cache_usage_ratio": 0.98, "preemptions_total": 37, "requests_running": 16,
+     "rps": 4.0, "kv_hit_ratio": 0.41, "block_fragmentation": 0.03,
+     "kv_cache_usage": 0.98, "preemptions": 37, "requests_running": 16,
      "requests_waiting": 3, "max_num_batched_tokens": 512, "max_num_seqs": 16,
      "policy": "priority", "oldest_request_s": 4.2, "oldest_low_priority_s": 0.0}
     {"kind": "request", "t0": ..., "t1": ..., "phase": "steady", "priority": 0,
@@ -18,8 +18,9 @@ moments. Whoever watches the engine (the demo does) appends them to a
 `t` is Unix time; `engine` is the agent URL as the journal names the
 engine; `rps` is requests completed per second and `oldest_request_s` the
 age of the oldest request still in flight (`oldest_low_priority_s`: of the
-low-priority ones), all seen by the client. Unknown
-keys are ignored, so the format only ever grows.
+low-priority ones), all seen by the client; a key that is a signal has its name
+(`vllm_runbook.rules.signals`: `kv_cache_usage`, `preemptions` the counter's value).
+Unknown keys are ignored, so the format only ever grows.
 
 `timeline_png` draws the signals with the executions' events marked;
 `phase_rows`, `execution_lines` give the summary. The demo and `runbook
@@ -160,7 +161,7 @@ def phase_rows(history: History) -> list[dict[str, Any]]:
         seconds = max(end - start, 1e-9)
         finished_in = [r for r in history.requests if r.get("ok") and start <= r["t1"] < end]
         samples = history.between(start, end)
-        counts = [s["preemptions_total"] for s in samples if s.get("preemptions_total") is not None]
+        counts = [s["preemptions"] for s in samples if s.get("preemptions") is not None]
         rows.append(
             {
                 "phase": name,
@@ -175,11 +176,7 @@ def phase_rows(history: History) -> list[dict[str, Any]]:
                 "p99_s": percentile(latencies, 99),
                 "preemptions": (max(counts) - min(counts)) if counts else None,
                 "peak_kv": max(
-                    (
-                        s["kv_cache_usage_ratio"]
-                        for s in samples
-                        if s.get("kv_cache_usage_ratio") is not None
-                    ),
+                    (s["kv_cache_usage"] for s in samples if s.get("kv_cache_usage") is not None),
                     default=None,
                 ),
             }
@@ -261,10 +258,10 @@ def effect(
     end = last + 2 + EFFECT_WINDOW_S
     after = history.between(last + 2, min(end, until) if until else end)
     measures: list[tuple[str, Callable[[list[dict[str, Any]]], float | None]]] = [
-        ("preemptions/min", lambda ss: _scaled(_counter_rate(ss, "preemptions_total"), 60)),
+        ("preemptions/min", lambda ss: _scaled(_counter_rate(ss, "preemptions"), 60)),
         ("requests waiting", lambda ss: _mean(s.get("requests_waiting") for s in ss)),
         ("completed req/s", lambda ss: _mean(s.get("rps") for s in ss)),
-        ("KV usage", lambda ss: _mean(s.get("kv_cache_usage_ratio") for s in ss)),
+        ("KV usage", lambda ss: _mean(s.get("kv_cache_usage") for s in ss)),
     ]
     if any(s.get("oldest_low_priority_s") for s in before):
         measures.append(
@@ -418,18 +415,18 @@ def timeline_png(
 
     preempt_rate = [math.nan]
     for a, b in itertools.pairwise(samples):
-        if a.get("preemptions_total") is None or b.get("preemptions_total") is None:
+        if a.get("preemptions") is None or b.get("preemptions") is None:
             preempt_rate.append(math.nan)
         else:
             dt = max(b["t"] - a["t"], 1e-9)
-            preempt_rate.append(max(0.0, b["preemptions_total"] - a["preemptions_total"]) / dt)
+            preempt_rate.append(max(0.0, b["preemptions"] - a["preemptions"]) / dt)
 
     fig, axes = plt.subplots(4, 1, figsize=(13, 10.5), sharex=True)
     ax_kv, ax_pre, ax_knobs, ax_client = axes
-    ax_kv.plot(x, series("kv_cache_usage_ratio", 100), label="KV cache usage %", color="tab:red")
+    ax_kv.plot(x, series("kv_cache_usage", 100), label="KV cache usage %", color="tab:red")
     ax_kv.plot(x, series("kv_hit_ratio", 100), label="prefix hit ratio %", color="tab:green")
     ax_kv.plot(
-        x, series("block_fragmentation_ratio", 100), label="block fragmentation %", color="tab:gray"
+        x, series("block_fragmentation", 100), label="block fragmentation %", color="tab:gray"
     )
     ax_kv.set_ylim(0, 105)
     ax_kv.set_ylabel("%")

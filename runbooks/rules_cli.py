@@ -27,7 +27,6 @@ from vllm_runbook.rules.prometheus_operator import (
 from vllm_runbook.rules.promql import DEFAULT_RUNBOOK_URL_BASE, export
 from vllm_runbook.runbooks import check_cli
 from vllm_runbook.runbooks.catalogs import load_config, runbook_names
-from vllm_runbook.runbooks.spec import CatalogError as RunbookCatalogError
 
 EXIT_OK = 0
 EXIT_INVALID = 2
@@ -116,7 +115,7 @@ def _runbooks(args: argparse.Namespace) -> list[str] | None:
     """The runbook catalog's names; None (reported) when the catalog is broken."""
     try:
         return runbook_names(args.catalog)
-    except RunbookCatalogError as exc:
+    except CatalogError as exc:
         print(f"invalid runbook catalog:\n{exc}", file=sys.stderr)
         return None
 

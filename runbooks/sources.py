@@ -1,7 +1,8 @@
 """Where each runbook signal comes from, and what it reads before and after a change.
 
-Every signal of `vllm_runbook.runbooks.spec.KNOWN_SIGNALS` has one source
-(`SOURCES`): the collector inside the engine (`/v1/state` of the engine's
+Every signal a runbook may read (`vllm_runbook.rules.signals`, the one
+registry of signal names) has one source (`SOURCES`, its `reading` there):
+the collector inside the engine (`/v1/state` of the engine's
 agent), NVML through the same agent for GPU signals, or vLLM's API server
 `/metrics` for what only the API server knows (HTTP statuses: a request it
 answers with an error may never reach the engine). `signals_from_state`
@@ -25,61 +26,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, Final
 
-AGENT: Final = "collector (engine agent /v1/state)"
-NVML: Final = "NVML (engine agent /v1/state)"
-API: Final = "vLLM API server /metrics"
+from vllm_runbook.rules.signals import API, READABLE, Reading
 
-NOW: Final = "latest step"
-WINDOW: Final = "trailing window (VLLM_RUNBOOK_WINDOW_SECONDS) before; from the change's step after"
-READS: Final = "between two reads before; from the change's step after"
-
-
-@dataclass(frozen=True)
-class Source:
-    source: str
-    window: str
-    windowed: bool = False  # measured over a window: after a change, read from its step
-
-
-SOURCES: Final[Mapping[str, Source]] = {
-    "kv_cache_usage_ratio": Source(AGENT, NOW),
-    "kv_blocks_free": Source(AGENT, NOW),
-    "kv_capacity_seqs": Source(AGENT, NOW),
-    "preemptions_per_minute": Source(AGENT, WINDOW, windowed=True),
-    "max_sequence_tokens": Source(AGENT, NOW),
-    "num_requests_running": Source(AGENT, NOW),
-    "num_requests_waiting": Source(AGENT, NOW),
-    "max_num_batched_tokens": Source(AGENT, NOW),
-    "max_num_seqs": Source(AGENT, NOW),
-    "scheduler_policy": Source(AGENT, NOW),
-    "budget_fill_ratio": Source(AGENT, NOW),
-    "p99_latency_seconds": Source(AGENT + ": end-to-end time of finished requests", WINDOW, True),
-    "waiting_seconds_p99": Source(AGENT + ": queue time of finished requests", WINDOW, True),
-    "oldest_waiting_seconds": Source(AGENT, NOW),
-    "hot_requests_waiting": Source(AGENT + ": per-tier queues", "at the read"),
-    "tier_oldest_waiting_seconds": Source(AGENT + ": per-tier queues", "at the read"),
-    "admitted_before_time": Source(AGENT, NOW),
-    "throughput_tokens_per_second": Source(AGENT + ": scheduled tokens counter", READS, True),
-    "schedule_seconds_p99": Source(AGENT + ": schedule() histogram", "since engine start"),
-    "block_fragmentation_ratio": Source(AGENT, NOW),
-    "kv_hit_ratio": Source(AGENT + ": prefix-cache counters", WINDOW, windowed=True),
-    "gpu_utilization_ratio": Source(NVML + ", highest GPU", "latest NVML poll"),
-    "gpu_memory_used_bytes": Source(NVML + ", highest GPU", "latest NVML poll"),
-    "error_rate": Source(AGENT + ": finish reason 'error' / finished", WINDOW, windowed=True),
-    "oom_rate": Source(AGENT + ": preemptions / finished requests", WINDOW, windowed=True),
-    "engine_uptime_seconds": Source(AGENT, NOW),
-    "length_padding_ratio": Source(AGENT, NOW),
-    "padding_ratio": Source(AGENT, "trailing window (VLLM_RUNBOOK_WINDOW_SECONDS)"),
-    "gpu_utilization_spread": Source(NVML + ", across the engine's GPUs", "latest NVML poll"),
-    "gpu_memory_spread_ratio": Source(NVML + ", across the engine's GPUs", "latest NVML poll"),
-    "tensor_parallel_size": Source(AGENT + ": the engine's parallel config", "at start"),
-    "finish_reasons": Source(AGENT + ": finished requests", "trailing window"),
-    "http_error_rate": Source(
-        API + ": http_requests_total, POST answered 5xx / POST", "since the API server started"
-    ),
+# Where each signal comes from and over what time is part of the one signal registry.
+SOURCES: Final[Mapping[str, Reading]] = {
+    name: s.reading for name, s in READABLE.items() if s.reading is not None
 }
 
 WINDOWED: Final = frozenset(name for name, s in SOURCES.items() if s.windowed)
@@ -123,29 +76,34 @@ def kv_capacity_seqs(stats: Mapping[str, Any]) -> int | None:
     return max(1, usable * int(running) // int(used))
 
 
+# Signal -> the key of the agent's `/v1/state` "stats" it is read from (the agent's
+# wire names, not the signal names).
+_FROM_STATS: Final = {
+    "kv_cache_usage": "kv_cache_usage_ratio",
+    "kv_blocks_free": "kv_blocks_free",
+    "preemptions_per_minute": "preemptions_per_minute",
+    "requests_running": "num_requests_running",
+    "requests_waiting": "num_requests_waiting",
+    "budget_fill": "budget_fill_ratio",
+    "block_fragmentation": "block_fragmentation_ratio",
+    "kv_hit_ratio": "kv_hit_ratio",
+    "oldest_waiting": "oldest_waiting_seconds",
+    "admitted_before_time": "admitted_before_time",
+    "max_sequence_tokens": "max_sequence_tokens",
+    "engine_e2e_latency_p99": "p99_latency_seconds",
+    "engine_queue_time_p99": "waiting_seconds_p99",
+    "error_rate": "error_rate",
+}
+
+
 def signals_from_state(state: Mapping[str, Any]) -> dict[str, Any]:
     """Every known signal from one `/v1/state` answer (None where not readable:
     `unavailable(state)` says why)."""
     stats, knobs = state.get("stats", {}), state.get("knobs", {})
     signals: dict[str, Any] = dict.fromkeys(SOURCES)
-    for name in (
-        "kv_cache_usage_ratio",
-        "kv_blocks_free",
-        "preemptions_per_minute",
-        "num_requests_running",
-        "num_requests_waiting",
-        "budget_fill_ratio",
-        "block_fragmentation_ratio",
-        "kv_hit_ratio",
-        "oldest_waiting_seconds",
-        "admitted_before_time",
-        "max_sequence_tokens",
-        "p99_latency_seconds",
-        "waiting_seconds_p99",
-        "error_rate",
-    ):
-        signals[name] = stats.get(name)
-    for name in ("num_requests_running", "num_requests_waiting", "kv_blocks_free"):
+    for name, key in _FROM_STATS.items():
+        signals[name] = stats.get(key)
+    for name in ("requests_running", "requests_waiting", "kv_blocks_free"):
         if signals[name] is not None:
             signals[name] = int(signals[name])
     if stats.get("max_sequence_tokens") is not None:
@@ -156,7 +114,7 @@ def signals_from_state(state: Mapping[str, Any]) -> dict[str, Any]:
         signals["oom_rate"] = _oom_rate(preempted * window / 60.0, stats.get("requests_finished"))
     histogram = state.get("schedule_histogram")
     if histogram:
-        signals["schedule_seconds_p99"] = _p99_from_histogram(
+        signals["schedule_time_p99"] = _p99_from_histogram(
             list(histogram["bounds"]), list(histogram["cumulative"])
         )
     signals["kv_capacity_seqs"] = kv_capacity_seqs(stats)
@@ -165,14 +123,14 @@ def signals_from_state(state: Mapping[str, Any]) -> dict[str, Any]:
     signals["scheduler_policy"] = knobs.get("policy")
     started = state.get("engine", {}).get("started_at")
     if started is not None:
-        signals["engine_uptime_seconds"] = max(0.0, time.time() - float(started))
+        signals["engine_uptime"] = max(0.0, time.time() - float(started))
     for name in ("length_padding_ratio", "padding_ratio"):
         signals[name] = stats.get(name)
     signals["finish_reasons"] = stats.get("finished_by_reason")
     tiers = (state.get("tiers") or {}).get("now")
     if tiers:
-        signals["hot_requests_waiting"] = int(tiers["hot"]["waiting"])
-        signals["tier_oldest_waiting_seconds"] = max(
+        signals["tier_requests_waiting_hot"] = int(tiers["hot"]["waiting"])
+        signals["tier_oldest_waiting_max"] = max(
             float(t["oldest_waiting_seconds"]) for t in tiers.values()
         )
     signals["tensor_parallel_size"] = (state.get("engine", {}).get("parallel") or {}).get(
@@ -182,10 +140,10 @@ def signals_from_state(state: Mapping[str, Any]) -> dict[str, Any]:
     if gpus:
         utilization = [g["utilization_ratio"] for g in gpus.values()]
         memory = [g["memory_used_bytes"] for g in gpus.values()]
-        signals["gpu_utilization_ratio"] = max(utilization)
-        signals["gpu_memory_used_bytes"] = max(memory)
+        signals["gpu_utilization_max"] = max(utilization)
+        signals["gpu_memory_used_max"] = max(memory)
         signals["gpu_utilization_spread"] = max(utilization) - min(utilization)
-        signals["gpu_memory_spread_ratio"] = (
+        signals["gpu_memory_used_spread_ratio"] = (
             (max(memory) - min(memory)) / max(memory) if max(memory) > 0 else 0.0
         )
     return signals
@@ -198,10 +156,10 @@ def since_signals(since: Mapping[str, Any] | None) -> dict[str, Any]:
         return {}
     return {
         "preemptions_per_minute": since.get("preemptions_per_minute"),
-        "throughput_tokens_per_second": since.get("throughput_tokens_per_second"),
+        "scheduled_tokens_per_second": since.get("throughput_tokens_per_second"),
         "kv_hit_ratio": since.get("kv_hit_ratio"),
-        "p99_latency_seconds": since.get("p99_latency_seconds"),
-        "waiting_seconds_p99": since.get("waiting_seconds_p99"),
+        "engine_e2e_latency_p99": since.get("p99_latency_seconds"),
+        "engine_queue_time_p99": since.get("waiting_seconds_p99"),
         "error_rate": since.get("error_rate"),
         "oom_rate": _oom_rate(since.get("preemptions"), since.get("requests_finished")),
     }
@@ -260,17 +218,17 @@ def unavailable(
             why[name] = "the engine's agent does not report its parallel config"
         elif name.startswith("gpu_"):
             why[name] = NO_GPU if not gpus.get("nvml_up") else "NVML returned no GPU"
-        elif name in ("p99_latency_seconds", "waiting_seconds_p99", "error_rate", "oom_rate"):
+        elif name in ("engine_e2e_latency_p99", "engine_queue_time_p99", "error_rate", "oom_rate"):
             why[name] = no_requests if "requests_finished" in stats else "agent too old"
         elif name == "kv_hit_ratio":
             why[name] = "no prefix-cache lookup in the window"
         elif name == "kv_capacity_seqs":
             why[name] = "no request running: no KV footprint to scale"
-        elif name == "throughput_tokens_per_second":
+        elif name == "scheduled_tokens_per_second":
             why[name] = "needs two reads"
-        elif name == "schedule_seconds_p99":
+        elif name == "schedule_time_p99":
             why[name] = "no schedule() call yet"
-        elif name in ("hot_requests_waiting", "tier_oldest_waiting_seconds"):
+        elif name in ("tier_requests_waiting_hot", "tier_oldest_waiting_max"):
             why[name] = (
                 "the agent could not read its queues (scheduler busy for 1 s)"
                 if "tiers" in state

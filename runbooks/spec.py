@@ -18,11 +18,9 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Collection, Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -32,69 +30,12 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from vllm_runbook.rules.errors import RUNBOOK_CATALOG, CatalogError, Problem, SyntaxProblem
+from vllm_runbook.rules.signals import READABLE, RENAMED, SIGNALS, unknown_signal
+from vllm_runbook.rules.yamlmarks import MarkedDict, load, locate, validation_problems
 from vllm_runbook.runbooks.actions import ActionRegistry, UnknownAction, declared_registry
 
 CATALOG_DIR: Final = Path(__file__).resolve().parent / "catalog"
-
-# The signals a check, condition or verification may read. The executor
-# computes each from the engine's agent (collector metrics) or vLLM's own
-# /metrics; this table is the contract between the catalog and it.
-KNOWN_SIGNALS: Final[Mapping[str, str]] = {
-    "kv_cache_usage_ratio": "KV blocks used / usable blocks",
-    "kv_blocks_free": "free KV blocks in the block pool",
-    "kv_capacity_seqs": (
-        "sequences the KV cache holds at the running requests' current average footprint "
-        "(usable blocks / average blocks per running request)"
-    ),
-    "preemptions_per_minute": "requests preempted per minute (rate of the preemptions counter)",
-    "max_sequence_tokens": "longest context (prompt + generated) among running requests",
-    "num_requests_running": "requests in the running queue",
-    "num_requests_waiting": "requests waiting to be scheduled (queue depth)",
-    "max_num_batched_tokens": "effective token budget per step",
-    "max_num_seqs": "effective admission limit",
-    "scheduler_policy": "active scheduling policy (fcfs | priority | tiered)",
-    "budget_fill_ratio": "scheduled tokens / token budget",
-    "p99_latency_seconds": "P99 end-to-end request latency",
-    "waiting_seconds_p99": "P99 time requests spend waiting before their first schedule",
-    "oldest_waiting_seconds": (
-        "how long the oldest request still waiting for its first schedule has been in the "
-        "engine's queue (0 when none waits)"
-    ),
-    "hot_requests_waiting": "hot-tier (short-prompt) requests waiting to be scheduled",
-    "tier_oldest_waiting_seconds": (
-        "the longest wait, over the prompt-length tiers, of a request still waiting for its "
-        "first schedule (0 when none waits)"
-    ),
-    "admitted_before_time": (
-        "Unix time before which every request the engine received has been scheduled at least "
-        "once (the oldest waiting request's arrival in the engine, or now when none waits); "
-        "never decreases, stands still while a request starves"
-    ),
-    "throughput_tokens_per_second": "generated + prefilled tokens per second",
-    "schedule_seconds_p99": "P99 wall time of scheduler.schedule()",
-    "block_fragmentation_ratio": "1 - computed tokens / (blocks held x block_size)",
-    "kv_hit_ratio": "prefix-cache hits / queries over the window",
-    "gpu_utilization_ratio": "GPU compute utilisation per GPU (NVML)",
-    "gpu_memory_used_bytes": "GPU memory in use per GPU (NVML)",
-    "error_rate": "failed requests / requests",
-    "oom_rate": "out-of-memory failures / requests",
-    "engine_uptime_seconds": "seconds since the engine started",
-    "length_padding_ratio": (
-        "latest step: 1 - sum(len) / (n x max len) over the scheduled requests' context "
-        "lengths (the length spread a static batcher would pad)"
-    ),
-    "padding_ratio": "cudagraph padding: padded - unpadded over padded tokens, over the window",
-    "gpu_utilization_spread": "highest minus lowest GPU utilisation among the engine's GPUs",
-    "gpu_memory_spread_ratio": (
-        "(highest - lowest) / highest GPU memory in use among the engine's GPUs"
-    ),
-    "tensor_parallel_size": "GPUs one model replica is split over (tensor parallel)",
-    "finish_reasons": "requests finished over the window, by vLLM's finish reason",
-    "http_error_rate": (
-        "share of the API server's POST requests answered with a server error (HTTP 5xx), "
-        "including those that never reached the engine"
-    ),
-}
 
 Name = Annotated[str, Field(pattern=r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$", max_length=64)]
 Identifier = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]*$", max_length=64)]
@@ -105,8 +46,13 @@ class _Strict(BaseModel):
 
 
 def _known_signal(value: str) -> str:
-    if value not in KNOWN_SIGNALS:
-        raise ValueError(f"unknown signal {value!r} (known: {', '.join(sorted(KNOWN_SIGNALS))})")
+    # The one registry of signals (vllm_runbook.rules.signals): what a runbook may
+    # read from the engine. A renamed signal's message says its new name.
+    why = unknown_signal(value, readable=True)
+    if why is not None:
+        unknown = value not in SIGNALS and value not in RENAMED
+        known = f" (known: {', '.join(sorted(READABLE))})" if unknown else ""
+        raise ValueError(why + known)
     return value
 
 
@@ -246,29 +192,6 @@ class Runbook(_Strict):
 
 # --- loading -------------------------------------------------------------------
 
-Path_ = tuple[str | int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class CatalogProblem:
-    file: str
-    line: int | None
-    runbook: str | None
-    message: str
-
-    def __str__(self) -> str:
-        where = self.file if self.line is None else f"{self.file}:{self.line}"
-        who = f" runbook {self.runbook}:" if self.runbook else ""
-        return f"{where}:{who} {self.message}"
-
-
-class CatalogError(Exception):
-    """One or more runbook files are invalid; str() lists them, one per line."""
-
-    def __init__(self, problems: Iterable[CatalogProblem]) -> None:
-        self.problems = tuple(problems)
-        super().__init__("\n".join(str(p) for p in self.problems))
-
 
 def _display(path: Path) -> str:
     # Relative to the working directory when inside it: short and clickable.
@@ -278,69 +201,12 @@ def _display(path: Path) -> str:
         return str(path)
 
 
-class _MarkedLoader:
-    """YAML → plain data, remembering the line of every key and item."""
-
-    def __init__(self, text: str) -> None:
-        self._loader = yaml.SafeLoader(text)
-        self.lines: dict[Path_, int] = {}
-
-    def load(self) -> Any:
-        try:
-            node = self._loader.get_single_node()
-        finally:
-            self._loader.dispose()
-        if node is None:
-            return None
-        return self._build(node, ())
-
-    def _build(self, node: yaml.Node, path: Path_) -> Any:
-        self.lines.setdefault(path, node.start_mark.line + 1)
-        if isinstance(node, yaml.MappingNode):
-            result: dict[Any, Any] = {}
-            for key_node, value_node in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    raise _NodeError(key_node, "merge keys (<<) are not supported")
-                key = self._loader.construct_object(key_node, deep=True)
-                if not isinstance(key, str | int):
-                    raise _NodeError(key_node, f"mapping key {key!r} must be a string")
-                if key in result:
-                    raise _NodeError(key_node, f"duplicate key {key!r}")
-                self.lines[(*path, key)] = key_node.start_mark.line + 1
-                result[key] = self._build(value_node, (*path, key))
-            return result
-        if isinstance(node, yaml.SequenceNode):
-            return [self._build(item, (*path, i)) for i, item in enumerate(node.value)]
-        return self._loader.construct_object(node, deep=True)
-
-    def line_of(self, path: Path_) -> int | None:
-        # A missing field has no line of its own: report its parent's.
-        for end in range(len(path), -1, -1):
-            if path[:end] in self.lines:
-                return self.lines[path[:end]]
-        return None
-
-
-class _NodeError(Exception):
-    def __init__(self, node: yaml.Node, message: str) -> None:
-        super().__init__(message)
-        self.line = node.start_mark.line + 1
-        self.message = message
-
-
-def _format_loc(loc: Path_) -> str:
-    text = ""
-    for part in loc:
-        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
-    return text
-
-
 def load_runbook_file(
     path: Path,
     registry: ActionRegistry | None = None,
     *,
     alerts: Collection[str] | None = None,
-) -> tuple[Runbook | None, list[CatalogProblem]]:
+) -> tuple[Runbook | None, list[Problem]]:
     """Parse and validate one runbook file; returns (runbook or None, problems).
 
     With `alerts` (the rule catalog's alert names) every trigger must be one of them.
@@ -350,36 +216,22 @@ def load_runbook_file(
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        return None, [CatalogProblem(shown, None, None, f"cannot read: {e}")]
-    marked = _MarkedLoader(text)
+        return None, [SyntaxProblem(f"cannot read: {e}", file=shown)]
     try:
-        data = marked.load()
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        line = None if mark is None else mark.line + 1
-        return None, [CatalogProblem(shown, line, None, f"invalid YAML: {e.problem or e}")]
-    except yaml.YAMLError as e:
-        return None, [CatalogProblem(shown, None, None, f"invalid YAML: {e}")]
-    except _NodeError as e:
-        return None, [CatalogProblem(shown, e.line, None, e.message)]
-    if not isinstance(data, dict):
-        return None, [CatalogProblem(shown, 1, None, "a runbook file must be a mapping")]
+        data = load(text, shown)
+    except Problem as e:
+        return None, [e]
+    if not isinstance(data, MarkedDict):
+        return None, [SyntaxProblem("a runbook file must be a mapping", file=shown, line=1)]
     name = data.get("name") if isinstance(data.get("name"), str) else path.stem
 
-    problems: list[CatalogProblem] = []
-
-    def problem(loc: Path_, message: str) -> None:
-        problems.append(CatalogProblem(shown, marked.line_of(loc), name, message))
-
+    problems: list[Problem] = []
     try:
         context = {"alerts": alerts} if alerts is not None else None
         runbook: Runbook | None = Runbook.model_validate(data, context=context)
     except ValidationError as e:
         runbook = None
-        for error in e.errors():
-            loc = tuple(error["loc"])
-            where = _format_loc(loc)
-            problem(loc, f"{where}: {error['msg']}" if where else error["msg"])
+        problems += validation_problems(e, data, shown, runbook=name)
     # Actions are checked even when other fields failed, so one run shows all.
     steps = data.get("steps")
     for i, step in enumerate(steps if isinstance(steps, list) else []):
@@ -388,11 +240,12 @@ def load_runbook_file(
         try:
             registry.validate(step["action"], step.get("params") or {})
         except UnknownAction as e:
-            problem(("steps", i, "action"), str(e))
+            line = locate(data, ("steps", i, "action"))[1]
+            problems.append(SyntaxProblem(str(e), file=shown, line=line, runbook=name))
         except ValidationError as e:
-            for error in e.errors():
-                loc = ("steps", i, "params", *error["loc"])
-                problem(loc, f"action {step['action']}: {_format_loc(loc)}: {error['msg']}")
+            at = ("steps", i, "params")
+            prefix = f"action {step['action']}: "
+            problems += validation_problems(e, data, shown, at=at, prefix=prefix, runbook=name)
     return (runbook if not problems else None), problems
 
 
@@ -433,10 +286,10 @@ def load_catalog(
     runbooks: dict[str, Runbook] = {}
     sources: dict[str, Path] = {}
     lines: dict[str, int] = {}
-    problems: list[CatalogProblem] = []
+    problems: list[Problem] = []
     for directory in directories if directories is not None else [CATALOG_DIR]:
         if not directory.is_dir():
-            problems.append(CatalogProblem(_display(directory), None, None, "not a directory"))
+            problems.append(SyntaxProblem("not a directory", file=_display(directory)))
             continue
         files = sorted(p for p in directory.iterdir() if p.suffix in {".yaml", ".yml"})
         for path in files:
@@ -447,12 +300,12 @@ def load_catalog(
             if runbook.name in runbooks:
                 first = sources[runbook.name]
                 problems.append(
-                    CatalogProblem(
-                        _display(path),
-                        _name_line(path),
-                        runbook.name,
+                    Problem(
                         f"duplicate runbook name (first defined in "
                         f"{_display(first)}:{lines[runbook.name]})",
+                        file=_display(path),
+                        line=_name_line(path),
+                        runbook=runbook.name,
                     )
                 )
                 continue
@@ -460,11 +313,10 @@ def load_catalog(
             sources[runbook.name] = path
             lines[runbook.name] = _name_line(path) or 1
     if problems:
-        raise CatalogError(problems)
+        raise CatalogError(problems, what=RUNBOOK_CATALOG)
     return Catalog(runbooks, sources)
 
 
 def _name_line(path: Path) -> int | None:
-    loader = _MarkedLoader(path.read_text(encoding="utf-8"))
-    loader.load()
-    return loader.lines.get(("name",))
+    doc = load(path.read_text(encoding="utf-8"), _display(path))
+    return doc.key_lines.get("name") if isinstance(doc, MarkedDict) else None

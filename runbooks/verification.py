@@ -18,29 +18,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
+from vllm_runbook.rules.signals import READABLE
 from vllm_runbook.runbooks.sources import WINDOWED
 
 IMPROVED: Final = "improved"
 NO_CHANGE: Final = "no measurable change"
 WORSE: Final = "worse"
 
-# Signals where a higher value is worse (the circuit breaker's direction).
-HIGHER_IS_WORSE: Final = frozenset(
-    {
-        "error_rate",
-        "oom_rate",
-        "preemptions_per_minute",
-        "p99_latency_seconds",
-        "waiting_seconds_p99",
-        "oldest_waiting_seconds",
-        "schedule_seconds_p99",
-        "kv_cache_usage_ratio",
-        "block_fragmentation_ratio",
-        "num_requests_waiting",
-        "max_sequence_tokens",
-        "gpu_memory_used_bytes",
-    }
-)
+# Signals where a higher value is worse (the circuit breaker's direction): the registry says.
+HIGHER_IS_WORSE: Final = frozenset(n for n, s in READABLE.items() if s.higher_is_worse)
 
 
 def judge(

@@ -1,6 +1,6 @@
 """The embedded rules engine, wired from the configuration to the store in one place.
 
-    config = load_config(path)                          # ConfigError if the file is broken
+    config = load_config(path)                          # CatalogError if the file is broken
     service = RulesService.from_config(config, store=Store(url), hook=executor_hook,
                                        runbooks=names)  # the deployed runbook catalog's
     service.start(scheduler)                            # scrape + evaluate every interval

@@ -261,10 +261,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
     from apscheduler.schedulers.background import BackgroundScheduler
-    from vllm_runbook.rules.errors import CatalogError, ConfigError
+    from vllm_runbook.rules.errors import RUNBOOK_CATALOG, CatalogError
     from vllm_runbook.rules.scheduling import schedule_cycle
     from vllm_runbook.runbooks.service.limits import MAX_HEAD_BYTES, timed_h11_protocol
-    from vllm_runbook.runbooks.spec import CatalogError as RunbookCatalogError
     from vllm_runbook.runbooks.store import StoreUnavailable
 
     logging.basicConfig(
@@ -277,11 +276,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config, store, app, worker, leader = build(
             args.config, args.db, args.host, not args.no_worker, not args.no_rules, args.catalog
         )
-    except (ConfigError, CatalogError) as exc:
-        print(f"runbook: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except RunbookCatalogError as exc:
-        print(f"runbook: error: invalid runbook catalog:\n{exc}", file=sys.stderr)
+    except CatalogError as exc:
+        heading = "invalid runbook catalog:\n" if exc.what == RUNBOOK_CATALOG else ""
+        print(f"runbook: error: {heading}{exc}", file=sys.stderr)
         return EXIT_USAGE
     except TokenError as exc:
         print(f"runbook: error: {exc}", file=sys.stderr)

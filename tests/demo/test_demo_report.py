@@ -59,8 +59,8 @@ def test_phase_rows_from_a_known_history(tmp_path: Path) -> None:
                 "kind": "sample",
                 "t": t + i,
                 "engine": ENGINE,
-                "preemptions_total": max(0, i - 10) * 2,
-                "kv_cache_usage_ratio": 0.5 if i < 10 else 0.97,
+                "preemptions": max(0, i - 10) * 2,
+                "kv_cache_usage": 0.5 if i < 10 else 0.97,
             }
         )
     # Steady: 10 requests of 0.1..1.0 s; burst: 4 of 3 s, one failed.
@@ -121,7 +121,7 @@ def _journal(db: str) -> tuple[int, int]:
         alert_fingerprint="rule-abc",
         alert_starts_at=datetime.now(UTC),
     )
-    store.record_checks(rec.id, {"kv_usage": {"signal": "kv_cache_usage_ratio", "value": 0.98}})
+    store.record_checks(rec.id, {"kv_usage": {"signal": "kv_cache_usage", "value": 0.98}})
     store.transition(rec.id, RUNNING)
     step = store.add_step(
         rec.id,
@@ -170,13 +170,13 @@ def test_report_draws_and_summarises_an_execution(
                 "kind": "sample",
                 "t": now + i,
                 "engine": ENGINE,
-                "preemptions_total": 3 * (i + 40),
+                "preemptions": 3 * (i + 40),
                 "requests_waiting": 5,
                 "rps": 2.0,
                 "max_num_batched_tokens": 512,
                 "max_num_seqs": 16,
                 "policy": "priority",
-                "kv_cache_usage_ratio": 0.98,
+                "kv_cache_usage": 0.98,
             }
         )
     _write(
@@ -192,13 +192,13 @@ def test_report_draws_and_summarises_an_execution(
                         "kind": "sample",
                         "t": time.time() + i,
                         "engine": ENGINE,
-                        "preemptions_total": 120,
+                        "preemptions": 120,
                         "requests_waiting": 1,
                         "rps": 2.0,
                         "max_num_batched_tokens": 256,
                         "max_num_seqs": 16,
                         "policy": "priority",
-                        "kv_cache_usage_ratio": 0.8,
+                        "kv_cache_usage": 0.8,
                     }
                 )
                 + "\n"
@@ -264,20 +264,20 @@ def test_execution_lines_say_unavailable_and_why_for_checks_verification_and_gua
         "reason": None,
         "error": None,
         "checks": {
-            "running": {"signal": "num_requests_running", "value": 21},
+            "running": {"signal": "requests_running", "value": 21},
             "p99_latency": {
-                "signal": "p99_latency_seconds",
+                "signal": "engine_e2e_latency_p99",
                 "value": None,
                 "unavailable": "no request finished in the last 60 s",
             },
         },
         "verification": {
-            "signal": "p99_latency_seconds",
+            "signal": "engine_e2e_latency_p99",
             "before": None,
             "after": 6.4,
             "from_step": 519,
             "measured_seconds": 30.2,
-            "outcome": "unverified: p99_latency_seconds before: no request finished in the "
+            "outcome": "unverified: engine_e2e_latency_p99 before: no request finished in the "
             "last 60 s",
             "guards": {
                 "error_rate": {
@@ -294,8 +294,9 @@ def test_execution_lines_say_unavailable_and_why_for_checks_verification_and_gua
     assert execution_lines(execution, None, None) == [
         f"#7 batch-too-large on {ENGINE} (ann, cli): succeeded",
         "    checks: running 21, p99_latency unavailable: no request finished in the last 60 s",
-        "    verification: p99_latency_seconds unavailable → 6.4: unverified: p99_latency_seconds "
-        "before: no request finished in the last 60 s [after: from step 519, over 30 s]",
+        "    verification: engine_e2e_latency_p99 unavailable → 6.4: unverified: "
+        "engine_e2e_latency_p99 before: no request finished in the last 60 s "
+        "[after: from step 519, over 30 s]",
         "    guards: error_rate (required) unavailable: before: no request finished in the "
         "last 60 s; preemptions_per_minute 124 → 0 (ok)",
     ]

@@ -129,7 +129,7 @@ def test_batch_too_large_refuses_before_any_change_while_its_required_guard_is_u
     assert rows[("check", "running")]["value"] == running
     assert rows[("check", "max_num_seqs")]["value"] == 32
     assert rows[("check", "kv_capacity")]["value"] == usable * running // (usable - free)
-    for key in (("check", "p99_latency"), ("verification", "p99_latency_seconds")):
+    for key in (("check", "p99_latency"), ("verification", "engine_e2e_latency_p99")):
         assert rows[key]["value"] is None and rows[key]["unavailable"] == no_finish
     guard = rows[("required guard", "error_rate")]
     assert (guard["value"], guard["unavailable"]) == (None, no_finish)
@@ -189,7 +189,7 @@ def test_kv_hit_low_rolls_back_when_its_latency_guard_gets_worse(
     execution = json.loads(out)["execution"]
     (cap,) = execution["steps"]
     v = execution["verification"]
-    guard = v["guards"]["p99_latency_seconds"]
+    guard = v["guards"]["engine_e2e_latency_p99"]
     with capsys.disabled():
         print(
             f"\n[guard] {before_running} running; max_num_seqs 32 → "
@@ -205,7 +205,9 @@ def test_kv_hit_low_rolls_back_when_its_latency_guard_gets_worse(
     assert cap["before"] == {"max_num_seqs": 32}
     assert guard["outcome"] == "worse"
     assert guard["after"] > 1.1 * guard["before"]
-    assert execution["error"].startswith("circuit breaker: guard p99_latency_seconds got worse (")
+    assert execution["error"].startswith(
+        "circuit breaker: guard engine_e2e_latency_p99 got worse ("
+    )
     assert knobs(eng) == STARTUP  # the cap was rolled back on the engine
     # Let the stream drain so the module's engine is idle for the next test.
     while eng.engine.has_unfinished_requests():

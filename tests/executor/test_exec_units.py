@@ -119,7 +119,7 @@ def runbook(**overrides: Any) -> Runbook:
             "signal": "preemptions_per_minute",
             "direction": "decrease",
             "deadline_seconds": 5,
-            "rollback_if_worse": ["num_requests_waiting"],
+            "rollback_if_worse": ["requests_waiting"],
         },
         "guardrails": {"cooldown_seconds": 0, "max_runs_per_hour": 10},
     }
@@ -207,9 +207,9 @@ def test_circuit_breaker_rolls_back_when_a_guard_gets_worse(make: Any) -> None:
     result = executor.execute(runbook(), URL)
     assert (result.exit_code, result.record.status) == (1, "rolled_back")
     assert statuses(result) == [("scale_max_num_batched_tokens", "reverted")]
-    assert "guard num_requests_waiting got worse (40 → 45)" in (result.record.error or "")
+    assert "guard requests_waiting got worse (40 → 45)" in (result.record.error or "")
     assert agent.knobs == STARTUP
-    guard = result.record.verification["guards"]["num_requests_waiting"]  # type: ignore[index]
+    guard = result.record.verification["guards"]["requests_waiting"]  # type: ignore[index]
     assert (guard["before"], guard["after"], guard["outcome"]) == (40, 45, "worse")
 
 
@@ -245,8 +245,8 @@ def test_required_guard_unreadable_refuses_before_any_change(make: Any) -> None:
             "signal": "preemptions_per_minute",
             "direction": "decrease",
             "deadline_seconds": 5,
-            "rollback_if_worse": ["p99_latency_seconds"],
-            "required_guards": ["p99_latency_seconds"],
+            "rollback_if_worse": ["engine_e2e_latency_p99"],
+            "required_guards": ["engine_e2e_latency_p99"],
         }
     )
     executor, agent = make()
@@ -254,7 +254,7 @@ def test_required_guard_unreadable_refuses_before_any_change(make: Any) -> None:
     assert (result.exit_code, result.record.status) == (2, "refused")
     assert agent.writes == []
     assert (result.message or "").startswith(
-        "required guard cannot be read on this engine: p99_latency_seconds ("
+        "required guard cannot be read on this engine: engine_e2e_latency_p99 ("
     )
 
 
@@ -264,18 +264,18 @@ def test_unreadable_guard_is_named_with_its_reason(make: Any) -> None:
             "signal": "preemptions_per_minute",
             "direction": "decrease",
             "deadline_seconds": 5,
-            "rollback_if_worse": ["gpu_utilization_ratio"],
+            "rollback_if_worse": ["gpu_utilization_max"],
         }
     )
     executor, _ = make(FakeAgent([PRESSURE, PRESSURE, {**PRESSURE, "preemptions_per_minute": 0.0}]))
     result = executor.execute(rb, URL)
     assert result.record.status == "succeeded"
     v = result.record.verification
-    assert v is not None and v["guards_unavailable"] == ["gpu_utilization_ratio"]
-    assert v["guards"]["gpu_utilization_ratio"]["outcome"] == (
+    assert v is not None and v["guards_unavailable"] == ["gpu_utilization_max"]
+    assert v["guards"]["gpu_utilization_max"]["outcome"] == (
         "unavailable: before: no NVIDIA GPU on this engine (NVML not available)"
     )
-    assert any("gpu_utilization_ratio" in w for w in result.warnings)
+    assert any("gpu_utilization_max" in w for w in result.warnings)
 
 
 def test_verification_signal_worse_at_the_deadline_rolls_back(make: Any) -> None:

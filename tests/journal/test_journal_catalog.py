@@ -6,6 +6,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from vllm_runbook.rules.errors import CatalogError
 from vllm_runbook.rules.model import load_catalog as load_rules
 from vllm_runbook.runbooks.actions import (
     ActionNotImplemented,
@@ -15,7 +16,7 @@ from vllm_runbook.runbooks.actions import (
     UnknownAction,
     declared_registry,
 )
-from vllm_runbook.runbooks.spec import CATALOG_DIR, CatalogError, load_catalog
+from vllm_runbook.runbooks.spec import CATALOG_DIR, load_catalog
 
 EXPECTED = {
     "batch-too-large",
@@ -42,7 +43,7 @@ triggers: [VllmOOMPressure]
 checks:
   - name: kv_usage
     description: KV usage
-    signal: kv_cache_usage_ratio
+    signal: kv_cache_usage
 steps:
   - action: scale_max_num_batched_tokens
     params: {{factor: 0.5}}
@@ -137,7 +138,7 @@ def test_model_errors_are_all_reported_with_lines(tmp_path: Path) -> None:
     text = (
         VALID.format(name="Bad_Name")
         .replace("VllmOOMPressure", "VllmNoSuchAlert")
-        .replace("kv_cache_usage_ratio", "kv_usage_percent")
+        .replace("kv_cache_usage", "kv_usage_percent")
         + "guardrails:\n  cooldown_seconds: -1\n  max_runs: 3\n"
     )
     write(tmp_path, "bad.yaml", text)

@@ -21,7 +21,7 @@ def finished(sqlite_url: str):  # type: ignore[no-untyped-def]
     store.record_checks(
         record.id,
         {
-            "kv_usage": {"value": 0.97, "signal": "kv_cache_usage_ratio", "description": "KV"},
+            "kv_usage": {"value": 0.97, "signal": "kv_cache_usage", "description": "KV"},
             "kv_capacity": {"value": 12, "signal": "kv_capacity_seqs", "description": "seqs"},
         },
     )
@@ -54,9 +54,9 @@ def test_report_shows_checks_before_after_and_verification(finished) -> None:  #
     assert lines[0] == "Execution #1: oom-pressure on llama-0: succeeded"
     assert lines[1] == "Triggered by cli (alice)"
     assert lines[lines.index("Checks") + 1 :][:3] == [
-        "  check        value  signal                description",
-        "  kv_usage     0.97   kv_cache_usage_ratio  KV",
-        "  kv_capacity  12     kv_capacity_seqs      seqs",
+        "  check        value  signal            description",
+        "  kv_usage     0.97   kv_cache_usage    KV",
+        "  kv_capacity  12     kv_capacity_seqs  seqs",
     ]
     assert lines[lines.index("Steps") + 1 :][:2] == [
         "  #  action                        status   before → after                     error",
@@ -141,7 +141,7 @@ def test_report_shows_unavailable_checks_guards_and_the_post_change_measurement(
         {
             "gpu": {
                 "value": None,
-                "signal": "gpu_memory_used_bytes",
+                "signal": "gpu_memory_used_max",
                 "description": "GPU memory",
                 "unavailable": "no NVIDIA GPU on this engine (NVML not available)",
             }
@@ -178,7 +178,7 @@ def test_report_shows_unavailable_checks_guards_and_the_post_change_measurement(
     lines = render_report(shown).splitlines()
     assert lines[lines.index("Checks") + 2] == (
         "  gpu    unavailable: no NVIDIA GPU on this engine (NVML not available)  "
-        "gpu_memory_used_bytes  GPU memory"
+        "gpu_memory_used_max  GPU memory"
     )
     at = lines.index("Verification")
     assert lines[at + 1 : at + 3] == [

@@ -199,7 +199,7 @@ def test_dry_run_steps_are_planned(store: Store) -> None:
 
 def test_checks_and_verification_round_trip(store: Store) -> None:
     record = cli_run(store)
-    checks = {"kv_cache_usage_ratio": {"value": 0.97, "description": "KV usage"}}
+    checks = {"kv_cache_usage": {"value": 0.97, "description": "KV usage"}}
     verification = {"signal": "preemptions_per_minute", "before": 37.0, "after": 0.0}
     store.record_checks(record.id, checks)
     store.record_verification(record.id, verification)

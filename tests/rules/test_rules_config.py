@@ -16,7 +16,7 @@ from vllm_runbook.rules.config import (
     WebhookConfig,
     load_config,
 )
-from vllm_runbook.rules.errors import CatalogError, ConfigError
+from vllm_runbook.rules.errors import CatalogError
 from vllm_runbook.rules.model import load_catalog
 from vllm_runbook.rules.scrape import Target
 
@@ -52,8 +52,9 @@ RUNBOOKS = ("oom-pressure", "latency-spike", "warmup")
 
 
 def problems(path: Path, runbooks: tuple[str, ...] | None = RUNBOOKS) -> list[str]:
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(CatalogError) as info:
         load_config(path, runbooks=runbooks)
+    assert info.value.what == "configuration"
     return [str(p) for p in info.value.problems]
 
 
@@ -211,7 +212,7 @@ def test_invalid_yaml_and_wrong_shapes(tmp_path: Path) -> None:
         f"{path}:2: rules must be a mapping",
         f"{path}:3: webhook: basic auth needs both username and password_file",
     ]
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(CatalogError) as info:
         load_config(tmp_path / "missing.yaml")
     assert str(info.value) == f"{tmp_path / 'missing.yaml'}: cannot read: No such file or directory"
 

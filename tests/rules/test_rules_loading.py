@@ -9,7 +9,7 @@ from vllm_runbook.rules.errors import (
     CatalogError,
     DuplicateRuleError,
     DurationError,
-    RuleSyntaxError,
+    SyntaxProblem,
     TemplateError,
     UnknownParameterError,
     UnknownRunbookError,
@@ -94,7 +94,7 @@ def test_diagnose_only_rule_has_no_runbook(tmp_path: Path) -> None:
 
 def test_runbook_key_is_required(tmp_path: Path) -> None:
     [p] = problems(tmp_path, GOOD.replace("    runbook: kv-hit-low\n", ""))
-    assert isinstance(p, RuleSyntaxError)
+    assert isinstance(p, SyntaxProblem)
     assert str(p) == "kv.yaml:2: rule VllmFoo: runbook: Field required"
 
 
@@ -146,7 +146,7 @@ def test_unsupported_template(tmp_path: Path) -> None:
 
 def test_invalid_yaml(tmp_path: Path) -> None:
     [p] = problems(tmp_path, GOOD.replace("    for: $for\n", "    for: [\n"))
-    assert isinstance(p, RuleSyntaxError)
+    assert isinstance(p, SyntaxProblem)
     assert (
         str(p) == "kv.yaml:10: invalid YAML: expected ',' or ']', but got ':'"
     )  # where YAML noticed

@@ -40,9 +40,10 @@ def test_serve_names_each_unreadable_reading_per_engine_and_for_the_catalog() ->
     head = [line for line in lines if not line.startswith("  ")]
     assert head[0].startswith(f"engine cpu-0 ({FakeAgent().url}): ")
     # No GPU on the fake engine: every GPU check of the diagnostic runbooks is named.
-    assert f"  gpu-compute-skew: check gpu_utilization (gpu_utilization_ratio): {NO_GPU}" in lines
+    assert f"  gpu-compute-skew: check gpu_utilization (gpu_utilization_max): {NO_GPU}" in lines
     assert (
-        f"  gpu-memory-imbalance: check memory_spread (gpu_memory_spread_ratio): {NO_GPU}" in lines
+        f"  gpu-memory-imbalance: check memory_spread (gpu_memory_used_spread_ratio): {NO_GPU}"
+        in lines
     )
     # No API server URL configured: the API server's signal, for this engine.
     assert f"  error-rate-high: check http_error_rate: {NO_API_URL}" in lines
@@ -86,7 +87,7 @@ def test_runbook_serve_logs_the_unreadable_readings_of_a_real_engine_at_start(
     assert "signals the runbooks name that cannot be read:" in text
     assert re.search(rf"engine cpu-0 \({re.escape(agent)}\): \d+ cannot be read", text), text
     for line in (
-        f"  gpu-compute-skew: check gpu_utilization (gpu_utilization_ratio): {NO_GPU}",
+        f"  gpu-compute-skew: check gpu_utilization (gpu_utilization_max): {NO_GPU}",
         f"  error-rate-high: check http_error_rate: {NO_API_URL}",
         # Nothing finished on this engine yet: the required guard says why.
         "  batch-too-large: required guard error_rate: no request finished in the last 60 s",

@@ -1,0 +1,258 @@
+"""One vocabulary of signals for both catalogs: every name a rule, a runbook, the
+sources table and the circuit breaker use resolves to the one registry, and no
+quantity is in it under two names."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_runbook.collector import metrics as M
+from vllm_runbook.rules import condition as C
+from vllm_runbook.rules.errors import CatalogError
+from vllm_runbook.rules.model import load_catalog as load_rules
+from vllm_runbook.rules.signals import (
+    HISTOGRAM_PARTS,
+    OVER_LABEL,
+    RATES,
+    READABLE,
+    RENAMED,
+    SIGNALS,
+)
+from vllm_runbook.runbooks import sources
+from vllm_runbook.runbooks.spec import load_catalog as load_runbooks
+from vllm_runbook.runbooks.verification import HIGHER_IS_WORSE
+
+# One `/v1/state` answer with every part a runbook reads (the agent's wire names).
+FULL_STATE: dict[str, Any] = {
+    "engine": {"started_at": 1.0, "parallel": {"tensor_parallel_size": 2}},
+    "knobs": {"max_num_batched_tokens": 512, "max_num_seqs": 16, "policy": "fcfs"},
+    "stats": {
+        "kv_cache_usage_ratio": 0.5,
+        "kv_blocks_used": 100,
+        "kv_blocks_free": 100,
+        "preemptions_per_minute": 6.0,
+        "num_requests_running": 4,
+        "num_requests_waiting": 2,
+        "budget_fill_ratio": 0.9,
+        "block_fragmentation_ratio": 0.1,
+        "kv_hit_ratio": 0.8,
+        "oldest_waiting_seconds": 3.0,
+        "admitted_before_time": 100.0,
+        "max_sequence_tokens": 300,
+        "p99_latency_seconds": 2.0,
+        "waiting_seconds_p99": 1.0,
+        "error_rate": 0.0,
+        "length_padding_ratio": 0.2,
+        "padding_ratio": 0.0,
+        "window_seconds": 60.0,
+        "requests_finished": 10,
+        "finished_by_reason": {"stop": 10},
+    },
+    "schedule_histogram": {"bounds": [0.001, 0.01], "cumulative": [5, 10]},
+    "tiers": {
+        "now": {t: {"waiting": 1, "oldest_waiting_seconds": 2.0} for t in ("hot", "warm", "cold")}
+    },
+    "gpus": {
+        "nvml_up": True,
+        "per_gpu": {
+            "0": {"utilization_ratio": 0.9, "memory_used_bytes": 10},
+            "1": {"utilization_ratio": 0.5, "memory_used_bytes": 8},
+        },
+    },
+}
+
+
+def rule_signals() -> Counter[str]:
+    """Every signal the shipped rule catalog's conditions name."""
+    found: Counter[str] = Counter()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, C.Selector):
+            found[node.signal.name] += 1
+        elif dataclasses.is_dataclass(node) and not isinstance(node, type):
+            for f in dataclasses.fields(node):
+                walk(getattr(node, f.name))
+        elif isinstance(node, tuple | list):
+            for item in node:
+                walk(item)
+
+    for rule in load_rules().bind():
+        walk(rule.condition)
+    return found
+
+
+def runbook_signals() -> Counter[str]:
+    """Every signal the shipped runbook catalog's checks, conditions, verifications
+    and guards name."""
+    found: Counter[str] = Counter()
+    for runbook in load_runbooks().values():
+        found.update(c.signal for c in runbook.checks)
+        found.update(s.when.signal for s in runbook.steps if s.when is not None)
+        v = runbook.verification
+        if v is not None:
+            found.update([v.signal, *v.rollback_if_worse, *v.required_guards])
+    return found
+
+
+def test_every_name_the_catalogs_use_is_in_the_registry() -> None:
+    rules, runbooks = rule_signals(), runbook_signals()
+    assert len(rules) >= 20 and len(runbooks) >= 25  # the walk finds what the catalogs name
+    assert set(rules) <= set(SIGNALS) and set(runbooks) <= set(SIGNALS)
+    assert all(SIGNALS[n].metric for n in rules)  # rules query series
+    assert all(SIGNALS[n].reading for n in runbooks)  # runbooks read the engine
+    # The same quantity, named by both catalogs, is one name (it was five pairs).
+    assert {"kv_cache_usage", "requests_waiting", "block_fragmentation", "kv_hit_ratio"} <= (
+        set(rules) | set(runbooks)
+    )
+    assert not (set(rules) | set(runbooks)) & set(RENAMED)
+
+
+def test_the_runbook_side_reads_exactly_the_registry() -> None:
+    assert list(sources.SOURCES) == list(READABLE)
+    assert {n: s.reading for n, s in SIGNALS.items() if s.reading} == dict(sources.SOURCES)
+    # What the reader returns for an agent's answer: every readable signal, no other name,
+    # and from a full answer each has a value but a rate between two reads and the API
+    # server's.
+    assert set(sources.signals_from_state({})) == set(READABLE)
+    read = sources.signals_from_state(FULL_STATE)
+    assert set(read) == set(READABLE)
+    assert [n for n, v in read.items() if v is None] == [
+        "scheduled_tokens_per_second",
+        "http_error_rate",
+    ]
+    since = sources.since_signals({"preemptions": 1, "requests_finished": 2})
+    assert set(since) <= sources.WINDOWED
+    assert {"http_error_rate"} == sources.API_SIGNALS
+    assert set(READABLE) >= HIGHER_IS_WORSE
+    assert set(sources.unavailable({}, dict.fromkeys(READABLE))) == set(READABLE)
+
+
+def test_no_quantity_is_in_the_registry_under_two_names() -> None:
+    series = Counter(s.metric for s in SIGNALS.values() if s.metric is not None)
+    assert [m for m, n in series.items() if n > 1] == []
+    derived = Counter((s.of, s.how) for s in SIGNALS.values() if s.of is not None)
+    assert [d for d, n in derived.items() if n > 1] == []
+    # A series' name without prefix and unit is not a second name of its quantity.
+    spelled = {
+        (s.metric.removeprefix(M.PREFIX).removesuffix("_total")): s.name
+        for s in SIGNALS.values()
+        if s.metric is not None and s.metric.startswith(M.PREFIX)
+    }
+    others = {spelled[n] for n in SIGNALS if n in spelled and spelled[n] != n}
+    assert others == set(), f"a registry name spells another entry's series: {others}"
+
+
+def test_derived_signals_are_named_by_the_one_rule() -> None:
+    for s in SIGNALS.values():
+        if s.of is None:
+            continue
+        base = SIGNALS[s.of]
+        assert s.name == f"{s.of}_{s.how}"
+        if s.how in RATES:
+            assert base.type == "counter", s.name
+        elif s.how in HISTOGRAM_PARTS:
+            assert base.type == "histogram", s.name
+        else:
+            assert base.per is not None, s.name  # over the base's label, or one value of it
+            assert s.how in OVER_LABEL or s.how in ("hot", "warm", "cold", "0"), s.name
+
+
+def test_renames_point_to_registry_names() -> None:
+    assert set(RENAMED).isdisjoint(SIGNALS)
+    assert set(RENAMED.values()) <= set(SIGNALS)
+
+
+# --- what a catalog that names the wrong signal is told ----------------------------------
+
+RULE = """\
+rules:
+  - alert: VllmFoo
+    severity: warning
+    runbook: null
+    summary: s
+    description: d
+    for: 1m
+    condition:
+      expr: {EXPR}
+      above: 0
+"""
+
+RUNBOOK = """\
+name: foo
+description: d
+checks:
+  - name: c
+    description: d
+    signal: {SIGNAL}
+steps:
+  - action: advise
+    params: {{text: t}}
+"""
+
+
+def rule_problem(tmp_path: Path, expr: str) -> str:
+    (tmp_path / "x.yaml").write_text(RULE.replace("{EXPR}", expr), encoding="utf-8")
+    with pytest.raises(CatalogError) as info:
+        load_rules(tmp_path, display_root=tmp_path)
+    [problem] = info.value.problems
+    return str(problem)
+
+
+def runbook_problem(tmp_path: Path, signal: str) -> str:
+    (tmp_path / "foo.yaml").write_text(RUNBOOK.format(SIGNAL=signal), encoding="utf-8")
+    with pytest.raises(CatalogError) as info:
+        load_runbooks([tmp_path])
+    [problem] = info.value.problems
+    return str(problem)
+
+
+@pytest.mark.parametrize(
+    ("expr", "message"),
+    [
+        (
+            "{rate: schedule_seconds_sum, window: 5m}",
+            "signal 'schedule_seconds_sum' was renamed 'schedule_time_sum'",
+        ),
+        (
+            "preemptions_per_minute",
+            "signal 'preemptions_per_minute' is read by runbooks from the engine, not a "
+            "Prometheus series; it is derived from 'preemptions'",
+        ),
+        ("kv_cache_usage_ratio", "signal 'kv_cache_usage_ratio' was renamed 'kv_cache_usage'"),
+    ],
+)
+def test_a_rule_is_told_the_name_to_use(tmp_path: Path, expr: str, message: str) -> None:
+    assert rule_problem(tmp_path, expr) == f"x.yaml:9: rule VllmFoo: {message}"
+
+
+@pytest.mark.parametrize(
+    ("signal", "message"),
+    [
+        ("kv_cache_usage_ratio", "signal 'kv_cache_usage_ratio' was renamed 'kv_cache_usage'"),
+        ("num_requests_waiting", "signal 'num_requests_waiting' was renamed 'requests_waiting'"),
+        (
+            "p99_latency_seconds",
+            "signal 'p99_latency_seconds' was renamed 'engine_e2e_latency_p99'",
+        ),
+        (
+            "gpu_utilization",
+            "signal 'gpu_utilization' is a Prometheus series for rules; a runbook cannot read "
+            "it (runbooks read gpu_utilization_max, gpu_utilization_spread)",
+        ),
+        (
+            "e2e_latency",
+            "signal 'e2e_latency' is a Prometheus series for rules; a runbook cannot read it",
+        ),
+    ],
+)
+def test_a_runbook_is_told_the_name_to_use(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, signal: str, message: str
+) -> None:
+    monkeypatch.chdir(tmp_path)  # the loader shows paths relative to the working directory
+    assert runbook_problem(tmp_path, signal) == (
+        f"foo.yaml:6: runbook foo: checks[0].signal: Value error, {message}"
+    )
