@@ -9,8 +9,9 @@ thresholds drawn as dashed lines, and one pass over the built dashboard that
 numbers panels and queries and marks GPU-only panels. The one thing the
 schema cannot say (a Prometheus annotation's options) is `PromAnnotation`.
 
-Only the generator imports this module (through definitions.py): the checked-in JSON is what users
-consume, so the SDK is needed to regenerate it, never at run time.
+Only the generator imports this module (through definitions.py): the
+checked-in JSON is what users consume, so the SDK is needed to regenerate it,
+never at run time.
 """
 
 from __future__ import annotations

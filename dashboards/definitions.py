@@ -5,6 +5,8 @@ it against what (`RuleNotes`, read from the rule catalog). Metric names come
 from the catalogs (vllm_runbook.collector.metrics,
 vllm_runbook.runbooks.service_metrics, and the few
 vLLM series in vllm_runbook.dashboards.catalog); nothing here retypes a metric name.
+Panels are the Grafana Foundation SDK's builders (Grafana's own types), in the
+common style of vllm_runbook.dashboards.builder.
 """
 
 from __future__ import annotations
