@@ -1,304 +1,197 @@
-"""A small builder for Grafana dashboard JSON (schema 39, Grafana 10.4+/11).
+"""Our house style on Grafana's own types (the Grafana Foundation SDK).
 
-Panels are described with plain dataclasses and laid out in rows; `dashboard`
-numbers the panels, flows them on the 24-column grid and returns the dict
-Grafana stores. Every query goes to the `${datasource}` variable, so the same
-file works with any Prometheus data source (no `__inputs` to fill in).
+The panels are built with the SDK's builders, which are generated from
+Grafana's dashboard schema (the release pinned in pyproject's `dashboards`
+extra), and serialised by the SDK. This module only adds what every panel of
+ours shares: the `${datasource}` variable on every query (the same file works
+with any Prometheus data source, no `__inputs`), legends and tooltips, rule
+thresholds drawn as dashed lines, and one pass over the built dashboard that
+numbers panels and queries and marks GPU-only panels. The one thing the
+schema cannot say (a Prometheus annotation's options) is `PromAnnotation`.
+
+Only the generator imports this module (through definitions.py): the
+checked-in JSON is what users consume, so the SDK is needed to regenerate it,
+never at run time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+import json
+from collections.abc import Sequence
+from typing import Any, Self, TypeVar
 
-from vllm_runbook.collector.metrics import MetricSpec
-from vllm_runbook.rules.signals import ENGINE_LABELS
+from grafana_foundation_sdk.builders import bargauge, common, prometheus, stat, table, timeseries
+from grafana_foundation_sdk.builders import dashboard as dash
+from grafana_foundation_sdk.cog.builder import Builder
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common as c
+from grafana_foundation_sdk.models import dashboard as d
+from grafana_foundation_sdk.models import prometheus as p
+from vllm_runbook.dashboards import catalog, lint
+from vllm_runbook.dashboards.queries import ENGINE_LEGEND, Threshold
 
-SCHEMA_VERSION = 39
-DATASOURCE: dict[str, str] = {"type": "prometheus", "uid": "${datasource}"}
-GRID_COLUMNS = 24
-# Grafana multi-value variables become a regex alternation with `=~`.
-ENGINE_MATCHERS: tuple[tuple[str, str], ...] = (
-    ("model_name", "$model_name"),
-    ("engine", "$engine"),
-)
-BY_ENGINE = f"by ({', '.join(ENGINE_LABELS)})"
-ENGINE_LEGEND = "{{instance}} {{model_name}}/{{engine}}"
-RATE = "$__rate_interval"
+DATASOURCE = d.DataSourceRef(type_val="prometheus", uid="${datasource}")
 GPU_ONLY_NOTE = "GPU-only: NVML series exist only where the agent finds an NVIDIA GPU."
 
-Color = str
+# A row of the dashboard: its title and its panels, flowed on the 24-column grid.
+Row = tuple[str, Sequence[Builder[d.Panel]]]
 
 
-def selector(
-    spec: MetricSpec,
-    part: str = "",
-    *,
-    engine: bool = True,
-    matchers: Sequence[tuple[str, str]] = (),
-) -> str:
-    """`name{model_name=~"$model_name", engine=~"$engine", ...}` for `spec`.
-
-    `part` is a histogram's `_bucket`/`_sum`/`_count`; counters gain `_total`.
-    `engine=False` leaves out the engine filter (the service's own metrics).
-    """
-    name = spec.name + part if part else spec.series_name
-    pairs = [f'{k}=~"{v}"' for k, v in (ENGINE_MATCHERS if engine else ())]
-    pairs += [f'{k}=~"{v}"' for k, v in matchers]
-    return f"{name}{{{', '.join(pairs)}}}" if pairs else name
+def prom(expr: str, legend: str = ENGINE_LEGEND, *, instant: bool = False) -> prometheus.Dataquery:
+    """A PromQL query on `${datasource}`; `instant`: one value per series, at the end."""
+    query = prometheus.Dataquery().expr(expr).legend_format(legend).datasource(DATASOURCE)
+    query = query.editor_mode(p.QueryEditorMode.CODE)
+    return query.instant() if instant else query.range()
 
 
-def rate(spec: MetricSpec, part: str = "", window: str = RATE, **kw: Any) -> str:
-    return f"rate({selector(spec, part, **kw)}[{window}])"
-
-
-def quantile(
-    q: float,
-    spec: MetricSpec,
-    by: Sequence[str] = ENGINE_LABELS,
-    window: str = RATE,
-    **kw: Any,
-) -> str:
-    """The q-quantile of a histogram over `window`, per `by` (default: per engine)."""
-    labels = ", ".join((*by, "le"))
-    return f"histogram_quantile({q}, sum by ({labels}) ({rate(spec, '_bucket', window, **kw)}))"
-
-
-@dataclass(frozen=True)
-class Target:
-    expr: str
-    legend: str = ENGINE_LEGEND
-    instant: bool = False  # tables and bar gauges: one value per series, at the end
-
-    def to_json(self, ref_id: str) -> dict[str, Any]:
-        return {
-            "datasource": DATASOURCE,
-            "editorMode": "code",
-            "expr": self.expr,
-            "instant": self.instant,
-            "legendFormat": self.legend,
-            "range": not self.instant,
-            "refId": ref_id,
-        }
-
-
-@dataclass(frozen=True)
-class Threshold:
-    """A value a rule compares against, drawn as a line across the panel."""
-
-    value: float
-    color: Color = "red"
-    # "above": the rule fires above the value (green below it); "below": the reverse.
-    direction: Literal["above", "below"] = "above"
-
-
-@dataclass
-class Panel:
-    title: str
-    description: str
-    targets: Sequence[Target]
-    unit: str = "short"
-    kind: Literal["timeseries", "bargauge", "table", "stat"] = "timeseries"
-    width: int = 12
-    height: int = 8
-    stepped: bool = False  # knobs: a change shows as a step, not a slope
-    thresholds: Sequence[Threshold] = ()
-    min: float | None = None
-    max: float | None = None
-    stack: bool = False
-    bars: bool = False
-    gpu_only: bool = False
-    decimals: int | None = None
-
-    def to_json(self, panel_id: int, x: int, y: int) -> dict[str, Any]:
-        description = self.description
-        if self.gpu_only:
-            description = f"{GPU_ONLY_NOTE} {description}"
-        defaults: dict[str, Any] = {
-            "unit": self.unit,
-            "color": {"mode": "palette-classic"},
-            "thresholds": _thresholds(self.thresholds),
-        }
-        if self.min is not None:
-            defaults["min"] = self.min
-        if self.max is not None:
-            defaults["max"] = self.max
-        if self.decimals is not None:
-            defaults["decimals"] = self.decimals
-        options: dict[str, Any]
-        if self.kind == "timeseries":
-            defaults["custom"] = _timeseries_style(self)
-            options = {
-                "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
-                "tooltip": {"mode": "multi", "sort": "desc"},
-            }
-        elif self.kind == "bargauge":
-            defaults["color"] = {"mode": "thresholds"}
-            options = {
-                "displayMode": "gradient",
-                "orientation": "horizontal",
-                "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
-                "showUnfilled": True,
-                "valueMode": "color",
-                "namePlacement": "auto",
-                "sizing": "auto",
-                "minVizHeight": 16,
-                "minVizWidth": 8,
-                "maxVizHeight": 300,
-            }
-        elif self.kind == "stat":
-            defaults["color"] = {"mode": "thresholds"}
-            options = {
-                "colorMode": "value",
-                "graphMode": "area",
-                "justifyMode": "auto",
-                "orientation": "auto",
-                "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
-                "textMode": "auto",
-                "showPercentChange": False,
-                "wideLayout": True,
-            }
-        else:  # table
-            options = {"cellHeight": "sm", "showHeader": True, "footer": {"show": False}}
-        panel: dict[str, Any] = {
-            "id": panel_id,
-            "type": self.kind,
-            "title": self.title,
-            "description": description,
-            "datasource": DATASOURCE,
-            "gridPos": {"h": self.height, "w": self.width, "x": x, "y": y},
-            "fieldConfig": {"defaults": defaults, "overrides": []},
-            "options": options,
-            "targets": [t.to_json(chr(ord("A") + i)) for i, t in enumerate(self.targets)],
-        }
-        if self.kind == "table":
-            panel["transformations"] = [
-                {"id": "reduce", "options": {"reducers": ["lastNotNull"], "mode": "seriesToRows"}}
-            ]
-        return panel
-
-
-def _timeseries_style(p: Panel) -> dict[str, Any]:
-    return {
-        "drawStyle": "bars" if p.bars else "line",
-        "lineInterpolation": "stepAfter" if p.stepped else "linear",
-        "lineWidth": 2 if p.stepped else 1,
-        "fillOpacity": 60 if p.bars else 10,
-        "gradientMode": "none",
-        "showPoints": "never",
-        "pointSize": 4,
-        "spanNulls": False,
-        "axisPlacement": "auto",
-        "axisLabel": "",
-        "axisSoftMin": 0,
-        "scaleDistribution": {"type": "linear"},
-        "stacking": {"mode": "normal" if p.stack else "none", "group": "A"},
-        "thresholdsStyle": {"mode": "dashed" if p.thresholds else "off"},
-        "hideFrom": {"legend": False, "tooltip": False, "viz": False},
-    }
-
-
-def _thresholds(thresholds: Sequence[Threshold]) -> dict[str, Any]:
+def thresholds(*lines: Threshold) -> dash.ThresholdsConfig:
     """Grafana's thresholds: a base colour, then a colour from each value up."""
-    ordered = sorted(thresholds, key=lambda t: t.value)
-    steps: list[dict[str, Any]]
+    ordered = sorted(lines, key=lambda t: t.value)
+    steps = [d.Threshold(None, "green")] + [d.Threshold(t.value, t.color) for t in ordered]
     if ordered and ordered[0].direction == "below":
-        # Bad below the value, good above it.
-        steps = [{"color": ordered[0].color, "value": None}]
-        steps += [{"color": "green", "value": t.value} for t in ordered[:1]]
-        steps += [{"color": t.color, "value": t.value} for t in ordered[1:]]
-    else:
-        steps = [{"color": "green", "value": None}]
-        steps += [{"color": t.color, "value": t.value} for t in ordered]
-    return {"mode": "absolute", "steps": steps}
+        # Bad below the first value, good above it.
+        steps[:2] = [d.Threshold(None, ordered[0].color), d.Threshold(ordered[0].value, "green")]
+    return dash.ThresholdsConfig().mode(d.ThresholdsMode.ABSOLUTE).steps(steps)
 
 
-@dataclass
-class Row:
-    title: str
-    panels: Sequence[Panel]
-    collapsed: bool = False
+Chart = TypeVar("Chart", timeseries.Panel, bargauge.Panel, stat.Panel, table.Panel)
 
 
-@dataclass(frozen=True)
-class Annotation:
-    """Marks on every time series panel of the dashboard where `expr` has a value."""
+def placed(panel: Chart, title: str, description: str, width: int, height: int = 8) -> Chart:
+    """What every panel of ours has: a title, a description, `${datasource}`, its size."""
+    panel.title(title).description(description).datasource(DATASOURCE)
+    return panel.span(width).height(height).unit("short").thresholds(thresholds())
 
-    name: str
-    expr: str
-    title: str
-    text: str = ""
-    tags: Sequence[str] = ()
-    color: Color = "orange"
-    step: str = "15s"
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "datasource": DATASOURCE,
-            "enable": True,
-            "hide": False,
-            "iconColor": self.color,
-            "step": self.step,
-            "titleFormat": self.title,
-            "textFormat": self.text,
-            "tagKeys": ",".join(self.tags),
+class Graph(timeseries.Panel):
+    """A time series panel: lines, a shared multi-series tooltip, the legend below."""
+
+    def __init__(self, title: str, description: str, width: int = 12, height: int = 8) -> None:
+        super().__init__()
+        placed(self, title, description, width, height)
+        self.color_scheme(dash.FieldColor().mode(d.FieldColorModeId.PALETTE_CLASSIC))
+        self.legend(
+            common.VizLegendOptions()
+            .display_mode(c.LegendDisplayMode.LIST)
+            .placement(c.LegendPlacement.BOTTOM)
+            .show_legend(True)
+        )
+        self.tooltip(
+            common.VizTooltipOptions().mode(c.TooltipDisplayMode.MULTI).sort(c.SortOrder.DESCENDING)
+        )
+        self.draw_style(c.GraphDrawStyle.LINE).line_interpolation(c.LineInterpolation.LINEAR)
+        self.line_width(1).fill_opacity(10).show_points(c.VisibilityMode.NEVER).axis_soft_min(0)
+
+    def rule_lines(self, *lines: Threshold) -> Self:
+        """A rule's thresholds, drawn as dashed lines across the panel."""
+        style = common.GraphThresholdsStyleConfig().mode(c.GraphThresholdsStyleMode.DASHED)
+        return self.thresholds(thresholds(*lines)).thresholds_style(style)
+
+    def stepped(self) -> Self:
+        """Knobs: a change shows as a step, not a slope."""
+        return self.line_interpolation(c.LineInterpolation.STEP_AFTER).line_width(2)
+
+    def bars(self, *, stacked: bool = False) -> Self:
+        if stacked:
+            self.stacking(common.StackingConfig().mode(c.StackingMode.NORMAL).group("A"))
+        return self.draw_style(c.GraphDrawStyle.BARS).fill_opacity(60)
+
+
+def last_value() -> common.ReduceDataOptions:
+    return common.ReduceDataOptions().calcs(["lastNotNull"]).fields("").values(False)
+
+
+def bar_gauge(title: str, description: str, width: int, height: int = 8) -> bargauge.Panel:
+    """Horizontal bars, one per series, coloured by the thresholds."""
+    return (
+        placed(bargauge.Panel(), title, description, width, height)
+        .color_scheme(dash.FieldColor().mode(d.FieldColorModeId.THRESHOLDS))
+        .display_mode(c.BarGaugeDisplayMode.GRADIENT)
+        .orientation(c.VizOrientation.HORIZONTAL)
+        .value_mode(c.BarGaugeValueMode.COLOR)
+        .name_placement(c.BarGaugeNamePlacement.AUTO)
+        .sizing(c.BarGaugeSizing.AUTO)
+        .reduce_options(last_value())
+        .legend(common.VizLegendOptions().show_legend(False))
+    )
+
+
+def stat_panel(title: str, description: str, width: int, height: int = 8) -> stat.Panel:
+    """Big numbers with a sparkline, the last value of each query."""
+    return (
+        placed(stat.Panel(), title, description, width, height)
+        .color_scheme(dash.FieldColor().mode(d.FieldColorModeId.THRESHOLDS))
+        .color_mode(c.BigValueColorMode.VALUE)
+        .graph_mode(c.BigValueGraphMode.AREA)
+        .justify_mode(c.BigValueJustifyMode.AUTO)
+        .orientation(c.VizOrientation.AUTO)
+        .text_mode(c.BigValueTextMode.AUTO)
+        .reduce_options(last_value())
+    )
+
+
+def table_panel(title: str, description: str, width: int, height: int = 8) -> table.Panel:
+    """One row per series: its last value."""
+    reduce = d.DataTransformerConfig(
+        id_val="reduce", options={"reducers": ["lastNotNull"], "mode": "seriesToRows"}
+    )
+    return (
+        placed(table.Panel(), title, description, width, height)
+        .cell_height(c.TableCellHeight.SM)
+        .show_header(True)
+        .footer(common.TableFooterOptions().show(False))
+        .with_transformation(reduce)
+    )
+
+
+class PromAnnotation(d.AnnotationQuery, Builder[d.AnnotationQuery]):
+    """Marks on every time series panel where `expr` has a value.
+
+    Grafana's schema types an annotation's target as the built-in Grafana
+    source's (limit, tags); the Prometheus data source's options (title and
+    text templates, labels as tags, step) have no field in the SDK's
+    AnnotationQuery, so this subclass adds them to its JSON. Grafana moves the
+    top-level `expr` and `step` into the query target when it loads the file.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        expr: str,
+        title: str,
+        text: str = "",
+        tags: Sequence[str] = (),
+        color: str = "orange",
+    ) -> None:
+        super().__init__(name=name, datasource=DATASOURCE, icon_color=color, expr=expr)
+        self.prometheus_options: dict[str, object] = {
+            "step": "15s",
+            "titleFormat": title,
+            "textFormat": text,
+            "tagKeys": ",".join(tags),
             "useValueForTime": False,
-            "target": {"expr": self.expr, "interval": "", "refId": "Anno"},
         }
 
+    def build(self) -> Self:
+        return self
 
-BUILTIN_ANNOTATION: dict[str, Any] = {
-    "builtIn": 1,
-    "datasource": {"type": "grafana", "uid": "-- Grafana --"},
-    "enable": True,
-    "hide": True,
-    "iconColor": "rgba(0, 211, 255, 1)",
-    "name": "Annotations & Alerts",
-    "type": "dashboard",
-}
+    def to_json(self) -> dict[str, object]:
+        return super().to_json() | self.prometheus_options
 
 
-@dataclass(frozen=True)
-class QueryVariable:
-    name: str
-    label: str
-    query: str  # e.g. label_values(metric{...}, label)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "label": self.label,
-            "type": "query",
-            "datasource": DATASOURCE,
-            "definition": self.query,
-            "query": {"qryType": 1, "query": self.query, "refId": "PrometheusVariableQueryEditor"},
-            "refresh": 2,  # on time range change: engines come and go
-            "includeAll": True,
-            "allValue": ".*",
-            "multi": True,
-            "current": {},
-            "options": [],
-            "regex": "",
-            "sort": 1,
-            "hide": 0,
-        }
-
-
-DATASOURCE_VARIABLE: dict[str, Any] = {
-    "name": "datasource",
-    "label": "Prometheus",
-    "type": "datasource",
-    "query": "prometheus",
-    "current": {},
-    "options": [],
-    "refresh": 1,
-    "regex": "",
-    "includeAll": False,
-    "multi": False,
-    "hide": 0,
-}
+def query_variable(name: str, label: str, query: str) -> dash.QueryVariable:
+    """A multi-value variable from `label_values(...)`, `All` matching everything."""
+    return (
+        dash.QueryVariable(name)
+        .label(label)
+        .datasource(DATASOURCE)
+        .query({"qryType": 1, "query": query, "refId": "PrometheusVariableQueryEditor"})
+        .refresh(d.VariableRefresh.ON_TIME_RANGE_CHANGED)  # engines come and go
+        .include_all(True)
+        .all_value(".*")
+        .multi(True)
+        .sort(d.VariableSort.ALPHABETICAL_ASC)
+    )
 
 
 def dashboard(
@@ -306,74 +199,70 @@ def dashboard(
     uid: str,
     title: str,
     description: str,
-    rows: Iterable[Row],
-    variables: Sequence[QueryVariable],
-    annotations: Sequence[Annotation] = (),
-    tags: Sequence[str] = ("vllm", "vllm-runbook"),
+    rows: Sequence[Row],
+    variables: Sequence[dash.QueryVariable],
+    annotations: Sequence[PromAnnotation] = (),
     refresh: str = "30s",
     time_from: str = "now-1h",
 ) -> dict[str, Any]:
-    panels: list[dict[str, Any]] = []
-    next_id = 1
-    y = 0
-    for row in rows:
-        row_json: dict[str, Any] = {
-            "id": next_id,
-            "type": "row",
-            "title": row.title,
-            "collapsed": row.collapsed,
-            "gridPos": {"h": 1, "w": GRID_COLUMNS, "x": 0, "y": y},
-            "panels": [],
-        }
-        next_id += 1
-        y += 1
-        children: list[dict[str, Any]] = []
-        x, line_height = 0, 0
-        for panel in row.panels:
-            if x + panel.width > GRID_COLUMNS:
-                x, y, line_height = 0, y + line_height, 0
-            children.append(panel.to_json(next_id, x, y))
-            next_id += 1
-            x += panel.width
-            line_height = max(line_height, panel.height)
-        y += line_height
-        panels.append(row_json)
-        # A collapsed row keeps its panels inside it; an open row is followed by them.
-        if row.collapsed:
-            row_json["panels"] = children
-        else:
-            panels.extend(children)
-    return {
-        "uid": uid,
-        "title": title,
-        "description": description,
-        "tags": list(tags),
-        "timezone": "browser",
-        "editable": True,
-        "graphTooltip": 1,  # shared crosshair: line a knob step up with the latency it moved
-        "fiscalYearStartMonth": 0,
-        "liveNow": False,
-        "refresh": refresh,
-        "schemaVersion": SCHEMA_VERSION,
-        "version": 1,
-        "weekStart": "",
-        "time": {"from": time_from, "to": "now"},
-        "timepicker": {},
-        "links": [
-            {
-                "title": "vllm-runbook",
-                "type": "dashboards",
-                "tags": ["vllm-runbook"],
-                "asDropdown": True,
-                "includeVars": True,
-                "keepTime": True,
-                "icon": "external link",
-                "targetBlank": False,
-                "tooltip": "",
-                "url": "",
-            }
-        ],
-        "annotations": {"list": [BUILTIN_ANNOTATION, *(a.to_json() for a in annotations)]},
-        "templating": {"list": [DATASOURCE_VARIABLE, *(v.to_json() for v in variables)]},
-        "panels": panels,
-    }
+    """The dashboard as Grafana stores it: the SDK lays the rows out on the grid."""
+    builtin = (
+        dash.AnnotationQuery()
+        .name("Annotations & Alerts")
+        .datasource(d.DataSourceRef(type_val="grafana", uid="-- Grafana --"))
+        .built_in(1)
+        .type("dashboard")
+        .enable(True)
+        .hide(True)
+        .icon_color("rgba(0, 211, 255, 1)")
+    )
+    board = (
+        dash.Dashboard(title)
+        .uid(uid)
+        .description(description)
+        .tags(["vllm", "vllm-runbook"])
+        .editable()
+        .tooltip(d.DashboardCursorSync.CROSSHAIR)  # line a knob step up with the latency it moved
+        .refresh(refresh)
+        .time(time_from, "now")
+        .link(
+            dash.DashboardLink("vllm-runbook")
+            .type(d.DashboardLinkType.DASHBOARDS)
+            .tags(["vllm-runbook"])
+            .as_dropdown(True)
+            .include_vars(True)
+            .keep_time(True)
+            .icon("external link")
+        )
+        .annotations([builtin, *annotations])
+        .with_variable(dash.DatasourceVariable("datasource").label("Prometheus").type("prometheus"))
+    )
+    for variable in variables:
+        board.with_variable(variable)
+    for row_title, panels in rows:
+        board.with_row(dash.Row(row_title))
+        for panel in panels:
+            board.with_panel(panel)
+    model = board.build()
+    _number_and_mark(model)
+    return dict(json.loads(json.dumps(model, cls=JSONEncoder)))
+
+
+def _number_and_mark(model: d.Dashboard) -> None:
+    """Unique panel ids in reading order, refIds A, B, ... per panel, and the
+    GPU-only note on panels whose every series exists only with a GPU."""
+    known = catalog.all_known_series()
+    panel_id = 0
+    for panel in model.panels or []:
+        for inner in [panel, *(panel.panels if isinstance(panel, d.RowPanel) else [])]:
+            panel_id += 1
+            inner.id_val = panel_id
+            if isinstance(inner, d.RowPanel):
+                continue
+            names: set[str] = set()
+            for i, target in enumerate(inner.targets or []):
+                assert isinstance(target, p.Dataquery), target
+                target.ref_id = chr(ord("A") + i)
+                names |= lint.metric_names(target.expr)
+            if names and all(known[n].gpu_only for n in names if n in known):
+                inner.description = f"{GPU_ONLY_NOTE} {inner.description}"

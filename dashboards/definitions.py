@@ -5,25 +5,36 @@ it against what (`RuleNotes`, read from the rule catalog). Metric names come
 from the catalogs (vllm_runbook.collector.metrics,
 vllm_runbook.runbooks.service_metrics, and the few
 vLLM series in vllm_runbook.dashboards.catalog); nothing here retypes a metric name.
+Panels are the Grafana Foundation SDK's builders (Grafana's own types), in the
+common style of vllm_runbook.dashboards.builder.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from grafana_foundation_sdk.builders import bargauge, stat
+from grafana_foundation_sdk.builders.dashboard import QueryVariable
+from grafana_foundation_sdk.cog import variants
+from grafana_foundation_sdk.cog.builder import Builder
 from vllm_runbook.collector import metrics as M
 from vllm_runbook.dashboards import catalog as V
 from vllm_runbook.dashboards import queries as Q
 from vllm_runbook.dashboards.builder import (
+    Graph,
+    PromAnnotation,
+    bar_gauge,
+    dashboard,
+    prom,
+    query_variable,
+    stat_panel,
+    table_panel,
+    thresholds,
+)
+from vllm_runbook.dashboards.queries import (
     ENGINE_LABELS,
     ENGINE_LEGEND,
-    Annotation,
-    Panel,
-    QueryVariable,
-    Row,
-    Target,
     Threshold,
-    dashboard,
     quantile,
     rate,
     selector,
@@ -42,17 +53,17 @@ TOP_N = 5
 def variables() -> list[QueryVariable]:
     up = M.COLLECTOR_UP.name
     return [
-        QueryVariable("model_name", "Model", f"label_values({up}, model_name)"),
-        QueryVariable(
+        query_variable("model_name", "Model", f"label_values({up}, model_name)"),
+        query_variable(
             "engine", "Engine (DP rank)", f'label_values({up}{{model_name=~"$model_name"}}, engine)'
         ),
     ]
 
 
-def runbook_annotations() -> list[Annotation]:
+def runbook_annotations() -> list[PromAnnotation]:
     executions = S.EXECUTIONS.series_name
     return [
-        Annotation(
+        PromAnnotation(
             name="Knob changes",
             expr=Q.knob_changes(),
             title="Knob changed on {{instance}} {{model_name}}/{{engine}}",
@@ -60,7 +71,7 @@ def runbook_annotations() -> list[Annotation]:
             "a runbook (or an operator) acted. `runbook history` has the details.",
             color="orange",
         ),
-        Annotation(
+        PromAnnotation(
             name="Runbook executions (all engines)",
             expr=f"sum by (runbook, status) (changes({executions}[1m])) > 0",
             title="Runbook {{runbook}}: {{status}}",
@@ -80,9 +91,9 @@ QUEUE_FINDINGS = (
 )
 
 
-def finding_annotations(notes: Q.RuleNotes) -> list[Annotation]:
+def finding_annotations(notes: Q.RuleNotes) -> list[PromAnnotation]:
     return [
-        Annotation(
+        PromAnnotation(
             name=f"Finding {alert}",
             expr=to_promql(notes.rule(alert).condition),
             title=f"{alert} on {{{{instance}}}} {{{{model_name}}}}/{{{{engine}}}}",
@@ -111,10 +122,10 @@ def service_rate(spec: M.MetricSpec, by: str) -> str:
     return f"sum by ({by}) ({rate(spec, engine=False)})"
 
 
-def p50_p99(spec: M.MetricSpec) -> list[Target]:
+def p50_p99(spec: M.MetricSpec) -> list[Builder[variants.Dataquery]]:
     return [
-        Target(Q.latency(0.5, spec), "p50 " + ENGINE_LEGEND),
-        Target(Q.latency(0.99, spec), "p99 " + ENGINE_LEGEND),
+        prom(Q.latency(0.5, spec), "p50 " + ENGINE_LEGEND),
+        prom(Q.latency(0.99, spec), "p99 " + ENGINE_LEGEND),
     ]
 
 
@@ -124,271 +135,296 @@ class Panels:
     def __init__(self, notes: Q.RuleNotes) -> None:
         self.n = notes
 
-    def throughput(self, width: int = 12) -> Panel:
+    def throughput(self, width: int = 12) -> Graph:
         n = self.n
-        return Panel(
-            "Throughput",
-            "Tokens per second generated (output) and processed as prompt (prefill), "
-            "from vLLM's own counters. "
-            + n.note(
-                "VllmThroughputDrop",
-                "fires when generation throughput over {window} is at least {drop_pct} below the "
-                "{baseline} that ended {window} + {for} earlier while requests wait, for {for}",
-            )
-            + " "
-            + n.note(
-                "VllmInsufficientWarmup",
-                "fires in the first {warmup} when the throughput {window} ago was below "
-                "{fraction_pct} of the latest {window}'s, with requests waiting",
-            ),
-            [
-                Target(Q.generation_throughput(), "generated " + ENGINE_LEGEND),
-                Target(Q.prompt_throughput(), "prompt " + ENGINE_LEGEND),
-            ],
-            unit="short",
-            width=width,
-        )
-
-    def e2e_latency(self, width: int = 12) -> Panel:
-        n = self.n
-        return Panel(
-            "End-to-end latency P50 / P99",
-            "Time from a request's arrival to its last token (vLLM's histogram). "
-            + n.note(
-                "VllmLatencySpike",
-                "fires when the P99 over {window} is above {p99_sla_seconds} s (the dashed line) "
-                "or at least {earlier_rise_pct} above its value {earlier} earlier, while the queue "
-                "grows, for {for}",
-            )
-            + " "
-            + n.note(
-                "VllmBatchTooLarge",
-                "fires when the P99 rose by {latency_rise_pct} against {earlier} earlier while the "
-                "prefix hit ratio fell by {hit_fall_pct} against the {baseline} that ended "
-                "{window} + {for} earlier",
-            ),
-            p50_p99(V.E2E_REQUEST_LATENCY),
-            unit="s",
-            thresholds=[n.threshold("VllmLatencySpike", "p99_sla_seconds")],
-            width=width,
-        )
-
-    def ttft(self) -> Panel:
-        return Panel(
-            "Time to first token P50 / P99",
-            "Time from a request's arrival to its first output token: queueing plus prefill "
-            "(vLLM's histogram). No rule uses it directly; it rises first when prefill "
-            "competes with decode for the token budget.",
-            p50_p99(V.TIME_TO_FIRST_TOKEN),
-            unit="s",
-            width=12,
-        )
-
-    def inter_token(self) -> Panel:
-        return Panel(
-            "Inter-token latency P50 / P99",
-            "Time between two output tokens of a request (vLLM's histogram): the decode step "
-            "time users feel while streaming. A larger batch raises it; a smaller token budget "
-            "lowers it at the cost of throughput. No rule uses it directly.",
-            p50_p99(V.INTER_TOKEN_LATENCY),
-            unit="s",
-            width=12,
-        )
-
-    def queue(self, width: int = 12) -> Panel:
-        n = self.n
-        return Panel(
-            "Queue depth",
-            "Requests waiting to be scheduled (including preempted ones) and running, from "
-            "the collector inside the scheduler. "
-            + n.note(
-                "VllmEngineStalled",
-                "fires when requests waited for the whole {window} while no token was "
-                "scheduled (a flat line of waiting requests with the steps panel at 0), "
-                "for {for}",
-            ),
-            [
-                Target(Q.gauge(M.REQUESTS_WAITING), "waiting " + ENGINE_LEGEND),
-                Target(Q.gauge(M.REQUESTS_RUNNING), "running " + ENGINE_LEGEND),
-            ],
-            width=width,
-        )
-
-    def tier_waiting(self, width: int = 8) -> Panel:
-        n = self.n
-        return Panel(
-            "Waiting per tier (hot / warm / cold)",
-            f"{M.TIER_REQUESTS_WAITING.help} "
-            + n.note(
-                "VllmHotPathBacklog",
-                "fires when more than {threshold} hot requests wait (dashed line), for {for}",
-            ),
-            [Target(Q.per_tier(M.TIER_REQUESTS_WAITING), "{{tier}} " + ENGINE_LEGEND)],
-            thresholds=[n.threshold("VllmHotPathBacklog", color="orange")],
-            min=0,
-            width=width,
-        )
-
-    def tier_running(self, width: int = 8) -> Panel:
-        return Panel(
-            "Running per tier",
-            f"{M.TIER_REQUESTS_RUNNING.help} Under the tiered policy a tier at its "
-            "admission limit admits no more while another tier waits.",
-            [Target(Q.per_tier(M.TIER_REQUESTS_RUNNING), "{{tier}} " + ENGINE_LEGEND)],
-            min=0,
-            width=width,
-        )
-
-    def tier_oldest_waiting(self, width: int = 8) -> Panel:
-        n = self.n
-        return Panel(
-            "Oldest waiting per tier",
-            f"{M.TIER_OLDEST_WAITING.help} Under the tiered policy a request moves up a "
-            "tier for every aging period it waits (default 30 s). "
-            + n.note(
-                "VllmRequestStarvation",
-                "fires when one has waited more than {threshold_seconds} s (dashed line), "
-                "for {for}",
-            ),
-            [Target(Q.per_tier(M.TIER_OLDEST_WAITING), "{{tier}} " + ENGINE_LEGEND)],
-            thresholds=[n.threshold("VllmRequestStarvation", "threshold_seconds")],
-            unit="s",
-            min=0,
-            width=width,
-        )
-
-    def tier_queue_time(self, width: int = 12) -> Panel:
-        return Panel(
-            "Queue time to first schedule per tier (P50 / P99)",
-            f"{M.TIER_QUEUE_SECONDS.help} The priority queue's wait time per path that the "
-            "field reports watch: the tiered policy keeps the hot tier's low.",
-            [
-                Target(
-                    quantile(q, M.TIER_QUEUE_SECONDS, by=(*ENGINE_LABELS, "tier")),
-                    f"p{int(q * 100)} {{{{tier}}}} " + ENGINE_LEGEND,
+        return (
+            Graph(
+                "Throughput",
+                "Tokens per second generated (output) and processed as prompt (prefill), "
+                "from vLLM's own counters. "
+                + n.note(
+                    "VllmThroughputDrop",
+                    "fires when generation throughput over {window} is at least {drop_pct} below "
+                    "the {baseline} that ended {window} + {for} earlier while requests wait, "
+                    "for {for}",
                 )
-                for q in (0.5, 0.99)
-            ],
-            unit="s",
-            min=0,
-            width=width,
+                + " "
+                + n.note(
+                    "VllmInsufficientWarmup",
+                    "fires in the first {warmup} when the throughput {window} ago was below "
+                    "{fraction_pct} of the latest {window}'s, with requests waiting",
+                ),
+                width,
+            )
+            .with_target(prom(Q.generation_throughput(), "generated " + ENGINE_LEGEND))
+            .with_target(prom(Q.prompt_throughput(), "prompt " + ENGINE_LEGEND))
         )
 
-    def oldest_waiting(self, width: int = 12) -> Panel:
-        return Panel(
-            "Oldest waiting request",
-            f"{M.OLDEST_WAITING.help} vLLM's histograms record a request's queue time only "
-            "once it is scheduled, so a starving request is invisible there; here it is a "
-            "line that climbs (e.g. low-priority requests behind a high-priority stream). "
-            "latency-spike switches to FCFS and verifies that the waiting requests get in.",
-            [Target(Q.gauge(M.OLDEST_WAITING), ENGINE_LEGEND)],
-            unit="s",
-            min=0,
-            width=width,
+    def e2e_latency(self, width: int = 12) -> Graph:
+        n = self.n
+        return (
+            Graph(
+                "End-to-end latency P50 / P99",
+                "Time from a request's arrival to its last token (vLLM's histogram). "
+                + n.note(
+                    "VllmLatencySpike",
+                    "fires when the P99 over {window} is above {p99_sla_seconds} s (the dashed "
+                    "line) or at least {earlier_rise_pct} above its value {earlier} earlier, "
+                    "while the queue grows, for {for}",
+                )
+                + " "
+                + n.note(
+                    "VllmBatchTooLarge",
+                    "fires when the P99 rose by {latency_rise_pct} against {earlier} earlier while "
+                    "the prefix hit ratio fell by {hit_fall_pct} against the {baseline} that "
+                    "ended {window} + {for} earlier",
+                ),
+                width,
+            )
+            .targets(p50_p99(V.E2E_REQUEST_LATENCY))
+            .unit("s")
+            .rule_lines(n.threshold("VllmLatencySpike", "p99_sla_seconds"))
         )
 
-    def longest_sequence(self, width: int = 12) -> Panel:
-        return Panel(
-            "Longest sequence in the batch",
-            f"{M.MAX_SEQUENCE_TOKENS.help} The field reports' first check for memory "
-            "pressure (oom-pressure shows it before acting).",
-            [Target(Q.gauge(M.MAX_SEQUENCE_TOKENS), ENGINE_LEGEND)],
-            unit="short",
-            min=0,
-            width=width,
+    def ttft(self) -> Graph:
+        return (
+            Graph(
+                "Time to first token P50 / P99",
+                "Time from a request's arrival to its first output token: queueing plus prefill "
+                "(vLLM's histogram). No rule uses it directly; it rises first when prefill "
+                "competes with decode for the token budget.",
+                12,
+            )
+            .targets(p50_p99(V.TIME_TO_FIRST_TOKEN))
+            .unit("s")
         )
 
-    def finished_by_reason(self, width: int = 12) -> Panel:
+    def inter_token(self) -> Graph:
+        return (
+            Graph(
+                "Inter-token latency P50 / P99",
+                "Time between two output tokens of a request (vLLM's histogram): the decode step "
+                "time users feel while streaming. A larger batch raises it; a smaller token budget "
+                "lowers it at the cost of throughput. No rule uses it directly.",
+                12,
+            )
+            .targets(p50_p99(V.INTER_TOKEN_LATENCY))
+            .unit("s")
+        )
+
+    def queue(self, width: int = 12) -> Graph:
+        n = self.n
+        return (
+            Graph(
+                "Queue depth",
+                "Requests waiting to be scheduled (including preempted ones) and running, from "
+                "the collector inside the scheduler. "
+                + n.note(
+                    "VllmEngineStalled",
+                    "fires when requests waited for the whole {window} while no token was "
+                    "scheduled (a flat line of waiting requests with the steps panel at 0), "
+                    "for {for}",
+                ),
+                width,
+            )
+            .with_target(prom(Q.gauge(M.REQUESTS_WAITING), "waiting " + ENGINE_LEGEND))
+            .with_target(prom(Q.gauge(M.REQUESTS_RUNNING), "running " + ENGINE_LEGEND))
+        )
+
+    def tier_waiting(self, width: int = 8) -> Graph:
+        n = self.n
+        return (
+            Graph(
+                "Waiting per tier (hot / warm / cold)",
+                f"{M.TIER_REQUESTS_WAITING.help} "
+                + n.note(
+                    "VllmHotPathBacklog",
+                    "fires when more than {threshold} hot requests wait (dashed line), for {for}",
+                ),
+                width,
+            )
+            .with_target(prom(Q.per_tier(M.TIER_REQUESTS_WAITING), "{{tier}} " + ENGINE_LEGEND))
+            .min(0)
+            .rule_lines(n.threshold("VllmHotPathBacklog", color="orange"))
+        )
+
+    def tier_running(self, width: int = 8) -> Graph:
+        return (
+            Graph(
+                "Running per tier",
+                f"{M.TIER_REQUESTS_RUNNING.help} Under the tiered policy a tier at its "
+                "admission limit admits no more while another tier waits.",
+                width,
+            )
+            .with_target(prom(Q.per_tier(M.TIER_REQUESTS_RUNNING), "{{tier}} " + ENGINE_LEGEND))
+            .min(0)
+        )
+
+    def tier_oldest_waiting(self, width: int = 8) -> Graph:
+        n = self.n
+        return (
+            Graph(
+                "Oldest waiting per tier",
+                f"{M.TIER_OLDEST_WAITING.help} Under the tiered policy a request moves up a "
+                "tier for every aging period it waits (default 30 s). "
+                + n.note(
+                    "VllmRequestStarvation",
+                    "fires when one has waited more than {threshold_seconds} s (dashed line), "
+                    "for {for}",
+                ),
+                width,
+            )
+            .with_target(prom(Q.per_tier(M.TIER_OLDEST_WAITING), "{{tier}} " + ENGINE_LEGEND))
+            .unit("s")
+            .min(0)
+            .rule_lines(n.threshold("VllmRequestStarvation", "threshold_seconds"))
+        )
+
+    def tier_queue_time(self, width: int = 12) -> Graph:
+        return (
+            Graph(
+                "Queue time to first schedule per tier (P50 / P99)",
+                f"{M.TIER_QUEUE_SECONDS.help} The priority queue's wait time per path that the "
+                "field reports watch: the tiered policy keeps the hot tier's low.",
+                width,
+            )
+            .targets(
+                [
+                    prom(
+                        quantile(q, M.TIER_QUEUE_SECONDS, by=(*ENGINE_LABELS, "tier")),
+                        f"p{int(q * 100)} {{{{tier}}}} " + ENGINE_LEGEND,
+                    )
+                    for q in (0.5, 0.99)
+                ]
+            )
+            .unit("s")
+            .min(0)
+        )
+
+    def oldest_waiting(self, width: int = 12) -> Graph:
+        return (
+            Graph(
+                "Oldest waiting request",
+                f"{M.OLDEST_WAITING.help} vLLM's histograms record a request's queue time only "
+                "once it is scheduled, so a starving request is invisible there; here it is a "
+                "line that climbs (e.g. low-priority requests behind a high-priority stream). "
+                "latency-spike switches to FCFS and verifies that the waiting requests get in.",
+                width,
+            )
+            .with_target(prom(Q.gauge(M.OLDEST_WAITING), ENGINE_LEGEND))
+            .unit("s")
+            .min(0)
+        )
+
+    def longest_sequence(self, width: int = 12) -> Graph:
+        return (
+            Graph(
+                "Longest sequence in the batch",
+                f"{M.MAX_SEQUENCE_TOKENS.help} The field reports' first check for memory "
+                "pressure (oom-pressure shows it before acting).",
+                width,
+            )
+            .with_target(prom(Q.gauge(M.MAX_SEQUENCE_TOKENS), ENGINE_LEGEND))
+            .min(0)
+        )
+
+    def finished_by_reason(self, width: int = 12) -> Graph:
         by_reason = Q.BY_ENGINE.removesuffix(")") + ", reason)"
-        return Panel(
-            "Requests finished by reason",
-            f"{M.REQUESTS_FINISHED.help} Per second, counted inside the engine (the "
-            "error-rate runbook reads the recent reasons).",
-            [
-                Target(
+        return (
+            Graph(
+                "Requests finished by reason",
+                f"{M.REQUESTS_FINISHED.help} Per second, counted inside the engine (the "
+                "error-rate runbook reads the recent reasons).",
+                width,
+            )
+            .with_target(
+                prom(
                     f"sum {by_reason} ({Q.rate(M.REQUESTS_FINISHED)})",
                     ENGINE_LEGEND + " {{reason}}",
                 )
-            ],
-            unit="reqps",
-            min=0,
-            width=width,
+            )
+            .unit("reqps")
+            .min(0)
         )
 
-    def request_times(self, width: int = 12) -> Panel:
-        return Panel(
-            "Queue and end-to-end time in the engine (P99)",
-            "Per finished request, recorded at its finish by the collector: time from its "
-            "arrival in the engine to its first schedule (queue) and to its finish (end to "
-            "end). A request that never got scheduled counts its whole wait as queue time.",
-            [
-                Target(Q.latency(0.99, M.REQUEST_QUEUE_SECONDS), "queue p99 " + ENGINE_LEGEND),
-                Target(Q.latency(0.99, M.REQUEST_E2E_SECONDS), "e2e p99 " + ENGINE_LEGEND),
-            ],
-            unit="s",
-            min=0,
-            width=width,
+    def request_times(self, width: int = 12) -> Graph:
+        return (
+            Graph(
+                "Queue and end-to-end time in the engine (P99)",
+                "Per finished request, recorded at its finish by the collector: time from its "
+                "arrival in the engine to its first schedule (queue) and to its finish (end to "
+                "end). A request that never got scheduled counts its whole wait as queue time.",
+                width,
+            )
+            .with_target(
+                prom(Q.latency(0.99, M.REQUEST_QUEUE_SECONDS), "queue p99 " + ENGINE_LEGEND)
+            )
+            .with_target(prom(Q.latency(0.99, M.REQUEST_E2E_SECONDS), "e2e p99 " + ENGINE_LEGEND))
+            .unit("s")
+            .min(0)
         )
 
-    def error_rate(self) -> Panel:
+    def error_rate(self) -> Graph:
         n = self.n
-        return Panel(
-            "Error rate",
-            'Share of finished requests that ended with finished_reason="error" (vLLM\'s '
-            "counter). "
-            + n.note(
-                "VllmErrorRateHigh",
-                "fires when the share over {window} is above {threshold} (dashed line), for {for}",
-            ),
-            [Target(Q.error_ratio(), ENGINE_LEGEND)],
-            unit="percentunit",
-            thresholds=[n.threshold("VllmErrorRateHigh", color="orange")],
-            width=12,
+        return (
+            Graph(
+                "Error rate",
+                'Share of finished requests that ended with finished_reason="error" (vLLM\'s '
+                "counter). "
+                + n.note(
+                    "VllmErrorRateHigh",
+                    "fires when the share over {window} is above {threshold} (dashed line), "
+                    "for {for}",
+                ),
+                12,
+            )
+            .with_target(prom(Q.error_ratio(), ENGINE_LEGEND))
+            .unit("percentunit")
+            .rule_lines(n.threshold("VllmErrorRateHigh", color="orange"))
         )
 
-    def oom_rate(self) -> Panel:
+    def oom_rate(self) -> Graph:
         n = self.n
-        return Panel(
-            "Preemptions per finished request (OOM rate)",
-            "vLLM V1 answers KV cache exhaustion by preempting a request (its blocks are "
-            "freed and it is recomputed later), so this is the engine's OOM rate. "
-            + n.note(
-                "VllmOOMRateHigh",
-                "fires when it is above {threshold} over {window} (dashed line), for {for}",
-            ),
-            [Target(Q.preemptions_per_finished_request(), ENGINE_LEGEND)],
-            unit="short",
-            thresholds=[n.threshold("VllmOOMRateHigh", color="orange")],
-            width=12,
+        return (
+            Graph(
+                "Preemptions per finished request (OOM rate)",
+                "vLLM V1 answers KV cache exhaustion by preempting a request (its blocks are "
+                "freed and it is recomputed later), so this is the engine's OOM rate. "
+                + n.note(
+                    "VllmOOMRateHigh",
+                    "fires when it is above {threshold} over {window} (dashed line), for {for}",
+                ),
+                12,
+            )
+            .with_target(prom(Q.preemptions_per_finished_request(), ENGINE_LEGEND))
+            .rule_lines(n.threshold("VllmOOMRateHigh", color="orange"))
         )
 
-    def kv_usage(self, width: int = 12) -> Panel:
+    def kv_usage(self, width: int = 12) -> Graph:
         n = self.n
-        return Panel(
-            "KV cache usage",
-            M.KV_CACHE_USAGE.help
-            + " "
-            + n.note(
-                "VllmOOMPressure",
-                "fires when usage peaked at or above {kv_usage} (dashed line) within {window} "
-                "while requests were preempted, for {for}",
-            ),
-            [
-                Target(Q.gauge(M.KV_CACHE_USAGE), ENGINE_LEGEND),
-                # What the rule reads: the peak at step start, before a
-                # preemption frees blocks.
-                Target(Q.gauge(M.KV_CACHE_USAGE_PEAK), ENGINE_LEGEND + " peak"),
-            ],
-            unit="percentunit",
-            min=0,
-            max=1,
-            thresholds=[n.threshold("VllmOOMPressure", "kv_usage")],
-            width=width,
+        return (
+            Graph(
+                "KV cache usage",
+                M.KV_CACHE_USAGE.help
+                + " "
+                + n.note(
+                    "VllmOOMPressure",
+                    "fires when usage peaked at or above {kv_usage} (dashed line) within {window} "
+                    "while requests were preempted, for {for}",
+                ),
+                width,
+            )
+            .with_target(prom(Q.gauge(M.KV_CACHE_USAGE), ENGINE_LEGEND))
+            .with_target(prom(Q.gauge(M.KV_CACHE_USAGE_PEAK), ENGINE_LEGEND + " peak"))
+            .unit("percentunit")
+            .min(0)
+            .max(1)
+            .rule_lines(n.threshold("VllmOOMPressure", "kv_usage"))
         )
 
-    def preemptions(self, width: int = 12) -> Panel:
+    def preemptions(self, width: int = 12) -> Graph:
         n = self.n
-        return Panel(
+        return Graph(
             "Preemptions",
             M.PREEMPTIONS.help
             + " Per second. "
@@ -397,339 +433,350 @@ class Panels:
                 "any preemption within {window} together with KV usage at or above {kv_usage}",
             )
             + " The oom-pressure runbook halves the token budget, then caps max_num_seqs.",
-            [Target(Q.sum_rate(M.PREEMPTIONS), ENGINE_LEGEND)],
-            unit="short",
-            width=width,
-        )
+            width,
+        ).with_target(prom(Q.sum_rate(M.PREEMPTIONS), ENGINE_LEGEND))
 
-    def hit_ratio(self, width: int = 12) -> Panel:
+    def hit_ratio(self, width: int = 12) -> Graph:
         n = self.n
-        return Panel(
-            "Prefix cache hit ratio",
-            "Tokens found / looked up in the prefix cache at admission: the collector's "
-            "sliding-window gauge, and the same ratio over the panel's rate interval. "
-            "Empty (NaN) while nothing is looked up. "
-            + n.note(
-                "VllmKVCacheHitRatioLow",
-                "fires when the gauge stays below {threshold} (dashed line) for {for}",
-            ),
-            [
-                Target(Q.gauge(M.KV_HIT_RATIO), "window " + ENGINE_LEGEND),
-                Target(Q.hit_ratio_over_rate_window(), "rate " + ENGINE_LEGEND),
-            ],
-            unit="percentunit",
-            min=0,
-            max=1,
-            thresholds=[n.threshold("VllmKVCacheHitRatioLow", below=True)],
-            width=width,
-        )
-
-    def fragmentation(self, width: int = 12) -> Panel:
-        n = self.n
-        return Panel(
-            "KV block fragmentation",
-            M.BLOCK_FRAGMENTATION.help
-            + " "
-            + n.note(
-                "VllmBlockFragmentationHigh",
-                "fires when its {window} average is above {threshold} (dashed line) for {for}; "
-                "the fix is a smaller block_size at the next restart",
-            ),
-            [Target(Q.gauge(M.BLOCK_FRAGMENTATION), ENGINE_LEGEND)],
-            unit="percentunit",
-            min=0,
-            thresholds=[n.threshold("VllmBlockFragmentationHigh", color="orange")],
-            width=width,
-        )
-
-    def kv_blocks(self) -> Panel:
-        return Panel(
-            "KV blocks used / free",
-            f"{M.KV_BLOCKS_USED.help} {M.KV_BLOCKS_FREE.help} The KV cache is sized at start "
-            "and never grows: when free blocks run out, requests are preempted.",
-            [
-                Target(Q.gauge(M.KV_BLOCKS_USED), "used " + ENGINE_LEGEND),
-                Target(Q.gauge(M.KV_BLOCKS_FREE), "free " + ENGINE_LEGEND),
-            ],
-            width=12,
-        )
-
-    def padding(self, width: int = 12) -> Panel:
-        n = self.n
-        return Panel(
-            "Padding and length padding",
-            f"Padding: {M.PADDING_RATIO.help} Length padding: {M.LENGTH_PADDING_RATIO.help} "
-            "No rule uses length padding. "
-            + n.note(
-                "VllmPaddingHigh",
-                "fires when padding averages above {threshold} over {window} for {for}",
-                "warning",
+        return (
+            Graph(
+                "Prefix cache hit ratio",
+                "Tokens found / looked up in the prefix cache at admission: the collector's "
+                "sliding-window gauge, and the same ratio over the panel's rate interval. "
+                "Empty (NaN) while nothing is looked up. "
+                + n.note(
+                    "VllmKVCacheHitRatioLow",
+                    "fires when the gauge stays below {threshold} (dashed line) for {for}",
+                ),
+                width,
             )
-            + " "
-            + n.note(
-                "VllmPaddingHigh",
-                "above {threshold} with P99 latency above the {p99_sla_seconds} s SLA",
-                "critical",
-            ),
-            [
-                Target(Q.gauge(M.PADDING_RATIO), "padding " + ENGINE_LEGEND),
-                Target(Q.gauge(M.LENGTH_PADDING_RATIO), "length padding " + ENGINE_LEGEND),
-            ],
-            unit="percentunit",
-            min=0,
-            max=1,
-            thresholds=[
+            .with_target(prom(Q.gauge(M.KV_HIT_RATIO), "window " + ENGINE_LEGEND))
+            .with_target(prom(Q.hit_ratio_over_rate_window(), "rate " + ENGINE_LEGEND))
+            .unit("percentunit")
+            .min(0)
+            .max(1)
+            .rule_lines(n.threshold("VllmKVCacheHitRatioLow", below=True))
+        )
+
+    def fragmentation(self, width: int = 12) -> Graph:
+        n = self.n
+        return (
+            Graph(
+                "KV block fragmentation",
+                M.BLOCK_FRAGMENTATION.help
+                + " "
+                + n.note(
+                    "VllmBlockFragmentationHigh",
+                    "fires when its {window} average is above {threshold} (dashed line) for {for}; "
+                    "the fix is a smaller block_size at the next restart",
+                ),
+                width,
+            )
+            .with_target(prom(Q.gauge(M.BLOCK_FRAGMENTATION), ENGINE_LEGEND))
+            .unit("percentunit")
+            .min(0)
+            .rule_lines(n.threshold("VllmBlockFragmentationHigh", color="orange"))
+        )
+
+    def kv_blocks(self) -> Graph:
+        return (
+            Graph(
+                "KV blocks used / free",
+                f"{M.KV_BLOCKS_USED.help} {M.KV_BLOCKS_FREE.help} The KV cache is sized at start "
+                "and never grows: when free blocks run out, requests are preempted.",
+                12,
+            )
+            .with_target(prom(Q.gauge(M.KV_BLOCKS_USED), "used " + ENGINE_LEGEND))
+            .with_target(prom(Q.gauge(M.KV_BLOCKS_FREE), "free " + ENGINE_LEGEND))
+        )
+
+    def padding(self, width: int = 12) -> Graph:
+        n = self.n
+        return (
+            Graph(
+                "Padding and length padding",
+                f"Padding: {M.PADDING_RATIO.help} Length padding: {M.LENGTH_PADDING_RATIO.help} "
+                "No rule uses length padding. "
+                + n.note(
+                    "VllmPaddingHigh",
+                    "fires when padding averages above {threshold} over {window} for {for}",
+                    "warning",
+                )
+                + " "
+                + n.note(
+                    "VllmPaddingHigh",
+                    "above {threshold} with P99 latency above the {p99_sla_seconds} s SLA",
+                    "critical",
+                ),
+                width,
+            )
+            .with_target(prom(Q.gauge(M.PADDING_RATIO), "padding " + ENGINE_LEGEND))
+            .with_target(prom(Q.gauge(M.LENGTH_PADDING_RATIO), "length padding " + ENGINE_LEGEND))
+            .unit("percentunit")
+            .min(0)
+            .max(1)
+            .rule_lines(
                 n.threshold("VllmPaddingHigh", severity="warning", color="orange"),
                 n.threshold("VllmPaddingHigh", severity="critical", color="red"),
-            ],
-            width=width,
+            )
         )
 
-    def schedule_time(self, width: int = 12) -> Panel:
+    def schedule_time(self, width: int = 12) -> Graph:
         n = self.n
-        return Panel(
-            "Schedule time",
-            "Wall time of one scheduler.schedule() call: mean and P99 over the rate interval. "
-            "It grows with the number of requests and blocks the scheduler walks. "
-            + n.note(
-                "VllmKVFragmentationSuspected",
-                "fires when the mean over {window} rose by {schedule_rise_pct} against the "
-                "{baseline} that ended {window} + {for} earlier while generation throughput fell "
-                "by {throughput_fall_pct}, for {for}",
-            ),
-            [
-                Target(Q.mean_schedule_seconds(), "mean " + ENGINE_LEGEND),
-                Target(Q.latency(0.99, M.SCHEDULE_SECONDS), "p99 " + ENGINE_LEGEND),
-            ],
-            unit="s",
-            width=width,
+        return (
+            Graph(
+                "Schedule time",
+                "Wall time of one scheduler.schedule() call: mean and P99 over the rate interval. "
+                "It grows with the number of requests and blocks the scheduler walks. "
+                + n.note(
+                    "VllmKVFragmentationSuspected",
+                    "fires when the mean over {window} rose by {schedule_rise_pct} against the "
+                    "{baseline} that ended {window} + {for} earlier while generation "
+                    "throughput fell by {throughput_fall_pct}, for {for}",
+                ),
+                width,
+            )
+            .with_target(prom(Q.mean_schedule_seconds(), "mean " + ENGINE_LEGEND))
+            .with_target(prom(Q.latency(0.99, M.SCHEDULE_SECONDS), "p99 " + ENGINE_LEGEND))
+            .unit("s")
         )
 
-    def budget_fill(self, width: int = 12) -> Panel:
+    def budget_fill(self, width: int = 12) -> Graph:
         n = self.n
-        return Panel(
-            "Token budget fill",
-            "Scheduled tokens / token budget offered (max_num_batched_tokens per step): over "
-            "the rate interval, and for the latest step. "
-            + n.note(
-                "VllmBatchUtilizationLow",
-                "fires when the fill over {window} is below {threshold} (dashed line) while "
-                "requests waited the whole time, for {for}",
-            ),
-            [
-                Target(Q.budget_fill_over_rate_window(), "rate " + ENGINE_LEGEND),
-                Target(Q.gauge(M.BUDGET_FILL), "latest step " + ENGINE_LEGEND),
-            ],
-            unit="percentunit",
-            min=0,
-            thresholds=[n.threshold("VllmBatchUtilizationLow", color="orange", below=True)],
-            width=width,
+        return (
+            Graph(
+                "Token budget fill",
+                "Scheduled tokens / token budget offered (max_num_batched_tokens per step): over "
+                "the rate interval, and for the latest step. "
+                + n.note(
+                    "VllmBatchUtilizationLow",
+                    "fires when the fill over {window} is below {threshold} (dashed line) while "
+                    "requests waited the whole time, for {for}",
+                ),
+                width,
+            )
+            .with_target(prom(Q.budget_fill_over_rate_window(), "rate " + ENGINE_LEGEND))
+            .with_target(prom(Q.gauge(M.BUDGET_FILL), "latest step " + ENGINE_LEGEND))
+            .unit("percentunit")
+            .min(0)
+            .rule_lines(n.threshold("VllmBatchUtilizationLow", color="orange", below=True))
         )
 
-    def steps(self) -> Panel:
-        return Panel(
-            "Scheduler steps and tokens per step",
-            f"Steps per second ({M.STEPS.help}), tokens per step over the rate interval, "
-            f"and the latest step's tokens ({M.STEP_TOKENS.help}). Tokens per step near the "
-            "token budget means prefill-heavy steps; a few per running request means decode. "
-            "No rule uses them directly.",
-            [
-                Target(Q.sum_rate(M.STEPS), "steps/s " + ENGINE_LEGEND),
-                Target(
+    def steps(self) -> Graph:
+        return (
+            Graph(
+                "Scheduler steps and tokens per step",
+                f"Steps per second ({M.STEPS.help}), tokens per step over the rate interval, "
+                f"and the latest step's tokens ({M.STEP_TOKENS.help}). Tokens per step near the "
+                "token budget means prefill-heavy steps; a few per running request means decode. "
+                "No rule uses them directly.",
+                12,
+            )
+            .with_target(prom(Q.sum_rate(M.STEPS), "steps/s " + ENGINE_LEGEND))
+            .with_target(
+                prom(
                     f"{Q.sum_rate(M.SCHEDULED_TOKENS)} / {Q.sum_rate(M.STEPS)}",
                     "tokens/step " + ENGINE_LEGEND,
-                ),
-                Target(Q.gauge(M.STEP_TOKENS), "latest step " + ENGINE_LEGEND),
-            ],
-            width=12,
+                )
+            )
+            .with_target(prom(Q.gauge(M.STEP_TOKENS), "latest step " + ENGINE_LEGEND))
         )
 
-    def executed_tokens(self) -> Panel:
-        return Panel(
-            "Executed tokens: padded and unpadded",
-            f"Tokens per second executed with padding ({M.PADDED_TOKENS.help}) and without "
-            f"({M.UNPADDED_TOKENS.help}) The gap is the padding the padding ratio measures; "
-            "the two lines coincide on CPU and in eager mode.",
-            [
-                Target(Q.sum_rate(M.PADDED_TOKENS), "padded " + ENGINE_LEGEND),
-                Target(Q.sum_rate(M.UNPADDED_TOKENS), "unpadded " + ENGINE_LEGEND),
-            ],
-            width=12,
+    def executed_tokens(self) -> Graph:
+        return (
+            Graph(
+                "Executed tokens: padded and unpadded",
+                f"Tokens per second executed with padding ({M.PADDED_TOKENS.help}) and without "
+                f"({M.UNPADDED_TOKENS.help}) The gap is the padding the padding ratio measures; "
+                "the two lines coincide on CPU and in eager mode.",
+                12,
+            )
+            .with_target(prom(Q.sum_rate(M.PADDED_TOKENS), "padded " + ENGINE_LEGEND))
+            .with_target(prom(Q.sum_rate(M.UNPADDED_TOKENS), "unpadded " + ENGINE_LEGEND))
         )
 
-    def token_budget_knob(self, width: int = 8) -> Panel:
-        return Panel(
-            "Token budget (max_num_batched_tokens)",
-            "The effective token budget per step and the value the engine started with (the "
-            "ceiling: runbooks only lower it, then restore). A step down is a runbook "
-            "(oom-pressure halves it) or an operator (`runbook set`).",
-            [
-                Target(Q.gauge(M.MAX_NUM_BATCHED_TOKENS), "effective " + ENGINE_LEGEND),
-                Target(Q.gauge(M.STARTUP_MAX_NUM_BATCHED_TOKENS), "startup " + ENGINE_LEGEND),
-            ],
-            stepped=True,
-            width=width,
+    def token_budget_knob(self, width: int = 8) -> Graph:
+        return (
+            Graph(
+                "Token budget (max_num_batched_tokens)",
+                "The effective token budget per step and the value the engine started with (the "
+                "ceiling: runbooks only lower it, then restore). A step down is a runbook "
+                "(oom-pressure halves it) or an operator (`runbook set`).",
+                width,
+            )
+            .with_target(prom(Q.gauge(M.MAX_NUM_BATCHED_TOKENS), "effective " + ENGINE_LEGEND))
+            .with_target(
+                prom(Q.gauge(M.STARTUP_MAX_NUM_BATCHED_TOKENS), "startup " + ENGINE_LEGEND)
+            )
+            .stepped()
         )
 
-    def max_num_seqs_knob(self, width: int = 8) -> Panel:
-        return Panel(
-            "Admission limit (max_num_seqs)",
-            "The effective limit on running sequences and the startup value (the ceiling). "
-            "oom-pressure caps it at what the KV cache holds, then hands it over to the "
-            "autopilot (steps up and down while it is on); batch-too-large and kv-hit-low "
-            "lower it.",
-            [
-                Target(Q.gauge(M.MAX_NUM_SEQS), "effective " + ENGINE_LEGEND),
-                Target(Q.gauge(M.STARTUP_MAX_NUM_SEQS), "startup " + ENGINE_LEGEND),
-            ],
-            stepped=True,
-            width=width,
+    def max_num_seqs_knob(self, width: int = 8) -> Graph:
+        return (
+            Graph(
+                "Admission limit (max_num_seqs)",
+                "The effective limit on running sequences and the startup value (the ceiling). "
+                "oom-pressure caps it at what the KV cache holds, then hands it over to the "
+                "autopilot (steps up and down while it is on); batch-too-large and kv-hit-low "
+                "lower it.",
+                width,
+            )
+            .with_target(prom(Q.gauge(M.MAX_NUM_SEQS), "effective " + ENGINE_LEGEND))
+            .with_target(prom(Q.gauge(M.STARTUP_MAX_NUM_SEQS), "startup " + ENGINE_LEGEND))
+            .stepped()
         )
 
-    def autopilot(self, width: int = 12) -> Panel:
-        return Panel(
-            "Autopilot (on/off, peak KV usage band)",
-            f"{M.AUTOPILOT_ENABLED.help} While on, it keeps the peak KV cache usage between "
-            "the target and the upper edge: it climbs max_num_seqs while requests wait "
-            "below the target and cuts it on a preemption or a peak above the edge.",
-            [
-                Target(Q.gauge(M.AUTOPILOT_ENABLED), "on " + ENGINE_LEGEND),
-                Target(Q.gauge(M.AUTOPILOT_KV_TARGET), "target " + ENGINE_LEGEND),
-                Target(Q.gauge(M.AUTOPILOT_KV_HIGH), "upper edge " + ENGINE_LEGEND),
-                Target(Q.gauge(M.KV_CACHE_USAGE_PEAK), "peak KV usage " + ENGINE_LEGEND),
-            ],
-            stepped=True,
-            min=0,
-            max=1,
-            width=width,
+    def autopilot(self, width: int = 12) -> Graph:
+        return (
+            Graph(
+                "Autopilot (on/off, peak KV usage band)",
+                f"{M.AUTOPILOT_ENABLED.help} While on, it keeps the peak KV cache usage between "
+                "the target and the upper edge: it climbs max_num_seqs while requests wait "
+                "below the target and cuts it on a preemption or a peak above the edge.",
+                width,
+            )
+            .with_target(prom(Q.gauge(M.AUTOPILOT_ENABLED), "on " + ENGINE_LEGEND))
+            .with_target(prom(Q.gauge(M.AUTOPILOT_KV_TARGET), "target " + ENGINE_LEGEND))
+            .with_target(prom(Q.gauge(M.AUTOPILOT_KV_HIGH), "upper edge " + ENGINE_LEGEND))
+            .with_target(prom(Q.gauge(M.KV_CACHE_USAGE_PEAK), "peak KV usage " + ENGINE_LEGEND))
+            .min(0)
+            .max(1)
+            .stepped()
         )
 
-    def autopilot_changes(self, width: int = 12) -> Panel:
+    def autopilot_changes(self, width: int = 12) -> Graph:
         by = Q.BY_ENGINE.removesuffix(")") + ", direction)"
-        return Panel(
-            "Autopilot changes of max_num_seqs",
-            f"{M.AUTOPILOT_CHANGES.help} Per interval; the steps they make are on the "
-            "admission limit panel beside.",
-            [
-                Target(
+        return (
+            Graph(
+                "Autopilot changes of max_num_seqs",
+                f"{M.AUTOPILOT_CHANGES.help} Per interval; the steps they make are on the "
+                "admission limit panel beside.",
+                width,
+            )
+            .with_target(
+                prom(
                     f"sum {by} (increase({selector(M.AUTOPILOT_CHANGES)}[$__interval]))",
                     "{{direction}} " + ENGINE_LEGEND,
                 )
-            ],
-            bars=True,
-            decimals=0,
-            width=width,
+            )
+            .decimals(0)
+            .bars()
         )
 
-    def policy_knob(self, width: int = 8) -> Panel:
+    def policy_knob(self, width: int = 8) -> Graph:
         by_policy = Q.BY_ENGINE.removesuffix(")") + ", policy)"
-        return Panel(
-            "Scheduling policy",
-            f"{M.SCHEDULER_POLICY.help} latency-spike switches to fcfs and restores the "
-            "previous policy when the alert resolves.",
-            [
-                Target(
+        return (
+            Graph(
+                "Scheduling policy",
+                f"{M.SCHEDULER_POLICY.help} latency-spike switches to fcfs and restores the "
+                "previous policy when the alert resolves.",
+                width,
+            )
+            .with_target(
+                prom(
                     f"max {by_policy} ({selector(M.SCHEDULER_POLICY)})",
                     "{{policy}} " + ENGINE_LEGEND,
                 )
-            ],
-            stepped=True,
-            min=0,
-            max=1,
-            decimals=0,
-            width=width,
-        )
-
-    def gpu_memory(self) -> Panel:
-        n = self.n
-        return Panel(
-            "GPU memory used / total",
-            "Memory in use per GPU as a fraction of its total (NVML). "
-            + n.note(
-                "VllmOOMPressure",
-                "fires when any GPU is at or above {gpu_memory} (dashed line)",
             )
-            + " "
-            + n.note(
-                "VllmGPUMemoryImbalance",
-                "fires when use differs by more than {threshold_pct} of the fullest GPU, for {for}",
-            )
-            + " "
-            + n.note(
-                "VllmGPUMemoryLeak",
-                "fires when memory in use grew by {growth_pct} against {earlier} earlier while the "
-                "load stayed flat",
-            ),
-            [Target(Q.gpu_memory_fraction(), "GPU {{gpu}} " + ENGINE_LEGEND)],
-            unit="percentunit",
-            min=0,
-            max=1,
-            thresholds=[n.threshold("VllmOOMPressure", "gpu_memory")],
-            gpu_only=True,
-            width=8,
+            .min(0)
+            .max(1)
+            .decimals(0)
+            .stepped()
         )
 
-    def gpu_memory_bytes(self) -> Panel:
-        return Panel(
-            "GPU memory in use",
-            f"{M.GPU_MEMORY_USED.help} A steady rise under flat load is what VllmGPUMemoryLeak "
-            "looks for (see the panel beside).",
-            [Target(Q.per_gpu(M.GPU_MEMORY_USED), "GPU {{gpu}} " + ENGINE_LEGEND)],
-            unit="bytes",
-            gpu_only=True,
-            width=8,
-        )
-
-    def gpu_utilization(self) -> Panel:
+    def gpu_memory(self) -> Graph:
         n = self.n
-        return Panel(
-            "GPU utilisation",
-            f"{M.GPU_UTILIZATION.help} "
-            + n.note(
-                "VllmGPUComputeSkew",
-                "fires when one GPU of an engine averages at least {high} over {window} while "
-                "another is at most {low} (dashed lines), for {for}",
-            ),
-            [Target(Q.per_gpu(M.GPU_UTILIZATION), "GPU {{gpu}} " + ENGINE_LEGEND)],
-            unit="percentunit",
-            min=0,
-            max=1,
-            thresholds=[
+        return (
+            Graph(
+                "GPU memory used / total",
+                "Memory in use per GPU as a fraction of its total (NVML). "
+                + n.note(
+                    "VllmOOMPressure",
+                    "fires when any GPU is at or above {gpu_memory} (dashed line)",
+                )
+                + " "
+                + n.note(
+                    "VllmGPUMemoryImbalance",
+                    "fires when use differs by more than {threshold_pct} of the fullest GPU, "
+                    "for {for}",
+                )
+                + " "
+                + n.note(
+                    "VllmGPUMemoryLeak",
+                    "fires when memory in use grew by {growth_pct} against {earlier} earlier "
+                    "while the load stayed flat",
+                ),
+                8,
+            )
+            .with_target(prom(Q.gpu_memory_fraction(), "GPU {{gpu}} " + ENGINE_LEGEND))
+            .unit("percentunit")
+            .min(0)
+            .max(1)
+            .rule_lines(n.threshold("VllmOOMPressure", "gpu_memory"))
+        )
+
+    def gpu_memory_bytes(self) -> Graph:
+        return (
+            Graph(
+                "GPU memory in use",
+                f"{M.GPU_MEMORY_USED.help} A steady rise under flat load is what VllmGPUMemoryLeak "
+                "looks for (see the panel beside).",
+                8,
+            )
+            .with_target(prom(Q.per_gpu(M.GPU_MEMORY_USED), "GPU {{gpu}} " + ENGINE_LEGEND))
+            .unit("bytes")
+        )
+
+    def gpu_utilization(self) -> Graph:
+        n = self.n
+        return (
+            Graph(
+                "GPU utilisation",
+                f"{M.GPU_UTILIZATION.help} "
+                + n.note(
+                    "VllmGPUComputeSkew",
+                    "fires when one GPU of an engine averages at least {high} over {window} while "
+                    "another is at most {low} (dashed lines), for {for}",
+                ),
+                8,
+            )
+            .with_target(prom(Q.per_gpu(M.GPU_UTILIZATION), "GPU {{gpu}} " + ENGINE_LEGEND))
+            .unit("percentunit")
+            .min(0)
+            .max(1)
+            .rule_lines(
                 n.threshold("VllmGPUComputeSkew", "low", color="orange"),
                 n.threshold("VllmGPUComputeSkew", "high", color="red"),
-            ],
-            gpu_only=True,
-            width=8,
+            )
         )
 
-    def agent_health(self) -> Panel:
-        return Panel(
-            "Agent health",
-            f"collector_up: {M.COLLECTOR_UP.help} nvml_up: {M.NVML_UP.help}",
-            [
-                Target(Q.gauge(M.COLLECTOR_UP), "collector " + ENGINE_LEGEND),
-                Target(Q.gauge(M.NVML_UP), "nvml " + ENGINE_LEGEND),
-            ],
-            stepped=True,
-            min=0,
-            max=1,
-            decimals=0,
-            width=12,
+    def agent_health(self) -> Graph:
+        return (
+            Graph(
+                "Agent health", f"collector_up: {M.COLLECTOR_UP.help} nvml_up: {M.NVML_UP.help}", 12
+            )
+            .with_target(prom(Q.gauge(M.COLLECTOR_UP), "collector " + ENGINE_LEGEND))
+            .with_target(prom(Q.gauge(M.NVML_UP), "nvml " + ENGINE_LEGEND))
+            .min(0)
+            .max(1)
+            .decimals(0)
+            .stepped()
         )
 
-    def uptime(self) -> Panel:
+    def uptime(self) -> stat.Panel:
         n = self.n
-        return Panel(
-            "Engine uptime",
-            "Time since the engine's scheduler started. "
-            + n.note(
-                "VllmInsufficientWarmup",
-                "only looks at the first {warmup}",
-            ),
-            [Target(f"time() - {Q.gauge(M.ENGINE_START_TIME)}", ENGINE_LEGEND)],
-            unit="s",
-            kind="stat",
-            width=12,
+        return (
+            stat_panel(
+                "Engine uptime",
+                "Time since the engine's scheduler started. "
+                + n.note(
+                    "VllmInsufficientWarmup",
+                    "only looks at the first {warmup}",
+                ),
+                12,
+            )
+            .with_target(prom(f"time() - {Q.gauge(M.ENGINE_START_TIME)}", ENGINE_LEGEND))
+            .unit("s")
         )
 
 
@@ -743,7 +790,7 @@ def engine_overview(notes: Q.RuleNotes) -> dict[str, Any]:
         variables=variables(),
         annotations=[*runbook_annotations(), *finding_annotations(notes)],
         rows=[
-            Row(
+            (
                 "Throughput and latency",
                 [
                     p.throughput(),
@@ -757,11 +804,11 @@ def engine_overview(notes: Q.RuleNotes) -> dict[str, Any]:
                     p.request_times(),
                 ],
             ),
-            Row(
+            (
                 "Tiers: hot < 256 prompt tokens, warm < 1,024, cold (any policy)",
                 [p.tier_waiting(), p.tier_running(), p.tier_oldest_waiting(), p.tier_queue_time()],
             ),
-            Row(
+            (
                 "KV cache",
                 [
                     p.kv_usage(),
@@ -773,11 +820,11 @@ def engine_overview(notes: Q.RuleNotes) -> dict[str, Any]:
                     p.longest_sequence(),
                 ],
             ),
-            Row(
+            (
                 "Batching and scheduling",
                 [p.padding(), p.schedule_time(), p.budget_fill(), p.steps(), p.executed_tokens()],
             ),
-            Row(
+            (
                 "Knobs (effective values: a runbook's change is a step)",
                 [
                     p.token_budget_knob(),
@@ -787,20 +834,22 @@ def engine_overview(notes: Q.RuleNotes) -> dict[str, Any]:
                     p.autopilot_changes(),
                 ],
             ),
-            Row(
+            (
                 "GPUs (GPU-only: empty without an NVIDIA GPU)",
                 [p.gpu_memory(), p.gpu_memory_bytes(), p.gpu_utilization()],
             ),
-            Row("Agent", [p.agent_health(), p.uptime()]),
+            ("Agent", [p.agent_health(), p.uptime()]),
         ],
     )
 
 
-def _top(title: str, description: str, expr: str, unit: str, **kw: Any) -> Panel:
-    return Panel(
-        title, description, [Target(expr, ENGINE_LEGEND, instant=True)], unit=unit,
-        kind="bargauge", width=6, **kw,
-    )  # fmt: skip
+def _top(title: str, description: str, expr: str, unit: str, line: Threshold) -> bargauge.Panel:
+    return (
+        bar_gauge(title, description, 6)
+        .with_target(prom(expr, instant=True))
+        .unit(unit)
+        .thresholds(thresholds(line))
+    )
 
 
 def fleet(notes: Q.RuleNotes) -> dict[str, Any]:
@@ -809,26 +858,31 @@ def fleet(notes: Q.RuleNotes) -> dict[str, Any]:
     frag_window = str(n.param("VllmBlockFragmentationHigh", "window"))
     latency_window = str(n.param("VllmLatencySpike", "window"))
     firing = S.INCIDENTS_FIRING.name
-    top_fragmentation = _top(
-        f"Top {TOP_N}: block fragmentation",
-        f"The engines with the highest KV block fragmentation averaged over {frag_window}, as "
-        "the rule computes it. "
-        + n.note("VllmBlockFragmentationHigh", "fires above {threshold} for {for}"),
-        f"topk({TOP_N}, {Q.per_engine(Q.over_time('avg', M.BLOCK_FRAGMENTATION, frag_window))})",
-        "percentunit",
-        thresholds=[n.threshold("VllmBlockFragmentationHigh", color="orange")],
-        min=0,
-        max=1,
+    average_fragmentation = Q.over_time("avg", M.BLOCK_FRAGMENTATION, frag_window)
+    top_fragmentation = (
+        _top(
+            f"Top {TOP_N}: block fragmentation",
+            f"The engines with the highest KV block fragmentation averaged over {frag_window}, as "
+            "the rule computes it. "
+            + n.note("VllmBlockFragmentationHigh", "fires above {threshold} for {for}"),
+            f"topk({TOP_N}, {Q.per_engine(average_fragmentation)})",
+            "percentunit",
+            n.threshold("VllmBlockFragmentationHigh", color="orange"),
+        )
+        .min(0)
+        .max(1)
     )
-    lowest_hit = _top(
-        f"Bottom {TOP_N}: prefix cache hit ratio",
-        "The engines with the lowest prefix cache hit ratio (collector's window gauge). "
-        + n.note("VllmKVCacheHitRatioLow", "fires below {threshold} for {for}"),
-        f"bottomk({TOP_N}, {Q.gauge(M.KV_HIT_RATIO)})",
-        "percentunit",
-        thresholds=[n.threshold("VllmKVCacheHitRatioLow", below=True)],
-        min=0,
-        max=1,
+    lowest_hit = (
+        _top(
+            f"Bottom {TOP_N}: prefix cache hit ratio",
+            "The engines with the lowest prefix cache hit ratio (collector's window gauge). "
+            + n.note("VllmKVCacheHitRatioLow", "fires below {threshold} for {for}"),
+            f"bottomk({TOP_N}, {Q.gauge(M.KV_HIT_RATIO)})",
+            "percentunit",
+            n.threshold("VllmKVCacheHitRatioLow", below=True),
+        )
+        .min(0)
+        .max(1)
     )
     top_latency = _top(
         f"Top {TOP_N}: P99 end-to-end latency",
@@ -836,17 +890,19 @@ def fleet(notes: Q.RuleNotes) -> dict[str, Any]:
         "rule computes it. " + n.note("VllmLatencySpike", "uses an SLA of {p99_sla_seconds} s"),
         f"topk({TOP_N}, {Q.latency(0.99, V.E2E_REQUEST_LATENCY, latency_window)})",
         "s",
-        thresholds=[n.threshold("VllmLatencySpike", "p99_sla_seconds")],
+        n.threshold("VllmLatencySpike", "p99_sla_seconds"),
     )
-    top_kv = _top(
-        f"Top {TOP_N}: KV cache usage",
-        "The engines closest to KV exhaustion now. "
-        + n.note("VllmOOMPressure", "fires at {kv_usage} with preemptions"),
-        f"topk({TOP_N}, {Q.gauge(M.KV_CACHE_USAGE)})",
-        "percentunit",
-        thresholds=[n.threshold("VllmOOMPressure", "kv_usage")],
-        min=0,
-        max=1,
+    top_kv = (
+        _top(
+            f"Top {TOP_N}: KV cache usage",
+            "The engines closest to KV exhaustion now. "
+            + n.note("VllmOOMPressure", "fires at {kv_usage} with preemptions"),
+            f"topk({TOP_N}, {Q.gauge(M.KV_CACHE_USAGE)})",
+            "percentunit",
+            n.threshold("VllmOOMPressure", "kv_usage"),
+        )
+        .min(0)
+        .max(1)
     )
     return dashboard(
         uid=FLEET_UID,
@@ -856,53 +912,42 @@ def fleet(notes: Q.RuleNotes) -> dict[str, Any]:
         variables=variables(),
         annotations=runbook_annotations(),
         rows=[
-            Row(
+            (
                 "Now",
                 [
-                    Panel(
+                    bar_gauge(
                         "Firing incidents",
                         "Incidents firing now by alert name, as runbook serve knows them (from "
                         "Alertmanager's webhooks or its embedded rules engine); red from 1.",
-                        [Target(f"sum by (alert) ({firing})", "{{alert}}", instant=True)],
-                        kind="bargauge",
-                        thresholds=[Threshold(1, "red")],
-                        decimals=0,
-                        width=8,
-                    ),
-                    Panel(
+                        8,
+                    )
+                    .with_target(prom(f"sum by (alert) ({firing})", "{{alert}}", instant=True))
+                    .decimals(0)
+                    .thresholds(thresholds(Threshold(1, "red"))),
+                    stat_panel(
                         "Engines",
                         "Engines reporting (agents scraped) and engines whose collector hook "
                         "works (collector_up = 1).",
-                        [
-                            Target(f"count({selector(M.COLLECTOR_UP)})", "reporting"),
-                            Target(f"sum({selector(M.COLLECTOR_UP)})", "hook working"),
-                        ],
-                        kind="stat",
-                        decimals=0,
-                        width=5,
-                    ),
-                    Panel(
-                        "Requests",
-                        "Requests running and waiting over all selected engines.",
-                        [
-                            Target(f"sum({selector(M.REQUESTS_RUNNING)})", "running"),
-                            Target(f"sum({selector(M.REQUESTS_WAITING)})", "waiting"),
-                        ],
-                        kind="stat",
-                        decimals=0,
-                        width=5,
-                    ),
-                    Panel(
+                        5,
+                    )
+                    .with_target(prom(f"count({selector(M.COLLECTOR_UP)})", "reporting"))
+                    .with_target(prom(f"sum({selector(M.COLLECTOR_UP)})", "hook working"))
+                    .decimals(0),
+                    stat_panel(
+                        "Requests", "Requests running and waiting over all selected engines.", 5
+                    )
+                    .with_target(prom(f"sum({selector(M.REQUESTS_RUNNING)})", "running"))
+                    .with_target(prom(f"sum({selector(M.REQUESTS_WAITING)})", "waiting"))
+                    .decimals(0),
+                    stat_panel(
                         "Generation throughput",
                         "Tokens per second generated by all selected engines.",
-                        [Target(f"sum({Q.generation_throughput()})", "tokens/s")],
-                        kind="stat",
-                        width=6,
-                    ),
+                        6,
+                    ).with_target(prom(f"sum({Q.generation_throughput()})", "tokens/s")),
                 ],
             ),
-            Row("Worst engines", [top_fragmentation, lowest_hit, top_latency, top_kv]),
-            Row(
+            ("Worst engines", [top_fragmentation, lowest_hit, top_latency, top_kv]),
+            (
                 "Across engines",
                 [
                     p.throughput(8),
@@ -928,6 +973,7 @@ def runbook_activity(notes: Q.RuleNotes) -> dict[str, Any]:
     p = Panels(notes)
     executions = S.EXECUTIONS.series_name
     undone = "|".join((REVERTED, ROLLED_BACK, REFUSED))
+    in_range = increase(executions, "$__range", "runbook, status")
     return dashboard(
         uid=ACTIVITY_UID,
         title="vLLM runbook activity",
@@ -936,231 +982,219 @@ def runbook_activity(notes: Q.RuleNotes) -> dict[str, Any]:
         variables=variables(),
         annotations=runbook_annotations(),
         rows=[
-            Row(
+            (
                 "Executions",
                 [
-                    Panel(
+                    Graph(
                         "Executions by runbook and status",
                         "Runbook executions reaching a status per interval (succeeded, failed, "
                         "rolled_back, reverted, refused, ...), stacked.",
-                        [
-                            Target(
-                                events(executions, "$__interval", "runbook, status"),
-                                "{{runbook}} {{status}}",
-                            )
-                        ],
-                        bars=True,
-                        stack=True,
-                        decimals=0,
-                        width=16,
-                    ),
-                    Panel(
+                        16,
+                    )
+                    .with_target(
+                        prom(
+                            events(executions, "$__interval", "runbook, status"),
+                            "{{runbook}} {{status}}",
+                        )
+                    )
+                    .decimals(0)
+                    .bars(stacked=True),
+                    table_panel(
                         "Executions in the time range",
                         "Executions per runbook and status over the dashboard's time range.",
-                        [
-                            Target(
-                                f"round({increase(executions, '$__range', 'runbook, status')}) > 0",
-                                "{{runbook}} {{status}}",
-                                instant=True,
-                            )
-                        ],
-                        kind="table",
-                        width=8,
+                        8,
+                    ).with_target(
+                        prom(
+                            f"round({in_range}) > 0",
+                            "{{runbook}} {{status}}",
+                            instant=True,
+                        )
                     ),
-                    Panel(
+                    Graph(
                         "Reverts, rollbacks and refusals",
                         f"{ROLLED_BACK}: the circuit breaker undid a runbook's change because "
                         f"errors or OOMs got worse after it. {REVERTED}: the change was undone "
                         f"when the alert resolved or by `runbook revert`. {REFUSED}: a "
-                        "guardrail (cooldown, max runs per hour, blast radius, approval) said no.",
-                        [
-                            Target(
-                                events(
-                                    f'{executions}{{status=~"{undone}"}}',
-                                    "$__interval",
-                                    "runbook, status",
-                                ),
-                                "{{runbook}} {{status}}",
-                            )
-                        ],
-                        bars=True,
-                        stack=True,
-                        decimals=0,
-                        width=12,
-                    ),
-                    Panel(
+                        "guardrail (cooldown, max runs per hour, blast radius, approval) "
+                        "said no.",
+                        12,
+                    )
+                    .with_target(
+                        prom(
+                            events(
+                                f'{executions}{{status=~"{undone}"}}',
+                                "$__interval",
+                                "runbook, status",
+                            ),
+                            "{{runbook}} {{status}}",
+                        )
+                    )
+                    .decimals(0)
+                    .bars(stacked=True),
+                    Graph(
                         "Detection to action P50 / P99",
                         f"{S.DETECTION_TO_ACTION.help} startsAt is when the rule fired (after "
                         "its `for`), so this is Alertmanager's grouping wait, the delivery and "
                         "the runbook's checks.",
+                        12,
+                    )
+                    .targets(
                         [
-                            Target(
+                            prom(
                                 # >= 0 drops the NaN of runbooks that did not act in the window.
                                 quantile(q, S.DETECTION_TO_ACTION, by=("runbook",), engine=False)
                                 + " >= 0",
                                 f"p{round(q * 100)} {{{{runbook}}}}",
                             )
                             for q in (0.5, 0.99)
-                        ],
-                        unit="s",
-                        width=12,
-                    ),
+                        ]
+                    )
+                    .unit("s"),
                 ],
             ),
-            Row(
+            (
                 "What changed on the engines",
                 [
-                    Panel(
-                        "Knob changes by engine and knob",
-                        S.KNOB_CHANGES.help,
-                        [
-                            Target(
-                                events(S.KNOB_CHANGES.series_name, "$__interval", "engine, knob"),
-                                "{{engine}} {{knob}}",
-                            )
-                        ],
-                        bars=True,
-                        stack=True,
-                        decimals=0,
-                        width=12,
-                    ),
+                    Graph("Knob changes by engine and knob", S.KNOB_CHANGES.help, 12)
+                    .with_target(
+                        prom(
+                            events(S.KNOB_CHANGES.series_name, "$__interval", "engine, knob"),
+                            "{{engine}} {{knob}}",
+                        )
+                    )
+                    .decimals(0)
+                    .bars(stacked=True),
                     p.policy_knob(12),
                     p.token_budget_knob(12),
                     p.max_num_seqs_knob(12),
                 ],
             ),
-            Row(
+            (
                 "Alerts, webhooks and the rules engine",
                 [
-                    Panel(
-                        "Firing incidents by alert",
-                        S.INCIDENTS_FIRING.help,
-                        [Target(f"sum by (alert) ({S.INCIDENTS_FIRING.name})", "{{alert}}")],
-                        stepped=True,
-                        decimals=0,
-                        width=12,
-                    ),
-                    Panel(
+                    Graph("Firing incidents by alert", S.INCIDENTS_FIRING.help, 12)
+                    .with_target(prom(f"sum by (alert) ({S.INCIDENTS_FIRING.name})", "{{alert}}"))
+                    .decimals(0)
+                    .stepped(),
+                    Graph(
                         "Webhooks received and rejected",
                         f"Received: {S.WEBHOOKS_RECEIVED.help} Rejected: "
                         f"{S.WEBHOOKS_REJECTED.help} Per second.",
-                        [
-                            Target(
-                                service_rate(S.WEBHOOKS_RECEIVED, "status"),
-                                "received {{status}}",
-                            ),
-                            Target(
-                                service_rate(S.WEBHOOKS_REJECTED, "reason"),
-                                "rejected {{reason}}",
-                            ),
-                        ],
-                        width=12,
+                        12,
+                    )
+                    .with_target(
+                        prom(
+                            service_rate(S.WEBHOOKS_RECEIVED, "status"),
+                            "received {{status}}",
+                        )
+                    )
+                    .with_target(
+                        prom(
+                            service_rate(S.WEBHOOKS_REJECTED, "reason"),
+                            "rejected {{reason}}",
+                        )
                     ),
-                    Panel(
+                    Graph(
                         "Limits: alerts and requests refused, deliveries pruned",
                         f"Alerts: {S.ALERTS_REJECTED.help} Requests: {S.REQUESTS_REFUSED.help} "
                         f"Pruned: {S.WEBHOOK_EVENTS_PRUNED.help} Per second.",
-                        [
-                            Target(
-                                service_rate(S.ALERTS_REJECTED, "reason"),
-                                "alerts rejected {{reason}}",
-                            ),
-                            Target(
-                                service_rate(S.REQUESTS_REFUSED, "reason"),
-                                "requests refused {{reason}}",
-                            ),
-                            Target(
-                                service_rate(S.WEBHOOK_EVENTS_PRUNED, "limit"),
-                                "pruned {{limit}}",
-                            ),
-                        ],
-                        width=24,
+                        24,
+                    )
+                    .with_target(
+                        prom(
+                            service_rate(S.ALERTS_REJECTED, "reason"),
+                            "alerts rejected {{reason}}",
+                        )
+                    )
+                    .with_target(
+                        prom(
+                            service_rate(S.REQUESTS_REFUSED, "reason"),
+                            "requests refused {{reason}}",
+                        )
+                    )
+                    .with_target(
+                        prom(
+                            service_rate(S.WEBHOOK_EVENTS_PRUNED, "limit"),
+                            "pruned {{limit}}",
+                        )
                     ),
-                    Panel(
-                        "Rule evaluation time P50 / P99",
-                        S.RULE_EVALUATION.help,
+                    Graph("Rule evaluation time P50 / P99", S.RULE_EVALUATION.help, 12)
+                    .targets(
                         [
-                            Target(
+                            prom(
                                 quantile(q, S.RULE_EVALUATION, by=(), engine=False),
                                 f"p{round(q * 100)}",
                             )
                             for q in (0.5, 0.99)
-                        ],
-                        unit="s",
-                        width=12,
+                        ]
+                    )
+                    .unit("s"),
+                    Graph(
+                        "Scrape errors by target", f"{S.SCRAPE_ERRORS.help} Per second.", 12
+                    ).with_target(
+                        prom(
+                            service_rate(S.SCRAPE_ERRORS, "target"),
+                            "{{target}}",
+                        )
                     ),
-                    Panel(
-                        "Scrape errors by target",
-                        f"{S.SCRAPE_ERRORS.help} Per second.",
-                        [
-                            Target(
-                                service_rate(S.SCRAPE_ERRORS, "target"),
-                                "{{target}}",
-                            )
-                        ],
-                        width=12,
-                    ),
-                    Panel(
+                    Graph(
                         "Notifications by receiver",
                         f"{S.NOTIFICATIONS.help} A failed one is also in `runbook history ID` "
                         "and on the on-call page.",
-                        [
-                            Target(
-                                events(
-                                    S.NOTIFICATIONS.series_name, "$__interval", "receiver, outcome"
-                                ),
-                                "{{receiver}} {{outcome}}",
-                            )
-                        ],
-                        bars=True,
-                        stack=True,
-                        decimals=0,
-                        width=12,
-                    ),
+                        12,
+                    )
+                    .with_target(
+                        prom(
+                            events(
+                                S.NOTIFICATIONS.series_name,
+                                "$__interval",
+                                "receiver, outcome",
+                            ),
+                            "{{receiver}} {{outcome}}",
+                        )
+                    )
+                    .decimals(0)
+                    .bars(stacked=True),
                 ],
             ),
-            Row(
+            (
                 "Is the rules leader keeping up?",
                 [
-                    Panel(
+                    Graph(
                         "Rules cycle time P50 / P99 against the interval",
                         f"{S.RULES_CYCLE.help} The interval line is "
                         f"{S.RULES_EVALUATION_INTERVAL.name}: a P99 approaching it means the "
-                        "evaluator is about to fall behind (fewer engines per replica, a longer "
-                        "interval, or the Prometheus rule export for the fleet).",
+                        "evaluator is about to fall behind (fewer engines per replica, a "
+                        "longer interval, or the Prometheus rule export for the fleet).",
+                        8,
+                    )
+                    .targets(
                         [
-                            *(
-                                Target(
-                                    quantile(q, S.RULES_CYCLE, by=(), engine=False),
-                                    f"p{round(q * 100)}",
-                                )
-                                for q in (0.5, 0.99)
-                            ),
-                            Target(f"max({S.RULES_EVALUATION_INTERVAL.name})", "interval"),
-                        ],
-                        unit="s",
-                        width=8,
-                    ),
-                    Panel(
+                            prom(
+                                quantile(q, S.RULES_CYCLE, by=(), engine=False),
+                                f"p{round(q * 100)}",
+                            )
+                            for q in (0.5, 0.99)
+                        ]
+                    )
+                    .with_target(prom(f"max({S.RULES_EVALUATION_INTERVAL.name})", "interval"))
+                    .unit("s"),
+                    Graph(
                         f"Slowest scrape targets (top {TOP_N})",
                         f"{S.SCRAPE_DURATION.help} The cycle waits for its slowest target.",
-                        [
-                            Target(
-                                f"topk({TOP_N}, max by (target) ({S.SCRAPE_DURATION.name}))",
-                                "{{target}}",
-                            )
-                        ],
-                        unit="s",
-                        width=8,
-                    ),
-                    Panel(
-                        "Scrape targets backed off",
-                        S.SCRAPE_TARGETS_BACKED_OFF.help,
-                        [Target(f"sum({S.SCRAPE_TARGETS_BACKED_OFF.name})", "backed off")],
-                        stepped=True,
-                        decimals=0,
-                        width=8,
-                    ),
+                        8,
+                    )
+                    .with_target(
+                        prom(
+                            f"topk({TOP_N}, max by (target) ({S.SCRAPE_DURATION.name}))",
+                            "{{target}}",
+                        )
+                    )
+                    .unit("s"),
+                    Graph("Scrape targets backed off", S.SCRAPE_TARGETS_BACKED_OFF.help, 8)
+                    .with_target(prom(f"sum({S.SCRAPE_TARGETS_BACKED_OFF.name})", "backed off"))
+                    .decimals(0)
+                    .stepped(),
                 ],
             ),
         ],

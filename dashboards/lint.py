@@ -54,8 +54,8 @@ def queries(dashboard: Mapping[str, Any]) -> list[Query]:
                 Query(where, target.get("expr", ""), panel, instant=bool(target.get("instant")))
             )
     for annotation in dashboard.get("annotations", {}).get("list", []):
-        if "target" in annotation:
-            out.append(Query(f"annotation {annotation['name']!r}", annotation["target"]["expr"],
+        if "expr" in annotation:  # Prometheus' (the built-in one has none)
+            out.append(Query(f"annotation {annotation['name']!r}", annotation["expr"],
                              kind="annotation"))  # fmt: skip
     for variable in dashboard.get("templating", {}).get("list", []):
         if variable.get("type") == "query":

@@ -4,18 +4,74 @@ A signal is queried the same way on the engine overview and on the fleet
 view, so both are written once here. `RuleNotes` reads the rule catalog
 (with its default parameters) so that a panel's description and threshold
 line say what the rules actually compare, not a number copied by hand.
+Plain strings and dataclasses: nothing here needs Grafana's SDK.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from vllm_runbook.collector import metrics as M
+from vllm_runbook.collector.metrics import MetricSpec
 from vllm_runbook.dashboards import catalog as V
-from vllm_runbook.dashboards.builder import BY_ENGINE, RATE, Threshold, quantile, rate, selector
 from vllm_runbook.rules import Rule, load_catalog
 from vllm_runbook.rules.model import ParamValue
+from vllm_runbook.rules.signals import ENGINE_LABELS
+
+# Grafana multi-value variables become a regex alternation with `=~`.
+ENGINE_MATCHERS: tuple[tuple[str, str], ...] = (
+    ("model_name", "$model_name"),
+    ("engine", "$engine"),
+)
+BY_ENGINE = f"by ({', '.join(ENGINE_LABELS)})"
+ENGINE_LEGEND = "{{instance}} {{model_name}}/{{engine}}"
+RATE = "$__rate_interval"
+
+
+def selector(
+    spec: MetricSpec,
+    part: str = "",
+    *,
+    engine: bool = True,
+    matchers: Sequence[tuple[str, str]] = (),
+) -> str:
+    """`name{model_name=~"$model_name", engine=~"$engine", ...}` for `spec`.
+
+    `part` is a histogram's `_bucket`/`_sum`/`_count`; counters gain `_total`.
+    `engine=False` leaves out the engine filter (the service's own metrics).
+    """
+    name = spec.name + part if part else spec.series_name
+    pairs = [f'{k}=~"{v}"' for k, v in (ENGINE_MATCHERS if engine else ())]
+    pairs += [f'{k}=~"{v}"' for k, v in matchers]
+    return f"{name}{{{', '.join(pairs)}}}" if pairs else name
+
+
+def rate(spec: MetricSpec, part: str = "", window: str = RATE, **kw: Any) -> str:
+    return f"rate({selector(spec, part, **kw)}[{window}])"
+
+
+def quantile(
+    q: float,
+    spec: MetricSpec,
+    by: Sequence[str] = ENGINE_LABELS,
+    window: str = RATE,
+    **kw: Any,
+) -> str:
+    """The q-quantile of a histogram over `window`, per `by` (default: per engine)."""
+    labels = ", ".join((*by, "le"))
+    return f"histogram_quantile({q}, sum by ({labels}) ({rate(spec, '_bucket', window, **kw)}))"
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """A value a rule compares against, drawn as a line across the panel."""
+
+    value: float
+    color: str = "red"
+    # "above": the rule fires above the value (green below it); "below": the reverse.
+    direction: Literal["above", "below"] = "above"
 
 
 def per_engine(expr: str, agg: str = "max") -> str:

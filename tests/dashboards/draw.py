@@ -161,7 +161,7 @@ def annotation_marks(
     for annotation in dashboard["annotations"]["list"]:
         if annotation.get("name") != KNOB_ANNOTATION:
             continue
-        for series in ranges.get(substitute(annotation["target"]["expr"]), []):
+        for series in ranges.get(substitute(annotation["expr"]), []):
             previous_t: float | None = None
             previous_v = 0.0
             for t_text, v_text in series["values"]:

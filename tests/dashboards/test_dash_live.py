@@ -219,7 +219,7 @@ def test_knob_change_shows_as_a_step_and_an_annotation(live: LiveRun) -> None:
     assert max(values) == 512 and min(values) == 256  # halved, then restored
     knob_annotation = dashboard["annotations"]["list"][1]
     assert knob_annotation["name"] == "Knob changes"
-    assert finite(live.ranges[substitute(knob_annotation["target"]["expr"])])
+    assert finite(live.ranges[substitute(knob_annotation["expr"])])
 
 
 def test_engine_overview_panels_drawn_from_real_data(live: LiveRun) -> None:

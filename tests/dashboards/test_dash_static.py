@@ -180,7 +180,7 @@ def test_knobs_are_stepped_lines_and_gpu_panels_are_documented(
 
 def test_engine_panels_carry_runbook_annotations(dashboards: dict[str, dict[str, Any]]) -> None:
     annotations = dashboards["engine-overview.json"]["annotations"]["list"]
-    exprs = " ".join(a["target"]["expr"] for a in annotations if "target" in a)
+    exprs = " ".join(a["expr"] for a in annotations if "expr" in a)
     for knob in KNOBS:
         assert f"changes({knob.series_name}{{" in exprs
     assert S.EXECUTIONS.series_name in exprs
