@@ -98,9 +98,8 @@ def _queued(client: EngineClient) -> bool:
         state = client.state()
     except EngineClientError:
         return False
-    stats, seqs = state["stats"], int(state["knobs"]["max_num_seqs"])
-    running = stats.get("num_requests_running") or 0
-    return running >= seqs and (stats.get("num_requests_waiting") or 0) >= 2
+    stats, seqs = state.stats, state.knobs.max_num_seqs
+    return stats.num_requests_running >= seqs and stats.num_requests_waiting >= 2
 
 
 def _wait(demo: Demo, seconds: float, until: Callable[[], bool] | None = None) -> bool:
@@ -180,7 +179,7 @@ def run(directory: Path, ci: bool) -> int:
         wait_healthy(serve, service + "/healthz", 120)
         wait_healthy(engine, api + "/health", 240)
         client = EngineClient(agent)
-        startup = client.state()["startup"]
+        startup = client.state().startup.model_dump()
         demo.say(f"engine up after {time.monotonic() - t_start:.0f} s; startup knobs {startup}")
 
         log = SignalLog(signals)
@@ -230,7 +229,7 @@ def run(directory: Path, ci: bool) -> int:
         # Sized by the startup limit: the autopilot oom-pressure handed over to
         # may climb back to it while this phase runs (measured: 8 as the phase
         # began, 16 a few seconds later, and the low ones went straight in).
-        seqs = int(client.state()["startup"]["max_num_seqs"])
+        seqs = client.state().startup.max_num_seqs
         first = traffic.clients(seqs + 4, stream_request)
         _wait(demo, 30, lambda: _queued(client))
         low.extend(traffic.send(prompt_token_ids(64, 97 * i), 16, LOW) for i in range(8))
