@@ -297,7 +297,7 @@ def test_each_benchmark_table_sits_under_the_command_that_prints_it() -> None:
         assert header in body.splitlines(), f"{command}: header row is not {header!r}"
         tables += 1
         command = None  # one table per command
-    assert tables == len(_bench_commands()) == 5
+    assert tables == len(_bench_commands()) == 6
 
 
 def test_make_bench_runs_exactly_the_commands_of_the_page() -> None:
