@@ -94,7 +94,7 @@ class Bench:
         self.llm = llm
         self.engine = llm.llm_engine
         self.scheduler = self.engine.engine_core.engine_core.scheduler
-        self.collector = self.scheduler._runbook
+        self.collector = self.scheduler.runbook_collector
         self.seconds, self.warmup, self.condition = seconds, warmup, condition
         self.ids = itertools.count()
         self.clock = time.perf_counter if wall_clock else time.thread_time
@@ -137,7 +137,7 @@ class Bench:
             started[self._add(shape, rng)] = 0.0
         oom_stage, oom_since, oom_count = 0, 0.0, 0
         collector = self.collector
-        base = collector.preemptions
+        base = collector.stats.preemptions
         while (now := clock() - start) < total:
             if workload == "mix" and now >= total / 2:
                 shape = LONG
@@ -153,7 +153,7 @@ class Bench:
                     generated.pop(out.request_id, None)
                     result.finished.append((now, now - t0, count))
                     started[self._add(shape, rng)] = now
-            preempted = collector.preemptions - base
+            preempted = collector.stats.preemptions - base
             result.trace.append((now, int(self.scheduler.max_num_active_reqs), preempted))
             if setting == "oom-pressure cap":
                 if oom_stage == 0 and preempted:
@@ -161,7 +161,7 @@ class Bench:
                     oom_stage, oom_since, oom_count = 1, now, preempted
                 elif oom_stage == 1 and now - oom_since >= self.condition:
                     if preempted > oom_count:
-                        stats = collector.state()["stats"]
+                        stats = collector.state().stats
                         from vllm_runbook.runbooks.sources import kv_capacity_seqs
 
                         capacity = kv_capacity_seqs(stats) or 1

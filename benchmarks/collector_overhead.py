@@ -74,7 +74,7 @@ def hook_costs(llm, running: int) -> tuple[float, float, int]:  # type: ignore[n
 
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
-    collector = scheduler._runbook
+    collector = scheduler.runbook_collector
     base = RunbookSchedulerMixin
     vllm_cls = next(c for c in type(scheduler).__mro__ if c.__module__.startswith("vllm.v1"))
     spent = {"outer": 0.0, "inner": 0.0, "prefix": 0.0, "step": 0.0}
@@ -98,7 +98,7 @@ def hook_costs(llm, running: int) -> tuple[float, float, int]:  # type: ignore[n
         setattr(vllm_cls, name, timed(vllm_cls.__dict__[name], "inner"))
     # The prefix-cache wrapper runs inside vLLM's schedule() (counted as
     # "inner" there): its own part is the lookup callback.
-    collector.on_prefix_lookup = timed(collector.on_prefix_lookup, "prefix")
+    collector.stats.on_prefix_lookup = timed(collector.stats.on_prefix_lookup, "prefix")
     original_step = engine.step
 
     def step():  # type: ignore[no-untyped-def]
@@ -115,7 +115,7 @@ def hook_costs(llm, running: int) -> tuple[float, float, int]:  # type: ignore[n
     finally:
         for (cls, name), fn in saved.items():
             setattr(cls, name, fn)
-        del collector.on_prefix_lookup, engine.step
+        del collector.stats.on_prefix_lookup, engine.step
     hook = spent["outer"] - spent["inner"] + spent["prefix"]
     return hook / steps[0] * 1e6, hook / spent["step"], steps[0]
 

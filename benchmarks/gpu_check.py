@@ -113,7 +113,7 @@ def parse_cudagraph_log(text: str) -> CudagraphLog:
 
 
 def predicted_padded(num_tokens: int, capture_sizes: list[int]) -> int:
-    """The collector's prediction (collector/hook.py), repeated here so the
+    """The collector's prediction (collector/step_stats.py), repeated here so the
     check also runs against an installed copy of any version."""
     if not capture_sizes or num_tokens > capture_sizes[-1] or num_tokens <= 0:
         return num_tokens

@@ -131,7 +131,7 @@ def run_policy(llm: Any, policy: str, schedule: list[Arrival]) -> Run:
 
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
-    collector = scheduler._runbook
+    collector = scheduler.runbook_collector
     collector.control.submit(parse_command({"policy": policy}), idle=lambda: True)
     assert collector.control.knobs()["policy"] == policy
     params = SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True, temperature=0.0)
@@ -140,7 +140,7 @@ def run_policy(llm: Any, policy: str, schedule: list[Arrival]) -> Run:
         for a in schedule
     }
     run = Run(policy)
-    logged = len(collector.requests.entries)
+    logged = len(collector.requests.log.entries)
     pending = list(schedule)
     start = time.perf_counter()
     while pending or engine.has_unfinished_requests():
@@ -163,7 +163,7 @@ def run_policy(llm: Any, policy: str, schedule: list[Arrival]) -> Run:
             if out.finished:
                 run.tokens += len(out.outputs[0].token_ids)
                 run.end = after - start
-    entries = list(collector.requests.entries)[logged:]
+    entries = list(collector.requests.log.entries)[logged:]
     run.waits = [e.queue_seconds for e in entries]
     assert len(run.first_token) == len(schedule), "a request never produced a token"
     return run
@@ -209,9 +209,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = create_tiny_model(Path(tmp) / "tiny-llama")
         llm = LLM(model=str(model), **ENGINE_ARGS)
-        aging_s = (
-            llm.llm_engine.engine_core.engine_core.scheduler._runbook.control.tiers.aging_seconds
-        )
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        aging_s = scheduler.runbook_collector.control.tiers.aging_seconds
         run_policy(llm, "fcfs", arrivals(4.0, args.seed + 1, 1.0))  # warm-up, not measured
         rate = prefill_rate(llm)
         cold_every_s = 2250 / (COLD_UTILIZATION * rate)  # 2,250: the mean long prompt

@@ -30,7 +30,17 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_runbook.collector.autopilot import Autopilot, parse_switch, parse_target
+from pydantic import ValidationError
+from vllm_runbook.collector import metrics as M
+from vllm_runbook.collector.agent_api import (
+    KNOBS,
+    ChangeResult,
+    KnobsCommand,
+    RestoreCommand,
+    command_error,
+)
+from vllm_runbook.collector.autopilot import Autopilot
+from vllm_runbook.collector.exporter import Sample
 from vllm_runbook.collector.tiers import (
     TierConfig,
     TieredRequestQueue,
@@ -39,8 +49,7 @@ from vllm_runbook.collector.tiers import (
     running_by_tier,
 )
 
-KNOBS = ("max_num_batched_tokens", "max_num_seqs", "policy", "autopilot", "autopilot_target")
-POLICIES = ("fcfs", "priority", "tiered")
+POLICIES = M.POLICIES
 
 
 class ControlError(Exception):
@@ -68,14 +77,6 @@ class Bound:
     min_reason: str
     max_reason: str
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "min": self.minimum,
-            "max": self.maximum,
-            "min_reason": self.min_reason,
-            "max_reason": self.max_reason,
-        }
-
 
 @dataclass
 class Command:
@@ -90,55 +91,23 @@ class Command:
 
 
 def parse_command(body: Any, restore: bool = False) -> Command:
-    """Validate a JSON body into a Command (types only; bounds at apply time)."""
-    if not isinstance(body, dict):
-        raise ControlError("request body must be a JSON object")
-    unknown = set(body) - {*KNOBS, "scale_max_num_batched_tokens", "clamp", "dry_run"}
-    if unknown:
-        raise ControlError(f"unknown field(s): {', '.join(sorted(unknown))}")
-    values: dict[str, Any] = {}
-    for knob in ("max_num_batched_tokens", "max_num_seqs"):
-        if body.get(knob) is not None:
-            value = body[knob]
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ControlError(f"{knob} must be an integer, got {value!r}")
-            values[knob] = value
-    scale = body.get("scale_max_num_batched_tokens")
-    if scale is not None:
-        if "max_num_batched_tokens" in values:
-            raise ControlError("give max_num_batched_tokens or its scale, not both")
-        if not isinstance(scale, int | float) or isinstance(scale, bool) or not 0 < scale <= 1:
-            raise ControlError(f"scale_max_num_batched_tokens must be in (0, 1], got {scale!r}")
-        values["scale_max_num_batched_tokens"] = float(scale)
-    if body.get("policy") is not None:
-        if body["policy"] not in POLICIES:
-            raise ControlError(
-                f"policy must be one of {', '.join(POLICIES)}, got {body['policy']!r}"
-            )
-        values["policy"] = body["policy"]
-    if body.get("autopilot") is not None:
-        try:
-            values["autopilot"] = parse_switch(body["autopilot"])
-        except ValueError as exc:
-            raise ControlError(str(exc)) from None
-    if body.get("autopilot_target") is not None:
-        target = body["autopilot_target"]
-        if isinstance(target, str):  # JSON numbers only; the CLI parses text
-            raise ControlError(f"autopilot_target must be a number in (0, 1], got {target!r}")
-        try:
-            values["autopilot_target"] = parse_target(target)
-        except ValueError as exc:
-            raise ControlError(str(exc)) from None
-    for flag in ("clamp", "dry_run"):
-        if not isinstance(body.get(flag, False), bool):
-            raise ControlError(f"{flag} must be true or false")
-    if not values and not restore:
-        raise ControlError(f"nothing to change: give one of {', '.join(KNOBS)}")
-    return Command(values, bool(body.get("clamp")), bool(body.get("dry_run")), restore)
+    """Validate a JSON body into a Command (the agent API's KnobsCommand or
+    RestoreCommand: types only; bounds at apply time). ControlError (400) with
+    one line when it is not one."""
+    try:
+        if restore:
+            command: KnobsCommand | RestoreCommand = RestoreCommand.model_validate(body)
+            values: dict[str, Any] = {}
+        else:
+            command = KnobsCommand.model_validate(body)
+            values = command.values()
+    except ValidationError as exc:
+        raise ControlError(command_error(exc)) from None
+    return Command(values, command.clamp, command.dry_run, restore)
 
 
 class EngineControl:
-    """Applies Commands to one scheduler. Owned by the EngineCollector."""
+    """Applies Commands to one scheduler (wired by engine_collector.py)."""
 
     def __init__(
         self,
@@ -250,6 +219,20 @@ class EngineControl:
             "autopilot_target": self.autopilot.target,
         }
 
+    def samples(self) -> list[Sample]:
+        """The knob gauges: effective and startup values, the active policy."""
+        knobs, startup = self.knobs(), self.startup
+        return [
+            Sample(M.MAX_NUM_BATCHED_TOKENS, knobs["max_num_batched_tokens"]),
+            Sample(M.MAX_NUM_SEQS, knobs["max_num_seqs"]),
+            Sample(M.STARTUP_MAX_NUM_BATCHED_TOKENS, startup["max_num_batched_tokens"]),
+            Sample(M.STARTUP_MAX_NUM_SEQS, startup["max_num_seqs"]),
+            *(
+                Sample(M.SCHEDULER_POLICY, 1.0 if name == knobs["policy"] else 0.0, (name,))
+                for name in M.POLICIES
+            ),
+        ]
+
     def autopilot_ceiling(self) -> int:
         """The highest max_num_seqs the autopilot may set: the startup value,
         and the budget now (the budget's floor follows max_num_seqs)."""
@@ -301,9 +284,10 @@ class EngineControl:
 
     def submit(
         self, command: Command, wait_s: float = 30.0, idle: Callable[[], bool] | None = None
-    ) -> dict[str, Any]:
+    ) -> ChangeResult:
         """Queue `command`; apply it now if the engine is idle, else wait for
-        the engine thread to apply it before its next step."""
+        the engine thread to apply it before its next step. The answer's model
+        is built here, in the caller's thread, never in the engine's step."""
         with self._queue_lock:
             command.seq = next(self._seq)
             self.pending.append(command)
@@ -314,13 +298,14 @@ class EngineControl:
             if idle is None or idle():
                 self.drain()
             try:
-                return command.future.result(timeout=0.05)
+                return ChangeResult.model_validate(command.future.result(timeout=0.05))
             except FutureTimeout:
                 if time.monotonic() >= deadline:
                     break
         if command.future.cancel():
             raise EngineBusyError(f"engine did not reach a step boundary in {wait_s:.0f} s")
-        return command.future.result()  # applied just now after all
+        # Applied just now after all.
+        return ChangeResult.model_validate(command.future.result())
 
     def drain(self) -> None:
         """Apply every queued command, in order. Engine thread: at the start

@@ -13,7 +13,8 @@ import threading
 from types import ModuleType
 from typing import Any
 
-from prometheus_client import Gauge
+from prometheus_client import CollectorRegistry, Gauge
+from vllm_runbook.collector import metrics as M
 
 logger = logging.getLogger("vllm_runbook.collector")
 
@@ -67,6 +68,26 @@ class NvmlPoller:
         self.is_up = False
         # gpu index -> memory used/total bytes and utilisation at the latest poll.
         self.latest: dict[str, dict[str, float]] = {}
+
+    @classmethod
+    def create(
+        cls,
+        nvml: Any,
+        registry: CollectorRegistry,
+        base_labels: tuple[str, str],
+        interval: float = 5.0,
+    ) -> NvmlPoller:
+        """A poller whose gauges (metrics.NVML_METRICS) live in `registry`."""
+        gauges = {spec.name: M.build_gauge(spec, registry) for spec in M.NVML_METRICS}
+        return cls(
+            nvml,
+            gauges[M.NVML_UP.name],
+            gauges[M.GPU_MEMORY_USED.name],
+            gauges[M.GPU_MEMORY_TOTAL.name],
+            gauges[M.GPU_UTILIZATION.name],
+            base_labels,
+            interval,
+        )
 
     def snapshot(self) -> dict[str, Any]:
         """For /v1/state: whether NVML answered, and the per-GPU values."""

@@ -28,7 +28,8 @@ def register() -> None:
     try:
         import vllm
         from vllm.config.scheduler import SchedulerConfig
-        from vllm_runbook.collector.hook import check_vllm_version, with_collector
+        from vllm_runbook.collector.hook import with_collector
+        from vllm_runbook.collector.settings import check_vllm_version
 
         check_vllm_version(getattr(vllm, "__version__", "unknown"))
         original = SchedulerConfig.get_scheduler_cls

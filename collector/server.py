@@ -287,6 +287,9 @@ class AgentServer:
             # HTTP/0.9 answers have no status line: a garbled request line gets a real 400.
             default_request_version = "HTTP/1.1"
             timeout = httpd_limits.idle_timeout  # socket timeout for every read and write
+            # An answer is two writes (head, body): with Nagle's algorithm the body
+            # waits for the client's delayed ACK of the head, ~40 ms per answer.
+            disable_nagle_algorithm = True
 
             def handle_one_request(self) -> None:
                 server._httpd.arm(self.connection)

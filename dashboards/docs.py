@@ -6,8 +6,10 @@
 A page marks a region with the lines `<!-- BEGIN generated:NAME -->` and
 `<!-- END generated:NAME -->`; everything between them is replaced by the
 output of the generator NAME (below), built from the same catalogs the code
-runs on: the metric declarations, the signal registry, the rule catalog, the
-runbook catalog and the CLI's argparse parser. Text outside the markers is never touched.
+runs on: the metric declarations, the signal registry, the rule catalog, the runbook catalog and
+the CLI's argparse parser. Text outside the markers is never touched.
+Whole files are generated too: docs/agent-api.schema.json, the JSON Schema
+of the engine agent's requests and answers (vllm_runbook.collector.agent_api).
 
 It lives in dashboards/ because that is the one layer allowed to import all
 the others (collector, rules, runbooks), as the dashboard generator does.
@@ -25,6 +27,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+from vllm_runbook.collector import agent_api
 from vllm_runbook.collector import metrics as collector_metrics
 from vllm_runbook.collector.metrics import MetricSpec
 from vllm_runbook.rules import load_catalog as load_rule_catalog
@@ -241,6 +244,11 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "cli": gen_cli,
 }
 
+# Files written whole (path under the checkout → generator).
+GENERATED_FILES: dict[str, Callable[[], str]] = {
+    "docs/agent-api.schema.json": agent_api.json_schema_text,
+}
+
 
 def render(text: str, page: str = "page", cache: dict[str, str] | None = None) -> str:
     """The page with every generated region rewritten."""
@@ -274,7 +282,8 @@ def pages(root: Path = ROOT) -> list[Path]:
 
 
 def stale_pages(root: Path = ROOT, *, write: bool = False) -> list[str]:
-    """The pages whose generated regions differ from a fresh render (rewritten if `write`)."""
+    """The pages whose generated regions differ from a fresh render, and the
+    generated files that differ from a fresh one (rewritten if `write`)."""
     cache: dict[str, str] = {}
     stale = []
     for path in pages(root):
@@ -285,12 +294,20 @@ def stale_pages(root: Path = ROOT, *, write: bool = False) -> list[str]:
             stale.append(shown)
             if write:
                 path.write_text(fresh, encoding="utf-8")
-    return stale
+    for shown, generate in GENERATED_FILES.items():
+        path = root / shown
+        fresh = generate()
+        if not path.is_file() or path.read_text(encoding="utf-8") != fresh:
+            stale.append(shown)
+            if write:
+                path.write_text(fresh, encoding="utf-8")
+    return sorted(stale)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog=COMMAND, description="Rewrite the generated regions of docs/*.md."
+        prog=COMMAND,
+        description="Rewrite the generated regions of docs/*.md and the generated files.",
     )
     parser.add_argument("--check", action="store_true", help="exit 1 if a page is stale")
     parser.add_argument("--root", type=Path, default=ROOT, help="the source checkout")

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+from pydantic import ValidationError
+from vllm_runbook.collector.agent_api import AgentState, answer_error
 from vllm_runbook.rules.checklist import (
     Samples,
     Scrape,
@@ -44,16 +46,14 @@ def _get(client: httpx.Client, url: str, what: str) -> httpx.Response:
     return response
 
 
-def fetch_state(client: httpx.Client, agent: str) -> dict[str, Any]:
+def fetch_state(client: httpx.Client, agent: str) -> AgentState:
     response = _get(client, agent + "/v1/state", "engine agent")
     try:
-        state = response.json()
-    except ValueError:
-        state = None
-    engine = state.get("engine") if isinstance(state, dict) else None
-    if not isinstance(engine, dict) or not {"model_name", "engine"} <= engine.keys():
-        raise Unreachable(f"{agent} is not a vllm-runbook agent (no engine in /v1/state)")
-    return dict(state)
+        return AgentState.model_validate_json(response.content)
+    except ValidationError as exc:
+        raise Unreachable(
+            f"{agent} is not a vllm-runbook agent (/v1/state: {answer_error(exc)})"
+        ) from None
 
 
 def scrape(client: httpx.Client, agent: str, vllm: str | None, model: str, engine: str) -> Scrape:
@@ -78,10 +78,10 @@ def sample(
     interval: float,
     timeout: float = 10.0,
     sleep: Callable[[float], None] = time.sleep,
-) -> tuple[dict[str, Any], list[Scrape]]:
+) -> tuple[AgentState, list[Scrape]]:
     with httpx.Client(timeout=timeout) as client:
         state = fetch_state(client, agent)
-        model, engine = str(state["engine"]["model_name"]), str(state["engine"]["engine"])
+        model, engine = state.engine.model_name, state.engine.engine
         out = []
         for i in range(scrapes):
             if i:
@@ -132,9 +132,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     except Unreachable as exc:
         print(f"runbook: error: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
-    model, engine = str(state["engine"]["model_name"]), str(state["engine"]["engine"])
+    model, engine = state.engine.model_name, state.engine.engine
     results = run_checklist(scrapes, model, engine, args.sla_seconds)
-    if not state.get("collector_up", True):
+    if not state.collector_up:
         note = "collector disabled on the engine: its gauges are stale"
         results = [r if r.status == "n/a" else with_note(r, note) for r in results]
     failed = sum(r.status == "fail" for r in results)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from vllm_runbook.collector.agent_api import POLICIES, AgentState, AutopilotState, ChangeResult
 from vllm_runbook.collector.autopilot import parse_switch, parse_target
 from vllm_runbook.runbooks import (
     approvals_cli,
@@ -109,38 +110,32 @@ STATUS_SIGNALS = [
 ]
 
 
-def format_status(url: str, state: dict[str, Any]) -> str:
-    e, knobs, startup = state["engine"], state["knobs"], state["startup"]
-    bounds, stats = state["bounds"], state["stats"]
-    up = "up" if state["collector_up"] else "DISABLED"
+def format_status(url: str, state: AgentState) -> str:
+    e, knobs, startup = state.engine, state.knobs, state.startup
+    bounds, stats = state.bounds.model_dump(), state.stats
+    up = "up" if state.collector_up else "DISABLED"
     lines = [
-        f"engine {url}  model {e['model_name']}  dp rank {e['engine']}  "
-        f"step {e['step']}  vLLM {e['vllm_version']}  collector {up}",
+        f"engine {url}  model {e.model_name}  dp rank {e.engine}  "
+        f"step {e.step}  vLLM {e.vllm_version}  collector {up}",
         f"  {'knob':<24} {'effective':>10} {'startup':>10}  allowed",
     ]
-    allowed_values = {"policy": "fcfs | priority", "autopilot": "on | off"}
+    allowed_values = {"policy": " | ".join(POLICIES), "autopilot": "on | off"}
     for knob in ("max_num_batched_tokens", "max_num_seqs", "policy", "autopilot"):
-        if knob not in knobs:  # an agent from before the autopilot
-            continue
         b = bounds.get(knob)
         allowed = f"{b['min']}..{b['max']}" if b else allowed_values[knob]
-        mark = " *" if knobs[knob] != startup.get(knob) else ""
+        now, then = getattr(knobs, knob), getattr(startup, knob)
+        mark = " *" if now != then else ""
         show = _onoff if knob == "autopilot" else str
-        now, then = show(knobs[knob]), show(startup.get(knob))
-        lines.append(f"  {knob:<24} {now!s:>10} {then!s:>10}  {allowed}{mark}")
-    pilot = state.get("autopilot")
-    if pilot:
-        lines.append(format_autopilot(pilot))
+        lines.append(f"  {knob:<24} {show(now)!s:>10} {show(then)!s:>10}  {allowed}{mark}")
+    lines.append(format_autopilot(state.autopilot))
     lines.append(f"  {'signal':<24} {'value':>10}")
     for label, key, kind in STATUS_SIGNALS:
         if key is None:
-            value = (
-                f"{_fmt(stats['kv_blocks_used'], 'int')} / {_fmt(stats['kv_blocks_free'], 'int')}"
-            )
+            value = f"{_fmt(stats.kv_blocks_used, 'int')} / {_fmt(stats.kv_blocks_free, 'int')}"
         else:
-            value = _fmt(stats.get(key), kind)
+            value = _fmt(getattr(stats, key), kind)
         lines.append(f"  {label:<24} {value:>10}")
-    if any(knobs[k] != startup.get(k) for k in knobs):
+    if knobs != startup:
         lines.append("  * changed at runtime; `runbook restore --engine URL` restores")
     return "\n".join(lines)
 
@@ -149,31 +144,28 @@ def _onoff(value: Any) -> str:
     return "on" if value is True else "off" if value is False else _fmt(value)
 
 
-def format_autopilot(pilot: dict[str, Any]) -> str:
+def format_autopilot(pilot: AutopilotState) -> str:
     """One line: the autopilot's band, where it is and what it did last."""
-    band = f"peak KV target {pilot['target']:.2f}..{pilot['high']:.2f}"
-    changes = pilot["changes"]
-    text = f"  autopilot {_onoff(pilot['enabled'])}: {band}, ceiling {pilot['ceiling']}"
-    text += f", changes up {changes['up']} / down {changes['down']}"
-    last = pilot.get("last_change")
+    band = f"peak KV target {pilot.target:.2f}..{pilot.high:.2f}"
+    text = f"  autopilot {_onoff(pilot.enabled)}: {band}, ceiling {pilot.ceiling}"
+    text += f", changes up {pilot.changes.up} / down {pilot.changes.down}"
+    last = pilot.last_change
     if last:
-        text += (
-            f"; last: max_num_seqs {last['max_num_seqs']} ({last['reason']}, step {last['step']})"
-        )
-    if pilot.get("error"):
-        text += f"; turned off after an error: {pilot['error']}"
+        text += f"; last: max_num_seqs {last.max_num_seqs} ({last.reason}, step {last.step})"
+    if pilot.error:
+        text += f"; turned off after an error: {pilot.error}"
     return text
 
 
-def format_change(url: str, result: dict[str, Any]) -> str:
-    verb = "would change" if result["dry_run"] else "changed"
-    if not result["changes"]:
+def format_change(url: str, result: ChangeResult) -> str:
+    verb = "would change" if result.dry_run else "changed"
+    if not result.changes:
         return f"{url}: nothing to change"
-    parts = [f"{c['knob']} {c['before']} → {c['after']}" for c in result["changes"]]
-    step = "" if result["dry_run"] else f" (from step {result['effective_from_step']})"
+    parts = [f"{c.knob} {c.before} → {c.after}" for c in result.changes]
+    step = "" if result.dry_run else f" (from step {result.effective_from_step})"
     text = f"{url}: {verb} {', '.join(parts)}{step}"
-    for c in result.get("clamped", []):
-        text += f"\n  clamped {c['knob']}: asked {c['requested']}, applied {c['applied']}"
+    for c in result.clamped:
+        text += f"\n  clamped {c.knob}: asked {c.requested}, applied {c.applied}"
     return text
 
 
@@ -227,7 +219,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         client = EngineClient(url, args.token, timeout=args.timeout)
         states.append((client.url, client.state()))
     if args.json:
-        print(json.dumps([{"url": u, **s} for u, s in states], indent=2, sort_keys=True))
+        as_json = [{"url": u, **s.model_dump(mode="json")} for u, s in states]
+        print(json.dumps(as_json, indent=2, sort_keys=True))
     else:
         print("\n\n".join(format_status(u, s) for u, s in states))
     return EXIT_OK
@@ -243,7 +236,7 @@ def _each_engine(args: argparse.Namespace, action: Any) -> int:
             print(f"runbook: error: {exc}", file=sys.stderr)
             code = max(code, exc.exit_code)
             continue
-        results.append({"url": client.url, **result})
+        results.append({"url": client.url, **result.model_dump(mode="json")})
         if not args.json:
             print(format_change(client.url, result))
     if args.json:

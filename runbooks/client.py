@@ -1,5 +1,9 @@
 """HTTP client for the engine agent (collector/agent.py).
 
+It speaks the agent's models (vllm_runbook.collector.agent_api): commands are
+built with them (a bad value is refused here, with the agent's own message),
+answers parsed with them; an answer that does not fit is not an agent's.
+
 Errors are drawn once, each with the CLI exit code it maps to:
 
     EngineClientError
@@ -12,11 +16,22 @@ Errors are drawn once, each with the CLI exit code it maps to:
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import httpx
+from pydantic import BaseModel, ValidationError
+from vllm_runbook.collector.agent_api import (
+    AgentState,
+    ChangeResult,
+    KnobsCommand,
+    RestoreCommand,
+    answer_error,
+    command_error,
+)
 from vllm_runbook.collector.auth import find_local_token, is_loopback
+
+AnswerT = TypeVar("AnswerT", bound=BaseModel)
 
 
 class EngineClientError(Exception):
@@ -60,57 +75,6 @@ def normalize_url(url: str) -> str:
     return url
 
 
-# What the CLI, the executor and the checklists read from the agent's answers:
-# anything else answering JSON is not an agent (and must not end in a KeyError).
-_STATE_SHAPE: dict[str, Any] = {
-    "engine": {"model_name": str, "engine": str, "step": int, "vllm_version": str},
-    "collector_up": bool,
-    "knobs": {"max_num_batched_tokens": int, "max_num_seqs": int, "policy": str},
-    "startup": {"max_num_batched_tokens": int, "max_num_seqs": int, "policy": str},
-    "bounds": {
-        "max_num_batched_tokens": {"min": int, "max": int},
-        "max_num_seqs": {"min": int, "max": int},
-    },
-    "stats": dict,
-}
-_CHANGE_SHAPE: dict[str, Any] = {
-    "dry_run": bool,
-    "changes": [{"knob": str, "before": object, "after": object}],
-    "clamped": [{"knob": str, "requested": object, "applied": object}],
-    "before": dict,
-    "after": dict,
-    "effective_from_step": int,
-}
-
-
-def shape_error(value: Any, shape: Any, where: str = "answer") -> str | None:
-    """Where `value` departs from `shape` (a type, a dict of shapes, or a
-    one-element list: a list of that shape), or None when it fits."""
-    if isinstance(shape, dict):
-        if not isinstance(value, dict):
-            return f"{where} is not an object"
-        for key, inner in shape.items():
-            if key not in value:
-                return f"{where} has no {key!r}"
-            error = shape_error(value[key], inner, f"{where}.{key}")
-            if error:
-                return error
-        return None
-    if isinstance(shape, list):
-        if not isinstance(value, list):
-            return f"{where} is not a list"
-        for i, item in enumerate(value):
-            error = shape_error(item, shape[0], f"{where}[{i}]")
-            if error:
-                return error
-        return None
-    if shape is int and isinstance(value, bool):
-        return f"{where} is not an integer"
-    if not isinstance(value, shape):
-        return f"{where} is not {'an' if shape is int else 'a'} {shape.__name__}"
-    return None
-
-
 def resolve_token(url: str, token: str | None = None) -> str | None:
     """Explicit token, else VLLM_RUNBOOK_TOKEN, else the token a local agent
     stored in the runtime directory."""
@@ -137,20 +101,23 @@ class EngineClient:
             raise CommandRefused(f"timeout must be > 0 seconds, got {timeout!r}")
         self.timeout = timeout
 
-    def _expect(self, payload: Any, shape: Any) -> dict[str, Any]:
-        error = shape_error(payload, shape)
-        if error:
+    def _expect(self, payload: Any, model: type[AnswerT]) -> AnswerT:
+        try:
+            return model.model_validate(payload)
+        except ValidationError as exc:
             raise NotAnAgent(
-                f"{self.url} does not answer like a vllm-runbook agent ({error}): "
+                f"{self.url} does not answer like a vllm-runbook agent ({answer_error(exc)}): "
                 "is the URL the agent's (VLLM_RUNBOOK_PORT), not vLLM's API server?"
-            )
-        return dict(payload)
+            ) from None
 
-    def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    def _request(self, method: str, path: str, body: BaseModel | None = None) -> Any:
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        content = None if body is None else body.model_dump_json(exclude_defaults=True)
         try:
             response = httpx.request(
-                method, self.url + path, json=body, headers=headers, timeout=self.timeout
+                method, self.url + path, content=content, headers=headers, timeout=self.timeout
             )
         except httpx.TimeoutException:
             raise EngineUnreachable(
@@ -191,21 +158,23 @@ class EngineClient:
             )
         return payload
 
-    def state(self, since_step: int | None = None) -> dict[str, Any]:
+    def state(self, since_step: int | None = None) -> AgentState:
         """`/v1/state`; with `since_step`, also what happened from that step on."""
         path = "/v1/state" if since_step is None else f"/v1/state?since_step={int(since_step)}"
-        return self._expect(self._request("GET", path), _STATE_SHAPE)
+        return self._expect(self._request("GET", path), AgentState)
 
-    def set_knobs(
-        self, clamp: bool = False, dry_run: bool = False, **values: Any
-    ) -> dict[str, Any]:
+    def set_knobs(self, clamp: bool = False, dry_run: bool = False, **values: Any) -> ChangeResult:
+        """POST /v1/knobs: `values` are KnobsCommand's knobs (None: not given)."""
         body = {k: v for k, v in values.items() if v is not None}
-        answer = self._request("POST", "/v1/knobs", {**body, "clamp": clamp, "dry_run": dry_run})
-        return self._expect(answer, _CHANGE_SHAPE)
+        try:
+            command = KnobsCommand.model_validate({**body, "clamp": clamp, "dry_run": dry_run})
+        except ValidationError as exc:
+            raise CommandRefused(command_error(exc)) from None
+        return self._expect(self._request("POST", "/v1/knobs", command), ChangeResult)
 
-    def restore(self, dry_run: bool = False) -> dict[str, Any]:
-        answer = self._request("POST", "/v1/restore", {"dry_run": dry_run})
-        return self._expect(answer, _CHANGE_SHAPE)
+    def restore(self, dry_run: bool = False) -> ChangeResult:
+        command = RestoreCommand(dry_run=dry_run)
+        return self._expect(self._request("POST", "/v1/restore", command), ChangeResult)
 
 
 def _one_line(text: str, limit: int = 300) -> str:

@@ -25,6 +25,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from vllm_runbook.collector.agent_api import (
+    KNOBS,
+    AgentState,
+    ChangeResult,
+    DrainingSince,
+    SettledSince,
+)
 from vllm_runbook.runbooks.actions import ActionRegistry as _Registry
 from vllm_runbook.runbooks.actions import (
     Advise,
@@ -47,14 +54,6 @@ from vllm_runbook.runbooks.sources import (
 )
 from vllm_runbook.runbooks.warmup import send_warmup_requests
 
-KNOBS: Final = (
-    "max_num_batched_tokens",
-    "max_num_seqs",
-    "policy",
-    "autopilot",
-    "autopilot_target",
-)
-
 # --- signals -----------------------------------------------------------------------
 
 
@@ -66,7 +65,7 @@ class SignalReader:
     clock: Callable[[], float] = time.monotonic
     # The engine's vLLM API server: its /metrics gives what only it knows.
     api_url: str | None = None
-    last_state: dict[str, Any] | None = None
+    last_state: AgentState | None = None
     # Signal -> why it could not be read at the latest read.
     unavailable: dict[str, str] = field(default_factory=dict)
     _previous: tuple[float, float] | None = field(default=None, repr=False)
@@ -82,27 +81,26 @@ class SignalReader:
         now = self.clock()
         self.last_state = state
         signals = signals_from_state(state)
-        scheduled = state["stats"].get("scheduled_tokens_total")
-        if scheduled is not None and self._previous is not None:
+        scheduled = state.stats.scheduled_tokens_total
+        if self._previous is not None:
             then, before = self._previous
             if now > then:
                 signals["scheduled_tokens_per_second"] = (scheduled - before) / (now - then)
-        if scheduled is not None:
-            self._previous = (now, float(scheduled))
+        self._previous = (now, float(scheduled))
         post_change: dict[str, str] = {}
         if since_step is not None:
             # Windowed signals come only from the change's step on, never from
             # the trailing window (which still holds the time before it).
-            since = state.get("since")
+            since = state.since
             for name in WINDOWED:
                 signals[name] = None
             if since is None:
                 why = f"the agent kept no measurement from step {since_step}"
                 post_change = dict.fromkeys(WINDOWED, why)
-            elif not since.get("settled", True):
+            elif isinstance(since, DrainingSince):
                 why = (
-                    f"not in effect yet: {since.get('num_requests_running')} running > "
-                    f"max_num_seqs {since.get('max_num_seqs')} (draining)"
+                    f"not in effect yet: {since.num_requests_running} running > "
+                    f"max_num_seqs {since.max_num_seqs} (draining)"
                 )
                 post_change = dict.fromkeys(WINDOWED, why)
             else:
@@ -129,12 +127,11 @@ class SignalReader:
     @property
     def settled(self) -> bool:
         """Whether the change asked about at the latest read is in effect."""
-        since = self.last_since
-        return since is not None and bool(since.get("settled", True))
+        return isinstance(self.last_since, SettledSince)
 
     @property
-    def last_since(self) -> dict[str, Any] | None:
-        return None if self.last_state is None else self.last_state.get("since")
+    def last_since(self) -> SettledSince | DrainingSince | None:
+        return None if self.last_state is None else self.last_state.since
 
 
 # --- action plumbing ---------------------------------------------------------------
@@ -146,7 +143,7 @@ class ActionContext:
 
     client: EngineClient
     # /v1/state read just before this step.
-    state: dict[str, Any]
+    state: AgentState
     dry_run: bool
     # Record the before-values (and resolved details) in the journal; must be
     # called before the engine is touched. The executor commits it at once.
@@ -155,10 +152,6 @@ class ActionContext:
     api_url: str | None = None
     # Sleeps (the executor's: a fake clock in tests, the engine lock kept alive).
     wait: Callable[[float], None] = time.sleep
-
-    @property
-    def knobs(self) -> dict[str, Any]:
-        return dict(self.state["knobs"])
 
 
 @dataclass(frozen=True)
@@ -184,26 +177,34 @@ def _set_knobs(
     clamp: bool = False,
 ) -> ActionOutcome:
     """The write path shared by the knob actions: journal, then one POST /v1/knobs."""
-    before = {k: ctx.state["knobs"][k] for k in touched}
+    before = _values(ctx.state.knobs, touched)
     if ctx.dry_run:
         result = ctx.client.set_knobs(clamp=clamp, dry_run=True, **request)
-        would_be = result.get("would_be", result["after"])
         return ActionOutcome(
             before,
-            {k: would_be[k] for k in touched},
+            _values(result.would_be or result.after, touched),
             None,
             details,
-            clamped=tuple(result.get("clamped", ())),
+            clamped=_clamped(result),
         )
     ctx.begin(before, details)
     result = ctx.client.set_knobs(clamp=clamp, **request)
     return ActionOutcome(
-        {k: result["before"][k] for k in touched},
-        {k: result["after"][k] for k in touched},
-        int(result["effective_from_step"]),
+        _values(result.before, touched),
+        _values(result.after, touched),
+        result.effective_from_step,
         details,
-        clamped=tuple(result.get("clamped", ())),
+        clamped=_clamped(result),
     )
+
+
+def _values(knobs: Any, names: tuple[str, ...]) -> dict[str, Any]:
+    """The named knobs' values (as the journal keeps them)."""
+    return {k: getattr(knobs, k) for k in names}
+
+
+def _clamped(result: ChangeResult) -> tuple[dict[str, Any], ...]:
+    return tuple(c.model_dump() for c in result.clamped)
 
 
 # --- the actions -------------------------------------------------------------------
@@ -229,10 +230,10 @@ KV_CAPACITY_REREAD_SECONDS: Final = 0.2
 
 def set_max_num_seqs(params: SetMaxNumSeqs, ctx: ActionContext) -> ActionOutcome:
     """Lower the admission limit, to a number or to the KV capacity now."""
-    current = int(ctx.state["knobs"]["max_num_seqs"])
+    current = ctx.state.knobs.max_num_seqs
     details: dict[str, Any] = {}
     if params.value == "kv_capacity":
-        capacity = kv_capacity_seqs(ctx.state["stats"])
+        capacity = kv_capacity_seqs(ctx.state.stats)
         for _ in range(KV_CAPACITY_REREADS):
             if capacity is not None:
                 break
@@ -242,8 +243,8 @@ def set_max_num_seqs(params: SetMaxNumSeqs, ctx: ActionContext) -> ActionOutcome
             # that one read skipped the cap and left the storm going.
             ctx.wait(KV_CAPACITY_REREAD_SECONDS)
             ctx.state = ctx.client.state()
-            capacity = kv_capacity_seqs(ctx.state["stats"])
-            current = int(ctx.state["knobs"]["max_num_seqs"])
+            capacity = kv_capacity_seqs(ctx.state.stats)
+            current = ctx.state.knobs.max_num_seqs
         details["kv_capacity_seqs"] = capacity
         if capacity is None:
             return ActionOutcome(
@@ -275,7 +276,7 @@ def set_max_num_seqs(params: SetMaxNumSeqs, ctx: ActionContext) -> ActionOutcome
 
 
 def set_policy(params: SetPolicy, ctx: ActionContext) -> ActionOutcome:
-    if ctx.state["knobs"]["policy"] == params.policy:
+    if ctx.state.knobs.policy == params.policy:
         return ActionOutcome(skipped=f"policy is already {params.policy}")
     return _set_knobs(ctx, {"policy": params.policy}, ("policy",), {})
 
@@ -284,45 +285,42 @@ def set_autopilot(params: SetAutopilot, ctx: ActionContext) -> ActionOutcome:
     """Switch the autopilot (a revert switches it back: its before-value is
     journaled like a knob's). The details keep where max_num_seqs was when
     it took over."""
-    knobs = ctx.state["knobs"]
-    if "autopilot" not in knobs:
-        return ActionOutcome(skipped="this engine's agent has no autopilot")
+    knobs = ctx.state.knobs
     request: dict[str, Any] = {"autopilot": params.enabled}
     touched: tuple[str, ...] = ("autopilot",)
-    if params.target is not None and params.target != knobs["autopilot_target"]:
+    if params.target is not None and params.target != knobs.autopilot_target:
         request["autopilot_target"] = params.target
         touched += ("autopilot_target",)
-    if knobs["autopilot"] == params.enabled and len(touched) == 1:
+    if knobs.autopilot == params.enabled and len(touched) == 1:
         return ActionOutcome(
             skipped=f"the autopilot is already {'on' if params.enabled else 'off'}"
         )
-    details = {"max_num_seqs_at_hand_over": knobs["max_num_seqs"]} if params.enabled else {}
+    details = {"max_num_seqs_at_hand_over": knobs.max_num_seqs} if params.enabled else {}
     return _set_knobs(ctx, request, touched, details)
 
 
 def restore_knobs(params: RestoreKnobs, ctx: ActionContext) -> ActionOutcome:
     """Every knob back to its startup value (one command, applied atomically)."""
-    knobs, startup = ctx.state["knobs"], ctx.state["startup"]
-    before = {k: knobs[k] for k in KNOBS}
-    if all(knobs[k] == startup[k] for k in KNOBS):
+    knobs, startup = ctx.state.knobs, ctx.state.startup
+    before = _values(knobs, KNOBS)
+    if knobs == startup:
         return ActionOutcome(skipped="every knob is at its startup value")
     if ctx.dry_run:
-        return ActionOutcome(before, {k: startup[k] for k in KNOBS})
+        return ActionOutcome(before, _values(startup, KNOBS))
     ctx.begin(before, {})
     result = ctx.client.restore()
     return ActionOutcome(
-        {k: result["before"][k] for k in KNOBS},
-        {k: result["after"][k] for k in KNOBS},
-        int(result["effective_from_step"]),
+        _values(result.before, KNOBS),
+        _values(result.after, KNOBS),
+        result.effective_from_step,
     )
 
 
 def capture_diagnostics(params: CaptureDiagnostics, ctx: ActionContext) -> ActionOutcome:
     """The whole /v1/state (knobs, bounds, stats, queues per tier, the oldest
     waiting requests) into the journal."""
-    state = ctx.state
-    keys = ("engine", "knobs", "startup", "bounds", "stats", "gpus", "tiers", "queues")
-    snapshot = {k: state.get(k) for k in keys}
+    keys = {"engine", "knobs", "startup", "bounds", "stats", "gpus", "tiers", "queues"}
+    snapshot = ctx.state.model_dump(mode="json", include=keys)
     return ActionOutcome(after={"diagnostics": snapshot})
 
 

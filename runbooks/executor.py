@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from vllm_runbook.collector.agent_api import AgentState, SettledSince
 from vllm_runbook.runbooks.actions import ActionError, ActionRegistry
 from vllm_runbook.runbooks.client import EngineClient, EngineClientError, EngineUnreachable
 from vllm_runbook.runbooks.engine_actions import (
@@ -562,11 +563,12 @@ class Run:
         deadline_s = v.deadline_seconds if self.verify_seconds is None else self.verify_seconds
         steps = [s.applied_at_step for s in changed if s.applied_at_step is not None]
         from_step = max(steps) if steps else None
-        window = (self.reader.last_state or {}).get("stats", {}).get("window_seconds")
+        last = self.reader.last_state
+        window = None if last is None else last.stats.window_seconds
 
         def change_time() -> float | None:
             since = self.reader.last_since
-            return None if since is None else since.get("from_time")
+            return since.from_time if isinstance(since, SettledSince) else None
 
         report = measure(
             lambda step: self.reader.read(since_step=step),
@@ -590,7 +592,8 @@ class Run:
             report["autopilot"] = settled
         # The raw post-change measurement, and what a trailing window (which
         # still holds the time before the change) would have said: shown, never used.
-        report["measurement"] = self.reader.last_since
+        since = self.reader.last_since
+        report["measurement"] = None if since is None else since.model_dump(mode="json")
         if v.signal in WINDOWED and self.reader.last_state is not None:
             report["trailing_window_after"] = signals_from_state(self.reader.last_state).get(
                 v.signal
@@ -654,14 +657,14 @@ class Run:
         return self.finish(ROLLED_BACK, exit_code, f"{why}; rolled back")
 
 
-def _autopilot_settled(state: dict[str, Any] | None) -> dict[str, Any] | None:
+def _autopilot_settled(state: AgentState | None) -> dict[str, Any] | None:
     """The autopilot's position in `state`, when it is on."""
-    pilot = (state or {}).get("autopilot")
-    if not isinstance(pilot, dict) or not pilot.get("enabled"):
+    if state is None or not state.autopilot.enabled:
         return None
+    pilot = state.autopilot.model_dump(mode="json")
     return {
-        "max_num_seqs": (state or {}).get("knobs", {}).get("max_num_seqs"),
-        "target": pilot.get("target"),
-        "changes": pilot.get("changes"),
-        "last_change": pilot.get("last_change"),
+        "max_num_seqs": state.knobs.max_num_seqs,
+        "target": pilot["target"],
+        "changes": pilot["changes"],
+        "last_change": pilot["last_change"],
     }

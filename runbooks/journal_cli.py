@@ -325,7 +325,7 @@ def _live_readings(
         if row["value"] is None:
             row["unavailable"] = reader.unavailable.get(signal, "not read")
         readings.append(row)
-    step = (reader.last_state or {}).get("engine", {}).get("step")
+    step = None if reader.last_state is None else reader.last_state.engine.step
     return {"engine": client.url, "vllm": reader.api_url, "step": step, "readings": readings}
 
 

@@ -203,14 +203,15 @@ class Revert:
         store.transition(run.id, RUNNING)
         try:
             run.checks()
-            start = {k: run.reader.last_state["knobs"][k] for k in targets}  # type: ignore[index]
+            assert run.reader.last_state is not None  # checks() read it
+            start = {k: getattr(run.reader.last_state.knobs, k) for k in targets}
             for stage, fraction in enumerate(fractions):
                 goal = stage_values(start, targets, fraction)
                 # Before this stage: the healthy check compares against it.
                 stage_baseline = run.reader.read() if stage else dict(run.baseline)
                 stage_step: int | None = None
                 state = run.client.state()
-                before = {k: state["knobs"][k] for k in goal}
+                before = {k: getattr(state.knobs, k) for k in goal}
                 changes = {k: v for k, v in goal.items() if before[k] != v}
                 params = {"of_execution": original.id, "fraction": fraction}
                 if not changes:
@@ -227,11 +228,11 @@ class Revert:
                     except EngineClientError as error:
                         store.finish_step(row.id, STEP_FAILED, error=one_line(error))
                         raise
-                    stage_step = int(result["effective_from_step"])
+                    stage_step = result.effective_from_step
                     store.finish_step(
                         row.id,
                         STEP_APPLIED,
-                        after={k: result["after"][k] for k in goal},
+                        after={k: getattr(result.after, k) for k in goal},
                         applied_at_step=stage_step,
                     )
                 if stage < len(fractions) - 1:

@@ -25,9 +25,10 @@ Two kinds of signal matter to a verification:
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
+from vllm_runbook.collector.agent_api import AgentState, SettledSince, Stats
 from vllm_runbook.rules.signals import API, READABLE, Reading
 
 # Where each signal comes from and over what time is part of the one signal registry.
@@ -44,7 +45,7 @@ NO_API_URL: Final = "no vLLM API server URL configured (inventory `vllm:`, or --
 HTTP_REQUESTS: Final = "http_requests_total"  # prometheus-fastapi-instrumentator, in vLLM's server
 
 
-def _p99_from_histogram(bounds: list[float], cumulative: list[float]) -> float | None:
+def _p99_from_histogram(bounds: Sequence[float], cumulative: Sequence[int]) -> float | None:
     total = cumulative[-1] if cumulative else 0
     if not total:
         return None
@@ -61,19 +62,17 @@ def _oom_rate(preemptions: Any, finished: Any) -> float | None:
     return float(preemptions) / float(finished)
 
 
-def kv_capacity_seqs(stats: Mapping[str, Any]) -> int | None:
+def kv_capacity_seqs(stats: Stats) -> int | None:
     """Sequences the KV cache holds at the running requests' current average footprint.
 
     floor(usable / (used / running)), in integers so a full cache gives
     exactly `running` (a float division can land on running - 1). None when
     nothing runs or holds blocks: there is no footprint to scale.
     """
-    used, free = stats.get("kv_blocks_used"), stats.get("kv_blocks_free")
-    running = stats.get("num_requests_running")
-    if used is None or free is None or not running or used <= 0:
+    used, free, running = stats.kv_blocks_used, stats.kv_blocks_free, stats.num_requests_running
+    if not running or used <= 0:
         return None
-    usable = int(used) + int(free)
-    return max(1, usable * int(running) // int(used))
+    return max(1, (used + free) * running // used)
 
 
 # Signal -> the key of the agent's `/v1/state` "stats" it is read from (the agent's
@@ -93,53 +92,38 @@ _FROM_STATS: Final = {
     "engine_e2e_latency_p99": "p99_latency_seconds",
     "engine_queue_time_p99": "waiting_seconds_p99",
     "error_rate": "error_rate",
+    "length_padding_ratio": "length_padding_ratio",
+    "padding_ratio": "padding_ratio",
 }
 
 
-def signals_from_state(state: Mapping[str, Any]) -> dict[str, Any]:
+def signals_from_state(state: AgentState) -> dict[str, Any]:
     """Every known signal from one `/v1/state` answer (None where not readable:
     `unavailable(state)` says why)."""
-    stats, knobs = state.get("stats", {}), state.get("knobs", {})
+    stats, knobs = state.stats, state.knobs
     signals: dict[str, Any] = dict.fromkeys(SOURCES)
     for name, key in _FROM_STATS.items():
-        signals[name] = stats.get(key)
-    for name in ("requests_running", "requests_waiting", "kv_blocks_free"):
-        if signals[name] is not None:
-            signals[name] = int(signals[name])
-    if stats.get("max_sequence_tokens") is not None:
-        signals["max_sequence_tokens"] = int(stats["max_sequence_tokens"])
-    window = stats.get("window_seconds")
-    preempted = stats.get("preemptions_per_minute")
-    if window and preempted is not None:
-        signals["oom_rate"] = _oom_rate(preempted * window / 60.0, stats.get("requests_finished"))
-    histogram = state.get("schedule_histogram")
-    if histogram:
-        signals["schedule_time_p99"] = _p99_from_histogram(
-            list(histogram["bounds"]), list(histogram["cumulative"])
-        )
-    signals["kv_capacity_seqs"] = kv_capacity_seqs(stats)
-    signals["max_num_batched_tokens"] = knobs.get("max_num_batched_tokens")
-    signals["max_num_seqs"] = knobs.get("max_num_seqs")
-    signals["scheduler_policy"] = knobs.get("policy")
-    started = state.get("engine", {}).get("started_at")
-    if started is not None:
-        signals["engine_uptime"] = max(0.0, time.time() - float(started))
-    for name in ("length_padding_ratio", "padding_ratio"):
-        signals[name] = stats.get(name)
-    signals["finish_reasons"] = stats.get("finished_by_reason")
-    tiers = (state.get("tiers") or {}).get("now")
-    if tiers:
-        signals["tier_requests_waiting_hot"] = int(tiers["hot"]["waiting"])
-        signals["tier_oldest_waiting_max"] = max(
-            float(t["oldest_waiting_seconds"]) for t in tiers.values()
-        )
-    signals["tensor_parallel_size"] = (state.get("engine", {}).get("parallel") or {}).get(
-        "tensor_parallel_size"
+        signals[name] = getattr(stats, key)
+    signals["oom_rate"] = _oom_rate(
+        stats.preemptions_per_minute * stats.window_seconds / 60.0, stats.requests_finished
     )
-    gpus = (state.get("gpus") or {}).get("per_gpu") or {}
+    histogram = state.schedule_histogram
+    signals["schedule_time_p99"] = _p99_from_histogram(histogram.bounds, histogram.cumulative)
+    signals["kv_capacity_seqs"] = kv_capacity_seqs(stats)
+    signals["max_num_batched_tokens"] = knobs.max_num_batched_tokens
+    signals["max_num_seqs"] = knobs.max_num_seqs
+    signals["scheduler_policy"] = knobs.policy
+    signals["engine_uptime"] = max(0.0, time.time() - state.engine.started_at)
+    signals["finish_reasons"] = stats.finished_by_reason
+    tiers = state.tiers.now
+    if tiers:
+        signals["tier_requests_waiting_hot"] = tiers["hot"].waiting
+        signals["tier_oldest_waiting_max"] = max(t.oldest_waiting_seconds for t in tiers.values())
+    signals["tensor_parallel_size"] = state.engine.parallel.tensor_parallel_size
+    gpus = state.gpus.per_gpu
     if gpus:
-        utilization = [g["utilization_ratio"] for g in gpus.values()]
-        memory = [g["memory_used_bytes"] for g in gpus.values()]
+        utilization = [g.utilization_ratio for g in gpus.values()]
+        memory = [g.memory_used_bytes for g in gpus.values()]
         signals["gpu_utilization_max"] = max(utilization)
         signals["gpu_memory_used_max"] = max(memory)
         signals["gpu_utilization_spread"] = max(utilization) - min(utilization)
@@ -149,19 +133,19 @@ def signals_from_state(state: Mapping[str, Any]) -> dict[str, Any]:
     return signals
 
 
-def since_signals(since: Mapping[str, Any] | None) -> dict[str, Any]:
+def since_signals(since: SettledSince | None) -> dict[str, Any]:
     """The windowed signals measured only from a change's first step on
     (`since` of `/v1/state?since_step=N`); {} when the agent has no such mark."""
-    if not since:
+    if since is None:
         return {}
     return {
-        "preemptions_per_minute": since.get("preemptions_per_minute"),
-        "scheduled_tokens_per_second": since.get("throughput_tokens_per_second"),
-        "kv_hit_ratio": since.get("kv_hit_ratio"),
-        "engine_e2e_latency_p99": since.get("p99_latency_seconds"),
-        "engine_queue_time_p99": since.get("waiting_seconds_p99"),
-        "error_rate": since.get("error_rate"),
-        "oom_rate": _oom_rate(since.get("preemptions"), since.get("requests_finished")),
+        "preemptions_per_minute": since.preemptions_per_minute,
+        "scheduled_tokens_per_second": since.throughput_tokens_per_second,
+        "kv_hit_ratio": since.kv_hit_ratio,
+        "engine_e2e_latency_p99": since.p99_latency_seconds,
+        "engine_queue_time_p99": since.waiting_seconds_p99,
+        "error_rate": since.error_rate,
+        "oom_rate": _oom_rate(since.preemptions, since.requests_finished),
     }
 
 
@@ -198,28 +182,24 @@ def api_signals(metrics_text: str) -> tuple[dict[str, Any], dict[str, str]]:
 
 
 def unavailable(
-    state: Mapping[str, Any], signals: Mapping[str, Any], api: str | None = None
+    state: AgentState, signals: Mapping[str, Any], api: str | None = None
 ) -> dict[str, str]:
     """Signal → why it cannot be read now on this engine (only the unread ones).
     `api`: why the API server's signals are missing (default: no URL configured)."""
     why: dict[str, str] = {}
-    stats = state.get("stats", {})
-    window = stats.get("window_seconds")
+    window = state.stats.window_seconds
     no_requests = (
         f"no request finished in the last {window:g} s" if window else "no request finished yet"
     )
-    gpus = state.get("gpus") or {}
     for name, value in signals.items():
         if value is not None:
             continue
         if name in API_SIGNALS:
             why[name] = api or NO_API_URL
-        elif name == "tensor_parallel_size":
-            why[name] = "the engine's agent does not report its parallel config"
         elif name.startswith("gpu_"):
-            why[name] = NO_GPU if not gpus.get("nvml_up") else "NVML returned no GPU"
+            why[name] = NO_GPU if not state.gpus.nvml_up else "NVML returned no GPU"
         elif name in ("engine_e2e_latency_p99", "engine_queue_time_p99", "error_rate", "oom_rate"):
-            why[name] = no_requests if "requests_finished" in stats else "agent too old"
+            why[name] = no_requests
         elif name == "kv_hit_ratio":
             why[name] = "no prefix-cache lookup in the window"
         elif name == "kv_capacity_seqs":
@@ -229,11 +209,7 @@ def unavailable(
         elif name == "schedule_time_p99":
             why[name] = "no schedule() call yet"
         elif name in ("tier_requests_waiting_hot", "tier_oldest_waiting_max"):
-            why[name] = (
-                "the agent could not read its queues (scheduler busy for 1 s)"
-                if "tiers" in state
-                else "agent too old (no per-tier queues)"
-            )
+            why[name] = "the agent could not read its queues (scheduler busy for 1 s)"
         else:
             why[name] = "the engine's agent did not report it"
     return why

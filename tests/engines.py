@@ -65,7 +65,7 @@ class InProcessEngine:
 
     @property
     def collector(self) -> Any:
-        return self.scheduler._runbook
+        return self.scheduler.runbook_collector
 
     def value(self, name: str, **labels: str) -> float | None:
         c = self.collector

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from vllm_runbook.collector.agent_api import AgentState
 from vllm_runbook.runbooks.client import EngineClient, EngineClientError
 from vllm_runbook.runbooks.demo.config import LOW
 from vllm_runbook.runbooks.demo.traffic import QueueReading, Traffic
@@ -159,7 +160,7 @@ class Monitor:
 
     def __init__(self, demo: Demo, client: EngineClient, traffic: Traffic, feed: EventFeed) -> None:
         self.demo, self.client, self.traffic, self.feed = demo, client, traffic, feed
-        self.state: dict[str, Any] | None = None
+        self.state: AgentState | None = None
         self.state_t = 0.0  # when `state` was read (time.time())
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -178,18 +179,16 @@ class Monitor:
         state, t = self.state, self.state_t
         if state is None:
             return None
-        queues = state.get("queues") or {}
-        waiting = queues.get("waiting")
-        if waiting is None:
-            waiting = state["stats"].get("num_requests_waiting") or 0
-        return QueueReading(t, int(state["knobs"]["max_num_seqs"]), int(waiting))
+        # The queues are read live (under the scheduler's lock); the stats at the last step.
+        waiting = state.stats.num_requests_waiting if state.queues is None else state.queues.waiting
+        return QueueReading(t, state.knobs.max_num_seqs, waiting)
 
     def _run(self) -> None:
         next_tick = time.monotonic()
         while not self.stop.is_set():
             # One line a second; after a stall (a busy machine) carry on, don't catch up.
             next_tick = max(next_tick + 1.0, time.monotonic())
-            with contextlib.suppress(EngineClientError, KeyError, TypeError):
+            with contextlib.suppress(EngineClientError):
                 self._sample()
             self.stop.wait(max(0.0, next_tick - time.monotonic()))
 
@@ -198,12 +197,12 @@ class Monitor:
         state = self.client.state()
         now = time.time()
         self.state, self.state_t = state, now
-        s, k = state["stats"], state["knobs"]
+        s, k = state.stats, state.knobs
         flying = self.traffic.in_flight()
         oldest = max((now - r.t0 for r in flying), default=0.0)
         oldest_low = max((now - r.t0 for r in flying if r.priority == LOW), default=0.0)
         rps = self.traffic.completed_since(now - 5) / 5
-        preemptions = s.get("preemptions_total") or 0.0
+        preemptions = s.preemptions_total
         delta = 0.0 if self._last_preemptions is None else preemptions - self._last_preemptions
         self._last_preemptions = preemptions
         sample = {
@@ -211,30 +210,29 @@ class Monitor:
             "engine": self.client.url,
             "phase": self.traffic.phase,
             "rps": rps,
-            "kv_hit_ratio": s.get("kv_hit_ratio"),
-            "block_fragmentation": s.get("block_fragmentation_ratio"),
-            "kv_cache_usage": s.get("kv_cache_usage_ratio"),
+            "kv_hit_ratio": s.kv_hit_ratio,
+            "block_fragmentation": s.block_fragmentation_ratio,
+            "kv_cache_usage": s.kv_cache_usage_ratio,
             "preemptions": preemptions,
-            "requests_running": s.get("num_requests_running"),
-            "requests_waiting": s.get("num_requests_waiting"),
-            "max_num_batched_tokens": k["max_num_batched_tokens"],
-            "max_num_seqs": k["max_num_seqs"],
-            "policy": k["policy"],
+            "requests_running": s.num_requests_running,
+            "requests_waiting": s.num_requests_waiting,
+            "max_num_batched_tokens": k.max_num_batched_tokens,
+            "max_num_seqs": k.max_num_seqs,
+            "policy": k.policy,
             "oldest_request_s": oldest,
             "oldest_low_priority_s": oldest_low,
             "state_s": now - asked,  # how long the agent took to answer
         }
         self.traffic.log.write("sample", **sample)
-        hit = s.get("kv_hit_ratio")
         self.demo.say(
-            f"{self.traffic.phase:<11} {rps:5.1f} req/s  hit {_pct(hit):>4}  "
-            f"frag {_pct(s.get('block_fragmentation_ratio'), 1):>5}  "
-            f"KV {_pct(s.get('kv_cache_usage_ratio')):>4}  "
+            f"{self.traffic.phase:<11} {rps:5.1f} req/s  hit {_pct(s.kv_hit_ratio):>4}  "
+            f"frag {_pct(s.block_fragmentation_ratio, 1):>5}  "
+            f"KV {_pct(s.kv_cache_usage_ratio):>4}  "
             f"preempt {preemptions:4.0f} (+{delta:.0f})  "
-            f"run {s.get('num_requests_running') or 0:3.0f} "
-            f"wait {s.get('num_requests_waiting') or 0:3.0f}  "
-            f"budget {k['max_num_batched_tokens']:4d}  seqs {k['max_num_seqs']:3d}  "
-            f"{k['policy']}"
+            f"run {s.num_requests_running:3.0f} "
+            f"wait {s.num_requests_waiting:3.0f}  "
+            f"budget {k.max_num_batched_tokens:4d}  seqs {k.max_num_seqs:3d}  "
+            f"{k.policy}"
         )
 
 
@@ -253,8 +251,7 @@ class PhaseMeasure:
         state = self.monitor.state
         if state is None:
             return
-        stats = state["stats"]
-        kv, preemptions = stats.get("kv_cache_usage_ratio"), stats.get("preemptions_total")
+        kv, preemptions = state.stats.kv_cache_usage_ratio, state.stats.preemptions_total
         if kv is not None:
             self.peak_kv = kv if self.peak_kv is None else max(self.peak_kv, kv)
         if preemptions is not None:

@@ -107,9 +107,8 @@ def _queued(client: EngineClient) -> bool:
         state = client.state()
     except EngineClientError:
         return False
-    stats, seqs = state["stats"], int(state["knobs"]["max_num_seqs"])
-    running = stats.get("num_requests_running") or 0
-    return running >= seqs and (stats.get("num_requests_waiting") or 0) >= 2
+    stats, seqs = state.stats, state.knobs.max_num_seqs
+    return stats.num_requests_running >= seqs and stats.num_requests_waiting >= 2
 
 
 def _wait(demo: Demo, seconds: float, until: Callable[[], bool] | None = None) -> bool:
@@ -189,7 +188,7 @@ def run(directory: Path, ci: bool) -> int:
         wait_healthy(serve, service + "/healthz", 120)
         wait_healthy(engine, api + "/health", 240)
         client = EngineClient(agent)
-        startup = client.state()["startup"]
+        startup = client.state().startup.model_dump()
         demo.say(f"engine up after {time.monotonic() - t_start:.0f} s; startup knobs {startup}")
 
         log = SignalLog(signals)
@@ -268,7 +267,7 @@ def run(directory: Path, ci: bool) -> int:
             waiting = sum(1 for r in low if r.t1 is None)
             backlog.tick(lower_waiting=waiting)
             runs = [e for e in runs_of(feed, "latency-spike") if finished(e)]
-            policy = (monitor.state or {}).get("knobs", {}).get("policy")
+            policy = None if monitor.state is None else monitor.state.knobs.policy
             acted = (
                 bool(runs_of(feed, "latency-spike"))
                 or "VllmRequestStarvation" in feed.fired

@@ -4,8 +4,8 @@ picture, and the verdict (exit 0 when detected, fixed, verified, reverted)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
+from vllm_runbook.collector.agent_api import AgentState
 from vllm_runbook.runbooks.demo.live import Demo, EventFeed, runs_of
 from vllm_runbook.runbooks.demo.traffic import Request, Traffic
 from vllm_runbook.runbooks.report import (
@@ -25,7 +25,7 @@ def conclude(
     traffic: Traffic,
     starved: list[Request],
     low: list[Request],
-    final: dict[str, Any],
+    final: AgentState,
     story_s: float,
     measured: dict[str, str],
 ) -> int:
@@ -114,7 +114,7 @@ def story_problems(
     feed: EventFeed,
     traffic: Traffic,
     low: list[Request],
-    final: dict[str, Any],
+    final: AgentState,
     picture: Path,
     measured: dict[str, str] | None = None,
 ) -> list[str]:
@@ -142,8 +142,10 @@ def story_problems(
     failed = [r for r in traffic.requests if r.ok is False]
     if failed:
         problems.append(f"{len(failed)} requests failed (first: {failed[0].error})")
-    if final["knobs"] != final["startup"]:
-        problems.append(f"knobs not back at startup: {final['knobs']} vs {final['startup']}")
+    if final.knobs != final.startup:
+        problems.append(
+            f"knobs not back at startup: {final.knobs.model_dump()} vs {final.startup.model_dump()}"
+        )
     if not picture.is_file():
         problems.append("no timeline picture")
     return problems

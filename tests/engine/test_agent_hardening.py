@@ -60,7 +60,7 @@ def test_hostile_clients_do_not_stop_the_engine_or_the_scrape(
     server = eng.collector.server
     token = find_local_token(server.port)
     address = (server.host, server.port)
-    steps_before = eng.collector.steps
+    steps_before = eng.collector.stats.steps
     opened: list[socket.socket] = []
 
     def connect(raw: bytes) -> socket.socket:
@@ -103,7 +103,7 @@ def test_hostile_clients_do_not_stop_the_engine_or_the_scrape(
             assert r.status_code == 503  # refused while every slot was busy
         assert r.status_code == 200
         assert f"{M.SCHEDULE_SECONDS.name}_count" in r.text
-        assert eng.collector.steps > steps_before
+        assert eng.collector.stats.steps > steps_before
 
         answers = {
             name: _answer(s)

@@ -82,7 +82,7 @@ class ClosedLoop:
             for out in self.engine.step():
                 if out.finished:
                     self._add()
-            self.trace.append((s.max_num_active_reqs, len(s.running), c.preemptions))
+            self.trace.append((s.max_num_active_reqs, len(s.running), c.stats.preemptions))
 
     def drain(self) -> None:
         self.engine.run_until_done()
@@ -98,7 +98,7 @@ def test_backs_off_under_preemption_and_stays_within_bounds(
     assert change["changes"] == [{"knob": "autopilot", "before": False, "after": True}]
     assert eng.value(M.AUTOPILOT_ENABLED.name) == 1
     assert eng.value(M.AUTOPILOT_KV_TARGET.name) == pytest.approx(0.9)
-    start = c.preemptions
+    start = c.stats.preemptions
 
     load = ClosedLoop(eng, 48, 300, 300, "long")
     load.run(2400)
@@ -141,12 +141,12 @@ def test_climbs_when_there_is_room_and_survives_a_policy_switch(
     result = post(eng, "/v1/knobs", {"autopilot": True, "autopilot_target": 0.8}).json()
     assert result["after"]["autopilot"] is True and result["after"]["max_num_seqs"] == 2
     up_before = eng.value(M.AUTOPILOT_CHANGES.series_name, direction="up") or 0
-    start = c.preemptions
+    start = c.stats.preemptions
     load = ClosedLoop(eng, 40, 40, 16, "short")  # 40 × ≤ 4 blocks: all fit at once
     load.run(600)
     limits = [limit for limit, _, _ in load.trace]
     assert limits[-1] > 4 and all(b >= a for a, b in itertools.pairwise(limits))
-    assert c.preemptions == start
+    assert c.stats.preemptions == start
     assert (eng.value(M.AUTOPILOT_CHANGES.series_name, direction="up") or 0) > up_before
     reached = limits[-1]
 

@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+import json
 import math
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import jsonschema
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from vllm_runbook.collector import metrics as M
+from vllm_runbook.collector.control import parse_command
 
-from tests.engines import InProcessEngine, http_get
+from tests.engines import InProcessEngine, http_get, while_stepping
 
 pytestmark = pytest.mark.engine
+
+ROOT = Path(__file__).resolve().parents[2]
+PYDANTIC_MAIN = str(Path("pydantic") / "main.py")
 
 
 def test_hook_is_mixed_into_vllms_scheduler(engine: InProcessEngine) -> None:
@@ -59,7 +68,7 @@ def test_decode_steps_track_the_growing_context(engine: InProcessEngine) -> None
 def test_padding_ratio_is_zero_on_cpu(engine: InProcessEngine) -> None:
     engine.add("pad-0", 50, max_tokens=5, offset=4000)
     engine.run_until_done()
-    assert engine.collector.capture_sizes == []  # eager CPU: nothing captured
+    assert engine.collector.stats.capture_sizes == []  # eager CPU: nothing captured
     padded = engine.value(M.PADDED_TOKENS.series_name)
     assert padded is not None and padded > 0
     assert padded == engine.value(M.UNPADDED_TOKENS.series_name)
@@ -98,6 +107,60 @@ def test_endpoint_serves_every_metric(engine: InProcessEngine) -> None:
     # No NVIDIA driver on this machine: nvml_up 0 and no error.
     assert engine.value(M.NVML_UP.name) == 0
     assert http_get(server.url + "/nope")[0] == 404
+
+
+def test_the_state_fits_the_published_schema(engine: InProcessEngine) -> None:
+    """What the real agent sends is what docs/agent-api.schema.json describes."""
+    schema = json.loads((ROOT / "docs" / "agent-api.schema.json").read_text())
+    url = engine.collector.server.url
+    for i in range(3):
+        engine.add(f"schema-{i}", 40 + 30 * i, max_tokens=4, offset=900 + 50 * i)
+    engine.step()  # running and waiting requests: the queues' answer has entries
+    step = engine.collector.control.submit(
+        parse_command({"max_num_seqs": 63}), idle=lambda: True
+    ).effective_from_step
+    engine.step()
+    for path in ("/v1/state", f"/v1/state?since_step={step}"):
+        status, body = http_get(url + path)
+        assert status == 200
+        jsonschema.validate(json.loads(body), {"$ref": "#/$defs/AgentState", **schema})
+    assert json.loads(body)["since"]["from_step"] == step
+    engine.collector.control.submit(parse_command({}, restore=True), idle=lambda: True)
+    engine.run_until_done()
+
+
+def test_no_model_is_built_in_the_step(engine: InProcessEngine) -> None:
+    """The agent's models (pydantic) are built in the HTTP thread only: a step,
+    with a knob change applied inside it and the autopilot on, builds none."""
+    control = engine.collector.control
+    control.submit(parse_command({"autopilot": True}), idle=lambda: True)
+    built: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        code = frame.f_code
+        if event == "call" and code.co_filename.endswith(PYDANTIC_MAIN):
+            owner = frame.f_locals.get("self", frame.f_locals.get("cls"))
+            cls = owner if isinstance(owner, type) else type(owner)
+            if cls.__module__.startswith("vllm_runbook."):
+                built.append(f"{cls.__name__}.{code.co_name}")
+
+    for i in range(6):
+        engine.add(f"lean-{i}", 60 + 20 * i, max_tokens=6, offset=1300 + 50 * i)
+    command = threading.Thread(
+        target=lambda: control.submit(
+            parse_command({"max_num_batched_tokens": 256}), idle=engine.collector.engine_idle
+        )
+    )
+    sys.setprofile(profile)  # this thread's calls only: the engine's step
+    try:
+        command.start()
+        while_stepping(engine, command)
+        engine.run_until_done()
+    finally:
+        sys.setprofile(None)
+    assert control.knobs()["max_num_batched_tokens"] == 256  # applied inside a step
+    assert built == []
+    control.submit(parse_command({}, restore=True), idle=lambda: True)
 
 
 # -- prefix cache: a fresh engine, so the window holds only this workload --
@@ -208,7 +271,7 @@ def test_oldest_waiting_request_shows_starvation_exactly(
     collector.wall_clock = lambda: now[0]
 
     def observed() -> tuple[float | None, float]:
-        return eng.value(M.OLDEST_WAITING.name), collector.state()["stats"]["admitted_before_time"]
+        return eng.value(M.OLDEST_WAITING.name), collector.state().stats.admitted_before_time
 
     try:
         assert observed() == (0.0, 1000.0)  # nothing waits: every request was admitted

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 from vllm_runbook.collector import metrics as M
+from vllm_runbook.collector.agent_api import SettledSince
 from vllm_runbook.collector.control import parse_command
 
 from tests.engines import InProcessEngine, http_get
@@ -72,7 +73,7 @@ def test_requests_finished_by_reason_with_queue_and_e2e_times(
 
     assert engine.value(M.REQUESTS_FINISHED.series_name, reason="length") == before["length"] + 2
     assert engine.value(M.REQUESTS_FINISHED.series_name, reason="abort") == before["abort"] + 1
-    recent = [e for e in collector.requests.entries if e.time >= start]
+    recent = [e for e in collector.requests.log.entries if e.time >= start]
     by_reason = {e.reason for e in recent}
     assert by_reason == {"length", "abort"}
     finished = [e for e in recent if e.reason == "length"]
@@ -80,10 +81,10 @@ def test_requests_finished_by_reason_with_queue_and_e2e_times(
     # In the engine from +0 s to +12 s on the collector's clock.
     assert [e.e2e_seconds for e in finished] == [12.0, 12.0]
     # The windowed view in /v1/state: the three requests finished in the window.
-    stats = collector.state()["stats"]
-    assert stats["p99_latency_seconds"] == 12.0
-    assert stats["waiting_seconds_p99"] == 5.0
-    assert stats["error_rate"] == 0.0
+    stats = collector.state().stats
+    assert stats.p99_latency_seconds == 12.0
+    assert stats.waiting_seconds_p99 == 5.0
+    assert stats.error_rate == 0.0
 
 
 def _histogram(engine: InProcessEngine, spec: M.MetricSpec) -> dict[str, float]:
@@ -147,25 +148,25 @@ def test_since_step_counts_from_the_step_a_change_applied(
     result = collector.control.submit(
         parse_command({"max_num_seqs": 63}), idle=collector.engine_idle
     )
-    step = result["effective_from_step"]
-    assert step == collector.steps + 1
+    step = result.effective_from_step
+    assert step == collector.stats.steps + 1
     applied_at = clocked.now
     assert collector.since(step - 1) is None  # no change took effect there
-    tokens_before = collector.scheduled_tokens
+    tokens_before = collector.stats.scheduled_tokens
     for i in range(4):
         engine.add(f"since-{i}", 64, max_tokens=2, offset=8000 + 100 * i)
     clocked.now = applied_at + 30.0
     engine.run_until_done()
     since = collector.since(step)
-    assert since is not None
-    assert since["from_step"] == step
-    assert since["seconds"] == 30.0
-    assert since["steps"] == collector.steps - (step - 1)
-    assert since["scheduled_tokens"] == collector.scheduled_tokens - tokens_before == 4 * 64 + 4 * 1
-    assert since["preemptions"] == 0 and since["preemptions_per_minute"] == 0.0
-    assert since["requests_finished"] == 4
-    assert since["finished_by_reason"]["length"] == 4
-    assert since["throughput_tokens_per_second"] == pytest.approx(since["scheduled_tokens"] / 30.0)
+    assert isinstance(since, SettledSince)
+    assert since.from_step == step
+    assert since.seconds == 30.0
+    assert since.steps == collector.stats.steps - (step - 1)
+    assert since.scheduled_tokens == collector.stats.scheduled_tokens - tokens_before == 4 * 64 + 4
+    assert since.preemptions == 0 and since.preemptions_per_minute == 0.0
+    assert since.requests_finished == 4
+    assert since.finished_by_reason["length"] == 4
+    assert since.throughput_tokens_per_second == pytest.approx(since.scheduled_tokens / 30.0)
     # The same over HTTP, and a malformed step is a 400.
     url = engine.collector.server.url
     status, body = http_get(f"{url}/v1/state?since_step={step}")

@@ -31,7 +31,7 @@ def record_steps(engine: InProcessEngine) -> list[dict[str, Any]]:
         out = original(*args, **kwargs)
         steps.append(
             {
-                "step": collector.steps,
+                "step": collector.stats.steps,
                 "tokens": out.total_num_scheduled_tokens,
                 "budget": scheduler.max_num_scheduled_tokens,
                 "admitted": [r.req_id for r in out.scheduled_new_reqs],

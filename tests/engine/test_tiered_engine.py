@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from vllm_runbook.collector import metrics as M
+from vllm_runbook.collector.agent_api import TierSettings
 from vllm_runbook.collector.control import Command, ControlError, parse_command
 
 from tests.engines import InProcessEngine
@@ -129,12 +130,12 @@ def test_started_tiered_from_the_plugin_configuration(eng: InProcessEngine) -> N
     assert eng.value(M.SCHEDULER_POLICY.name, policy="tiered") == 1
     assert eng.value(M.SCHEDULER_POLICY.name, policy="fcfs") == 0
     state = eng.collector.state()
-    assert state["tiers"]["config"] == {
-        "boundaries": [64, 256],
-        "limits": {"hot": 1, "warm": 1, "cold": 1},
-        "shares": {"hot": 0.40, "warm": 0.45, "cold": 0.15},
-        "aging_seconds": 10.0,
-    }
+    assert state.tiers.config == TierSettings(
+        boundaries=[64, 256],
+        limits={"hot": 1, "warm": 1, "cold": 1},
+        shares={"hot": 0.40, "warm": 0.45, "cold": 0.15},
+        aging_seconds=10.0,
+    )
 
 
 def test_tiered_order_is_priority_tier_arrival(eng: InProcessEngine) -> None:

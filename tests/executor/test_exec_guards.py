@@ -95,8 +95,8 @@ def step_clock(engine: InProcessEngine) -> None:
     """The collector's clock advances STEP_S per engine step."""
     collector = engine.collector
     start = collector.wall_clock()
-    first = collector.steps
-    collector.wall_clock = lambda: start + (collector.steps - first) * STEP_S
+    first = collector.stats.steps
+    collector.wall_clock = lambda: start + (collector.stats.steps - first) * STEP_S
 
 
 def drain(engine: InProcessEngine) -> None:

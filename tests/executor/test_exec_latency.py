@@ -42,7 +42,7 @@ class Starvation:
             out = original(*args, **kwargs)
             for request in out.scheduled_new_reqs:
                 # vLLM appends "-<suffix>" to the id it was given.
-                self.admitted.setdefault(request.req_id.rsplit("-", 1)[0], collector.steps)
+                self.admitted.setdefault(request.req_id.rsplit("-", 1)[0], collector.stats.steps)
             return out
 
         scheduler.schedule = schedule
@@ -57,7 +57,7 @@ class Starvation:
             )
             self.streamed += 1
         engine.step()
-        self.arrival = collector.steps + 1
+        self.arrival = collector.stats.steps + 1
         self.low = [f"{tag}-low-{i}" for i in range(4)]
         for i, rid in enumerate(self.low):
             engine.add(rid, 20, max_tokens=4, offset=50 * i, priority=LOW)

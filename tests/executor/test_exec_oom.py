@@ -82,8 +82,8 @@ class Workload:
     def __init__(self, engine: InProcessEngine, tag: str, offset: int) -> None:
         self.engine = engine
         self.collector = engine.collector
-        self.first_step = self.collector.steps
-        self.start_preemptions = self.collector.preemptions
+        self.first_step = self.collector.stats.steps
+        self.start_preemptions = self.collector.stats.preemptions
         # (scheduler step, cumulative preemptions of this workload) after each step.
         self.trace: list[tuple[int, int]] = []
         for i in range(64):
@@ -91,13 +91,13 @@ class Workload:
 
     @property
     def preemptions(self) -> int:
-        return int(self.collector.preemptions - self.start_preemptions)
+        return int(self.collector.stats.preemptions - self.start_preemptions)
 
     def step(self, pace: float = 0.0) -> bool:
         if not self.engine.engine.has_unfinished_requests():
             return False
         self.engine.step()
-        self.trace.append((self.collector.steps, self.preemptions))
+        self.trace.append((self.collector.stats.steps, self.preemptions))
         if pace:
             time.sleep(pace)
         return True
@@ -135,7 +135,7 @@ def test_oom_pressure_halves_the_budget_caps_seqs_and_preemptions_fall(
     run = Workload(eng, "oom", 100_000)
     while run.preemptions == 0:
         assert run.step(STEP_PACE_S)
-    pressure_step = run.relative(eng.collector.steps)
+    pressure_step = run.relative(eng.collector.stats.steps)
 
     # Dry run first: shows before → would-be, changes nothing on the engine.
     proc = cli_background(

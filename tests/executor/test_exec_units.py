@@ -1,9 +1,10 @@
 """The executor's guardrails, circuit breaker and revert, against a fake agent.
 
-The fake keeps knobs and bounds like collector/control.py (ceilings at the
-startup values, the budget floored by max_num_seqs) and serves scripted
-stats, so each rule is checked exactly and fast; the real engine tests
-(test_exec_oom.py, test_exec_latency.py) check the same paths end to end.
+The fake (tests/fake_agent.py, on the agent's models) keeps knobs and bounds
+like collector/control.py (ceilings at the startup values, the budget floored
+by max_num_seqs) and serves scripted stats, so each rule is checked exactly
+and fast; the real engine tests (test_exec_oom.py, test_exec_latency.py)
+check the same paths end to end.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from typing import Any
 
 import pytest
 from vllm_runbook.rules.durations import format_duration, parse_duration
-from vllm_runbook.runbooks.client import CommandRefused, EngineUnreachable
 from vllm_runbook.runbooks.engine_actions import engine_registry, kv_capacity_seqs
 from vllm_runbook.runbooks.executor import ExecutionResult, Executor
 from vllm_runbook.runbooks.guardrails import engine_lock_name
@@ -23,90 +23,7 @@ from vllm_runbook.runbooks.revert import RevertRefused, stage_values
 from vllm_runbook.runbooks.spec import Catalog, Runbook, load_catalog
 from vllm_runbook.runbooks.store import Store
 
-URL = "http://127.0.0.1:9360"
-STARTUP = {
-    "max_num_batched_tokens": 512,
-    "max_num_seqs": 32,
-    "policy": "priority",
-    "autopilot": False,
-    "autopilot_target": 0.9,
-}
-SINCE_KEYS = ("preemptions_per_minute", "p99_latency_seconds", "error_rate", "kv_hit_ratio")
-PRESSURE = {
-    "kv_blocks_used": 255,
-    "kv_blocks_free": 0,
-    "num_requests_running": 24,
-    "num_requests_waiting": 40,
-    "preemptions_per_minute": 60.0,
-    "kv_cache_usage_ratio": 1.0,
-}
-
-
-class FakeAgent:
-    """An engine agent in memory: knobs with the agent's bounds, scripted stats."""
-
-    def __init__(self, stats: list[dict[str, Any]] | None = None) -> None:
-        self.url = URL
-        self.knobs = dict(STARTUP)
-        self.step = 100
-        # Each state() pops the next stats (the last one repeats).
-        self.stats = [dict(s) for s in (stats or [PRESSURE])]
-        self.down = False
-        self.writes: list[dict[str, Any]] = []
-        self.since_steps: list[int | None] = []
-
-    def state(self, since_step: int | None = None) -> dict[str, Any]:
-        if self.down:
-            raise EngineUnreachable(f"engine {URL} unreachable: connection refused")
-        stats = self.stats.pop(0) if len(self.stats) > 1 else self.stats[0]
-        self.since_steps.append(since_step)
-        # The scripted stats stand for what was measured from `since_step` on.
-        since = None
-        if since_step is not None:
-            since = {
-                "from_step": since_step,
-                "from_time": 0.0,
-                **{k: stats.get(k) for k in SINCE_KEYS},
-            }
-        return {
-            "knobs": dict(self.knobs),
-            "startup": dict(STARTUP),
-            "stats": dict(stats),
-            "engine": {"started_at": 0.0},
-            "since": since,
-        }
-
-    def set_knobs(self, clamp: bool = False, dry_run: bool = False, **values: Any) -> Any:
-        if self.down:
-            raise EngineUnreachable(f"engine {URL} unreachable: connection refused")
-        before = dict(self.knobs)
-        target = dict(before)
-        if "scale_max_num_batched_tokens" in values:
-            factor = values.pop("scale_max_num_batched_tokens")
-            values["max_num_batched_tokens"] = int(before["max_num_batched_tokens"] * factor)
-        target.update(values)
-        floor = target["max_num_seqs"]
-        for knob, low in (("max_num_seqs", 1), ("max_num_batched_tokens", floor)):
-            if not low <= target[knob] <= STARTUP[knob]:
-                if not clamp:
-                    raise CommandRefused(f"{knob}={target[knob]} is out of bounds")
-                target[knob] = min(max(target[knob], low), STARTUP[knob])
-        self.step += 1
-        result = {
-            "before": before,
-            "after": before if dry_run else target,
-            "would_be": target,
-            "effective_from_step": self.step,
-            "clamped": [],
-            "dry_run": dry_run,
-        }
-        if not dry_run:
-            self.knobs = target
-            self.writes.append(values)
-        return result
-
-    def restore(self, dry_run: bool = False) -> Any:
-        return self.set_knobs(dry_run=dry_run, **STARTUP)
+from tests.fake_agent import PRESSURE, STARTUP, URL, Clock, FakeAgent, stats
 
 
 def runbook(**overrides: Any) -> Runbook:
@@ -125,19 +42,6 @@ def runbook(**overrides: Any) -> Runbook:
     }
     data.update(overrides)
     return Runbook.model_validate(data)
-
-
-class Clock:
-    """Fake monotonic time: sleeping advances it (no test waits for real)."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
 
 
 @pytest.fixture
@@ -168,15 +72,14 @@ def statuses(result: ExecutionResult) -> list[tuple[str, str]]:
 def test_kv_capacity_is_integer_exact() -> None:
     # A full cache holds exactly what runs now; float division gives 23 here.
     assert (
-        kv_capacity_seqs({"kv_blocks_used": 255, "kv_blocks_free": 0, "num_requests_running": 24})
-        == 24
+        kv_capacity_seqs(stats(kv_blocks_used=255, kv_blocks_free=0, num_requests_running=24)) == 24
     )
     assert (
-        kv_capacity_seqs({"kv_blocks_used": 100, "kv_blocks_free": 155, "num_requests_running": 10})
+        kv_capacity_seqs(stats(kv_blocks_used=100, kv_blocks_free=155, num_requests_running=10))
         == 25
     )
     assert (
-        kv_capacity_seqs({"kv_blocks_used": 0, "kv_blocks_free": 255, "num_requests_running": 0})
+        kv_capacity_seqs(stats(kv_blocks_used=0, kv_blocks_free=255, num_requests_running=0))
         is None
     )
 

@@ -15,9 +15,11 @@ from rule_server import Routes, serve
 from vllm_runbook.rules.checklist import Scrape, parse_exposition, run_checklist
 from vllm_runbook.runbooks.cli import main
 
+from tests.fake_agent import agent_state
+
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = 'model_name="tiny",engine="0"'
-STATE = {"engine": {"model_name": "tiny", "engine": "0"}, "collector_up": True}
+STATE = agent_state(model_name="tiny").model_dump(mode="json")
 
 
 def agent_text(
@@ -262,7 +264,8 @@ def test_unreachable_and_not_an_agent_exit_3(capsys: pytest.CaptureFixture[str])
         code, _, err = check(capsys, "--engine", other.url)
     assert (code, err) == (
         3,
-        f"runbook: error: {other.url} is not a vllm-runbook agent (no engine in /v1/state)\n",
+        f"runbook: error: {other.url} is not a vllm-runbook agent "
+        "(/v1/state: engine: Field required)\n",
     )
 
 

@@ -28,7 +28,7 @@ from vllm_runbook.runbooks.store import Store
 from vllm_runbook.runbooks.store.approvals import RESOLVED_BEFORE_APPROVAL
 from vllm_runbook.runbooks.store.models import PENDING, REFUSED, SUCCEEDED
 
-from tests.service.fake_agent import STARTUP, Clock, FakeAgent
+from tests.fake_agent import STARTUP, Clock, FakeAgent
 from tests.service.test_service_webhooks import AUTH, TOKEN, payload
 from tests.service.test_service_worker import WAITS
 
@@ -42,9 +42,10 @@ automation:
 approvals:
   timeout: 10m
 """
-# What oom-pressure does to the in-memory agent: budget halved, then
-# max_num_seqs capped at half the KV capacity (24 running on a full cache).
-REMEDIATED = {**STARTUP, "max_num_batched_tokens": 256, "max_num_seqs": 12}
+# What oom-pressure does to the in-memory agent: budget halved, max_num_seqs
+# capped at half the KV capacity (24 running on a full cache), then handed
+# over to the autopilot.
+REMEDIATED = {**STARTUP, "max_num_batched_tokens": 256, "max_num_seqs": 12, "autopilot": True}
 BASIC = {"Authorization": "Basic " + base64.b64encode(b"ann:s3cret").decode()}
 
 
@@ -103,7 +104,7 @@ def cfg(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def replica(sqlite_url: str, cfg: Path) -> Iterator[Replica]:
-    r = Replica(sqlite_url, cfg, FakeAgent(), Credentials(token=TOKEN))
+    r = Replica(sqlite_url, cfg, FakeAgent.kv_bound(), Credentials(token=TOKEN))
     with r.client:
         yield r
     r.store.close()
@@ -275,7 +276,7 @@ def test_an_approval_after_the_alert_resolved_does_nothing_and_says_so(replica: 
 def test_an_auto_execution_is_not_one_to_approve(sqlite_url: str, tmp_path: Path) -> None:
     cfg = tmp_path / "auto.yaml"
     cfg.write_text(CONFIG.replace("oom-pressure: approve", "oom-pressure: auto"))
-    r = Replica(sqlite_url, cfg, FakeAgent(), Credentials(token=TOKEN))
+    r = Replica(sqlite_url, cfg, FakeAgent.kv_bound(), Credentials(token=TOKEN))
     with r.client:
         fire(r)
         [row] = r.store.list_executions()
@@ -288,7 +289,7 @@ def test_an_auto_execution_is_not_one_to_approve(sqlite_url: str, tmp_path: Path
 
 
 def _two_replicas_one_approval(url: str, cfg: Path) -> None:
-    agent = FakeAgent()
+    agent = FakeAgent.kv_bound()
     a = Replica(url, cfg, agent, Credentials(token=TOKEN))
     b = Replica(url, cfg, agent, Credentials(token=TOKEN))
     with a.client, b.client:
@@ -313,6 +314,7 @@ def _two_replicas_one_approval(url: str, cfg: Path) -> None:
         assert agent.writes == [
             {"max_num_batched_tokens": 256},
             {"max_num_seqs": 12},
+            {"autopilot": True},
         ]
         [done] = a.store.list_executions()
         assert (done.id, done.status) == (waiting.id, SUCCEEDED)
@@ -338,7 +340,7 @@ def test_page_off_loopback_needs_the_api_credentials_and_a_form_token(
     sqlite_url: str, cfg: Path
 ) -> None:
     basic = Credentials(username="ann", password="s3cret")
-    r = Replica(sqlite_url, cfg, FakeAgent(), basic, protect_reads=True)
+    r = Replica(sqlite_url, cfg, FakeAgent.kv_bound(), basic, protect_reads=True)
     with r.client as client:
         fire_body = payload()
         assert client.post("/webhooks/alertmanager", json=fire_body, headers=BASIC).is_success

@@ -18,7 +18,7 @@ from vllm_runbook.runbooks.notify import Notifier, Receiver
 from vllm_runbook.runbooks.service.app import Credentials
 from vllm_runbook.runbooks.store.models import SUCCEEDED
 
-from tests.service.fake_agent import FakeAgent
+from tests.fake_agent import FakeAgent
 from tests.service.test_service_approvals import CONFIG, Replica
 from tests.service.test_service_notify import Hooks
 from tests.service.test_service_webhooks import AUTH, TOKEN, payload

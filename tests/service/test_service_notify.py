@@ -34,7 +34,7 @@ from vllm_runbook.runbooks.store.models import (
     VERIFYING,
 )
 
-from tests.service.fake_agent import FakeAgent
+from tests.fake_agent import FakeAgent
 from tests.service.test_service_approvals import Replica, fire
 from tests.service.test_service_webhooks import AUTH, TOKEN
 
@@ -109,7 +109,7 @@ def replica(sqlite_url: str, tmp_path: Path) -> Iterator[Replica]:
 
     cfg = tmp_path / "runbook.yaml"
     cfg.write_text(CONFIG)
-    r = Replica(sqlite_url, cfg, FakeAgent(), Credentials(token=TOKEN, name="ann"))
+    r = Replica(sqlite_url, cfg, FakeAgent.kv_bound(), Credentials(token=TOKEN, name="ann"))
     with r.client:
         yield r
     r.store.close()

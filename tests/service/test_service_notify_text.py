@@ -12,7 +12,7 @@ import pytest
 from vllm_runbook.runbooks.notify import Notifier, Receiver
 from vllm_runbook.runbooks.service.app import Credentials
 
-from tests.service.fake_agent import FakeAgent
+from tests.fake_agent import FakeAgent
 from tests.service.test_service_approvals import CONFIG, Replica
 from tests.service.test_service_notify import Hooks, drain
 from tests.service.test_service_webhooks import AUTH, TOKEN, payload

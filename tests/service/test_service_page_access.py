@@ -26,7 +26,7 @@ from vllm_runbook.runbooks.service.browser import (
 from vllm_runbook.runbooks.service.page import PAGE_CSS
 from vllm_runbook.runbooks.service.serve_cli import build
 
-from tests.service.fake_agent import FakeAgent
+from tests.fake_agent import FakeAgent
 from tests.service.test_service_approvals import CONFIG, Replica
 from tests.service.test_service_webhooks import AUTH, TOKEN, payload
 

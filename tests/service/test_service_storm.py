@@ -10,7 +10,7 @@ the killed replica held when it died, and every such claim was sent again by
 the survivor; the approvals answered on the oldest and the newest execution
 each ran exactly once (each engine's agent saw one run's writes).
 
-The engines are in-memory agents behind HTTP (fake_agent.AgentHTTP); the
+The engines are in-memory agents behind HTTP (tests/fake_agent.py: AgentHTTP); the
 runbook is in `approve` mode, so 1,998 executions wait for a person and only
 the two approved ones act."""
 
@@ -39,7 +39,7 @@ from vllm_runbook.runbooks.store import Store, upgrade
 from vllm_runbook.runbooks.store.models import SUCCEEDED
 
 from tests.engines import runbook_cli_command, runbook_cli_env
-from tests.service.fake_agent import STARTUP, AgentHTTP
+from tests.fake_agent import STARTUP, AgentHTTP
 
 pytestmark = pytest.mark.service
 

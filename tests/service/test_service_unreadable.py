@@ -17,7 +17,7 @@ from vllm_runbook.runbooks.sources import NO_API_URL, NO_GPU
 from vllm_runbook.runbooks.spec import load_catalog
 
 from tests.engines import InProcessEngine, free_port
-from tests.service.fake_agent import FakeAgent
+from tests.fake_agent import FakeAgent
 from tests.service.processes import RunbookServe
 
 DOWN = "http://127.0.0.1:10"
@@ -48,7 +48,10 @@ def test_serve_names_each_unreadable_reading_per_engine_and_for_the_catalog() ->
     # No API server URL configured: the API server's signal, for this engine.
     assert f"  error-rate-high: check http_error_rate: {NO_API_URL}" in lines
     # A finished-request signal with no request finished: a guard, by name and why.
-    assert "  batch-too-large: required guard error_rate: agent too old" in lines
+    assert (
+        "  batch-too-large: required guard error_rate: no request finished in the last 60 s"
+        in lines
+    )
     # Readable signals are not named.
     assert "oom-pressure: verification preemptions_per_minute" not in text
     # The engine that does not answer: one block for the catalog.

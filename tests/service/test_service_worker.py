@@ -24,7 +24,7 @@ from vllm_runbook.runbooks.spec import load_catalog as load_runbook_catalog
 from vllm_runbook.runbooks.store import Store
 from vllm_runbook.runbooks.store.models import REFUSED, REVERTED, STEP_APPLIED, SUCCEEDED
 
-from tests.service.fake_agent import STARTUP, URL, Clock, FakeAgent
+from tests.fake_agent import STARTUP, URL, Clock, FakeAgent
 from tests.service.test_service_webhooks import AUTH, CONFIG, TOKEN, payload
 
 WAITS = ExecutorConfig(verify_seconds=5.0, condition_seconds=1.0, healthy_period_seconds=2.0)
@@ -42,7 +42,7 @@ class Service:
             frozenset(load_runbook_catalog()),
         )
         self.store = Store(url)
-        self.agent = FakeAgent()
+        self.agent = FakeAgent.kv_bound()
         self.clock = Clock()
         executor = Executor(
             self.store,
@@ -112,11 +112,18 @@ def test_firing_runs_once_repeat_in_cooldown_is_refused_resolve_reverts(service:
     assert worker.tick() == 1
     [done] = service.store.list_executions()
     assert (done.status, done.trigger, done.alert_starts_at) == (SUCCEEDED, "alert", first)
-    # Halved, then capped at half the KV capacity (24 running on a full cache).
-    assert agent.knobs == {**STARTUP, "max_num_batched_tokens": 256, "max_num_seqs": 12}
+    # Halved, capped at half the KV capacity (24 running on a full cache), then
+    # handed over to the autopilot.
+    assert agent.knobs == {
+        **STARTUP,
+        "max_num_batched_tokens": 256,
+        "max_num_seqs": 12,
+        "autopilot": True,
+    }
     assert [s.action for s in done.steps if s.status == STEP_APPLIED] == [
         "scale_max_num_batched_tokens",
         "set_max_num_seqs",
+        "set_autopilot",
     ]
     assert done.verification is not None and done.verification["outcome"] == "improved"
     assert done.verification["deadline_seconds"] == WAITS.verify_seconds
@@ -135,7 +142,8 @@ def test_firing_runs_once_repeat_in_cooldown_is_refused_resolve_reverts(service:
     assert len(agent.writes) == writes  # recorded, not executed
     assert refused.steps == ()
 
-    # The first episode resolves: its changes are reverted (stepwise: 50 %, then all).
+    # The first episode resolves: its changes are reverted (stepwise: 50 %, then
+    # all; the autopilot goes off at the first stage).
     assert service.deliver(firing(first, "resolved")).status_code == 200
     worker.tick()
     assert agent.knobs == STARTUP
@@ -143,7 +151,7 @@ def test_firing_runs_once_repeat_in_cooldown_is_refused_resolve_reverts(service:
     revert = service.store.list_executions()[0]
     assert (revert.reverts_id, revert.status) == (done.id, SUCCEEDED)
     assert agent.writes[-2:] == [
-        {"max_num_batched_tokens": 384, "max_num_seqs": 22},
+        {"max_num_batched_tokens": 384, "max_num_seqs": 22, "autopilot": False},
         {"max_num_batched_tokens": 512, "max_num_seqs": 32},
     ]
 

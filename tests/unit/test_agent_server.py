@@ -225,6 +225,30 @@ def test_connections_beyond_the_slots_are_refused_then_served() -> None:
         assert metrics_ok(server)  # slots come back
 
 
+def test_answers_are_sent_at_once_not_held_back_by_nagle(
+    agent: tuple[AgentServer, list[bytes]],
+) -> None:
+    """An answer goes out in two writes (head, then body). With Nagle's algorithm
+    on, the body waits for the client's delayed ACK of the head: measured 44 ms
+    per /v1/state over loopback. The agent's connections send at once."""
+    server, _ = agent
+    nodelay: list[int] = []
+    finish_request = server._httpd.finish_request
+
+    def spy(request: socket.socket, client_address: object) -> None:
+        try:
+            finish_request(request, client_address)
+        finally:
+            nodelay.append(request.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+    server._httpd.finish_request = spy  # type: ignore[method-assign]
+    try:
+        assert metrics_ok(server)
+    finally:
+        del server._httpd.finish_request
+    assert len(nodelay) == 1 and nodelay[0] != 0
+
+
 def test_body_length_rules() -> None:
     assert body_length("GET", {}, 10) == 0
     assert body_length("POST", {"content-length": "10"}, 10) == 10

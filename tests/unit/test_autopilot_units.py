@@ -236,7 +236,7 @@ def test_good_values() -> None:
 
 
 def test_settings_from_the_environment(caplog: pytest.LogCaptureFixture) -> None:
-    from vllm_runbook.collector.hook import CollectorSettings
+    from vllm_runbook.collector.settings import CollectorSettings
 
     assert CollectorSettings.from_env({}).autopilot is False
     on = CollectorSettings.from_env(

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from vllm_runbook.runbooks.cli import main
-from vllm_runbook.runbooks.client import CommandRefused, EngineClient, normalize_url, shape_error
+from vllm_runbook.runbooks.client import CommandRefused, EngineClient, normalize_url
 from vllm_runbook.runbooks.store import upgrade
 
 EXIT_USAGE, EXIT_ENGINE, EXIT_STORE_ERROR = 2, 3, 1
@@ -279,10 +279,35 @@ def test_database_file_that_is_not_sqlite(
     assert path.read_bytes() == b"this is not a database\n" * 200  # left as it was
 
 
-def test_shape_error_names_the_first_difference() -> None:
-    shape = {"a": {"b": int}, "c": [{"d": str}]}
-    assert shape_error({"a": {"b": 1}, "c": [{"d": "x"}]}, shape) is None
-    assert shape_error([], shape) == "answer is not an object"
-    assert shape_error({"a": {"b": True}, "c": []}, shape) == "answer.a.b is not an integer"
-    assert shape_error({"a": {"b": 1}, "c": [{"d": 1}]}, shape) == "answer.c[0].d is not a str"
-    assert shape_error({"a": {"b": 1}}, shape) == "answer has no 'c'"
+def test_the_first_departure_from_the_agents_model_is_named(
+    fake: FakeServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    hint = "is the URL the agent's (VLLM_RUNBOOK_PORT), not vLLM's API server?"
+    for body, where in (
+        (b'{"engine": {"model_name": "m"}, "knobs": {}}', "engine.engine: Field required"),
+        (b"[1, 2]", "Input should be a valid dictionary or instance of AgentState"),
+    ):
+        fake.answer = Answer(body=body)
+        code, err = run(capsys, "status", "--engine", fake.url, "--token", "t")
+        assert (code, err) == (
+            EXIT_ENGINE,
+            f"runbook: error: {fake.url} does not answer like a vllm-runbook agent ({where}): "
+            f"{hint}\n",
+        )
+
+
+@pytest.mark.parametrize(
+    ("assignment", "message"),
+    [
+        ("policy=lifo", "policy must be one of fcfs, priority, tiered, got 'lifo'"),
+        ("max_num_batched_tokens=x2", "scale_max_num_batched_tokens must be in (0, 1], got 2.0"),
+    ],
+)
+def test_a_bad_value_is_refused_before_anything_is_sent(
+    assignment: str, message: str, fake: FakeServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The client builds its command with the agent's model: the agent's own message, exit 2.
+    sent = len(fake.requests)
+    code, err = run(capsys, "set", "--engine", fake.url, "--token", "t", assignment)
+    assert (code, err) == (EXIT_USAGE, f"runbook: error: {message}\n")
+    assert len(fake.requests) == sent

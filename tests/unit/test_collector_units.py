@@ -9,14 +9,10 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry
 from vllm_runbook.collector import metrics as M
-from vllm_runbook.collector.hook import (
-    CollectorSettings,
-    RunbookSchedulerMixin,
-    check_vllm_version,
-    predicted_padded_tokens,
-    with_collector,
-)
+from vllm_runbook.collector.hook import RunbookSchedulerMixin, with_collector
 from vllm_runbook.collector.nvml import NvmlPoller, visible_gpu_indices
+from vllm_runbook.collector.settings import CollectorSettings, check_vllm_version
+from vllm_runbook.collector.step_stats import predicted_padded_tokens
 from vllm_runbook.collector.window import SlidingWindowRatio
 
 

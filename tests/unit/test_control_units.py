@@ -7,6 +7,7 @@ import threading
 from types import SimpleNamespace
 
 import pytest
+from vllm_runbook.collector.agent_api import ChangeResult, Clamped, KnobChange, Knobs
 from vllm_runbook.collector.auth import check_bearer, find_local_token, generate_token, is_loopback
 from vllm_runbook.collector.control import (
     BoundsError,
@@ -39,7 +40,7 @@ def control(**kw: object) -> EngineControl:
     return EngineControl(fake_scheduler(**kw), current_step=lambda: 41)
 
 
-def apply(c: EngineControl, body: dict, restore: bool = False) -> dict:
+def apply(c: EngineControl, body: dict, restore: bool = False) -> ChangeResult:
     return c.submit(parse_command(body, restore=restore), wait_s=1)
 
 
@@ -48,8 +49,8 @@ def test_halving_sets_both_scheduler_fields_and_reports_the_step() -> None:
     original_config = scheduler.scheduler_config  # the process-wide VllmConfig's
     c = EngineControl(scheduler, current_step=lambda: 41)
     result = apply(c, {"scale_max_num_batched_tokens": 0.5})
-    assert result["changes"] == [{"knob": "max_num_batched_tokens", "before": 512, "after": 256}]
-    assert result["effective_from_step"] == 42
+    assert result.changes == [KnobChange(knob="max_num_batched_tokens", before=512, after=256)]
+    assert result.effective_from_step == 42
     assert c.scheduler.max_num_scheduled_tokens == 256
     assert c.scheduler.scheduler_config.max_num_batched_tokens == 256
     assert c.scheduler.scheduler_config is not original_config  # copied: no leak
@@ -65,10 +66,8 @@ def test_above_startup_is_refused_with_the_reason() -> None:
         apply(c, {"max_num_seqs": 33})
     assert c.knobs()["max_num_batched_tokens"] == 256  # nothing changed
     clamped = apply(c, {"max_num_batched_tokens": 1024, "clamp": True})
-    assert clamped["after"]["max_num_batched_tokens"] == 512
-    assert clamped["clamped"] == [
-        {"knob": "max_num_batched_tokens", "requested": 1024, "applied": 512}
-    ]
+    assert clamped.after.max_num_batched_tokens == 512
+    assert clamped.clamped == [Clamped(knob="max_num_batched_tokens", requested=1024, applied=512)]
 
 
 def test_budget_floor_follows_the_admission_limit() -> None:
@@ -76,21 +75,21 @@ def test_budget_floor_follows_the_admission_limit() -> None:
     with pytest.raises(BoundsError, match=r"below the minimum 32: every admitted sequence"):
         apply(c, {"max_num_batched_tokens": 16})
     result = apply(c, {"max_num_batched_tokens": 16, "max_num_seqs": 8})
-    assert result["after"] == {
-        "max_num_batched_tokens": 16,
-        "max_num_seqs": 8,
-        "policy": "fcfs",
-        "autopilot": False,
-        "autopilot_target": 0.9,
-    }
+    assert result.after == Knobs(
+        max_num_batched_tokens=16,
+        max_num_seqs=8,
+        policy="fcfs",
+        autopilot=False,
+        autopilot_target=0.9,
+    )
 
 
 def test_autopilot_switch_and_target_are_knobs() -> None:
     c = control()
     result = apply(c, {"autopilot": "on", "autopilot_target": 0.8})
-    assert result["changes"] == [
-        {"knob": "autopilot", "before": False, "after": True},
-        {"knob": "autopilot_target", "before": 0.9, "after": 0.8},
+    assert result.changes == [
+        KnobChange(knob="autopilot", before=False, after=True),
+        KnobChange(knob="autopilot_target", before=0.9, after=0.8),
     ]
     assert c.autopilot.enabled and c.autopilot.limit == 32 and c.autopilot.target == 0.8
     # Its own changes: clamped to 1..min(startup max_num_seqs, budget).
@@ -99,12 +98,12 @@ def test_autopilot_switch_and_target_are_knobs() -> None:
     assert c.autopilot_ceiling() == 16 and c.apply_autopilot(20) == 16
     # max_num_seqs set by hand: the operator takes over.
     result = apply(c, {"max_num_seqs": 4})
-    assert {"knob": "autopilot", "before": True, "after": False} in result["changes"]
+    assert KnobChange(knob="autopilot", before=True, after=False) in result.changes
     assert not c.autopilot.enabled and c.scheduler.max_num_active_reqs == 4
     apply(c, {"autopilot": "on"})
     result = apply(c, {}, restore=True)
-    assert result["after"]["autopilot"] is False and result["after"]["autopilot_target"] == 0.9
-    assert result["after"]["max_num_seqs"] == 32 and not c.autopilot.enabled
+    assert result.after.autopilot is False and result.after.autopilot_target == 0.9
+    assert result.after.max_num_seqs == 32 and not c.autopilot.enabled
 
 
 @pytest.mark.parametrize(
@@ -128,9 +127,7 @@ def test_without_chunked_prefill_the_budget_stays_at_max_model_len() -> None:
     with pytest.raises(BoundsError, match=r"below the minimum 1024: chunked prefill is off"):
         apply(c, {"scale_max_num_batched_tokens": 0.25})
     assert (
-        apply(c, {"scale_max_num_batched_tokens": 0.25, "clamp": True})["after"][
-            "max_num_batched_tokens"
-        ]
+        apply(c, {"scale_max_num_batched_tokens": 0.25, "clamp": True}).after.max_num_batched_tokens
         == 1024
     )
 
@@ -143,7 +140,8 @@ def test_speculative_draft_slots_are_a_floor() -> None:
 def test_dry_run_changes_nothing() -> None:
     c = control()
     result = apply(c, {"max_num_seqs": 4, "dry_run": True})
-    assert result["would_be"]["max_num_seqs"] == 4 and result["after"]["max_num_seqs"] == 32
+    assert result.would_be is not None and result.would_be.max_num_seqs == 4
+    assert result.after.max_num_seqs == 32
     assert c.scheduler.max_num_active_reqs == 32
 
 
@@ -151,9 +149,7 @@ def test_restore_returns_to_startup() -> None:
     c = control()
     apply(c, {"max_num_batched_tokens": 128, "max_num_seqs": 4})
     result = apply(c, {}, restore=True)
-    assert (
-        result["after"]["max_num_batched_tokens"] == 512 and result["after"]["max_num_seqs"] == 32
-    )
+    assert result.after.max_num_batched_tokens == 512 and result.after.max_num_seqs == 32
 
 
 @pytest.mark.parametrize(
@@ -176,7 +172,7 @@ def test_malformed_commands(body: object, message: str) -> None:
 
 def test_commands_from_many_threads_apply_in_order() -> None:
     c = control()
-    results: list[dict] = []
+    results: list[ChangeResult] = []
     lock = threading.Lock()
 
     def worker(i: int) -> None:
@@ -190,10 +186,10 @@ def test_commands_from_many_threads_apply_in_order() -> None:
         t.start()
     for t in threads:
         t.join()
-    results.sort(key=lambda r: r["seq"])
-    assert [r["seq"] for r in results] == list(range(1, 161))
+    results.sort(key=lambda r: r.seq)
+    assert [r.seq for r in results] == list(range(1, 161))
     for prev, cur in itertools.pairwise(results):
-        assert cur["before"] == prev["after"]  # a chain: each saw the last one's result
+        assert cur.before == prev.after  # a chain: each saw the last one's result
 
 
 def test_tokens() -> None:
@@ -220,7 +216,7 @@ def test_generated_token_is_private(tmp_path) -> None:  # type: ignore[no-untype
 
 def test_agent_token_policy(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from vllm_runbook.collector.auth import TokenError
-    from vllm_runbook.collector.hook import agent_token
+    from vllm_runbook.collector.settings import agent_token
 
     assert agent_token("127.0.0.1", {}) is None  # loopback: generate one
     with pytest.raises(TokenError, match="not loopback"):

@@ -8,6 +8,7 @@ benchmark command is gone, or a benchmark table's header is not its script's.
 from __future__ import annotations
 
 import ast
+import json
 import re
 import shutil
 from pathlib import Path
@@ -82,6 +83,23 @@ def test_check_names_a_stale_page_and_the_rewrite_fixes_it(tmp_path: Path) -> No
     assert D.main(["--check", "--root", str(tmp_path)]) == 0
 
 
+def test_the_agent_api_schema_is_generated_from_the_models(tmp_path: Path) -> None:
+    from vllm_runbook.collector import agent_api
+
+    shutil.copytree(DOCS, tmp_path / "docs")
+    schema = tmp_path / "docs" / "agent-api.schema.json"
+    published = schema.read_text(encoding="utf-8")
+    assert json.loads(published) == agent_api.json_schema()
+    schema.write_text(published.replace("Token budget per step.", "Token budget."))
+    assert D.main(["--check", "--root", str(tmp_path)]) == 1
+    assert D.stale_pages(tmp_path) == ["docs/agent-api.schema.json"]
+    assert D.main(["--root", str(tmp_path)]) == 0
+    assert schema.read_text(encoding="utf-8") == published
+    schema.unlink()  # a missing file is stale too, and written back
+    assert D.stale_pages(tmp_path, write=True) == ["docs/agent-api.schema.json"]
+    assert schema.read_text(encoding="utf-8") == published
+
+
 def test_text_outside_the_markers_is_kept() -> None:
     page = "intro\n<!-- BEGIN generated:metrics -->\nSTALE\n<!-- END generated:metrics -->\nafter\n"
     out = D.render(page)
@@ -146,7 +164,7 @@ def test_runbook_notes_name_exactly_the_catalog() -> None:
 
 
 def test_install_page_shows_the_default_port_and_the_entry_point() -> None:
-    from vllm_runbook.collector.hook import DEFAULT_PORT
+    from vllm_runbook.collector.settings import DEFAULT_PORT
 
     assert f"`{DEFAULT_PORT}`" in (DOCS / "install.md").read_text(encoding="utf-8")
     pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
@@ -279,7 +297,7 @@ def test_each_benchmark_table_sits_under_the_command_that_prints_it() -> None:
         assert header in body.splitlines(), f"{command}: header row is not {header!r}"
         tables += 1
         command = None  # one table per command
-    assert tables == len(_bench_commands()) == 5
+    assert tables == len(_bench_commands()) == 6
 
 
 def test_make_bench_runs_exactly_the_commands_of_the_page() -> None:

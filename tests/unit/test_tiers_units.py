@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-from vllm_runbook.collector.hook import CollectorSettings
+from vllm_runbook.collector.settings import CollectorSettings
 from vllm_runbook.collector.tiers import (
     TierConfig,
     TierConfigError,

@@ -1,0 +1,507 @@
+"""The engine agent's wire format: its requests and answers as models.
+
+One description for both sides: the agent (inside the engine) serializes
+its answers with these models and validates the commands it receives with
+them; the `runbook` client (vllm_runbook.runbooks.client) parses the answers
+with them and builds its commands with them. docs/agent-api.schema.json is
+generated from them (`python -m vllm_runbook.dashboards.docs`), for other
+tools that speak to the agent.
+
+    GET  /v1/state[?since_step=N]   → AgentState
+    POST /v1/knobs    KnobsCommand  → ChangeResult   (bearer token)
+    POST /v1/restore  RestoreCommand → ChangeResult  (bearer token)
+    any refusal                     → ErrorAnswer   (400, 401, 411, 413, 422, 503, 504)
+
+The models are built in the agent's HTTP thread only, never in the
+scheduler's step (the step keeps plain numbers; see collector/hook.py).
+Answers ignore fields they do not know (a newer agent may add some);
+commands refuse them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Final, Literal, get_args
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from vllm_runbook.collector.metrics import POLICIES
+
+Policy = Literal["fcfs", "priority", "tiered"]
+assert get_args(Policy) == POLICIES  # the policy gauge's label values are the same
+KNOBS: Final[tuple[str, ...]] = (
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "policy",
+    "autopilot",
+    "autopilot_target",
+)
+# A share of something, 0 excluded: a scale factor or a target usage.
+Fraction = Annotated[float, Field(strict=True, gt=0, le=1)]
+Count = Annotated[int, Field(ge=0)]
+
+
+class _Answer(BaseModel):
+    """What the agent sends: read leniently (unknown fields ignored)."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, frozen=True, extra="ignore")
+
+
+# -- commands --------------------------------------------------------------------
+
+
+class _Command(BaseModel):
+    model_config = ConfigDict(use_attribute_docstrings=True, frozen=True, extra="forbid")
+
+    clamp: Annotated[bool, Field(strict=True)] = False
+    """Clamp a value outside its bounds to the bound instead of refusing the command (422)."""
+    dry_run: Annotated[bool, Field(strict=True)] = False
+    """Answer what would change; change nothing."""
+
+
+class KnobsCommand(_Command):
+    """POST /v1/knobs: new values for some knobs (at least one), applied
+    together between two scheduler steps, never above the startup values."""
+
+    max_num_batched_tokens: Annotated[int, Field(strict=True)] | None = None
+    """The token budget per step."""
+    scale_max_num_batched_tokens: Fraction | None = None
+    """The token budget times this factor (instead of max_num_batched_tokens)."""
+    max_num_seqs: Annotated[int, Field(strict=True)] | None = None
+    """The admission limit (running sequences); setting it turns the autopilot off."""
+    policy: Policy | None = None
+    """The scheduling policy."""
+    autopilot: bool | None = None
+    """The autopilot on or off (also "on"/"off")."""
+    autopilot_target: Fraction | None = None
+    """The autopilot's target peak KV cache usage."""
+
+    @field_validator("autopilot", mode="before")
+    @classmethod
+    def _switch(cls, value: Any) -> Any:
+        if value is None or isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("on", "true", "1", "yes"):
+            return True
+        if text in ("off", "false", "0", "no"):
+            return False
+        raise ValueError(f"autopilot must be on or off, got {value!r}")
+
+    @model_validator(mode="after")
+    def _one_budget_and_something_to_change(self) -> KnobsCommand:
+        if (
+            self.max_num_batched_tokens is not None
+            and self.scale_max_num_batched_tokens is not None
+        ):
+            raise ValueError("give max_num_batched_tokens or its scale, not both")
+        if not self.values():
+            raise ValueError(f"nothing to change: give one of {', '.join(KNOBS)}")
+        return self
+
+    def values(self) -> dict[str, Any]:
+        """The knobs asked for (knob → value), without the flags."""
+        return self.model_dump(exclude_none=True, exclude={"clamp", "dry_run"})
+
+
+class RestoreCommand(_Command):
+    """POST /v1/restore: every knob back to its startup value (the autopilot turns off)."""
+
+
+def command_error(exc: ValidationError) -> str:
+    """A refused command's reason, as one line (the agent's 400, the CLI's stderr)."""
+    errors = exc.errors(include_url=False)
+    unknown = [str(e["loc"][-1]) for e in errors if e["type"] == "extra_forbidden"]
+    if unknown:
+        return f"unknown field(s): {', '.join(sorted(unknown))}"
+    error = errors[0]
+    kind, loc, value = error["type"], error["loc"], error.get("input")
+    field = str(loc[-1]) if loc else ""
+    if not loc:
+        if kind in ("model_type", "model_attributes_type", "dict_type"):
+            return "request body must be a JSON object"
+        return _value_error(error)
+    if kind == "value_error":
+        return _value_error(error)
+    if kind in ("int_type", "int_parsing", "int_from_float"):
+        return f"{field} must be an integer, got {value!r}"
+    if kind in ("bool_type", "bool_parsing"):
+        return f"{field} must be true or false"
+    if kind == "literal_error":
+        return f"{field} must be one of {', '.join(POLICIES)}, got {value!r}"
+    if kind in ("float_type", "float_parsing"):
+        return f"{field} must be a number in (0, 1], got {value!r}"
+    if kind in ("greater_than", "less_than_equal", "finite_number"):
+        return f"{field} must be in (0, 1], got {value!r}"
+    return f"{field}: {error['msg']}"
+
+
+def answer_error(exc: ValidationError) -> str:
+    """Where an answer departs from the agent's model, as one short phrase."""
+    error = exc.errors(include_url=False)[0]
+    where = ".".join(str(part) for part in error["loc"])
+    return f"{where}: {error['msg']}" if where else str(error["msg"])
+
+
+def _value_error(error: Any) -> str:
+    cause = (error.get("ctx") or {}).get("error")
+    return str(cause) if cause is not None else str(error["msg"])
+
+
+# -- answers: pieces -----------------------------------------------------------
+
+
+class Knobs(_Answer):
+    """The live knobs: what the scheduler uses now (or started with)."""
+
+    max_num_batched_tokens: int
+    """Token budget per step."""
+    max_num_seqs: int
+    """Admission limit: sequences running at once."""
+    policy: Policy
+    """Scheduling policy."""
+    autopilot: bool
+    """Whether the autopilot adjusts max_num_seqs."""
+    autopilot_target: float
+    """The autopilot's target peak KV cache usage."""
+
+
+class Bound(_Answer):
+    min: int
+    """The lowest value accepted now."""
+    max: int
+    """The highest value accepted (the startup value)."""
+    min_reason: str
+    """Why the minimum is what it is."""
+    max_reason: str
+    """Why the maximum is what it is."""
+
+
+class Bounds(_Answer):
+    """The bounds of the numeric knobs now (the budget's floor follows max_num_seqs)."""
+
+    max_num_batched_tokens: Bound
+    max_num_seqs: Bound
+
+
+class KnobChange(_Answer):
+    knob: str
+    before: int | float | bool | str
+    after: int | float | bool | str
+
+
+class Clamped(_Answer):
+    knob: str
+    requested: int | float
+    """The value asked for."""
+    applied: int | float
+    """The bound applied instead."""
+
+
+class ChangeResult(_Answer):
+    """The answer to POST /v1/knobs and /v1/restore."""
+
+    seq: int = 0
+    """Order in which the agent applied the command."""
+    dry_run: bool
+    changes: list[KnobChange]
+    """Each knob whose value changed (would change, in a dry run)."""
+    clamped: list[Clamped]
+    before: Knobs
+    after: Knobs
+    """The knobs after the command (as before, in a dry run)."""
+    would_be: Knobs | None = None
+    """In a dry run: the knobs the command would have set."""
+    effective_from_step: int
+    """The first scheduler step that runs with the new values."""
+
+
+class ErrorAnswer(_Answer):
+    """Any refusal: one line, and for a value out of bounds the bound."""
+
+    error: str
+    knob: str | None = None
+    """Out of bounds (422): the knob refused ..."""
+    value: int | None = None
+    """... the value asked for ..."""
+    bound: int | None = None
+    """... and the bound it crossed."""
+
+
+# -- answers: /v1/state ------------------------------------------------------------
+
+
+class ParallelConfig(_Answer):
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    data_parallel_size: int
+
+
+class EngineInfo(_Answer):
+    model_name: str
+    """The served model name (label `model_name`)."""
+    engine: str
+    """The data-parallel rank (label `engine`); the agent listens on the base port + this."""
+    pid: int
+    """The EngineCore process."""
+    started_at: float
+    """Unix time the scheduler started."""
+    step: int
+    """Scheduler steps so far."""
+    vllm_version: str
+    scheduler_class: str
+    """Which scheduler vLLM picked, with the hook mixed in (RunbookAsyncScheduler on GPU)."""
+    parallel: ParallelConfig
+
+
+class AutopilotChanges(_Answer):
+    up: int
+    down: int
+
+
+class AutopilotChange(_Answer):
+    step: int
+    max_num_seqs: int
+    reason: str
+    """preemption | failed probe | peak over target | room"""
+
+
+class AutopilotState(_Answer):
+    enabled: bool
+    target: float
+    """Target peak KV cache usage."""
+    high: float
+    """The band's upper edge: a peak above it cuts max_num_seqs."""
+    limit: int | None
+    """The max_num_seqs it set (null while off)."""
+    epoch_steps: int
+    """Steps per epoch: one request lifetime."""
+    epoch_peak_kv_usage: float
+    changes: AutopilotChanges
+    last_change: AutopilotChange | None
+    error: str | None
+    """Why it turned itself off, if it did."""
+    ceiling: int
+    """The highest max_num_seqs it may set now."""
+
+
+class Stats(_Answer):
+    """The collector's metrics now (each named after its Prometheus series without
+    the `vllm_runbook_` prefix; counters end in `_total`), then the windowed
+    request outcomes. null: not defined now (no lookup, no finished request)."""
+
+    collector_up: float
+    engine_start_time_seconds: float
+    prefix_cache_queries_total: Count
+    prefix_cache_hits_total: Count
+    kv_hit_ratio: float | None
+    block_fragmentation_ratio: float
+    padding_ratio: float
+    length_padding_ratio: float
+    steps_total: Count
+    scheduled_tokens_total: Count
+    token_budget_total: Count
+    step_tokens: Count
+    budget_fill_ratio: float
+    padded_tokens_total: Count
+    unpadded_tokens_total: Count
+    num_requests_running: Count
+    num_requests_waiting: Count
+    oldest_waiting_seconds: float
+    preemptions_total: Count
+    max_sequence_tokens: Count
+    kv_blocks_used: Count
+    kv_blocks_free: Count
+    kv_cache_usage_ratio: float
+    kv_cache_usage_peak_ratio: float
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    startup_max_num_batched_tokens: int
+    startup_max_num_seqs: int
+    autopilot_enabled: float
+    autopilot_kv_target_ratio: float
+    autopilot_kv_high_ratio: float
+    preemptions_per_minute: float
+    """Preemptions over the trailing window, per minute."""
+    admitted_before_time: float
+    """Unix time before which every request the engine received was scheduled at least once."""
+    window_seconds: float
+    """The trailing window of the windowed values (VLLM_RUNBOOK_WINDOW_SECONDS)."""
+    requests_finished: Count
+    """Requests finished in the window."""
+    finished_by_reason: dict[str, int]
+    """Requests finished in the window, by vLLM's finish reason."""
+    error_rate: float | None
+    """Finished with reason `error` / finished, in the window."""
+    p99_latency_seconds: float | None
+    """End-to-end time (arrival in the engine → finish), P99 over the window."""
+    waiting_seconds_p99: float | None
+    """Queue time (arrival in the engine → first schedule), P99 over the window."""
+    requests_finished_by_reason_total: dict[str, int]
+    """Requests finished since the engine started, by reason."""
+
+
+class GpuReading(_Answer):
+    memory_used_bytes: float
+    memory_total_bytes: float
+    utilization_ratio: float
+
+
+class Gpus(_Answer):
+    nvml_up: bool
+    """NVML answered and sees a GPU (False where there is no NVIDIA driver)."""
+    per_gpu: dict[str, GpuReading]
+    """By NVML index, at the latest poll."""
+
+
+class ScheduleHistogram(_Answer):
+    """schedule() wall time since the engine started."""
+
+    bounds: list[float]
+    """Upper bounds (le) of the buckets; +Inf is the last count."""
+    cumulative: list[int]
+    """Cumulative counts, one per bound and one for +Inf."""
+
+
+class _Since(_Answer):
+    from_step: int
+    """The step asked about (a change's effective_from_step)."""
+
+
+class DrainingSince(_Since):
+    """A lower admission limit not in effect yet: more requests run than it admits."""
+
+    settled: Literal[False]
+    num_requests_running: int
+    max_num_seqs: int
+
+
+class SettledSince(_Since):
+    """What happened from the step the change took effect on (counter deltas and
+    the requests finished since)."""
+
+    settled: Literal[True]
+    effective_step: int
+    """The first step with the change in effect (later than from_step while it drained)."""
+    from_time: float
+    """Unix time of that step."""
+    seconds: float
+    steps: int
+    preemptions: int
+    preemptions_per_minute: float | None
+    scheduled_tokens: int
+    throughput_tokens_per_second: float | None
+    kv_hit_ratio: float | None
+    requests_finished: int
+    finished_by_reason: dict[str, int]
+    error_rate: float | None
+    p99_latency_seconds: float | None
+    waiting_seconds_p99: float | None
+
+
+Since = SettledSince | DrainingSince
+
+
+class TierSettings(_Answer):
+    boundaries: list[int]
+    """Prompt tokens: hot < first ≤ warm < second ≤ cold."""
+    limits: dict[str, int]
+    """Running requests per tier at the current max_num_seqs."""
+    shares: dict[str, float]
+    """Share of the step's token budget per tier."""
+    aging_seconds: float
+    """A request waiting this long moves up one tier."""
+
+
+class TierNow(_Answer):
+    waiting: int
+    running: int
+    oldest_waiting_seconds: float
+
+
+class Tiers(_Answer):
+    config: TierSettings
+    now: dict[str, TierNow] | None
+    """Per tier (hot, warm, cold); null when the scheduler lock was busy for 1 s."""
+
+
+class QueuedRequest(_Answer):
+    request_id: str
+    tier: str
+    prompt_tokens: int
+    priority: int
+    status: str
+    waited_seconds: float
+
+
+class Queues(_Answer):
+    running: int
+    waiting: int
+    kv_holding_waiting: int
+    pause_state: str | None
+    oldest_waiting: list[QueuedRequest]
+    """The requests waiting longest for their first schedule."""
+
+
+class AgentState(_Answer):
+    """GET /v1/state: the engine, its knobs and their bounds, and its statistics."""
+
+    engine: EngineInfo
+    collector_up: bool
+    """False after the collector failed and disabled itself (the engine keeps serving)."""
+    knobs: Knobs
+    """Effective now."""
+    startup: Knobs
+    """At engine start: the ceilings, and what a restore returns to."""
+    bounds: Bounds
+    autopilot: AutopilotState
+    stats: Stats
+    gpus: Gpus
+    schedule_histogram: ScheduleHistogram
+    since: Since | None = None
+    """With ?since_step=N: what happened from that step on (null: no change took effect there)."""
+    tiers: Tiers
+    queues: Queues | None
+    """null when the scheduler lock was busy for 1 s."""
+
+
+# -- the schema ------------------------------------------------------------------
+
+MODELS: Final[dict[str, type[BaseModel]]] = {
+    "AgentState": AgentState,
+    "KnobsCommand": KnobsCommand,
+    "RestoreCommand": RestoreCommand,
+    "ChangeResult": ChangeResult,
+    "ErrorAnswer": ErrorAnswer,
+}
+
+
+def json_schema() -> dict[str, Any]:
+    """One JSON Schema document with every request and answer under `$defs`."""
+    from pydantic.json_schema import models_json_schema
+
+    _, schema = models_json_schema(
+        [(model, _mode(model)) for model in MODELS.values()],
+        title="vllm-runbook engine agent API",
+        description=(
+            "GET /v1/state answers AgentState; POST /v1/knobs takes KnobsCommand and "
+            "POST /v1/restore RestoreCommand (bearer token), both answer ChangeResult; "
+            "every refusal is an ErrorAnswer. Generated from vllm_runbook.collector.agent_api."
+        ),
+    )
+    return schema
+
+
+def _mode(model: type[BaseModel]) -> Literal["validation", "serialization"]:
+    # An answer is described as the agent sends it, a command as the agent accepts it.
+    return "serialization" if issubclass(model, _Answer) else "validation"
+
+
+def json_schema_text() -> str:
+    return json.dumps(json_schema(), indent=2, ensure_ascii=False) + "\n"

@@ -1,0 +1,215 @@
+"""One engine's collector: its parts, each given its data source, wired here.
+
+    settings + identity  settings.py        VLLM_RUNBOOK_*, model name and DP rank (the labels)
+    StepStats            step_stats.py      per-step tokens, budget, preemptions, KV, padding
+    RequestTracker       request_tracking.py arrivals, first schedules, finished requests
+    ChangeTracker        request_tracking.py counters when a change took effect, and since
+    EngineControl        control.py         knobs changed between steps, within bounds
+    AutopilotDriver      autopilot_driver.py the controller fed after each step
+    QueueInspector       queues.py          the queues per tier, the oldest waiting requests
+    NvmlPoller           nvml.py            GPU memory and utilisation
+    StatsExporter        exporter.py        every part's samples at scrape time (+ the
+    MultiprocessMirror                      PROMETHEUS_MULTIPROC_DIR copy)
+    the agent            agent.py           /metrics and /v1/* on its own HTTP thread
+
+The scheduler hook (hook.py) calls the per-step methods; everything else
+runs on the agent's, the exporter's and the pollers' threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from vllm_runbook.collector import metrics as M
+from vllm_runbook.collector.agent import start_agent
+from vllm_runbook.collector.agent_api import AgentState, DrainingSince, SettledSince
+from vllm_runbook.collector.autopilot import Autopilot
+from vllm_runbook.collector.autopilot_driver import AutopilotDriver
+from vllm_runbook.collector.control import EngineControl
+from vllm_runbook.collector.exporter import MultiprocessMirror, Sample, StatsExporter, close_quietly
+from vllm_runbook.collector.nvml import NvmlPoller, load_pynvml
+from vllm_runbook.collector.queues import QueueInspector
+from vllm_runbook.collector.request_tracking import ChangeTracker, RequestTracker
+from vllm_runbook.collector.server import AgentServer
+from vllm_runbook.collector.settings import CollectorSettings, EngineIdentity
+from vllm_runbook.collector.step_stats import StepStats
+
+logger = logging.getLogger("vllm_runbook.collector")
+
+
+class EngineCollector:
+    """The wiring of one engine's parts, and the fail-open switch they share:
+    after any exception in our code, `enabled` is False, `error` says why, and
+    the scheduler goes on as if we were not there."""
+
+    def __init__(
+        self,
+        scheduler: Any,
+        settings: CollectorSettings | None = None,
+        registry: CollectorRegistry | None = None,
+        nvml: Any = "auto",
+    ) -> None:
+        self.settings = settings = settings or CollectorSettings.from_env()
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        self.scheduler = scheduler
+        self.enabled = True
+        self.error: str | None = None
+        self.identity = EngineIdentity.of(scheduler.vllm_config)
+        self._wall_clock: Callable[[], float] = time.time
+
+        self.stats = StepStats(scheduler, settings.window_seconds)
+        self.requests = RequestTracker(
+            scheduler, self.stats, settings.tiers.tier_of, self._wall_clock
+        )
+        self.changes = ChangeTracker(scheduler, self.stats, self.requests, self._wall_clock)
+        self.autopilot = Autopilot(settings.autopilot_target)
+        arrived = self.requests.arrived
+        self.control = EngineControl(
+            scheduler,
+            lambda: self.stats.steps,
+            self.changes.on_change_applied,
+            self.autopilot,
+            tiers=settings.tiers,
+            clock=lambda: self._wall_clock(),
+            waited_since=lambda r: arrived.get(r.request_id, r.arrival_time),
+        )
+        self.autopilot_driver = AutopilotDriver(
+            self.autopilot, scheduler, self.stats, self.control, self.identity.dp_rank
+        )
+        self.queues = QueueInspector(
+            scheduler, self.control.lock, self.control.tiers, self.requests
+        )
+        if settings.policy is not None:
+            self.control.start_with_policy(settings.policy)
+        if settings.autopilot:
+            self.autopilot.enable(int(scheduler.max_num_active_reqs), 0)
+
+        self._wrap_prefix_cache_stats(scheduler.kv_cache_manager)
+        labels = self.identity.labels
+        self.registry.register(StatsExporter(self.samples, labels))
+        self.nvml = NvmlPoller.create(
+            load_pynvml() if nvml == "auto" else nvml,
+            self.registry,
+            labels,
+            settings.nvml_interval,
+        )
+        self.mirror: MultiprocessMirror | None = None
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            self.mirror = MultiprocessMirror(self.samples, labels).start()
+        self.server: AgentServer | None = None
+        self.token_path: str | None = None
+        if settings.port is not None:
+            self.server, self.token_path = start_agent(
+                settings, self.identity.dp_rank, self.registry, self
+            )
+        self.nvml.start()
+
+    @property
+    def model_name(self) -> str:
+        return self.identity.model_name
+
+    @property
+    def dp_rank(self) -> int:
+        return self.identity.dp_rank
+
+    @property
+    def wall_clock(self) -> Callable[[], float]:
+        """The clock of arrivals, waits and marks (tests set a fake one)."""
+        return self._wall_clock
+
+    @wall_clock.setter
+    def wall_clock(self, clock: Callable[[], float]) -> None:
+        self._wall_clock = self.requests.clock = self.changes.clock = clock
+
+    # -- per step (engine thread), called by the scheduler hook ----------------------
+
+    def on_schedule(self, scheduler: Any, output: Any, elapsed: float, free_before: int) -> None:
+        self.stats.on_schedule(scheduler, output, elapsed, free_before)
+        if self.changes.settling is not None:
+            self.changes.on_schedule(scheduler)
+        self.requests.on_schedule(scheduler, output)
+
+    def _wrap_prefix_cache_stats(self, kv_manager: Any) -> None:
+        """Count prefix-cache lookups at admission, whatever vLLM's log_stats."""
+        original = kv_manager.record_prefix_cache_stats
+        lookup_enabled = kv_manager.prefix_cache_lookup_enabled
+        collector = self
+
+        def record_prefix_cache_stats(request: Any, num_hits: int) -> None:
+            if collector.enabled:
+                try:
+                    if lookup_enabled(request):
+                        collector.stats.on_prefix_lookup(request.num_tokens, num_hits)
+                except Exception as exc:
+                    collector.disable(exc)
+            original(request, num_hits)
+
+        kv_manager.record_prefix_cache_stats = record_prefix_cache_stats
+
+    # -- any thread ------------------------------------------------------------------
+
+    def engine_idle(self) -> bool:
+        """The engine will not call schedule() for now: no request to run, or
+        the scheduler is paused (PAUSED_ALL counts no unfinished request while
+        its queues still hold them). A command is then applied from the HTTP
+        thread — safe because every scheduler method that touches the queues
+        (schedule, update_from_output, add_request, finish_requests,
+        reset_prefix_cache) runs under the same lock as the command."""
+        return bool(self.scheduler.get_num_unfinished_requests() == 0)
+
+    def state_samples(self) -> list[Sample]:
+        """Every non-NVML metric but the per-tier queue gauges (which read the
+        queues under the scheduler lock)."""
+        return [
+            Sample(M.COLLECTOR_UP, 1.0 if self.enabled else 0.0),
+            Sample(M.ENGINE_START_TIME, self.identity.start_time),
+            *self.stats.samples(),
+            *self.requests.samples(),
+            *self.control.samples(),
+            *self.autopilot_driver.samples(),
+        ]
+
+    def samples(self) -> list[Sample]:
+        """Every non-NVML metric now (the exporter's and the mirror's source)."""
+        return [*self.state_samples(), *self.queues.samples()]
+
+    def state(self, since_step: int | None = None) -> AgentState:
+        """The agent's `/v1/state` (see collector/state.py). HTTP thread."""
+        from vllm_runbook.collector.state import build_state
+
+        return build_state(self, since_step)
+
+    def since(self, step: int) -> SettledSince | DrainingSince | None:
+        return self.changes.since(step)
+
+    # -- failure and shutdown ----------------------------------------------------------
+
+    def disable(self, exc: BaseException) -> None:
+        """Fail open: stop collecting for this engine, say so once."""
+        if not self.enabled:
+            return
+        self.enabled = False
+        self.error = f"{type(exc).__name__}: {exc}"
+        # The tiered policy's per-step chunk cap stops with us: vLLM's own
+        # threshold back (the tiered queue itself keeps ordering, limits off).
+        with contextlib.suppress(Exception):
+            self.scheduler.scheduler_config.long_prefill_token_threshold = (
+                self.control.long_prefill_threshold
+            )
+        logger.error(
+            "vllm-runbook: collector disabled for engine %d after an error; "
+            "the engine keeps serving without it",
+            self.dp_rank,
+            exc_info=exc,
+        )
+
+    def close(self) -> None:
+        close_quietly(self.nvml, self.mirror)
+        if self.server is not None:
+            self.server.close()

@@ -1,0 +1,406 @@
+"""Request tracking: arrivals, first schedules, finished requests, and what
+happened after a change (what a verification reads).
+
+`RequestTracker` follows each request from its arrival in the engine
+(add_request) to its first schedule and its finish, on the collector's wall
+clock: the oldest request still waiting, the queue and end-to-end times,
+per tier. `RequestLog` keeps, for the most recent finished requests, the engine step
+and wall time they finished at, how they finished (vLLM's finish reason:
+stop, length, abort, error, repetition), their end-to-end time (arrival in
+the engine to finish) and their queue time (arrival in the engine to the
+first schedule). `ChangeMarks` keeps the engine's cumulative counters at the
+moment a knob change was applied, keyed by the first step that ran with it.
+
+Together they answer "what happened from step N on" with counter deltas and
+per-request values of requests that finished from that step — never a
+trailing window that still holds the time before the change.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import TYPE_CHECKING, Any, Final
+
+from vllm_runbook.collector import metrics as M
+from vllm_runbook.collector.agent_api import DrainingSince, SettledSince
+from vllm_runbook.collector.exporter import Sample
+
+if TYPE_CHECKING:
+    from vllm_runbook.collector.step_stats import StepStats
+
+# Enough for minutes of a busy engine; the oldest entries fall off.
+LOG_LENGTH: Final = 65_536
+MARKS_KEPT: Final = 64
+FINISH_REASONS: Final = ("stop", "length", "abort", "error", "repetition")
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    step: int  # the scheduler step count when the request finished
+    time: float  # wall time of the finish
+    reason: str  # vLLM's finish reason (stop | length | abort | error | repetition)
+    e2e_seconds: float  # arrival in the engine → finish
+    queue_seconds: float  # arrival in the engine → first schedule (→ finish if never)
+
+
+@dataclass(frozen=True, slots=True)
+class Mark:
+    """Cumulative counters when a change took effect.
+
+    Most changes take effect at the first step scheduled with them. A lower
+    admission limit (max_num_seqs) takes effect once the running requests
+    above it have drained (finished or preempted, not readmitted): until
+    then the mark is `settled=False` and its counters are those at apply
+    time; the collector replaces it when running <= the limit."""
+
+    step: int  # the step counting starts from (the first step with the change in effect)
+    time: float  # wall time of that moment
+    steps: int
+    preemptions: int
+    scheduled_tokens: int
+    prefix_queries: int
+    prefix_hits: int
+    applied_step: int = 0  # the first step scheduled with the change (the key)
+    settled: bool = True
+
+
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """Nearest-rank percentile (`q` in 0..1); None for no values.
+    Nearest rank keeps the answer one of the measured values (exact oracles)."""
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    rank = max(1, math.ceil(q * len(ordered)))
+    return ordered[rank - 1]
+
+
+class Histogram:
+    """Bucket counts (le bounds, +Inf last, not cumulative) and the sum of
+    every value observed: the Prometheus histogram of all finished requests,
+    not only the ones the log still holds."""
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        # le semantics: a value equal to a bound counts in that bound's bucket.
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+
+class RequestLog:
+    """The latest finished requests (engine thread appends, HTTP threads read)."""
+
+    def __init__(
+        self, length: int = LOG_LENGTH, bounds: Sequence[float] = (1.0, 10.0, 60.0)
+    ) -> None:
+        self.entries: deque[Finished] = deque(maxlen=length)
+        self.by_reason: dict[str, int] = dict.fromkeys(FINISH_REASONS, 0)
+        self.queue_histogram = Histogram(bounds)
+        self.e2e_histogram = Histogram(bounds)
+
+    def add(self, entry: Finished) -> None:
+        self.by_reason[entry.reason] = self.by_reason.get(entry.reason, 0) + 1
+        self.queue_histogram.observe(entry.queue_seconds)
+        self.e2e_histogram.observe(entry.e2e_seconds)
+        self.entries.append(entry)
+
+    def _snapshot(self) -> list[Finished]:
+        # list(deque) runs in C under the GIL: no concurrent append can interleave.
+        return list(self.entries)
+
+    def since_step(self, step: int) -> list[Finished]:
+        return [e for e in self._snapshot() if e.step >= step]
+
+    def since_time(self, since: float) -> list[Finished]:
+        return [e for e in self._snapshot() if e.time >= since]
+
+
+def summarize(entries: list[Finished]) -> dict[str, Any]:
+    """Request outcomes over `entries`: counts by reason, error rate, P99s (None when empty)."""
+    by_reason = dict.fromkeys(FINISH_REASONS, 0)
+    for e in entries:
+        by_reason[e.reason] = by_reason.get(e.reason, 0) + 1
+    total = len(entries)
+    return {
+        "requests_finished": total,
+        "finished_by_reason": by_reason,
+        "error_rate": by_reason["error"] / total if total else None,
+        "p99_latency_seconds": percentile((e.e2e_seconds for e in entries), 0.99),
+        "waiting_seconds_p99": percentile((e.queue_seconds for e in entries), 0.99),
+    }
+
+
+class ChangeMarks:
+    """The counters at the latest applied changes, by first step with the change."""
+
+    def __init__(self, kept: int = MARKS_KEPT) -> None:
+        self.kept = kept
+        self.marks: OrderedDict[int, Mark] = OrderedDict()
+
+    def add(self, key: int, mark: Mark, replace: bool = False) -> None:
+        # Several commands drained before one step share its mark: keep the first.
+        if key in self.marks and not replace:
+            return
+        self.marks[key] = mark
+        while len(self.marks) > self.kept:
+            self.marks.popitem(last=False)
+
+    def get(self, step: int) -> Mark | None:
+        return self.marks.get(step)
+
+
+def first_wait_statuses() -> frozenset[Any]:
+    """vLLM's statuses of a request waiting for its first schedule: WAITING and
+    the waits before it (grammar, remote KV). Not WAITING_FOR_STREAMING_REQ:
+    that one ran and waits for input."""
+    from vllm.v1.request import RequestStatus
+
+    return frozenset(
+        s for s in RequestStatus if s.name.startswith("WAITING") and "STREAMING" not in s.name
+    )
+
+
+class RequestTracker:
+    """Each request from its arrival in the engine to its finish. End-to-end and
+    queue times are the engine's: from its add_request, on `clock` (wall time).
+
+    Data sources: the scheduler (its `requests` by id), the step count of
+    `stats`, and `tier_of` (prompt tokens → tier index). Engine thread writes;
+    other threads read the oldest waiting request, the log and the histograms."""
+
+    def __init__(
+        self,
+        scheduler: Any,
+        stats: StepStats,
+        tier_of: Callable[[int], int],
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.scheduler = scheduler
+        self.stats = stats
+        self.tier_of = tier_of
+        self.clock = clock
+        self.log = RequestLog(bounds=M.REQUEST_SECONDS_BUCKETS)
+        # Request id -> wall time it reached the engine, and -> seconds it waited
+        # for its first schedule (both until it finishes).
+        self.arrived: dict[str, float] = {}
+        self._queue_seconds: dict[str, float] = {}
+        # Requests never scheduled yet, in the order they reached the engine:
+        # (request id, wall time of add_request). Only the head is looked at,
+        # once per step; entries behind it that were scheduled or aborted
+        # meanwhile are dropped when they reach it.
+        self._never_scheduled: deque[tuple[str, float]] = deque()
+        self.first_wait = first_wait_statuses()
+        self.oldest_waiting_since: float | None = None  # when the head reached the engine
+        self._horizon_lock = threading.Lock()
+        self._horizon_floor = 0.0
+        # Per tier: seconds from arrival in the engine to the first schedule.
+        self.tier_queue_histograms = tuple(Histogram(M.REQUEST_SECONDS_BUCKETS) for _ in M.TIERS)
+
+    # -- engine thread -----------------------------------------------------------
+
+    def on_add_request(self, request: Any) -> None:
+        """A request reached the engine: it waits for its first schedule from now."""
+        since = self.clock()
+        self._never_scheduled.append((request.request_id, since))
+        self.arrived[request.request_id] = since
+        if self.oldest_waiting_since is None:
+            self.oldest_waiting_since = since
+
+    def on_requests_finished(self, scheduler: Any) -> None:
+        """Requests aborted (finish_requests): a queued one may have been the oldest,
+        and the engine may go idle with no step to notice; a stale head would read
+        as a request starving."""
+        if self._never_scheduled:
+            self._advance_oldest_waiting(scheduler)
+
+    def _advance_oldest_waiting(self, scheduler: Any) -> None:
+        """Drop the head while it is no longer waiting for its first schedule."""
+        queue, requests = self._never_scheduled, scheduler.requests
+        while queue:
+            request_id, since = queue[0]
+            request = requests.get(request_id)
+            if request is not None and request.status in self.first_wait:
+                self.oldest_waiting_since = since
+                return
+            queue.popleft()
+        self.oldest_waiting_since = None
+
+    def on_schedule(self, scheduler: Any, output: Any) -> None:
+        """After schedule(): the head of the never-scheduled queue, and the queue
+        time of each request scheduled for the first time."""
+        if self._never_scheduled:
+            self._advance_oldest_waiting(scheduler)
+        if output.scheduled_new_reqs:
+            now = self.clock()
+            arrived, queued = self.arrived, self._queue_seconds
+            requests, tier_of = scheduler.requests, self.tier_of
+            histograms = self.tier_queue_histograms
+            for new in output.scheduled_new_reqs:
+                since = arrived.get(new.req_id)
+                if since is not None and new.req_id not in queued:
+                    seconds = queued[new.req_id] = max(0.0, now - since)
+                    request = requests.get(new.req_id)
+                    if request is not None:
+                        histograms[tier_of(request.num_prompt_tokens)].observe(seconds)
+
+    def on_request_finished(self, request: Any) -> None:
+        """A request is being freed (finished, length-capped, aborted, failed)."""
+        from vllm.v1.request import RequestStatus
+
+        now = self.clock()
+        request_id = request.request_id
+        queued = self._queue_seconds.pop(request_id, None)
+        arrived = self.arrived.pop(request_id, None)
+        if queued is None:  # never scheduled: it waited until now
+            queued = max(0.0, now - arrived) if arrived is not None else 0.0
+        reason = RequestStatus.get_finished_reason(request.status)
+        self.log.add(
+            Finished(
+                step=self.stats.steps,
+                time=now,
+                reason=str(reason) if reason is not None else "abort",
+                e2e_seconds=max(0.0, now - arrived) if arrived is not None else 0.0,
+                queue_seconds=queued,
+            )
+        )
+
+    # -- any thread ----------------------------------------------------------------
+
+    def waiting_horizon(self) -> tuple[float, float]:
+        """(age, admitted_before): how long the oldest request waiting for its first
+        schedule has been in the engine (0 when none waits), and the time before
+        which every request the engine received has been scheduled at least once
+        (that request's arrival in the engine, or now when none waits).
+
+        `admitted_before` never decreases (a floor under a lock, as HTTP threads
+        race with the engine thread's add): it stands still while a request
+        starves and moves on as the queue is served."""
+        now = self.clock()
+        since = self.oldest_waiting_since
+        age = 0.0 if since is None else max(0.0, now - since)
+        with self._horizon_lock:
+            horizon = max(self._horizon_floor, now if since is None else since)
+            self._horizon_floor = horizon
+        return age, horizon
+
+    def window_summary(self, window_seconds: float) -> dict[str, Any]:
+        """Request outcomes over the trailing window (see `summarize`)."""
+        return summarize(self.log.since_time(self.clock() - window_seconds))
+
+    def samples(self) -> list[Sample]:
+        log = self.log
+        return [
+            Sample(M.OLDEST_WAITING, self.waiting_horizon()[0]),
+            *(
+                Sample(M.REQUESTS_FINISHED, count, (reason,))
+                for reason, count in log.by_reason.items()
+            ),
+            *(
+                Sample(spec, h.sum, buckets=tuple(accumulate(h.counts)))
+                for spec, h in (
+                    (M.REQUEST_QUEUE_SECONDS, log.queue_histogram),
+                    (M.REQUEST_E2E_SECONDS, log.e2e_histogram),
+                )
+            ),
+            *(
+                Sample(M.TIER_QUEUE_SECONDS, h.sum, (tier,), buckets=tuple(accumulate(h.counts)))
+                for tier, h in zip(M.TIERS, self.tier_queue_histograms, strict=True)
+            ),
+        ]
+
+
+class ChangeTracker:
+    """The counters when each knob change took effect, and what happened since.
+
+    A change is marked when it is applied (any thread, under the scheduler
+    lock), keyed by its first step. A lower admission limit with more requests
+    running than it admits takes effect only once they drain: its mark is
+    settled after the first step that shows it in effect (`on_schedule`)."""
+
+    def __init__(
+        self,
+        scheduler: Any,
+        stats: StepStats,
+        requests: RequestTracker,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.scheduler = scheduler
+        self.stats = stats
+        self.requests = requests
+        self.clock = clock
+        self.marks = ChangeMarks()
+        # The applied step of a lower admission limit still draining, if any.
+        self.settling: int | None = None
+
+    def on_change_applied(self, effective_from_step: int) -> None:
+        """A knob change was applied: keep the counters as they stand before its first step."""
+        settled = len(self.scheduler.running) <= self.scheduler.max_num_active_reqs
+        self.marks.add(effective_from_step, self._mark(effective_from_step, settled))
+        if not settled:
+            self.settling = effective_from_step
+
+    def on_schedule(self, scheduler: Any) -> None:
+        """After a step (only while a mark is settling)."""
+        if self.settling is not None and len(scheduler.running) <= scheduler.max_num_active_reqs:
+            # The admission limit is in effect from the next step on.
+            self.marks.add(self.settling, self._mark(self.settling, True), replace=True)
+            self.settling = None
+
+    def _mark(self, applied_step: int, settled: bool) -> Mark:
+        stats = self.stats
+        return Mark(
+            step=stats.steps + 1,
+            time=self.clock(),
+            steps=stats.steps,
+            preemptions=stats.preemptions,
+            scheduled_tokens=stats.scheduled_tokens,
+            prefix_queries=stats.prefix_queries,
+            prefix_hits=stats.prefix_hits,
+            applied_step=applied_step,
+            settled=settled,
+        )
+
+    def since(self, step: int) -> SettledSince | DrainingSince | None:
+        """What happened from `step` (a change's first step) on; None when unknown.
+        HTTP thread."""
+        mark = self.marks.get(step)
+        if mark is None:
+            return None
+        if not mark.settled:
+            return DrainingSince(
+                from_step=step,
+                settled=False,
+                num_requests_running=len(self.scheduler.running),
+                max_num_seqs=int(self.scheduler.max_num_active_reqs),
+            )
+        stats = self.stats
+        seconds = max(0.0, self.clock() - mark.time)
+        steps, preemptions, scheduled_tokens = stats.progress
+        preempted = preemptions - mark.preemptions
+        scheduled = scheduled_tokens - mark.scheduled_tokens
+        queries = stats.prefix_queries - mark.prefix_queries
+        hits = stats.prefix_hits - mark.prefix_hits
+        return SettledSince(
+            from_step=step,
+            settled=True,
+            effective_step=mark.step,
+            from_time=mark.time,
+            seconds=seconds,
+            steps=steps - mark.steps,
+            preemptions=preempted,
+            preemptions_per_minute=preempted * 60.0 / seconds if seconds > 0 else None,
+            scheduled_tokens=scheduled,
+            throughput_tokens_per_second=scheduled / seconds if seconds > 0 else None,
+            kv_hit_ratio=hits / queries if queries else None,
+            **summarize(self.requests.log.since_step(mark.step)),
+        )

@@ -1,0 +1,126 @@
+"""The agent's `/v1/state` answer, built from the collector's parts.
+
+Runs in the agent's HTTP thread, never in the scheduler's step: the parts
+keep plain numbers, and the models of agent_api.py are built here, when
+someone asks. The queues are read under the scheduler lock, the models built
+after it is released.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import TYPE_CHECKING, Any, Final
+
+from vllm_runbook.collector import metrics as M
+from vllm_runbook.collector.agent_api import (
+    AgentState,
+    AutopilotState,
+    Bound,
+    Bounds,
+    EngineInfo,
+    Gpus,
+    Knobs,
+    ParallelConfig,
+    ScheduleHistogram,
+    Stats,
+    TierNow,
+    Tiers,
+    TierSettings,
+)
+from vllm_runbook.collector.exporter import Sample
+from vllm_runbook.collector.settings import vllm_version
+
+if TYPE_CHECKING:
+    from vllm_runbook.collector import control
+    from vllm_runbook.collector.engine_collector import EngineCollector
+
+# Series name → its key in `stats`: the name without the prefix, counters with
+# `_total` (the names Prometheus shows). Histograms, series with extra labels
+# and NVML's (in `gpus`) are left out.
+STAT_KEYS: Final[dict[str, str]] = {
+    spec.name: spec.name.removeprefix(M.PREFIX) + ("_total" if spec.type == "counter" else "")
+    for spec in M.ALL_METRICS
+    if spec.type != "histogram" and not spec.extra_labels and spec not in M.NVML_METRICS
+}
+
+
+def stats_values(samples: list[Sample]) -> dict[str, Any]:
+    """{stat key: value} of the samples that have one (NaN: None)."""
+    values: dict[str, Any] = {}
+    for s in samples:
+        key = STAT_KEYS.get(s.spec.name)
+        if key is not None:
+            values[key] = None if math.isnan(s.value) else s.value
+    return values
+
+
+def _bound(bound: control.Bound) -> Bound:
+    return Bound(
+        min=bound.minimum,
+        max=bound.maximum,
+        min_reason=bound.min_reason,
+        max_reason=bound.max_reason,
+    )
+
+
+def build_state(c: EngineCollector, since_step: int | None = None) -> AgentState:
+    """With `since_step` (the step a change took effect from, as the knob routes
+    answer it), `since` holds what happened from that step on."""
+    window = c.settings.window_seconds
+    stats = stats_values(c.state_samples())
+    stats["preemptions_per_minute"] = c.stats.preemptions_per_minute()
+    stats["admitted_before_time"] = c.requests.waiting_horizon()[1]
+    stats.update(c.requests.window_summary(window))
+    stats["window_seconds"] = window
+    stats["requests_finished_by_reason_total"] = dict(c.requests.log.by_reason)
+    control = c.control
+    bounds = control.bounds()
+    identity = c.identity
+    histogram_bounds, cumulative = c.stats.schedule_histogram()
+    max_num_seqs = int(c.scheduler.max_num_active_reqs)
+    tiers = c.queues.tier_counts()
+    return AgentState(
+        engine=EngineInfo(
+            model_name=identity.model_name,
+            engine=str(identity.dp_rank),
+            pid=os.getpid(),
+            started_at=identity.start_time,
+            step=c.stats.steps,
+            vllm_version=vllm_version(),
+            scheduler_class=type(c.scheduler).__name__,
+            parallel=ParallelConfig(
+                tensor_parallel_size=identity.tensor_parallel_size,
+                pipeline_parallel_size=identity.pipeline_parallel_size,
+                data_parallel_size=identity.data_parallel_size,
+            ),
+        ),
+        collector_up=c.enabled,
+        knobs=Knobs(**control.knobs()),
+        startup=Knobs(**control.startup),
+        bounds=Bounds(
+            max_num_batched_tokens=_bound(bounds["max_num_batched_tokens"]),
+            max_num_seqs=_bound(bounds["max_num_seqs"]),
+        ),
+        autopilot=AutopilotState.model_validate(
+            {**c.autopilot.snapshot(), "ceiling": control.autopilot_ceiling()}
+        ),
+        stats=Stats(**stats),
+        gpus=Gpus(**c.nvml.snapshot()),
+        schedule_histogram=ScheduleHistogram(bounds=list(histogram_bounds), cumulative=cumulative),
+        since=None if since_step is None else c.changes.since(since_step),
+        tiers=Tiers(
+            config=TierSettings(**control.tiers.as_dict(max_num_seqs)),
+            now=None
+            if tiers is None
+            else {
+                tier: TierNow(
+                    waiting=tiers.waiting[i],
+                    running=tiers.running[i],
+                    oldest_waiting_seconds=tiers.oldest_waiting_seconds[i],
+                )
+                for i, tier in enumerate(M.TIERS)
+            },
+        ),
+        queues=c.queues.snapshot(),
+    )

@@ -1,0 +1,201 @@
+"""Per-step statistics of one scheduler: tokens, budget, preemptions, prefix
+cache, padding, block fragmentation, KV usage and the cost of schedule().
+
+`StepStats` reads its data source, the scheduler (its KV cache manager and
+block pool, its queues), after each step in the engine thread: plain
+arithmetic on plain attributes, nothing else. `samples()` turns the numbers
+into Prometheus samples for whoever scrapes, on the scraping thread.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Callable, Iterator
+from itertools import accumulate, repeat
+from operator import attrgetter
+from typing import Any
+
+from vllm_runbook.collector import metrics as M
+from vllm_runbook.collector.exporter import Sample
+from vllm_runbook.collector.window import SlidingWindowMax, SlidingWindowRatio
+
+_num_computed_tokens = attrgetter("num_computed_tokens")
+_request_id = attrgetter("request_id")
+
+
+def predicted_padded_tokens(num_tokens: int, capture_sizes: list[int]) -> int:
+    """Tokens the model runner executes for a batch of `num_tokens` when it pads
+    to the smallest cudagraph capture size ≥ n (eager above the largest)."""
+    if not capture_sizes or num_tokens > capture_sizes[-1] or num_tokens <= 0:
+        return num_tokens
+    return capture_sizes[bisect.bisect_left(capture_sizes, num_tokens)]
+
+
+def _count_real_blocks(blocks: list[Any]) -> int:
+    return sum(1 for b in blocks if not b.is_null)
+
+
+class StepStats:
+    """The scheduler's per-step numbers; written by the engine thread only."""
+
+    def __init__(self, scheduler: Any, window_seconds: float) -> None:
+        self.scheduler = scheduler
+        self.block_size = int(scheduler.block_size)
+        # KV blocks: the first KV cache group (full attention for decoder LLMs).
+        kv_manager = scheduler.kv_cache_manager
+        self.block_pool = kv_manager.block_pool
+        group0 = kv_manager.coordinator.single_type_managers[0]
+        self._req_to_blocks: dict[str, list[Any]] = group0.req_to_blocks
+        # Only full attention never holds null placeholder blocks; other kinds
+        # (sliding window, mamba) need the slower count.
+        from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+        self._blocks_have_nulls = type(group0) is not FullAttentionManager
+        self._usable_blocks = self.block_pool.num_gpu_blocks - 1  # minus vLLM's null block
+
+        compilation = scheduler.vllm_config.compilation_config
+        mode = compilation.cudagraph_mode
+        cudagraphs_on = mode is not None and getattr(mode, "name", str(mode)) != "NONE"
+        self.capture_sizes = (
+            sorted(compilation.cudagraph_capture_sizes or []) if cudagraphs_on else []
+        )
+
+        self.steps = 0
+        self.scheduled_tokens = 0
+        self.token_budget = 0
+        self.step_tokens = 0
+        self.budget_fill = 0.0
+        self.preemptions = 0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.padded_tokens = 0
+        self.unpadded_tokens = 0
+        self.fragmentation = 0.0
+        self.length_padding = 0.0
+        # Longest context (computed tokens, prompt + generated) in the running batch.
+        self.max_sequence_tokens = 0
+        # (steps, preemptions, scheduled tokens) after the latest step, as one tuple.
+        self.progress = (0, 0, 0)
+        self._schedule_bounds = M.SCHEDULE_SECONDS.buckets
+        self.schedule_counts = [0] * (len(self._schedule_bounds) + 1)  # last: +Inf
+        self.schedule_seconds_sum = 0.0
+        self.window_seconds = window_seconds
+        self.hit_window = SlidingWindowRatio(window_seconds)
+        self.padding_window = SlidingWindowRatio(window_seconds)
+        self.preemption_window = SlidingWindowRatio(window_seconds)
+        self.kv_usage_peak = SlidingWindowMax(window_seconds)
+
+    def kv_usage(self, free_blocks: int) -> float:
+        usable = self._usable_blocks
+        return 1.0 - free_blocks / usable if usable else 0.0
+
+    def preemptions_per_minute(self) -> float:
+        """Over the trailing window (any thread)."""
+        preempted, _ = self.preemption_window.sums()
+        return preempted * 60.0 / self.window_seconds
+
+    def schedule_histogram(self) -> tuple[tuple[float, ...], list[int]]:
+        """(bounds, cumulative counts with +Inf last) of schedule()'s wall time."""
+        return self._schedule_bounds, list(accumulate(self.schedule_counts))
+
+    # -- per step (engine thread): plain arithmetic only ---------------------
+
+    def on_prefix_lookup(self, num_tokens: int, num_hits: int) -> None:
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hits
+        self.hit_window.add(num_hits, num_tokens)
+
+    def on_schedule(self, scheduler: Any, output: Any, elapsed: float, free_before: int) -> None:
+        """After schedule(): `request.num_computed_tokens` includes this step.
+        `free_before`: free KV blocks when schedule() started."""
+        if self._usable_blocks:
+            self.kv_usage_peak.add(1.0 - free_before / self._usable_blocks)
+        self.schedule_counts[bisect.bisect_left(self._schedule_bounds, elapsed)] += 1
+        self.schedule_seconds_sum += elapsed
+        tokens = output.total_num_scheduled_tokens
+        budget = scheduler.max_num_scheduled_tokens
+        self.steps += 1
+        self.scheduled_tokens += tokens
+        self.token_budget += budget
+        self.step_tokens = tokens
+        self.budget_fill = tokens / budget if budget else 0.0
+        preempted = len(output.preempted_req_ids)
+        if preempted:
+            self.preemptions += preempted
+            self.preemption_window.add(preempted, 0)
+        # One consistent triple for readers on other threads (one assignment).
+        self.progress = (self.steps, self.preemptions, self.scheduled_tokens)
+
+        running = scheduler.running
+        if not running:
+            self.fragmentation = self.length_padding = 0.0
+            self.max_sequence_tokens = 0
+            return
+        # C-level map/sum instead of a Python loop: this runs every step over
+        # every running request (see benchmarks/collector_overhead.py).
+        lengths = list(map(_num_computed_tokens, running))
+        ids = list(map(_request_id, running))
+        blocks: Iterator[list[Any]] = map(self._req_to_blocks.get, ids, repeat([], len(ids)))
+        count: Callable[[list[Any]], int] = _count_real_blocks if self._blocks_have_nulls else len
+        held = sum(map(count, blocks))
+        computed = sum(lengths)
+        self.max_sequence_tokens = max(lengths)
+        self.fragmentation = 1.0 - computed / (held * self.block_size) if held else 0.0
+        scheduled = output.num_scheduled_tokens
+        if len(scheduled) != len(running):  # scheduled ⊆ running after schedule()
+            lengths = [n for n, i in zip(lengths, ids, strict=True) if i in scheduled]
+            computed = sum(lengths)
+        max_len = max(lengths, default=0)
+        self.length_padding = 1.0 - computed / (len(lengths) * max_len) if max_len else 0.0
+
+    def on_update(self, scheduler: Any, scheduler_output: Any, runner_output: Any) -> None:
+        """After update_from_output(): padding of the batch just executed."""
+        stat = runner_output.cudagraph_stats
+        if stat is not None:
+            unpadded, padded = stat.num_unpadded_tokens, stat.num_padded_tokens
+        else:
+            unpadded = scheduler_output.total_num_scheduled_tokens
+            padded = predicted_padded_tokens(unpadded, self.capture_sizes)
+        if padded:
+            self.padded_tokens += padded
+            self.unpadded_tokens += unpadded
+            self.padding_window.add(padded - unpadded, padded)
+        if not scheduler.running:
+            self.fragmentation = 0.0
+            self.max_sequence_tokens = 0
+
+    # -- at scrape time (any thread) -------------------------------------------
+
+    def samples(self) -> list[Sample]:
+        """Reads the scheduler's ints and list lengths from another thread:
+        single attribute reads, no iteration."""
+        sched = self.scheduler
+        usable = self._usable_blocks
+        free = self.block_pool.get_num_free_blocks()
+        _, cumulative = self.schedule_histogram()
+        return [
+            Sample(M.PREFIX_CACHE_QUERIES, self.prefix_queries),
+            Sample(M.PREFIX_CACHE_HITS, self.prefix_hits),
+            # No lookups in the window: undefined (NaN), not "0 % hits".
+            Sample(M.KV_HIT_RATIO, self.hit_window.ratio(math.nan)),
+            Sample(M.BLOCK_FRAGMENTATION, self.fragmentation),
+            Sample(M.PADDING_RATIO, self.padding_window.ratio()),
+            Sample(M.LENGTH_PADDING_RATIO, self.length_padding),
+            Sample(M.SCHEDULE_SECONDS, self.schedule_seconds_sum, buckets=tuple(cumulative)),
+            Sample(M.STEPS, self.steps),
+            Sample(M.SCHEDULED_TOKENS, self.scheduled_tokens),
+            Sample(M.TOKEN_BUDGET, self.token_budget),
+            Sample(M.STEP_TOKENS, self.step_tokens),
+            Sample(M.BUDGET_FILL, self.budget_fill),
+            Sample(M.PADDED_TOKENS, self.padded_tokens),
+            Sample(M.UNPADDED_TOKENS, self.unpadded_tokens),
+            Sample(M.REQUESTS_RUNNING, len(sched.running)),
+            Sample(M.REQUESTS_WAITING, len(sched.waiting) + len(sched.kv_holding_waiting)),
+            Sample(M.PREEMPTIONS, self.preemptions),
+            Sample(M.MAX_SEQUENCE_TOKENS, self.max_sequence_tokens),
+            Sample(M.KV_BLOCKS_USED, usable - free),
+            Sample(M.KV_BLOCKS_FREE, free),
+            Sample(M.KV_CACHE_USAGE, (usable - free) / usable if usable else 0.0),
+            Sample(M.KV_CACHE_USAGE_PEAK, self.kv_usage_peak.max()),
+        ]
