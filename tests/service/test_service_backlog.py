@@ -41,7 +41,7 @@ def many(n: int, first: int = 0) -> dict[str, Any]:
 def replica(db_url: str, tmp_path: Path) -> Iterator[Replica]:
     cfg = tmp_path / "runbook.yaml"
     cfg.write_text(CONFIG)  # oom-pressure: approve
-    r = Replica(db_url, cfg, FakeAgent(), Credentials(token=TOKEN))
+    r = Replica(db_url, cfg, FakeAgent.kv_bound(), Credentials(token=TOKEN))
     with r.client:
         yield r
     r.store.close()

@@ -39,7 +39,7 @@ from vllm_runbook.runbooks.store import Store, upgrade
 from vllm_runbook.runbooks.store.models import SUCCEEDED
 
 from tests.engines import runbook_cli_command, runbook_cli_env
-from tests.fake_agent import STARTUP, AgentHTTP
+from tests.fake_agent import STARTUP, AgentHTTP, FakeAgent
 
 pytestmark = pytest.mark.service
 
@@ -49,7 +49,7 @@ ENGINES = 4
 DELIVERIES, PER_DELIVERY = 20, 100
 KILL_AFTER = 10  # deliveries answered before the second replica dies
 # What oom-pressure does to an in-memory agent, once.
-ONE_RUN = [{"max_num_batched_tokens": 256}, {"max_num_seqs": 12}]
+ONE_RUN = [{"max_num_batched_tokens": 256}, {"max_num_seqs": 12}, {"autopilot": True}]
 
 
 class _Server(ThreadingHTTPServer):
@@ -217,7 +217,7 @@ def wait_for(condition: Callable[[], bool], limit: float, what: str) -> None:
 
 @pytest.fixture
 def agents() -> Iterator[list[AgentHTTP]]:
-    servers = [AgentHTTP() for _ in range(ENGINES)]
+    servers = [AgentHTTP(FakeAgent.kv_bound()) for _ in range(ENGINES)]
     yield servers
     for server in servers:
         server.close()
