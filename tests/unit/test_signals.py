@@ -11,6 +11,13 @@ from typing import Any
 
 import pytest
 from vllm_runbook.collector import metrics as M
+from vllm_runbook.collector.agent_api import (
+    AgentState,
+    GpuReading,
+    Gpus,
+    ScheduleHistogram,
+    TierNow,
+)
 from vllm_runbook.rules import condition as C
 from vllm_runbook.rules.errors import CatalogError
 from vllm_runbook.rules.model import load_catalog as load_rules
@@ -26,44 +33,68 @@ from vllm_runbook.runbooks import sources
 from vllm_runbook.runbooks.spec import load_catalog as load_runbooks
 from vllm_runbook.runbooks.verification import HIGHER_IS_WORSE
 
+from tests.fake_agent import FakeAgent, agent_state
+
 # One `/v1/state` answer with every part a runbook reads (the agent's wire names).
-FULL_STATE: dict[str, Any] = {
-    "engine": {"started_at": 1.0, "parallel": {"tensor_parallel_size": 2}},
-    "knobs": {"max_num_batched_tokens": 512, "max_num_seqs": 16, "policy": "fcfs"},
-    "stats": {
-        "kv_cache_usage_ratio": 0.5,
-        "kv_blocks_used": 100,
-        "kv_blocks_free": 100,
-        "preemptions_per_minute": 6.0,
-        "num_requests_running": 4,
-        "num_requests_waiting": 2,
-        "budget_fill_ratio": 0.9,
-        "block_fragmentation_ratio": 0.1,
-        "kv_hit_ratio": 0.8,
-        "oldest_waiting_seconds": 3.0,
-        "admitted_before_time": 100.0,
-        "max_sequence_tokens": 300,
-        "p99_latency_seconds": 2.0,
-        "waiting_seconds_p99": 1.0,
-        "error_rate": 0.0,
-        "length_padding_ratio": 0.2,
-        "padding_ratio": 0.0,
-        "window_seconds": 60.0,
-        "requests_finished": 10,
-        "finished_by_reason": {"stop": 10},
-    },
-    "schedule_histogram": {"bounds": [0.001, 0.01], "cumulative": [5, 10]},
-    "tiers": {
-        "now": {t: {"waiting": 1, "oldest_waiting_seconds": 2.0} for t in ("hot", "warm", "cold")}
-    },
-    "gpus": {
-        "nvml_up": True,
-        "per_gpu": {
-            "0": {"utilization_ratio": 0.9, "memory_used_bytes": 10},
-            "1": {"utilization_ratio": 0.5, "memory_used_bytes": 8},
-        },
-    },
+FULL_STATS: dict[str, Any] = {
+    "kv_cache_usage_ratio": 0.5,
+    "kv_blocks_used": 100,
+    "kv_blocks_free": 100,
+    "preemptions_per_minute": 6.0,
+    "num_requests_running": 4,
+    "num_requests_waiting": 2,
+    "budget_fill_ratio": 0.9,
+    "block_fragmentation_ratio": 0.1,
+    "kv_hit_ratio": 0.8,
+    "oldest_waiting_seconds": 3.0,
+    "admitted_before_time": 100.0,
+    "max_sequence_tokens": 300,
+    "p99_latency_seconds": 2.0,
+    "waiting_seconds_p99": 1.0,
+    "error_rate": 0.0,
+    "length_padding_ratio": 0.2,
+    "padding_ratio": 0.0,
+    "window_seconds": 60.0,
+    "requests_finished": 10,
+    "finished_by_reason": {"stop": 10},
 }
+
+
+def full_state() -> AgentState:
+    """An agent's answer in which every signal of the agent and NVML has a value."""
+    state = agent_state(stats_values=FULL_STATS)
+    return state.model_copy(
+        update={
+            "engine": state.engine.model_copy(
+                update={
+                    "started_at": 1.0,
+                    "parallel": state.engine.parallel.model_copy(
+                        update={"tensor_parallel_size": 2}
+                    ),
+                }
+            ),
+            "schedule_histogram": ScheduleHistogram(bounds=[0.001, 0.01], cumulative=[5, 10, 10]),
+            "tiers": state.tiers.model_copy(
+                update={
+                    "now": {
+                        t: TierNow(waiting=1, running=0, oldest_waiting_seconds=2.0)
+                        for t in ("hot", "warm", "cold")
+                    }
+                }
+            ),
+            "gpus": Gpus(
+                nvml_up=True,
+                per_gpu={
+                    "0": GpuReading(
+                        utilization_ratio=0.9, memory_used_bytes=10, memory_total_bytes=20
+                    ),
+                    "1": GpuReading(
+                        utilization_ratio=0.5, memory_used_bytes=8, memory_total_bytes=20
+                    ),
+                },
+            ),
+        }
+    )
 
 
 def rule_signals() -> Counter[str]:
@@ -117,18 +148,19 @@ def test_the_runbook_side_reads_exactly_the_registry() -> None:
     # What the reader returns for an agent's answer: every readable signal, no other name,
     # and from a full answer each has a value but a rate between two reads and the API
     # server's.
-    assert set(sources.signals_from_state({})) == set(READABLE)
-    read = sources.signals_from_state(FULL_STATE)
+    bare = agent_state()  # no GPU, no per-tier queues, nothing finished
+    assert set(sources.signals_from_state(bare)) == set(READABLE)
+    read = sources.signals_from_state(full_state())
     assert set(read) == set(READABLE)
     assert [n for n, v in read.items() if v is None] == [
         "scheduled_tokens_per_second",
         "http_error_rate",
     ]
-    since = sources.since_signals({"preemptions": 1, "requests_finished": 2})
+    since = sources.since_signals(FakeAgent().state(since_step=5).since)  # type: ignore[arg-type]
     assert set(since) <= sources.WINDOWED
     assert {"http_error_rate"} == sources.API_SIGNALS
     assert set(READABLE) >= HIGHER_IS_WORSE
-    assert set(sources.unavailable({}, dict.fromkeys(READABLE))) == set(READABLE)
+    assert set(sources.unavailable(bare, dict.fromkeys(READABLE))) == set(READABLE)
 
 
 def test_no_quantity_is_in_the_registry_under_two_names() -> None:
