@@ -59,6 +59,7 @@ def test_approve_from_the_page_runs_on_the_engine_and_the_page_shows_it(
 
 
 def run_page_test(tiny_model: Path, tmp_path: Path, browser: Any, hooks: Hooks) -> None:
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
@@ -103,7 +104,15 @@ def run_page_test(tiny_model: Path, tmp_path: Path, browser: Any, hooks: Hooks) 
             )
             row.find_element(By.NAME, "note").send_keys("KV cache full, go")
             browser.find_element(By.ID, f"approve-{ex}").click()
-            message = browser.find_element(By.ID, "message").text
+
+            # The click returns before the answer's page has loaded: wait for it.
+            def answer() -> str | None:
+                try:
+                    return next((m.text for m in browser.find_elements(By.ID, "message")), None)
+                except StaleElementReferenceException:  # the old page went mid-read
+                    return None
+
+            message = wait_until("the page's answer", answer, 30)
             assert message == (
                 f"execution #{ex} (oom-pressure on {served.agent_url}) approved by "
                 "anonymous (loopback); "
