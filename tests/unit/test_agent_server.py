@@ -233,6 +233,7 @@ def test_answers_are_sent_at_once_not_held_back_by_nagle(
     per /v1/state over loopback. The agent's connections send at once."""
     server, _ = agent
     nodelay: list[int] = []
+    served = threading.Event()
     finish_request = server._httpd.finish_request
 
     def spy(request: socket.socket, client_address: object) -> None:
@@ -240,10 +241,14 @@ def test_answers_are_sent_at_once_not_held_back_by_nagle(
             finish_request(request, client_address)
         finally:
             nodelay.append(request.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            served.set()
 
     server._httpd.finish_request = spy  # type: ignore[method-assign]
     try:
         assert metrics_ok(server)
+        # The client has its answer before the connection's thread leaves
+        # finish_request (the spy's record comes after): wait for it.
+        assert served.wait(timeout=10)
     finally:
         del server._httpd.finish_request
     assert len(nodelay) == 1 and nodelay[0] != 0
