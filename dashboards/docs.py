@@ -6,8 +6,8 @@
 A page marks a region with the lines `<!-- BEGIN generated:NAME -->` and
 `<!-- END generated:NAME -->`; everything between them is replaced by the
 output of the generator NAME (below), built from the same catalogs the code
-runs on: the metric declarations, the signal registry, the rule catalog, the runbook catalog and
-the CLI's argparse parser. Text outside the markers is never touched.
+runs on: the metric declarations, the signal registry, the rule catalog, the runbook catalog,
+the action registry and the CLI's argparse parser. Text outside the markers is never touched.
 Whole files are generated too: docs/agent-api.schema.json, the JSON Schema
 of the engine agent's requests and answers (vllm_runbook.collector.agent_api).
 
@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import re
 import sys
+import types
+import typing
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -33,6 +36,7 @@ from vllm_runbook.collector.metrics import MetricSpec
 from vllm_runbook.rules import load_catalog as load_rule_catalog
 from vllm_runbook.rules.signals import RENAMED, SIGNALS
 from vllm_runbook.runbooks import service_metrics
+from vllm_runbook.runbooks.actions import ActionRegistry, catalog_registry
 from vllm_runbook.runbooks.spec import Runbook
 from vllm_runbook.runbooks.spec import load_catalog as load_runbook_catalog
 
@@ -222,6 +226,71 @@ def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser
     return out
 
 
+_BOUNDS = (
+    ("gt", ">"),
+    ("ge", "≥"),
+    ("lt", "<"),
+    ("le", "≤"),
+    ("min_length", "length ≥"),
+    ("max_length", "length ≤"),
+)
+
+
+def _bounds(metadata: Sequence[object]) -> str:
+    # Inside a union the constraints come as a whole `Field(...)` (its own metadata).
+    flat = [c for m in metadata for c in (getattr(m, "metadata", None) or [m])]
+    return ", ".join(
+        f"{sign} {_number(getattr(m, attr))}"
+        for m in flat
+        for attr, sign in _BOUNDS
+        if getattr(m, attr, None) is not None
+    )
+
+
+def _type_text(tp: object, metadata: Sequence[object] = ()) -> str:
+    """A parameter's type as a runbook author writes it: `float > 0, ≤ 1`, `"fcfs" | …`."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Annotated:
+        inner, *meta = typing.get_args(tp)
+        return _type_text(inner, [*meta, *metadata])
+    if origin is typing.Literal:
+        text = " \\| ".join(json.dumps(a) for a in typing.get_args(tp))
+    elif origin in (typing.Union, types.UnionType):
+        text = " \\| ".join(_type_text(a) for a in typing.get_args(tp))
+    elif tp is type(None):
+        text = "null"
+    else:
+        text = getattr(tp, "__name__", str(tp))
+    bounds = _bounds(metadata)
+    return f"{text} {bounds}" if bounds else text
+
+
+def action_table(registry: ActionRegistry) -> str:
+    """The registry's actions: name, whether it changes knobs (journaled before/after,
+    reverted), its parameters and what it does."""
+    rows = [
+        "| action | changes knobs | parameters | what it does |",
+        "|---|---|---|---|",
+    ]
+    for spec in registry.specs():
+        params = []
+        for name, field in spec.params_model.model_fields.items():
+            text = f"`{name}`: {_type_text(field.annotation, field.metadata)}"
+            if not field.is_required():
+                text += f" = `{json.dumps(field.get_default(call_default_factory=True))}`"
+            params.append(text)
+        mutating = "yes" if spec.mutating else "no"
+        rows.append(
+            f"| `{spec.name}` | {mutating} | {'; '.join(params) or '—'} "
+            f"| {_cell(spec.description) or '—'} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def gen_actions() -> str:
+    return action_table(catalog_registry())
+
+
 def gen_cli() -> str:
     # Imported here: the CLI pulls in the service (FastAPI) and the store.
     from vllm_runbook.runbooks.cli import build_parser
@@ -239,6 +308,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "service-metrics": gen_service_metrics,
     "alerts": gen_alerts,
     "runbooks": gen_runbooks,
+    "actions": gen_actions,
     "signals": gen_signals,
     "signal-renames": gen_signal_renames,
     "cli": gen_cli,

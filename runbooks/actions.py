@@ -1,32 +1,63 @@
 """The action registry: which actions a runbook may name, and their parameters.
 
-Runbook YAML names actions; this registry is the explicit list of them, each
-with a pydantic model for its parameters (validated when the catalog loads,
-so a typo fails at load time, not mid-incident) and the function that does
-the work. `declared_registry()` declares every action the catalog uses with
-its parameter model and *no* implementation: the functions that talk to the
-engine are attached later with `implement(name, fn)` by the executor's
-wiring. Calling a declared-only action raises `ActionNotImplemented` rather
-than pretending to have acted.
+Adding an action is one edit: a parameters model and a function that takes
+it, decorated with `@action`, in one of `ACTION_MODULES`::
+
+    class SetPolicy(ActionParams):
+        policy: Literal["fcfs", "priority", "tiered"]
+
+
+    @action(mutating=True)
+    def set_policy(params: SetPolicy, ctx: ActionContext) -> ActionOutcome: ...
+
+The decorator reads the parameters model from the type of the function's
+first parameter (a subclass of `ActionParams`: strict about unknown keys,
+frozen), names the action after the function unless `name=` says otherwise,
+and adds it to the registry. The runbook loader validates every step's
+parameters against that model (a typo fails at load time, not mid-incident),
+the executor calls the function, and the docs' action table lists it: all of
+them read the registry, none keeps a list of its own.
+
+A function whose first parameter is not typed with a parameters model, a
+name a runbook could not spell, and a name registered twice are refused when
+the module is imported, with an error naming the function.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import re
+import typing
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, Final, Literal
+from typing import Any, Final, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 ActionFn = Callable[..., Any]
+F = TypeVar("F", bound=ActionFn)
+
+# The modules whose `@action` functions make up the catalog's actions.
+ACTION_MODULES: Final = (
+    "vllm_runbook.runbooks.engine_actions",
+    "vllm_runbook.runbooks.warmup",
+)
+
+# What a runbook step's `action:` may be (vllm_runbook.runbooks.spec `Identifier`).
+_NAME: Final = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
 class ActionError(Exception):
-    """Base of the registry's errors."""
+    """Base of the registry's errors (and of the actions' own failures)."""
 
 
 class DuplicateAction(ActionError):
     pass
+
+
+class ActionDefinitionError(ActionError, TypeError):
+    """An action function the registry cannot take (raised at registration)."""
 
 
 class UnknownAction(ActionError, KeyError):
@@ -38,94 +69,63 @@ class UnknownAction(ActionError, KeyError):
         return f"unknown action {self.name!r}"
 
 
-class ActionNotImplemented(ActionError, NotImplementedError):
-    pass
-
-
 class ActionParams(BaseModel):
     """Base of every action's parameters: strict about unknown keys and frozen."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-# --- parameter models of the catalog's actions ----------------------------------
-
-
-class ScaleMaxNumBatchedTokens(ActionParams):
-    """Multiply the token budget; never above the startup value, never below the floors."""
-
-    factor: Annotated[float, Field(gt=0, le=1)]
-    # Stop at the floor (as the docstring promises) rather than fail the step
-    # when the factor would cross it; false makes crossing a floor an error.
-    clamp: bool = True
-
-
-class SetMaxNumSeqs(ActionParams):
-    """Cap running sequences; 'kv_capacity' = what the KV cache holds at the
-    current average footprint (computed from the block pool), times headroom."""
-
-    value: Annotated[int, Field(ge=1)] | Literal["kv_capacity"]
-    # With 'kv_capacity': admit this fraction of it. When preemption starts
-    # the cache is full, so the capacity at the current footprint equals the
-    # running count and capping there changes nothing (measured on the tiny
-    # CPU model: 37 -> 37 preemptions); running sequences keep growing, so by
-    # default admit half (32 -> 16 -> 8 seqs measured 37 -> 12 -> 0).
-    headroom: Annotated[float, Field(gt=0, le=1)] = 0.5
-    clamp: bool = False
-
-
-class SetPolicy(ActionParams):
-    policy: Literal["fcfs", "priority", "tiered"]
-
-
-class SetAutopilot(ActionParams):
-    """Hand max_num_seqs over to the engine's autopilot (or take it back):
-    it keeps preemptions near zero at the most sequences the KV cache holds,
-    never above the startup value. `target`: its peak KV usage, (0, 1]."""
-
-    enabled: bool = True
-    target: Annotated[float, Field(gt=0, le=1)] | None = None
-
-
-class RestoreKnobs(ActionParams):
-    """Put every knob back to the engine's startup value."""
-
-
-class SendWarmupRequests(ActionParams):
-    """Send `count` completions of `prompt_tokens` prompt tokens to the engine's
-    vLLM API server (needs its URL: the inventory's `vllm:`, or `--vllm`)."""
-
-    count: Annotated[int, Field(ge=1, le=10_000)]
-    prompt_tokens: Annotated[int, Field(ge=1)]
-    output_tokens: Annotated[int, Field(ge=1, le=4096)] = 16
-    # At most this many in flight: warm-up must not become the overload it prevents.
-    concurrency: Annotated[int, Field(ge=1, le=64)] = 4
-    timeout_seconds: Annotated[float, Field(gt=0, le=3600)] = 120.0
-
-
-class CaptureDiagnostics(ActionParams):
-    """Snapshot the engine's state (metrics, block pool, queues) into the journal."""
-
-
-class Advise(ActionParams):
-    """Tell the operator something that needs a person (e.g. a restart)."""
-
-    text: Annotated[str, Field(min_length=1)]
-
-
 @dataclass(frozen=True, slots=True)
 class ActionSpec:
     name: str
     params_model: type[ActionParams]
-    fn: ActionFn | None
+    fn: ActionFn
     # Changes engine state (records before/after, can be reverted); read-only
     # actions (advice, diagnostics) are safe in any mode.
     mutating: bool
     description: str
 
-    @property
-    def implemented(self) -> bool:
-        return self.fn is not None
+
+def _qualname(fn: object) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def params_model_of(fn: ActionFn) -> type[ActionParams]:
+    """The parameters model an action function takes: its first parameter's type.
+
+    Only that annotation is resolved (in the function's module), so the others
+    may name types imported for type checking only."""
+    where = _qualname(fn)
+    if not callable(fn):
+        raise ActionDefinitionError(f"{where}: an action must be a function")
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError) as exc:
+        raise ActionDefinitionError(f"{where}: cannot read its signature: {exc}") from None
+    first = parameters[0] if parameters else None
+    if first is None or first.kind not in (first.POSITIONAL_ONLY, first.POSITIONAL_OR_KEYWORD):
+        raise ActionDefinitionError(
+            f"{where}: an action takes its parameters model as its first parameter, "
+            "e.g. `def my_action(params: MyParams, ctx: ActionContext)`"
+        )
+    annotation = first.annotation
+    if isinstance(annotation, str):
+        holder = type("_Params", (), {"__annotations__": {first.name: annotation}})
+        try:
+            annotation = typing.get_type_hints(holder, globalns=getattr(fn, "__globals__", None))[
+                first.name
+            ]
+        except NameError as exc:
+            raise ActionDefinitionError(
+                f"{where}: cannot resolve the type of {first.name!r} ({exc})"
+            ) from None
+    if not (isinstance(annotation, type) and issubclass(annotation, ActionParams)):
+        shown = "no type" if annotation is inspect.Parameter.empty else repr(annotation)
+        raise ActionDefinitionError(
+            f"{where}: the first parameter {first.name!r} must be typed with the action's "
+            f"parameters model, a subclass of ActionParams (it has {shown})"
+        )
+    return annotation
 
 
 class ActionRegistry:
@@ -136,31 +136,45 @@ class ActionRegistry:
 
     def register(
         self,
-        name: str,
-        fn: ActionFn | None,
-        params_model: type[ActionParams],
+        fn: ActionFn,
         *,
-        mutating: bool = False,
+        name: str | None = None,
+        mutating: bool,
         description: str | None = None,
     ) -> ActionSpec:
-        """Add an action. `fn=None` declares it (name + params) without an implementation."""
+        """Add an action; its parameters model is the type of `fn`'s first parameter.
+
+        The name defaults to the function's; the description to the model's
+        docstring, else the function's."""
+        params_model = params_model_of(fn)
+        name = name if name is not None else getattr(fn, "__name__", "")
+        if not _NAME.match(name):
+            raise ActionDefinitionError(
+                f"{_qualname(fn)}: action name {name!r} is not one a runbook can name "
+                "(lower case letters, digits and _, starting with a letter)"
+            )
         if name in self._actions:
-            raise DuplicateAction(f"action {name!r} is already registered")
-        if not (isinstance(params_model, type) and issubclass(params_model, BaseModel)):
-            raise TypeError(f"action {name!r}: params_model must be a pydantic model class")
-        doc = description if description is not None else (params_model.__doc__ or "")
-        spec = ActionSpec(name, params_model, fn, mutating, " ".join(doc.split()))
+            first = _qualname(self._actions[name].fn)
+            raise DuplicateAction(
+                f"action {name!r} is already registered (by {first}); "
+                f"{_qualname(fn)} needs another name"
+            )
+        if description is None:
+            description = params_model.__doc__ or (inspect.getdoc(fn) or "").split("\n\n")[0]
+        spec = ActionSpec(name, params_model, fn, mutating, " ".join(description.split()))
         self._actions[name] = spec
         return spec
 
-    def implement(self, name: str, fn: ActionFn) -> ActionSpec:
-        """Attach the implementation to a declared action (once)."""
-        spec = self.get(name)
-        if spec.fn is not None:
-            raise DuplicateAction(f"action {name!r} already has an implementation")
-        implemented = ActionSpec(name, spec.params_model, fn, spec.mutating, spec.description)
-        self._actions[name] = implemented
-        return implemented
+    def action(
+        self, name: str | None = None, *, mutating: bool, description: str | None = None
+    ) -> Callable[[F], F]:
+        """Decorator form of `register`: returns the function unchanged."""
+
+        def decorate(fn: F) -> F:
+            self.register(fn, name=name, mutating=mutating, description=description)
+            return fn
+
+        return decorate
 
     def get(self, name: str) -> ActionSpec:
         try:
@@ -177,6 +191,10 @@ class ActionRegistry:
     def __len__(self) -> int:
         return len(self._actions)
 
+    def specs(self) -> list[ActionSpec]:
+        """Every action, by name."""
+        return [self._actions[name] for name in self]
+
     def validate(self, name: str, params: Mapping[str, Any] | None) -> ActionParams:
         """Parameters as the action's model; raises UnknownAction or pydantic's ValidationError."""
         return self.get(name).params_model.model_validate(dict(params or {}))
@@ -186,32 +204,26 @@ class ActionRegistry:
     ) -> Any:
         """Run an action with validated parameters (extra args go to its function)."""
         spec = self.get(name)
-        if spec.fn is None:
-            raise ActionNotImplemented(f"action {name!r} is declared but has no implementation")
         model = params if isinstance(params, ActionParams) else self.validate(name, params)
         return spec.fn(model, *args, **kw)
 
 
-CATALOG_ACTIONS: Final[tuple[tuple[str, type[ActionParams], bool], ...]] = (
-    ("scale_max_num_batched_tokens", ScaleMaxNumBatchedTokens, True),
-    ("set_max_num_seqs", SetMaxNumSeqs, True),
-    ("set_policy", SetPolicy, True),
-    ("set_autopilot", SetAutopilot, True),
-    ("restore_knobs", RestoreKnobs, True),
-    ("send_warmup_requests", SendWarmupRequests, False),
-    ("capture_diagnostics", CaptureDiagnostics, False),
-    ("advise", Advise, False),
-)
+# The catalog's actions: filled by `@action` as ACTION_MODULES are imported.
+ACTIONS: Final = ActionRegistry()
 
 
-def declared_registry() -> ActionRegistry:
-    """A fresh registry declaring every catalog action, none implemented yet."""
-    registry = ActionRegistry()
-    for name, params_model, mutating in CATALOG_ACTIONS:
-        registry.register(name, None, params_model, mutating=mutating)
-    return registry
+def action(
+    name: str | None = None, *, mutating: bool, description: str | None = None
+) -> Callable[[F], F]:
+    """Register the decorated function as one of the catalog's actions.
+
+    `mutating`: whether it changes the engine (journaled before/after,
+    reverted); said at every action, never assumed."""
+    return ACTIONS.action(name, mutating=mutating, description=description)
 
 
-def format_validation_error(error: ValidationError) -> list[tuple[tuple[str | int, ...], str]]:
-    """(location, message) pairs from a pydantic error, in a stable order."""
-    return [(tuple(e["loc"]), e["msg"]) for e in error.errors()]
+def catalog_registry() -> ActionRegistry:
+    """The catalog's actions (imports ACTION_MODULES, whose decorators fill it)."""
+    for module in ACTION_MODULES:
+        importlib.import_module(module)
+    return ACTIONS

@@ -1,8 +1,9 @@
 """The catalog's actions, implemented against the engine agent, and the signals they read.
 
-`engine_registry()` returns the declared registry (`vllm_runbook.runbooks.actions`) with
-every action implemented: through the agent, and warm-up through the engine's
-vLLM API server (`vllm_runbook.runbooks.warmup`). An action is a plain
+Each action is a parameters model and a function registered with `@action`
+(`vllm_runbook.runbooks.actions`); `engine_registry()` returns the registry
+they fill: actions through the agent, and warm-up through the engine's vLLM
+API server (`vllm_runbook.runbooks.warmup`). An action is a plain
 function `fn(params, ctx) -> ActionOutcome`: `ctx` carries the agent client,
 a fresh `/v1/state`, the dry-run flag and `ctx.begin(before, details)`, which
 the executor turns into a journal row *committed before the action touches
@@ -21,10 +22,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Annotated, Any, Final, Literal
 
+from pydantic import Field
 from vllm_runbook.collector.agent_api import (
     KNOBS,
     AgentState,
@@ -32,17 +34,7 @@ from vllm_runbook.collector.agent_api import (
     DrainingSince,
     SettledSince,
 )
-from vllm_runbook.runbooks.actions import ActionRegistry as _Registry
-from vllm_runbook.runbooks.actions import (
-    Advise,
-    CaptureDiagnostics,
-    RestoreKnobs,
-    ScaleMaxNumBatchedTokens,
-    SetAutopilot,
-    SetMaxNumSeqs,
-    SetPolicy,
-    declared_registry,
-)
+from vllm_runbook.runbooks.actions import ActionParams, ActionRegistry, action, catalog_registry
 from vllm_runbook.runbooks.client import EngineClient
 from vllm_runbook.runbooks.sources import (
     WINDOWED,
@@ -52,7 +44,6 @@ from vllm_runbook.runbooks.sources import (
     since_signals,
     unavailable,
 )
-from vllm_runbook.runbooks.warmup import send_warmup_requests
 
 # --- signals -----------------------------------------------------------------------
 
@@ -208,8 +199,21 @@ def _clamped(result: ChangeResult) -> tuple[dict[str, Any], ...]:
 
 
 # --- the actions -------------------------------------------------------------------
+# Each is its parameters model and an `@action` function taking it
+# (vllm_runbook.runbooks.actions); send_warmup_requests is in
+# vllm_runbook.runbooks.warmup.
 
 
+class ScaleMaxNumBatchedTokens(ActionParams):
+    """Multiply the token budget; never above the startup value, never below the floors."""
+
+    factor: Annotated[float, Field(gt=0, le=1)]
+    # Stop at the floor (as the docstring promises) rather than fail the step
+    # when the factor would cross it; false makes crossing a floor an error.
+    clamp: bool = True
+
+
+@action(mutating=True)
 def scale_max_num_batched_tokens(
     params: ScaleMaxNumBatchedTokens, ctx: ActionContext
 ) -> ActionOutcome:
@@ -228,6 +232,21 @@ KV_CAPACITY_REREADS: Final = 10
 KV_CAPACITY_REREAD_SECONDS: Final = 0.2
 
 
+class SetMaxNumSeqs(ActionParams):
+    """Cap running sequences; 'kv_capacity' = what the KV cache holds at the
+    current average footprint (computed from the block pool), times headroom."""
+
+    value: Annotated[int, Field(ge=1)] | Literal["kv_capacity"]
+    # With 'kv_capacity': admit this fraction of it. When preemption starts
+    # the cache is full, so the capacity at the current footprint equals the
+    # running count and capping there changes nothing (measured on the tiny
+    # CPU model: 37 -> 37 preemptions); running sequences keep growing, so by
+    # default admit half (32 -> 16 -> 8 seqs measured 37 -> 12 -> 0).
+    headroom: Annotated[float, Field(gt=0, le=1)] = 0.5
+    clamp: bool = False
+
+
+@action(mutating=True)
 def set_max_num_seqs(params: SetMaxNumSeqs, ctx: ActionContext) -> ActionOutcome:
     """Lower the admission limit, to a number or to the KV capacity now."""
     current = ctx.state.knobs.max_num_seqs
@@ -275,12 +294,28 @@ def set_max_num_seqs(params: SetMaxNumSeqs, ctx: ActionContext) -> ActionOutcome
     return _set_knobs(ctx, {"max_num_seqs": target}, ("max_num_seqs",), details, params.clamp)
 
 
+class SetPolicy(ActionParams):
+    policy: Literal["fcfs", "priority", "tiered"]
+
+
+@action(mutating=True)
 def set_policy(params: SetPolicy, ctx: ActionContext) -> ActionOutcome:
+    """Switch the scheduling policy: fcfs, priority, or tiered (hot tier first)."""
     if ctx.state.knobs.policy == params.policy:
         return ActionOutcome(skipped=f"policy is already {params.policy}")
     return _set_knobs(ctx, {"policy": params.policy}, ("policy",), {})
 
 
+class SetAutopilot(ActionParams):
+    """Hand max_num_seqs over to the engine's autopilot (or take it back):
+    it keeps preemptions near zero at the most sequences the KV cache holds,
+    never above the startup value. `target`: its peak KV usage, (0, 1]."""
+
+    enabled: bool = True
+    target: Annotated[float, Field(gt=0, le=1)] | None = None
+
+
+@action(mutating=True)
 def set_autopilot(params: SetAutopilot, ctx: ActionContext) -> ActionOutcome:
     """Switch the autopilot (a revert switches it back: its before-value is
     journaled like a knob's). The details keep where max_num_seqs was when
@@ -299,6 +334,11 @@ def set_autopilot(params: SetAutopilot, ctx: ActionContext) -> ActionOutcome:
     return _set_knobs(ctx, request, touched, details)
 
 
+class RestoreKnobs(ActionParams):
+    """Put every knob back to the engine's startup value."""
+
+
+@action(mutating=True)
 def restore_knobs(params: RestoreKnobs, ctx: ActionContext) -> ActionOutcome:
     """Every knob back to its startup value (one command, applied atomically)."""
     knobs, startup = ctx.state.knobs, ctx.state.startup
@@ -316,6 +356,11 @@ def restore_knobs(params: RestoreKnobs, ctx: ActionContext) -> ActionOutcome:
     )
 
 
+class CaptureDiagnostics(ActionParams):
+    """Snapshot the engine's state (metrics, block pool, queues) into the journal."""
+
+
+@action(mutating=False)
 def capture_diagnostics(params: CaptureDiagnostics, ctx: ActionContext) -> ActionOutcome:
     """The whole /v1/state (knobs, bounds, stats, queues per tier, the oldest
     waiting requests) into the journal."""
@@ -324,25 +369,17 @@ def capture_diagnostics(params: CaptureDiagnostics, ctx: ActionContext) -> Actio
     return ActionOutcome(after={"diagnostics": snapshot})
 
 
+class Advise(ActionParams):
+    """Tell the operator something that needs a person (e.g. a restart)."""
+
+    text: Annotated[str, Field(min_length=1)]
+
+
+@action(mutating=False)
 def advise(params: Advise, ctx: ActionContext) -> ActionOutcome:
     return ActionOutcome(after={"advice": " ".join(params.text.split())})
 
 
-IMPLEMENTATIONS: Final[Mapping[str, Callable[..., ActionOutcome]]] = {
-    "scale_max_num_batched_tokens": scale_max_num_batched_tokens,
-    "set_max_num_seqs": set_max_num_seqs,
-    "set_policy": set_policy,
-    "set_autopilot": set_autopilot,
-    "restore_knobs": restore_knobs,
-    "capture_diagnostics": capture_diagnostics,
-    "advise": advise,
-    "send_warmup_requests": send_warmup_requests,
-}
-
-
-def engine_registry() -> _Registry:
-    """The catalog's registry with every action implemented."""
-    registry = declared_registry()
-    for name, fn in IMPLEMENTATIONS.items():
-        registry.implement(name, fn)
-    return registry
+def engine_registry() -> ActionRegistry:
+    """The catalog's actions, every one implemented (the registry `@action` fills)."""
+    return catalog_registry()

@@ -33,7 +33,7 @@ from pydantic import (
 from vllm_runbook.rules.errors import RUNBOOK_CATALOG, CatalogError, Problem, SyntaxProblem
 from vllm_runbook.rules.signals import READABLE, RENAMED, SIGNALS, unknown_signal
 from vllm_runbook.rules.yamlmarks import MarkedDict, load, locate, validation_problems
-from vllm_runbook.runbooks.actions import ActionRegistry, UnknownAction, declared_registry
+from vllm_runbook.runbooks.actions import ActionRegistry, UnknownAction, catalog_registry
 
 CATALOG_DIR: Final = Path(__file__).resolve().parent / "catalog"
 
@@ -211,7 +211,7 @@ def load_runbook_file(
 
     With `alerts` (the rule catalog's alert names) every trigger must be one of them.
     """
-    registry = registry if registry is not None else declared_registry()
+    registry = registry if registry is not None else catalog_registry()
     shown = _display(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -282,7 +282,7 @@ def load_catalog(
     (vllm_runbook.runbooks.catalogs loads both catalogs together).
     Raises CatalogError listing every problem in every file.
     """
-    registry = registry if registry is not None else declared_registry()
+    registry = registry if registry is not None else catalog_registry()
     runbooks: dict[str, Runbook] = {}
     sources: dict[str, Path] = {}
     lines: dict[str, int] = {}

@@ -21,13 +21,12 @@ import os
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Annotated, Any
 
 import httpx
-from vllm_runbook.runbooks.actions import ActionError, SendWarmupRequests
-
-if TYPE_CHECKING:
-    from vllm_runbook.runbooks.engine_actions import ActionContext, ActionOutcome
+from pydantic import Field
+from vllm_runbook.runbooks.actions import ActionError, ActionParams, action
+from vllm_runbook.runbooks.engine_actions import ActionContext, ActionOutcome
 
 # Token ids every vocabulary has (the tiny test model has 512; 0-2 are special there).
 _FIRST_ID, _ID_SPAN = 3, 500
@@ -66,9 +65,20 @@ def _model(client: httpx.Client, api_url: str) -> tuple[str, int | None]:
         raise WarmupFailed(f"{api_url}/v1/models: not a vLLM model list") from None
 
 
-def send_warmup_requests(params: SendWarmupRequests, ctx: ActionContext) -> ActionOutcome:
-    from vllm_runbook.runbooks.engine_actions import ActionOutcome
+class SendWarmupRequests(ActionParams):
+    """Send `count` completions of `prompt_tokens` prompt tokens to the engine's
+    vLLM API server (needs its URL: the inventory's `vllm:`, or `--vllm`)."""
 
+    count: Annotated[int, Field(ge=1, le=10_000)]
+    prompt_tokens: Annotated[int, Field(ge=1)]
+    output_tokens: Annotated[int, Field(ge=1, le=4096)] = 16
+    # At most this many in flight: warm-up must not become the overload it prevents.
+    concurrency: Annotated[int, Field(ge=1, le=64)] = 4
+    timeout_seconds: Annotated[float, Field(gt=0, le=3600)] = 120.0
+
+
+@action(mutating=False)
+def send_warmup_requests(params: SendWarmupRequests, ctx: ActionContext) -> ActionOutcome:
     if not ctx.api_url:
         raise WarmupFailed(
             "send_warmup_requests needs the engine's vLLM API server URL: set `vllm:` "

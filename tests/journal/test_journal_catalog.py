@@ -8,14 +8,8 @@ from pathlib import Path
 import pytest
 from vllm_runbook.rules.errors import CatalogError
 from vllm_runbook.rules.model import load_catalog as load_rules
-from vllm_runbook.runbooks.actions import (
-    ActionNotImplemented,
-    Advise,
-    DuplicateAction,
-    SetMaxNumSeqs,
-    UnknownAction,
-    declared_registry,
-)
+from vllm_runbook.runbooks.actions import DuplicateAction, UnknownAction, catalog_registry
+from vllm_runbook.runbooks.engine_actions import SetMaxNumSeqs, advise
 from vllm_runbook.runbooks.spec import CATALOG_DIR, load_catalog
 
 EXPECTED = {
@@ -181,7 +175,7 @@ def test_stepwise_must_end_at_one(tmp_path: Path) -> None:
 
 
 def test_registry_rejects_duplicates_and_validates() -> None:
-    registry = declared_registry()
+    registry = catalog_registry()
     assert list(registry) == [
         "advise",
         "capture_diagnostics",
@@ -193,24 +187,18 @@ def test_registry_rejects_duplicates_and_validates() -> None:
         "set_policy",
     ]
     with pytest.raises(DuplicateAction, match="'advise' is already registered"):
-        registry.register("advise", None, Advise)
+        registry.register(advise, mutating=False)
     assert registry.validate("set_max_num_seqs", {"value": "kv_capacity"}) == SetMaxNumSeqs(
         value="kv_capacity"
     )
     assert registry.validate("set_max_num_seqs", {"value": 8}) == SetMaxNumSeqs(value=8)
     with pytest.raises(UnknownAction, match="unknown action 'halve'"):
         registry.validate("halve", {})
-    assert registry.get("set_policy").mutating is True
-    assert registry.get("advise").mutating is False
-
-
-def test_declared_actions_refuse_to_run_until_implemented() -> None:
-    registry = declared_registry()
-    with pytest.raises(ActionNotImplemented, match="'set_policy' is declared but has no impl"):
-        registry.call("set_policy", {"policy": "fcfs"})
-    calls = []
-    registry.implement("set_policy", lambda params, engine: calls.append((params.policy, engine)))
-    registry.call("set_policy", {"policy": "fcfs"}, "llama-0")
-    assert calls == [("fcfs", "llama-0")]
-    with pytest.raises(DuplicateAction, match="already has an implementation"):
-        registry.implement("set_policy", lambda params, engine: None)
+    mutating = {name for name in registry if registry.get(name).mutating}
+    assert mutating == {
+        "restore_knobs",
+        "scale_max_num_batched_tokens",
+        "set_autopilot",
+        "set_max_num_seqs",
+        "set_policy",
+    }
