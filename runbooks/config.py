@@ -155,7 +155,9 @@ class PageConfig(Section):
 
 
 class ApprovalsConfig(Section):
-    timeout_seconds: PositiveDuration = Field(DEFAULT_APPROVAL_TIMEOUT, validation_alias="timeout")
+    timeout_seconds: PositiveDuration = Field(
+        default=DEFAULT_APPROVAL_TIMEOUT, validation_alias="timeout"
+    )
     """An unanswered approval is refused after this."""
 
 
@@ -173,11 +175,11 @@ class NotificationsConfig(Section):
     receivers: tuple[ReceiverConfig, ...] = ()
     retries: Annotated[int, Field(ge=0, le=20, strict=True)] = 4
     """After the first attempt."""
-    backoff_seconds: Duration = Field(1.0, validation_alias="backoff")
+    backoff_seconds: Duration = Field(default=1.0, validation_alias="backoff")
     """Before the first retry, doubled each time."""
-    timeout_seconds: PositiveDuration = Field(5.0, validation_alias="timeout")
+    timeout_seconds: PositiveDuration = Field(default=5.0, validation_alias="timeout")
     """Per attempt."""
-    claim_lease_seconds: Duration = Field(30.0, validation_alias="claim_lease")
+    claim_lease_seconds: Duration = Field(default=30.0, validation_alias="claim_lease")
     """How long a replica's claim on a queued notification lasts unrenewed:
     another replica sends it again once a dead replica's claim lapsed."""
     page_url: Url | None = None
@@ -214,19 +216,21 @@ class LimitsConfig(Section):
     """What `runbook serve` takes from a client before it refuses or hangs up
     (runbooks/service/limits.py; docs/service.md, "Limits, timeouts and retention")."""
 
-    webhook_body_bytes: Size = Field(4 * MIB, validation_alias="webhook_body")
-    header_timeout_seconds: PositiveDuration = Field(10.0, validation_alias="header_timeout")
-    body_timeout_seconds: PositiveDuration = Field(30.0, validation_alias="body_timeout")
-    keep_alive_seconds: PositiveDuration = Field(5.0, validation_alias="keep_alive")
+    webhook_body_bytes: Size = Field(default=4 * MIB, validation_alias="webhook_body")
+    header_timeout_seconds: PositiveDuration = Field(
+        default=10.0, validation_alias="header_timeout"
+    )
+    body_timeout_seconds: PositiveDuration = Field(default=30.0, validation_alias="body_timeout")
+    keep_alive_seconds: PositiveDuration = Field(default=5.0, validation_alias="keep_alive")
     max_connections: Annotated[int, Field(ge=1, strict=True)] = 100
 
 
 class RetentionConfig(Section):
     """How long stored Alertmanager deliveries (webhook_events) are kept."""
 
-    max_age_seconds: PositiveDuration = Field(7 * 86400.0, validation_alias="max_age")
-    max_bytes: Size = Field(256 * MIB, validation_alias="max_size")
-    interval_seconds: PositiveDuration = Field(600.0, validation_alias="interval")
+    max_age_seconds: PositiveDuration = Field(default=7 * 86400.0, validation_alias="max_age")
+    max_bytes: Size = Field(default=256 * MIB, validation_alias="max_size")
+    interval_seconds: PositiveDuration = Field(default=600.0, validation_alias="interval")
 
 
 class Config(Section):
