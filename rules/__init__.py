@@ -7,7 +7,7 @@ evaluator = Evaluator(rules, store, MemoryIncidentSink())
 scraper = Scraper(store, [Target("http://127.0.0.1:8000/metrics", "llama-0")])
 scraper.scrape_once(); evaluator.evaluate()  # or scheduling.schedule(...)
 text = export(catalog, overrides)            # Prometheus rule file
-config = load_config("runbook.yaml")          # the deployment's file, CatalogError if broken
+config = load_config("runbook.yaml")          # its sections of the deployment's file
 
 This layer knows no store, no web service and no agent client: the service
 that wires the rules to the store (RulesService, SqlIncidentSink) lives in
@@ -18,7 +18,13 @@ runbooks layer passes those of the runbook catalog it deploys.
 
 from __future__ import annotations
 
-from vllm_runbook.rules.config import Automation, AutomationMode, Config, EngineConfig, load_config
+from vllm_runbook.rules.config import (
+    Automation,
+    AutomationMode,
+    EngineConfig,
+    RulesConfig,
+    load_config,
+)
 from vllm_runbook.rules.errors import CatalogError, Problem, RulesError
 from vllm_runbook.rules.evaluator import Evaluator, store_for_rules
 from vllm_runbook.rules.incidents import (
@@ -44,7 +50,6 @@ __all__ = [
     "AutomationMode",
     "Catalog",
     "CatalogError",
-    "Config",
     "Dispatcher",
     "EngineConfig",
     "Evaluator",
@@ -57,6 +62,7 @@ __all__ = [
     "Problem",
     "RemediationHook",
     "Rule",
+    "RulesConfig",
     "RulesError",
     "ScrapeResult",
     "Scraper",

@@ -30,6 +30,7 @@ from typing import Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 from vllm_runbook.rules.errors import Problem, SyntaxProblem
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
@@ -145,7 +146,7 @@ def locate(doc: object, loc: Loc) -> tuple[str, int, object]:
 
 
 # Errors about the value's own type: located at its key even when it is a mapping.
-_TYPE_ERRORS = {"list_type", "dict_type", "model_type", "model_attributes_type"}
+_TYPE_ERRORS = {"list_type", "tuple_type", "dict_type", "model_type", "model_attributes_type"}
 
 
 def validation_problems(
@@ -204,10 +205,16 @@ def _keys(model: type[BaseModel] | None, *, required: bool = False) -> list[str]
     if model is None:
         return []
     return [
-        field.alias or name
+        file_key(name, field)
         for name, field in model.model_fields.items()
         if field.is_required() or not required
     ]
+
+
+def file_key(name: str, field: FieldInfo) -> str:
+    """A field's key in the file: its validation alias (`for` for `for_`), else its name."""
+    alias = field.validation_alias
+    return alias if isinstance(alias, str) else field.alias or name
 
 
 def _unknown_key(where: str, parent: type[BaseModel] | None, _: type[BaseModel] | None) -> str:
@@ -239,6 +246,7 @@ _SCHEMA_WORDS: dict[str, _Words] = {
     "extra_forbidden": _unknown_key,
     "missing": _missing,
     "list_type": _not_a_list,
+    "tuple_type": _not_a_list,
     "dict_type": _not_a_mapping,
     "model_type": _not_a_mapping,
     "model_attributes_type": _not_a_mapping,
@@ -252,7 +260,9 @@ def _model_at(model: type[BaseModel] | None, path: Loc) -> type[BaseModel] | Non
             return None
         if isinstance(part, int):
             continue
-        field = next((f for name, f in model.model_fields.items() if part in (name, f.alias)), None)
+        field = next(
+            (f for name, f in model.model_fields.items() if part in (name, file_key(name, f))), None
+        )
         model = None if field is None else _model_in(field.annotation)
     return model
 

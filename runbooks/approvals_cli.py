@@ -19,8 +19,8 @@ import math
 from datetime import datetime, timedelta
 from typing import Any, Final
 
-from vllm_runbook.rules.config import DEFAULT_APPROVAL_TIMEOUT, load_config
 from vllm_runbook.rules.errors import CatalogError
+from vllm_runbook.runbooks.config import DEFAULT_APPROVAL_TIMEOUT, load_config
 from vllm_runbook.runbooks.executor import default_who, format_duration
 from vllm_runbook.runbooks.journal_cli import _add_db_option, _fail, _guarded
 from vllm_runbook.runbooks.render import format_table

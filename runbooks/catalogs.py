@@ -22,12 +22,12 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_runbook.rules import config as rules_config
-from vllm_runbook.rules.config import Config
 from vllm_runbook.rules.model import Catalog as RuleCatalog
 from vllm_runbook.rules.model import Rule
 from vllm_runbook.rules.model import load_catalog as load_rule_catalog
+from vllm_runbook.runbooks import config as runbook_config
 from vllm_runbook.runbooks.actions import ActionRegistry
+from vllm_runbook.runbooks.config import Config
 from vllm_runbook.runbooks.spec import Catalog as RunbookCatalog
 from vllm_runbook.runbooks.spec import load_catalog as load_runbook_catalog
 
@@ -58,7 +58,7 @@ def runbook_names(
 
 def load_config(path: str | Path | None, runbooks: Collection[str]) -> Config:
     """The configuration file, its `automation:` keys checked against `runbooks`."""
-    return rules_config.load_config(path, runbooks=list(runbooks))
+    return runbook_config.load_config(path, runbooks=list(runbooks))
 
 
 def load_rules(

@@ -50,7 +50,7 @@ from datetime import timedelta
 from typing import Any, Final, Protocol
 
 import httpx
-from vllm_runbook.rules.config import NotificationsConfig
+from vllm_runbook.runbooks.config import NotificationsConfig
 from vllm_runbook.runbooks.render import PLAIN, SLACK, render_notification
 from vllm_runbook.runbooks.store import ExecutionRecord, Store, StoreError
 from vllm_runbook.runbooks.store.events import (

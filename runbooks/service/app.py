@@ -37,7 +37,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
-from vllm_runbook.rules.config import LimitsConfig
+from vllm_runbook.runbooks.config import LimitsConfig
 from vllm_runbook.runbooks.service import telemetry as T
 from vllm_runbook.runbooks.service.alertmanager import WebhookPayload, unstorable_text
 from vllm_runbook.runbooks.service.browser import BrowserGuard, BrowserPolicy, unknown_host

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING
 
 from apscheduler.job import Job
 from apscheduler.schedulers.base import BaseScheduler
-from vllm_runbook.rules.config import Config
 from vllm_runbook.rules.evaluator import Evaluator, store_for_rules
 from vllm_runbook.rules.incidents import IncidentEvent, IncidentSink, MemoryIncidentSink
 from vllm_runbook.rules.model import Rule
@@ -35,6 +34,7 @@ from vllm_runbook.rules.scheduling import schedule_cycle
 from vllm_runbook.rules.scrape import Scraper
 from vllm_runbook.rules.window import WindowStore
 from vllm_runbook.runbooks.catalogs import load_rules, runbook_names
+from vllm_runbook.runbooks.config import Config
 from vllm_runbook.runbooks.service.sql_sink import SqlIncidentSink
 from vllm_runbook.runbooks.store import Store
 

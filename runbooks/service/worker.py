@@ -27,7 +27,7 @@ import threading
 from datetime import datetime
 from typing import Any
 
-from vllm_runbook.rules.config import ExecutorConfig
+from vllm_runbook.runbooks.config import ExecutorConfig
 from vllm_runbook.runbooks.executor import Executor
 from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
 from vllm_runbook.runbooks.store import ExecutionRecord, Store, StoreError

@@ -48,7 +48,7 @@ def test_the_configuration_passes_runbook_rules_check(
 
 
 def test_the_webhook_token_file_is_the_mounted_secret(tmp_path: Path) -> None:
-    from vllm_runbook.rules.config import load_config
+    from vllm_runbook.runbooks.config import load_config
 
     objects = render("default")
     config_path, text = _configuration(objects)

@@ -1,4 +1,7 @@
-"""The shared configuration loader: the whole sketch of DESIGN.md, defaults, located errors."""
+"""The configuration file: the whole sketch of DESIGN.md, defaults, located errors.
+
+The whole file is vllm_runbook.runbooks.config's `Config`; the rules layer
+loads its own sections (`RulesConfig`) with the same loader."""
 
 from __future__ import annotations
 
@@ -6,19 +9,19 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from vllm_runbook.rules.config import (
-    Automation,
+from vllm_runbook.rules import config as rules_config
+from vllm_runbook.rules.config import Automation, EngineConfig, RulesConfig
+from vllm_runbook.rules.errors import CatalogError
+from vllm_runbook.rules.model import load_catalog
+from vllm_runbook.rules.scrape import Target
+from vllm_runbook.runbooks.config import (
     Config,
-    EngineConfig,
     ExecutorConfig,
     LimitsConfig,
     RetentionConfig,
     WebhookConfig,
     load_config,
 )
-from vllm_runbook.rules.errors import CatalogError
-from vllm_runbook.rules.model import load_catalog
-from vllm_runbook.rules.scrape import Target
 
 FULL = """\
 database: postgresql+psycopg://runbook@db/runbook
@@ -69,7 +72,7 @@ def test_no_file_is_all_defaults() -> None:
 
 def test_empty_file_is_all_defaults(tmp_path: Path) -> None:
     path = write(tmp_path, "")
-    assert load_config(path) == Config(path=path)
+    assert load_config(path) == Config()
 
 
 def test_the_full_sketch(tmp_path: Path) -> None:
@@ -78,12 +81,12 @@ def test_the_full_sketch(tmp_path: Path) -> None:
     assert config.database == "postgresql+psycopg://runbook@db/runbook"
     assert config.engines == (
         EngineConfig(
-            "llama-0",
-            "http://127.0.0.1:9360",
-            "http://127.0.0.1:8000",
-            {"instance": "127.0.0.1:8000"},
+            name="llama-0",
+            agent="http://127.0.0.1:9360",
+            vllm="http://127.0.0.1:8000",
+            labels={"instance": "127.0.0.1:8000"},
         ),
-        EngineConfig("llama-1", "http://127.0.0.1:9361"),
+        EngineConfig(name="llama-1", agent="http://127.0.0.1:9361"),
     )
     assert config.engines[0].targets() == [
         Target("http://127.0.0.1:9360/metrics", "llama-0"),
@@ -91,7 +94,10 @@ def test_the_full_sketch(tmp_path: Path) -> None:
     ]
     assert config.evaluation_interval == 0.5
     assert config.overrides == {"VllmLatencySpike": {"p99_sla_seconds": 0.5}}
-    assert config.automation == Automation({"oom-pressure": "auto", "latency-spike": "approve"})
+    assert config.automation == Automation(
+        {"oom-pressure": "auto", "latency-spike": "approve", "default": "notify"}
+    )
+    assert config.automation.modes == {"oom-pressure": "auto", "latency-spike": "approve"}
     assert [
         config.automation.mode(r) for r in ("oom-pressure", "latency-spike", "warmup", None)
     ] == [
@@ -152,7 +158,8 @@ def test_every_problem_named_with_file_and_line(tmp_path: Path) -> None:
 
 def test_automation_names_checked_only_against_a_given_catalog(tmp_path: Path) -> None:
     path = write(tmp_path, "automation: {my-own-runbook: auto, default: approve}\n")
-    assert load_config(path).automation == Automation({"my-own-runbook": "auto"}, "approve")
+    automation = load_config(path).automation
+    assert (automation.modes, automation.default) == ({"my-own-runbook": "auto"}, "approve")
     assert problems(path) == [
         f"{path}:1: automation: unknown runbook 'my-own-runbook' (known: latency-spike, "
         "oom-pressure, warmup, or default)"
@@ -174,7 +181,7 @@ def test_executor_waits_and_leader_lease(tmp_path: Path) -> None:
         """,
     )
     config = load_config(path)
-    assert config.executor == ExecutorConfig(10.0, 1.5, None)
+    assert config.executor == ExecutorConfig(verify_seconds=10.0, condition_seconds=1.5)
     assert config.leader_lease == 3.0
     # Default lease: three evaluation intervals, at least 15 s.
     assert load_config(write(tmp_path, "rules: {evaluation_interval: 10s}\n")).leader_lease == 30.0
@@ -284,7 +291,7 @@ def test_null_values_are_the_defaults(tmp_path: Path) -> None:
         executor: {verify_seconds: null}
         """,
     )
-    assert load_config(path) == Config(path=path)
+    assert load_config(path) == Config()
     path = write(tmp_path, "databse:\nrules: {catalgo: null}\n")
     assert problems(path) == [  # a misspelt key is an error even with no value
         f"{path}:1: unknown key databse (allowed: database, engines, rules, automation, webhook, "
@@ -447,11 +454,27 @@ def test_limits_and_retention(tmp_path: Path) -> None:
         """,
     )
     config = load_config(path)
-    assert config.limits == LimitsConfig(8 * 1024**2, 2.0, 60.0, 0.5, 32)
-    assert config.retention == RetentionConfig(2 * 86400.0, 10**9, 30.0)
+    assert config.limits == LimitsConfig(
+        webhook_body_bytes=8 * 1024**2,
+        header_timeout_seconds=2.0,
+        body_timeout_seconds=60.0,
+        keep_alive_seconds=0.5,
+        max_connections=32,
+    )
+    assert config.retention == RetentionConfig(
+        max_age_seconds=2 * 86400.0, max_bytes=10**9, interval_seconds=30.0
+    )
     defaults = load_config(None)
-    assert defaults.limits == LimitsConfig(4 * 1024**2, 10.0, 30.0, 5.0, 100)
-    assert defaults.retention == RetentionConfig(7 * 86400.0, 256 * 1024**2, 600.0)
+    assert defaults.limits == LimitsConfig(
+        webhook_body_bytes=4 * 1024**2,
+        header_timeout_seconds=10.0,
+        body_timeout_seconds=30.0,
+        keep_alive_seconds=5.0,
+        max_connections=100,
+    )
+    assert defaults.retention == RetentionConfig(
+        max_age_seconds=7 * 86400.0, max_bytes=256 * 1024**2, interval_seconds=600.0
+    )
     path = write(tmp_path, "limits: {webhook_body: 4096}\nretention: {max_size: 64KiB}\n")
     config = load_config(path)
     assert (config.limits.webhook_body_bytes, config.retention.max_bytes) == (4096, 65536)
@@ -481,3 +504,32 @@ def test_bad_limits_and_retention_are_named_with_file_and_line(tmp_path: Path) -
         f"{path}:7: retention.max_age: bad duration 'forever': expected e.g. '30s', '5m', '1h30m'",
         f"{path}:8: retention.max_size must be positive",
     ]
+
+
+def test_the_rules_layer_loads_its_own_sections(tmp_path: Path) -> None:
+    """The rules layer reads engines, rules and automation with the same loader and
+    wording, knowing nothing of the service's sections (checked by Config)."""
+    path = write(tmp_path, FULL + "limits: {webhook_body: 1MiB}\nanything: else\n")
+    config = rules_config.load_config(path, runbooks=RUNBOOKS)
+    assert isinstance(config, RulesConfig)
+    assert [e.name for e in config.engines] == ["llama-0", "llama-1"]
+    assert config.rules.evaluation_interval == 0.5
+    assert config.rules.leader_lease == 15.0
+    assert config.automation.mode("oom-pressure") == "auto"
+    assert rules_config.load_config(None) == RulesConfig()
+    path = write(tmp_path, "rules: {evaluation_interval: 1m, leader_lease: 1m}\nwebhook: 3\n")
+    with pytest.raises(CatalogError) as info:
+        rules_config.load_config(path)
+    assert [str(p) for p in info.value.problems] == [
+        f"{path}:1: rules.leader_lease (60 s) must be at least twice rules.evaluation_interval "
+        "(60 s): the leader renews it every cycle"
+    ]
+
+
+def test_sections_built_in_python_take_seconds_and_the_file_keys_only_in_files(
+    tmp_path: Path,
+) -> None:
+    assert ExecutorConfig(verify_seconds=5).verify_seconds == 5.0
+    assert WebhookConfig(token_file=Path("t")).token_file == Path("t")
+    path = write(tmp_path, "approvals: {timeout_seconds: 5s}\n")
+    assert problems(path) == [f"{path}:1: unknown key approvals.timeout_seconds (allowed: timeout)"]

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import yaml
 from apscheduler.schedulers.background import BackgroundScheduler
-from vllm_runbook.rules.config import load_config
 from vllm_runbook.rules.remediation import Handoff
 from vllm_runbook.runbooks.cli import main
+from vllm_runbook.runbooks.config import load_config
 from vllm_runbook.runbooks.service.rules_service import RulesService
 from vllm_runbook.runbooks.store import Store, upgrade
 

@@ -20,7 +20,6 @@ import yaml
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from vllm_runbook.collector import metrics as M
-from vllm_runbook.rules.config import load_config
 from vllm_runbook.rules.evaluator import store_for_rules
 from vllm_runbook.rules.model import load_catalog
 from vllm_runbook.rules.scrape import (
@@ -37,6 +36,7 @@ from vllm_runbook.rules.scrape import (
 )
 from vllm_runbook.rules.signals import SIGNALS
 from vllm_runbook.rules.window import Series, WindowStore
+from vllm_runbook.runbooks.config import load_config
 from vllm_runbook.runbooks.service.leader import RulesLeader
 from vllm_runbook.runbooks.service.rules_service import RulesService
 from vllm_runbook.runbooks.service.telemetry import ServiceMetrics

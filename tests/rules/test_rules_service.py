@@ -14,10 +14,11 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from rule_server import Routes, serve
 from vllm_runbook.collector import metrics as M
-from vllm_runbook.rules.config import Automation, EngineConfig, load_config
+from vllm_runbook.rules.config import Automation, EngineConfig
 from vllm_runbook.rules.errors import CatalogError
 from vllm_runbook.rules.incidents import IncidentEvent, MemoryIncidentSink
 from vllm_runbook.rules.remediation import Dispatcher, Handoff
+from vllm_runbook.runbooks.config import load_config
 from vllm_runbook.runbooks.service.rules_service import RulesService
 from vllm_runbook.runbooks.store import Store
 
@@ -142,7 +143,7 @@ def test_cycle_records_and_hands_off_in_auto_mode(
         "oom-pressure",
         "cpu-0",
     )
-    assert handoff.engine == EngineConfig("cpu-0", routes.url)
+    assert handoff.engine == EngineConfig(name="cpu-0", agent=routes.url)
     assert handoff.incident is firing
     [row] = incident_store.list_incidents(open_only=True)
     assert (row.alert, row.engine, row.state, row.severity, row.value) == (
@@ -201,7 +202,7 @@ def test_automation_decides_the_hand_off(
 
 def test_a_failing_hook_never_breaks_recording(caplog: pytest.LogCaptureFixture) -> None:
     hook, memory = RecordingHook(fail=True), MemoryIncidentSink()
-    dispatcher = Dispatcher([memory], Automation(default="auto"), hook)
+    dispatcher = Dispatcher([memory], Automation({"default": "auto"}), hook)
     with caplog.at_level(logging.ERROR, logger="vllm_runbook.rules.remediation"):
         dispatcher.record(event("firing"))
     assert [e.state for e in memory.events] == ["firing"]

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from vllm_runbook.rules.config import load_config
 from vllm_runbook.runbooks.cli import main
+from vllm_runbook.runbooks.config import load_config
 from vllm_runbook.runbooks.executor import Executor
 from vllm_runbook.runbooks.service.app import Credentials, create_app
 from vllm_runbook.runbooks.service.browser import BrowserPolicy

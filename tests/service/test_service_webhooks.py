@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import func, select
-from vllm_runbook.rules.config import load_config
+from vllm_runbook.runbooks.config import load_config
 from vllm_runbook.runbooks.processes import free_port
 from vllm_runbook.runbooks.service.app import Credentials, create_app
 from vllm_runbook.runbooks.service.webhooks import Router

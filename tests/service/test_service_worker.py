@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
-from vllm_runbook.rules.config import ExecutorConfig, load_config
+from vllm_runbook.runbooks.config import ExecutorConfig, load_config
 from vllm_runbook.runbooks.executor import Executor
 from vllm_runbook.runbooks.service.app import Credentials, create_app
 from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
@@ -256,7 +256,9 @@ def test_embedded_evaluator_handoff_runs_once_and_reverts_on_resolve(service: Se
         at=first_seen + 10,
         fired_at=first_seen + 2,
     )
-    handoff = Handoff(incident, "auto", "engine-a", EngineConfig("engine-a", URL), "episode-1")
+    handoff = Handoff(
+        incident, "auto", "engine-a", EngineConfig(name="engine-a", agent=URL), "episode-1"
+    )
     hook = ExecutorHook(service.store, service.worker)
     hook.on_firing(handoff)
     hook.on_firing(handoff)  # evaluated again (another replica, a retry): same episode
