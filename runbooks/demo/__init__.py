@@ -3,11 +3,12 @@
 Creates a random-weight tiny Llama, starts vLLM's OpenAI server on the CPU
 with the collector plugin (small KV cache, scheduling policy `priority`) and
 `runbook serve` on SQLite with its embedded evaluator and automation `auto`
-for oom-pressure and latency-spike, then drives four phases of traffic:
+for oom-pressure and latency-spike, then drives five phases of traffic:
 
   steady       mixed-length requests sharing a system prompt
   long-burst   long prompts that overfill the KV cache: preemptions
                → VllmOOMPressure → oom-pressure halves the budget, caps max_num_seqs
+  settle       light traffic while oom-pressure's finding resolves and is reverted
   starvation   low-priority requests stuck behind a stream of high-priority ones
                → VllmRequestStarvation → latency-spike switches the policy to FCFS
   recovery     light traffic; the findings resolve and the service reverts

@@ -1,4 +1,4 @@
-"""The story: start the engine and the service, drive the four phases, stop
+"""The story: start the engine and the service, drive the five phases, stop
 everything on the way out (also on Ctrl-C and SIGTERM)."""
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from vllm_runbook.runbooks.demo.config import (
     MAX_NUM_SEQS,
     RECOVERY_MAX_S,
     RECOVERY_MIN_S,
+    SETTLE_MAX_S,
     STARVATION_AFTER_FIX_S,
     STARVATION_MAX_S,
     STARVATION_THRESHOLD_S,
@@ -231,6 +232,24 @@ def run(directory: Path, ci: bool) -> int:
         if not _wait(demo, BURST_MAX_S, oom_done):
             measured["VllmOOMPressure"] = f"in {burst_seen.seconds():.0f} s of burst {burst_seen}"
         burst.stop()  # long requests still in flight are cancelled
+
+        # 2b. steady traffic until oom-pressure's changes are restored: a revert
+        # that meets the next phase's load half-way halts (its circuit breaker,
+        # "preemptions got worse"), and the story would end with knobs not back.
+        enter("settle", "4 steady clients; oom-pressure's finding resolves, the service restores")
+        settle = traffic.clients(4, steady_request)
+
+        def oom_restored() -> bool:
+            reverts = [e for e in feed.executions.values() if e.get("reverts_id") is not None]
+            return all(
+                e["status"] == "reverted"
+                or any(r["reverts_id"] == e["id"] and finished(r) for r in reverts)
+                for e in runs_of(feed, "oom-pressure")
+            )
+
+        if fixed_at and not _wait(demo, SETTLE_MAX_S, oom_restored):
+            demo.say(f"oom-pressure's changes not restored after {SETTLE_MAX_S} s; going on")
+        settle.stop()
 
         # 3. starvation until latency-spike acted and the starved requests got through
         enter(
