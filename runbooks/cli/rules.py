@@ -113,9 +113,7 @@ def _runbooks(args: argparse.Namespace) -> list[str]:
 def cmd_export(args: argparse.Namespace) -> int:
     operator_options = args.name is not None or args.namespace is not None or args.labels
     if args.format != "prometheus-operator" and operator_options:
-        raise UsageError(
-            "rules export: --name, --namespace and --label need --format prometheus-operator"
-        )
+        raise UsageError("--name, --namespace and --label need --format prometheus-operator")
     runbooks = _runbooks(args)
     config = load_config(args.config, runbooks)
     rules = config.bind(load_catalog(args.rules_dir or config.catalog, runbooks=runbooks))
@@ -135,7 +133,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         try:
             args.output.write_text(text, encoding="utf-8")
         except OSError as exc:
-            raise UsageError(f"rules export: cannot write {args.output}: {exc.strerror}") from None
+            raise UsageError(f"cannot write {args.output}: {exc.strerror}") from None
     return ExitCode.OK
 
 
