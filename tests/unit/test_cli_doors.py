@@ -24,7 +24,6 @@ from vllm_runbook.runbooks.exit_codes import ExitCode
 from vllm_runbook.runbooks.store import upgrade
 
 
-
 @dataclass
 class Answer:
     status: int = 200
