@@ -7,7 +7,8 @@ A page marks a region with the lines `<!-- BEGIN generated:NAME -->` and
 `<!-- END generated:NAME -->`; everything between them is replaced by the
 output of the generator NAME (below), built from the same catalogs the code
 runs on: the metric declarations, the signal registry, the rule catalog, the runbook catalog,
-the action registry and the CLI's argparse parser. Text outside the markers is never touched.
+the action registry, the CLI's argparse parser and its exit-code table. Text outside the
+markers is never touched.
 Whole files are generated too: docs/agent-api.schema.json, the JSON Schema
 of the engine agent's requests and answers (vllm_runbook.collector.agent_api).
 
@@ -37,6 +38,7 @@ from vllm_runbook.rules import load_catalog as load_rule_catalog
 from vllm_runbook.rules.signals import RENAMED, SIGNALS
 from vllm_runbook.runbooks import service_metrics
 from vllm_runbook.runbooks.actions import ActionRegistry, catalog_registry
+from vllm_runbook.runbooks.exit_codes import ExitCode
 from vllm_runbook.runbooks.spec import Runbook
 from vllm_runbook.runbooks.spec import load_catalog as load_runbook_catalog
 
@@ -291,6 +293,13 @@ def gen_actions() -> str:
     return action_table(catalog_registry())
 
 
+def gen_exit_codes() -> str:
+    """The `runbook` command's exit codes, from the one table (runbooks/exit_codes.py)."""
+    rows = ["| code | name | meaning |", "|---|---|---|"]
+    rows += [f"| {int(c)} | `{c.name}` | {_cell(c.meaning)} |" for c in ExitCode]
+    return "\n".join(rows) + "\n"
+
+
 def gen_cli() -> str:
     # Imported here: the CLI pulls in the service (FastAPI) and the store.
     from vllm_runbook.runbooks.cli import build_parser
@@ -312,6 +321,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "signals": gen_signals,
     "signal-renames": gen_signal_renames,
     "cli": gen_cli,
+    "exit-codes": gen_exit_codes,
 }
 
 # Files written whole (path under the checkout → generator).

@@ -4,13 +4,13 @@ It speaks the agent's models (vllm_runbook.collector.agent_api): commands are
 built with them (a bad value is refused here, with the agent's own message),
 answers parsed with them; an answer that does not fit is not an agent's.
 
-Errors are drawn once, each with the CLI exit code it maps to:
+Errors are drawn once, each with the CLI exit code it maps to (exit_codes.py):
 
-    EngineClientError
-    ├── EngineUnreachable   (3)  connection refused, timeout, truncated answer
-    │   └── NotAnAgent      (3)  answers, but not as a vllm-runbook agent does
-    ├── AuthFailed          (3)  401: no token, or the wrong one
-    └── CommandRefused      (2)  400/422: malformed, or out of bounds; a bad URL
+    EngineClientError       (FAILED)
+    ├── EngineUnreachable   (ENGINE)  connection refused, timeout, truncated answer
+    │   └── NotAnAgent      (ENGINE)  answers, but not as a vllm-runbook agent does
+    ├── AuthFailed          (ENGINE)  401: no token, or the wrong one
+    └── CommandRefused      (USAGE)   400/422: malformed, or out of bounds; a bad URL
 """
 
 from __future__ import annotations
@@ -30,12 +30,13 @@ from vllm_runbook.collector.agent_api import (
     command_error,
 )
 from vllm_runbook.collector.auth import find_local_token, is_loopback
+from vllm_runbook.runbooks.exit_codes import ExitCode, RunbookError
 
 AnswerT = TypeVar("AnswerT", bound=BaseModel)
 
 
-class EngineClientError(Exception):
-    exit_code = 1
+class EngineClientError(RunbookError):
+    exit_code = ExitCode.FAILED
 
     def __init__(self, message: str, detail: dict[str, Any] | None = None) -> None:
         super().__init__(message)
@@ -43,7 +44,7 @@ class EngineClientError(Exception):
 
 
 class EngineUnreachable(EngineClientError):
-    exit_code = 3
+    exit_code = ExitCode.ENGINE
 
 
 class NotAnAgent(EngineUnreachable):
@@ -51,11 +52,11 @@ class NotAnAgent(EngineUnreachable):
 
 
 class AuthFailed(EngineClientError):
-    exit_code = 3
+    exit_code = ExitCode.ENGINE
 
 
 class CommandRefused(EngineClientError):
-    exit_code = 2
+    exit_code = ExitCode.USAGE
 
 
 def normalize_url(url: str) -> str:

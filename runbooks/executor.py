@@ -2,7 +2,7 @@
 
     executor = Executor(Store(url))
     result = executor.execute("oom-pressure", "http://127.0.0.1:9360", approved=True)
-    result.exit_code, result.record          # 0 ok, 1 failed/rolled back, 2 refused, 3 engine
+    result.exit_code, result.record          # an ExitCode: OK, FAILED, USAGE (refused), ENGINE
     executor.revert(result.record.id)        # restore the recorded before-values
 
 One execution, in order:
@@ -26,7 +26,7 @@ One execution, in order:
 
 Where the pieces live: the lock, admission and the refusals in
 guardrails.py (the store answers their queries), reverting in revert.py,
-the exit codes and the result in outcome.py. This module is the run.
+the result in outcome.py (its exit codes: exit_codes.py). This module is the run.
 
 Dry runs take no lock and pass no guardrail: they read, ask the agent what
 each step would change (`dry_run: true`), journal `planned` steps, and
@@ -52,6 +52,7 @@ from vllm_runbook.runbooks.engine_actions import (
     SignalReader,
     engine_registry,
 )
+from vllm_runbook.runbooks.exit_codes import ExitCode
 from vllm_runbook.runbooks.guardrails import (
     admission,
     engine_lock,
@@ -59,16 +60,10 @@ from vllm_runbook.runbooks.guardrails import (
     guardrail_refusal,
 )
 from vllm_runbook.runbooks.outcome import (
-    EXIT_ENGINE,
-    EXIT_FAILED,
-    EXIT_OK,
-    EXIT_REFUSED,
-    EXIT_STORE,
     Abort,
     EngineBusy,
     ExecutionResult,
     UnknownRunbook,
-    engine_error_exit,
     one_line,
 )
 from vllm_runbook.runbooks.render import format_signal
@@ -101,11 +96,6 @@ from vllm_runbook.runbooks.verification import IMPROVED, NO_CHANGE, WORSE, measu
 # The CLI, the service and the tests import these from here (their home is
 # outcome.py, guardrails.py and revert.py).
 __all__ = [
-    "EXIT_ENGINE",
-    "EXIT_FAILED",
-    "EXIT_OK",
-    "EXIT_REFUSED",
-    "EXIT_STORE",
     "EngineBusy",
     "ExecutionResult",
     "Executor",
@@ -204,7 +194,7 @@ class Executor:
         if not created:
             return ExecutionResult(
                 record,
-                EXIT_OK,
+                ExitCode.OK,
                 f"alert episode already handled by execution #{record.id}",
                 created=False,
             )
@@ -337,12 +327,12 @@ class Run:
         self.baseline: dict[str, Any] = {}
         self.baseline_unavailable: dict[str, str] = {}
 
-    def result(self, exit_code: int, message: str | None = None) -> ExecutionResult:
+    def result(self, exit_code: ExitCode, message: str | None = None) -> ExecutionResult:
         return ExecutionResult(
             self.store.get_execution(self.id), exit_code, message, warnings=tuple(self.warnings)
         )
 
-    def finish(self, status: str, exit_code: int, message: str | None) -> ExecutionResult:
+    def finish(self, status: str, exit_code: ExitCode, message: str | None) -> ExecutionResult:
         record = self.store.get_execution(self.id)
         if record.status != status:
             error = message if status in (FAILED, ROLLED_BACK) else None
@@ -358,7 +348,7 @@ class Run:
                 self.renew = renew
                 return self._guard(self._real_run)
         except EngineBusy as busy:
-            return self.finish(REFUSED, EXIT_REFUSED, str(busy))
+            return self.finish(REFUSED, ExitCode.USAGE, str(busy))
 
     def _guard(self, body: Callable[[], ExecutionResult]) -> ExecutionResult:
         """Turn errors into a final status; roll back whatever was applied."""
@@ -372,14 +362,14 @@ class Run:
             message = one_line(error)
             if self.applied:
                 # Rolled back = exit 1, unless the engine itself is gone (3).
-                code = EXIT_ENGINE if engine_error_exit(error) == EXIT_ENGINE else EXIT_FAILED
+                code = ExitCode.ENGINE if error.exit_code == ExitCode.ENGINE else ExitCode.FAILED
                 return self._roll_back(message, code)
-            return self.finish(FAILED, engine_error_exit(error), message)
+            return self.finish(FAILED, error.exit_code, message)
         except ActionError as error:
             message = one_line(error)
             if self.applied:
-                return self._roll_back(message, EXIT_FAILED)
-            return self.finish(FAILED, EXIT_FAILED, message)
+                return self._roll_back(message, ExitCode.FAILED)
+            return self.finish(FAILED, ExitCode.FAILED, message)
 
     # --- the phases --------------------------------------------------------------------
 
@@ -443,7 +433,7 @@ class Run:
                     after=outcome.after,
                     status=STEP_PLANNED,
                 )
-        return self.finish(SUCCEEDED, EXIT_OK, "dry run: nothing changed")
+        return self.finish(SUCCEEDED, ExitCode.OK, "dry run: nothing changed")
 
     def _real_run(self) -> ExecutionResult:
         # A crashed run on this host still says 'running': settle it first, so
@@ -455,7 +445,7 @@ class Run:
                 self.store, self.spec, self.client.url, self.approved
             )
             if refusal:
-                raise Abort(REFUSED, EXIT_REFUSED, refusal)
+                raise Abort(REFUSED, ExitCode.USAGE, refusal)
             self.store.transition(self.id, RUNNING)
         for index, step in enumerate(self.spec.steps):
             details: dict[str, Any] = {}
@@ -558,7 +548,7 @@ class Run:
         changed = [s for s in self.applied if s.status == STEP_APPLIED and s.before]
         if v is None or not changed:
             why = "no verification" if v is None else "nothing changed"
-            return self.finish(SUCCEEDED, EXIT_OK, why)
+            return self.finish(SUCCEEDED, ExitCode.OK, why)
         self.store.transition(self.id, VERIFYING)
         deadline_s = v.deadline_seconds if self.verify_seconds is None else self.verify_seconds
         steps = [s.applied_at_step for s in changed if s.applied_at_step is not None]
@@ -609,35 +599,35 @@ class Run:
                 f"circuit breaker: guard {tripped} got worse "
                 f"({format_signal(tripped, row['before'])} → "
                 f"{format_signal(tripped, row['after'])}) after the change",
-                EXIT_FAILED,
+                ExitCode.FAILED,
             )
         if outcome == IMPROVED:
-            return self.finish(SUCCEEDED, EXIT_OK, None)
+            return self.finish(SUCCEEDED, ExitCode.OK, None)
         if outcome.startswith("not in effect"):
             return self.finish(
                 FAILED,
-                EXIT_FAILED,
+                ExitCode.FAILED,
                 f"verification: {outcome}; changes kept, `runbook revert {self.id}` restores them",
             )
         if outcome.startswith("unverified"):
             self.warnings.append(outcome)
-            return self.finish(SUCCEEDED, EXIT_OK, outcome)
+            return self.finish(SUCCEEDED, ExitCode.OK, outcome)
         change = f"{format_signal(v.signal, before)} → {format_signal(v.signal, after)}"
         if outcome == WORSE:
             return self._roll_back(
                 f"circuit breaker: {v.signal} got worse ({change}) after the change",
-                EXIT_FAILED,
+                ExitCode.FAILED,
             )
         assert outcome == NO_CHANGE
         return self.finish(
             FAILED,
-            EXIT_FAILED,
+            ExitCode.FAILED,
             f"verification: no measurable change in {v.signal} ({change}; needed "
             f"{report['needed']}) within {report['measured_seconds']:g} s after the change; "
             f"changes kept, `runbook revert {self.id}` restores them",
         )
 
-    def _roll_back(self, why: str, exit_code: int) -> ExecutionResult:
+    def _roll_back(self, why: str, exit_code: ExitCode) -> ExecutionResult:
         """Restore the before-values of every step applied so far, newest first."""
         targets = restore_targets(self.applied)
         try:
@@ -648,7 +638,7 @@ class Run:
                 f"{why}; rollback failed: {one_line(error)}; "
                 f"`runbook revert {self.id}` restores the recorded before-values"
             )
-            return self.finish(FAILED, engine_error_exit(error), message)
+            return self.finish(FAILED, error.exit_code, message)
         for step in self.applied:
             current = self.store.get_execution(self.id)
             status = next((s.status for s in current.steps if s.id == step.id), None)

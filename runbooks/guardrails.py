@@ -22,7 +22,8 @@ from datetime import timedelta
 from typing import Any, Final
 
 from vllm_runbook.rules.durations import format_duration
-from vllm_runbook.runbooks.outcome import EXIT_FAILED, EXIT_REFUSED, Abort, EngineBusy
+from vllm_runbook.runbooks.exit_codes import ExitCode
+from vllm_runbook.runbooks.outcome import Abort, EngineBusy
 from vllm_runbook.runbooks.spec import Runbook
 from vllm_runbook.runbooks.store import Store
 from vllm_runbook.runbooks.store.models import FAILED, FINAL_STATUSES, REFUSED, utcnow
@@ -77,7 +78,7 @@ def engine_lock(store: Store, engine_url: str, execution_id: int) -> Iterator[Ca
 
     def renew() -> None:
         if not store.renew_lease(name, holder, ENGINE_LOCK_TTL_S):
-            raise Abort(FAILED, EXIT_FAILED, "lost the engine lock (lease expired)")
+            raise Abort(FAILED, ExitCode.FAILED, "lost the engine lock (lease expired)")
 
     try:
         yield renew
@@ -116,7 +117,7 @@ def admission(store: Store, execution_id: int, clock: Callable[[], float]) -> It
     end = clock() + ADMISSION_WAIT_S
     while not store.acquire_lease(ADMISSION_LEASE, holder, ADMISSION_TTL_S):
         if clock() >= end:
-            raise Abort(REFUSED, EXIT_REFUSED, "admission busy: try again")
+            raise Abort(REFUSED, ExitCode.USAGE, "admission busy: try again")
         time.sleep(0.05)
     try:
         yield

@@ -1,5 +1,5 @@
-"""What an execution (or a revert) ends with: exit codes, the result, and
-the errors that end one early.
+"""What an execution (or a revert) ends with: the result (its exit code from
+exit_codes.py) and the errors that end one early.
 
 The bottom of the executor's modules: outcome <- guardrails <- revert <-
 executor (revert only names the executor's types, for mypy).
@@ -8,25 +8,16 @@ executor (revert only names the executor's types, for mypy).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
-from vllm_runbook.runbooks.client import (
-    AuthFailed,
-    CommandRefused,
-    EngineClientError,
-    EngineUnreachable,
-)
+from vllm_runbook.runbooks.exit_codes import ExitCode, RunbookError
 from vllm_runbook.runbooks.store import ExecutionRecord
 
-EXIT_OK: Final = 0
-EXIT_FAILED: Final = 1  # the execution failed or was rolled back
-EXIT_REFUSED: Final = 2  # a guardrail or the engine's bounds said no
-EXIT_ENGINE: Final = 3  # engine unreachable or authentication failed
-EXIT_STORE: Final = 4  # the journal's database is unavailable (raised, mapped by the CLI)
 
-
-class UnknownRunbook(LookupError):
+class UnknownRunbook(RunbookError, LookupError):
     """No runbook of that name in the catalog."""
+
+    exit_code = ExitCode.USAGE
 
 
 class EngineBusy(Exception):
@@ -38,7 +29,7 @@ class ExecutionResult:
     """What happened, for the CLI and the service."""
 
     record: ExecutionRecord
-    exit_code: int
+    exit_code: ExitCode
     # One line for a person when the run did not succeed (refusal, error).
     message: str | None = None
     # False when an alert episode had already been executed (nothing done now).
@@ -59,20 +50,11 @@ class ExecutionResult:
 class Abort(Exception):
     """Ends an execution early with a final status, exit code and message."""
 
-    def __init__(self, status: str, exit_code: int, message: str) -> None:
+    def __init__(self, status: str, exit_code: ExitCode, message: str) -> None:
         super().__init__(message)
         self.status = status
         self.exit_code = exit_code
         self.message = message
-
-
-def engine_error_exit(error: EngineClientError) -> int:
-    """The exit code for an engine error: 3 unreachable/auth, 2 refused, else 1."""
-    if isinstance(error, EngineUnreachable | AuthFailed):
-        return EXIT_ENGINE
-    if isinstance(error, CommandRefused):
-        return EXIT_REFUSED
-    return EXIT_FAILED
 
 
 def one_line(error: BaseException) -> str:

@@ -21,14 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_runbook.runbooks.client import EngineClientError
 from vllm_runbook.runbooks.engine_actions import KNOBS
+from vllm_runbook.runbooks.exit_codes import ExitCode, RunbookError
 from vllm_runbook.runbooks.guardrails import engine_lock, worse
 from vllm_runbook.runbooks.outcome import (
-    EXIT_FAILED,
-    EXIT_OK,
-    EXIT_REFUSED,
     EngineBusy,
     ExecutionResult,
-    engine_error_exit,
     one_line,
 )
 from vllm_runbook.runbooks.spec import Runbook
@@ -52,8 +49,10 @@ if TYPE_CHECKING:  # the executor imports this module; a revert is given its exe
     from vllm_runbook.runbooks.executor import Executor, Run
 
 
-class RevertRefused(Exception):
+class RevertRefused(RunbookError):
     """The execution cannot be reverted (already reverted, dry run, still running…)."""
+
+    exit_code = ExitCode.USAGE
 
 
 def revertible_steps(record: ExecutionRecord) -> list[StepRecord]:
@@ -160,7 +159,7 @@ class Revert:
                 run.renew = renew
                 return self._restore(run, original, stepwise, healthy_period_seconds)
         except EngineBusy as busy:
-            return run.finish(REFUSED, EXIT_REFUSED, str(busy))
+            return run.finish(REFUSED, ExitCode.USAGE, str(busy))
 
     def _known(self, original: ExecutionRecord) -> bool:
         return self.x.catalog is not None and original.runbook in self.x.catalog
@@ -240,16 +239,16 @@ class Revert:
                     if problem is not None:
                         return run.finish(
                             FAILED,
-                            EXIT_FAILED,
+                            ExitCode.FAILED,
                             f"stepwise revert halted after {fraction:.0%}: {problem}; "
                             f"execution #{original.id} is left partly restored",
                         )
         except EngineClientError as error:
-            return run.finish(FAILED, engine_error_exit(error), one_line(error))
+            return run.finish(FAILED, error.exit_code, one_line(error))
         for step in steps:
             store.finish_step(step.id, STEP_REVERTED)
         store.transition(original.id, REVERTED, reason=f"reverted by execution #{run.id}")
-        return run.finish(SUCCEEDED, EXIT_OK, f"execution #{original.id} reverted")
+        return run.finish(SUCCEEDED, ExitCode.OK, f"execution #{original.id} reverted")
 
     def _unhealthy(
         self,

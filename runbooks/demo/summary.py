@@ -8,6 +8,7 @@ from pathlib import Path
 from vllm_runbook.collector.agent_api import AgentState
 from vllm_runbook.runbooks.demo.live import Demo, EventFeed, runs_of
 from vllm_runbook.runbooks.demo.traffic import Request, Traffic
+from vllm_runbook.runbooks.exit_codes import ExitCode
 from vllm_runbook.runbooks.report import (
     History,
     execution_lines,
@@ -76,9 +77,9 @@ def conclude(
     print(f"\nstory: {story_s:.0f} s")
     if problems:
         print("demo: FAILED: " + "; ".join(problems))
-        return 1
+        return ExitCode.FAILED
     print("demo: ok: detected, fixed, verified and reverted")
-    return 0
+    return ExitCode.OK
 
 
 def starvation_effect(feed: EventFeed, low: list[Request]) -> tuple[str, str | None] | None:

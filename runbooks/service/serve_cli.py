@@ -1,4 +1,5 @@
-"""`runbook serve [--config FILE] [--host H] [--port P] [--db URL]`."""
+"""`runbook serve`: the service assembled from its configuration (`build`) and run
+(`cmd_serve`); its options are vllm_runbook.runbooks.cli.serve's."""
 
 from __future__ import annotations
 
@@ -11,45 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_runbook.collector.auth import TokenError, is_loopback, runtime_dir
-
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_STORE = 0, 1, 2, 4
-
-
-def add_subcommands(subparsers: Any) -> None:
-    p = subparsers.add_parser("serve", help="Alertmanager webhooks, rule evaluation, remediation")
-    p.add_argument("--config", metavar="FILE", help="configuration file (default: built-in)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=_port, default=8080, help="port (default 8080)")
-    p.add_argument(
-        "--db",
-        metavar="URL",
-        help="database URL (default: config, RUNBOOK_DB_URL, "
-        "then SQLite in the user's data directory)",
-    )
-    p.add_argument(
-        "--catalog",
-        metavar="DIR",
-        type=Path,
-        action="append",
-        help="load runbooks from DIR instead of the shipped catalog (repeatable)",
-    )
-    p.add_argument("--no-rules", action="store_true", help="do not run the embedded evaluator")
-    p.add_argument(
-        "--no-worker",
-        action="store_true",
-        help="record executions but run none (another replica runs them)",
-    )
-    p.set_defaults(func=cmd_serve)
-
-
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} is not a port number (0-65535)")
-    return port
+from vllm_runbook.runbooks.exit_codes import ExitCode
 
 
 def read_credentials_from_env() -> Any:
@@ -257,14 +220,10 @@ def log_unreadable_at_start(engines: Any, runbooks: Any) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import sys
-
     import uvicorn
     from apscheduler.schedulers.background import BackgroundScheduler
-    from vllm_runbook.rules.errors import RUNBOOK_CATALOG, CatalogError
     from vllm_runbook.rules.scheduling import schedule_cycle
     from vllm_runbook.runbooks.service.limits import MAX_HEAD_BYTES, timed_h11_protocol
-    from vllm_runbook.runbooks.store import StoreUnavailable
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -272,20 +231,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # One line per scrape and per scheduled cycle would drown what matters.
     for chatty in ("httpx", "apscheduler"):
         logging.getLogger(chatty).setLevel(logging.WARNING)
-    try:
-        config, store, app, worker, leader = build(
-            args.config, args.db, args.host, not args.no_worker, not args.no_rules, args.catalog
-        )
-    except CatalogError as exc:
-        heading = "invalid runbook catalog:\n" if exc.what == RUNBOOK_CATALOG else ""
-        print(f"runbook: error: {heading}{exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except TokenError as exc:
-        print(f"runbook: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except StoreUnavailable as exc:
-        print(f"runbook: error: {exc}", file=sys.stderr)
-        return EXIT_STORE
+    # A broken catalog or configuration, a token, the store: raised to the CLI's `main`.
+    config, store, app, worker, leader = build(
+        args.config, args.db, args.host, not args.no_worker, not args.no_rules, args.catalog
+    )
     log_unreadable_at_start(config.engines, app.state.runbooks)
     # The service's background jobs: the rules' cycle (when it evaluates) and
     # the retention of stored deliveries.
@@ -334,4 +283,4 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     finally:
         stop()
-    return EXIT_OK
+    return ExitCode.OK

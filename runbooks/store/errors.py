@@ -1,23 +1,27 @@
 """The store's exception tree, drawn once.
 
-    StoreError
-    ├── StoreUnavailable        the database cannot be reached, opened or locked
-    │   └── SchemaMissing       reachable, but `runbook db upgrade` has not run
-    ├── IllegalTransition       a status change the execution state machine forbids
-    ├── ExecutionNotFound       no execution with that id (also a LookupError)
-    └── InvalidInput            a value the journal does not take (also a ValueError)
+    StoreError                  (STORE)  e.g. a database at an unknown revision
+    ├── StoreUnavailable        (STORE)  cannot be reached, opened or locked
+    │   └── SchemaMissing       (STORE)  reachable, but `runbook db upgrade` has not run
+    ├── IllegalTransition       (STORE)  a status change the execution state machine forbids
+    ├── ExecutionNotFound       (USAGE)  no execution with that id (also a LookupError)
+    └── InvalidInput            (USAGE)  a value the journal does not take (also a ValueError)
 
-Callers map the branch, not the driver: the CLI exits 4 on StoreUnavailable,
-the service answers 5xx so Alertmanager retries; InvalidInput is the
-person's mistake (CLI exit 2, HTTP 422). No SQLAlchemy or driver
-exception leaves the store's public API.
+Each carries the CLI's exit code (exit_codes.py). Callers map the branch, not
+the driver: the service answers 5xx on StoreUnavailable so Alertmanager
+retries; InvalidInput is the person's mistake (HTTP 422). No SQLAlchemy or
+driver exception leaves the store's public API.
 """
 
 from __future__ import annotations
 
+from vllm_runbook.runbooks.exit_codes import ExitCode, RunbookError
 
-class StoreError(Exception):
+
+class StoreError(RunbookError):
     """Base of every error the store raises on purpose."""
+
+    exit_code = ExitCode.STORE
 
 
 class StoreUnavailable(StoreError):
@@ -41,6 +45,8 @@ class IllegalTransition(StoreError):
 class ExecutionNotFound(StoreError, LookupError):
     """No execution with the requested id."""
 
+    exit_code = ExitCode.USAGE
+
     def __init__(self, execution_id: int) -> None:
         super().__init__(f"no execution with id {execution_id}")
         self.execution_id = execution_id
@@ -48,3 +54,5 @@ class ExecutionNotFound(StoreError, LookupError):
 
 class InvalidInput(StoreError, ValueError):
     """A value the journal does not take (e.g. a decision's note over its limit)."""
+
+    exit_code = ExitCode.USAGE

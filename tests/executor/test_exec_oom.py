@@ -407,9 +407,9 @@ def test_broken_runbook_yaml_names_file_and_line(tmp_path: Path, db_url: str) ->
         str(catalog),
     )
     assert result.returncode == 2
-    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.count("\n") == 2, result.stderr  # the heading, then one line per problem
     assert re.match(
-        r"runbook: error: invalid runbook catalog: \S*broken\.yaml:4: runbook broken: "
+        r"runbook: error: invalid runbook catalog:\n\S*broken\.yaml:4: runbook broken: "
         r"unknown action 'halve'\n$",
         result.stderr,
     ), result.stderr

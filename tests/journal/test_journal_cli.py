@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from vllm_runbook.runbooks.journal_cli import main
+from vllm_runbook.runbooks.cli import main
 from vllm_runbook.runbooks.store import Store
 
 
@@ -103,14 +103,16 @@ def test_history_table_and_json(sqlite_url: str, capsys: pytest.CaptureFixture[s
     assert run(capsys, "history", "7", "--db", sqlite_url) == (
         2,
         "",
-        "runbook: no execution with id 7\n",
+        "runbook: error: no execution with id 7\n",
     )
 
 
 def test_history_store_down_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(capsys, "history", "--db", "postgresql://u:pw@127.0.0.1:1/x")
     assert (code, out) == (4, "")
-    assert err.startswith("runbook: store postgresql+psycopg://u:***@127.0.0.1:1/x unavailable: ")
+    assert err.startswith(
+        "runbook: error: store postgresql+psycopg://u:***@127.0.0.1:1/x unavailable: "
+    )
     assert err.count("\n") == 1 and "Traceback" not in err and "pw@" not in err
 
 
@@ -176,16 +178,16 @@ def test_show_unknown_and_broken_catalog(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code, _, err = run(capsys, "show", "nope")
-    assert code == 2 and err.startswith("runbook: unknown runbook 'nope' (known: batch-too-large,")
+    assert code == 2 and err.startswith(
+        "runbook: error: unknown runbook 'nope' (known: batch-too-large,"
+    )
     (tmp_path / "x.yaml").write_text("name: x\ndescription: d\nsteps:\n  - action: halve\n")
     code, out, err = run(capsys, "list", "--catalog", str(tmp_path))
     assert (code, out) == (2, "")  # a broken catalog is a usage error
-    assert err.startswith("runbook: invalid runbook catalog:\n")
+    assert err.startswith("runbook: error: invalid runbook catalog:\n")
     assert err.rstrip().endswith("x.yaml:4: runbook x: unknown action 'halve'")
 
 
 def test_usage_error_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as info:
-        main(["history", "--limit", "0"])
-    assert info.value.code == 2
+    assert main(["history", "--limit", "0"]) == 2
     assert "must be at least 1" in capsys.readouterr().err

@@ -69,12 +69,12 @@ def test_read_only_commands_on_a_missing_store_say_no_executions_yet(tmp_path: P
     done = runbook_cli("history", "3", "--db", url)
     assert (done.returncode, done.stderr) == (
         2,
-        "runbook: no executions yet (no execution with id 3)\n",
+        "runbook: error: no executions yet (no execution with id 3)\n",
     )
     done = runbook_cli("report", "3", "--db", url)
     assert (done.returncode, done.stderr) == (
         2,
-        "runbook: no executions yet (no execution with id 3)\n",
+        "runbook: error: no executions yet (no execution with id 3)\n",
     )
     assert not path.exists()  # reading created nothing
 
@@ -107,7 +107,7 @@ def test_pending_and_answers_on_a_missing_journal_say_nothing_is_there(tmp_path:
         assert (done.returncode, done.stdout, done.stderr) == (
             2,
             "",
-            "runbook: no executions yet (no execution with id 3)\n",
+            "runbook: error: no executions yet (no execution with id 3)\n",
         )
     done = runbook_cli("history", env=env)
     assert (done.returncode, done.stdout, done.stderr) == (0, "no executions yet\n", "")

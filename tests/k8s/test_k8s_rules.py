@@ -117,7 +117,7 @@ def test_export_refuses_what_the_api_server_would_in_one_line(
     assert main(["rules", "export", "--format", "prometheus-operator", *extra]) == 2
     out, err = capsys.readouterr()
     assert out == ""
-    assert err.startswith(message)
+    assert err.startswith("runbook: error: " + message)
     assert err.count("\n") == 1
 
 
@@ -125,7 +125,7 @@ def test_operator_options_need_the_operator_format(capsys: pytest.CaptureFixture
     assert main(["rules", "export", "--namespace", "monitoring"]) == 2
     assert capsys.readouterr() == (
         "",
-        "rules export: --name, --namespace and --label need --format prometheus-operator\n",
+        "runbook: error: --name, --namespace and --label need --format prometheus-operator\n",
     )
 
 

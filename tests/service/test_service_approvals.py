@@ -204,11 +204,11 @@ def test_reject_and_pending_through_the_cli(
     assert cli(capsys, "approve", "4711", "--db", sqlite_url) == (
         2,
         "",
-        "runbook: no execution with id 4711\n",
+        "runbook: error: no execution with id 4711\n",
     )
     code, _, err = cli(capsys, "approve", str(waiting.id), "--db", sqlite_url)
     assert code == 1 and err.startswith(
-        f"runbook: execution #{waiting.id} (oom-pressure) was already rejected by bob at "
+        f"runbook: error: execution #{waiting.id} (oom-pressure) was already rejected by bob at "
     )
     assert cli(capsys, "pending", "--db", sqlite_url) == (
         0,
@@ -236,8 +236,8 @@ def test_an_unanswered_approval_expires_and_a_late_approval_runs_nothing(
     )
     assert (code, out) == (1, "")
     assert err == (
-        f"runbook: execution #{waiting.id} (oom-pressure): approval expired: nobody approved "
-        "within 10 min; nothing runs\n"
+        f"runbook: error: execution #{waiting.id} (oom-pressure): approval expired: "
+        "nobody approved within 10 min; nothing runs\n"
     )
     assert replica.worker.tick() == 0
     assert replica.store.get_execution(waiting.id).decision is None

@@ -259,7 +259,7 @@ def test_a_note_over_the_limit_is_refused_everywhere(db_url: str, tmp_path: Path
     )
     assert (done.returncode, done.stderr) == (
         2,
-        "runbook: the note has 4097 characters; at most 4096 are kept\n",
+        "runbook: error: the note has 4097 characters; at most 4096 are kept\n",
     )
     store = Store(db_url)
     assert store.get_execution(execution).awaiting_approval  # nothing decided
@@ -304,9 +304,9 @@ def test_ids_outside_the_databases_integers_are_unknown_ids(
         assert r.status_code == 303
         assert r.headers["location"] == f"/?msg=no%20execution%20with%20id%20{bad_id}"
     done = runbook_cli("approve", str(bad_id), "--db", db_url)
-    assert (done.returncode, done.stderr) == (2, f"runbook: no execution with id {bad_id}\n")
+    assert (done.returncode, done.stderr) == (2, f"runbook: error: no execution with id {bad_id}\n")
     done = runbook_cli("history", str(bad_id), "--db", db_url)
-    assert (done.returncode, done.stderr) == (2, f"runbook: no execution with id {bad_id}\n")
+    assert (done.returncode, done.stderr) == (2, f"runbook: error: no execution with id {bad_id}\n")
 
 
 def test_deeply_nested_json_on_the_approve_routes_is_400(db_url: str, tmp_path: Path) -> None:

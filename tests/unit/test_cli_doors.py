@@ -20,9 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from vllm_runbook.runbooks.cli import main
 from vllm_runbook.runbooks.client import CommandRefused, EngineClient, normalize_url
+from vllm_runbook.runbooks.exit_codes import ExitCode
 from vllm_runbook.runbooks.store import upgrade
-
-EXIT_USAGE, EXIT_ENGINE, EXIT_STORE_ERROR = 2, 3, 1
 
 
 @dataclass
@@ -142,7 +141,7 @@ def test_a_server_that_is_not_an_agent_is_exit_3_in_one_line(
     fake.answer = NOT_AN_AGENT[case]
     for argv in engine_doors(fake.url, db, timeout="0.5" if case == "slow" else "20"):
         code, err = run(capsys, *argv)
-        assert code == EXIT_ENGINE, (argv[0], err)
+        assert code == ExitCode.ENGINE, (argv[0], err)
         assert_one_line(err)
         if case == "slow":
             assert "no answer within 0.5 s" in err
@@ -154,7 +153,7 @@ def test_wrong_token_is_exit_3(
     fake.answer = Answer(status=401, body=b'{"error": "missing or wrong bearer token"}\n')
     for argv in engine_doors(fake.url, db):
         code, err = run(capsys, *argv)
-        assert code == EXIT_ENGINE and "refused the token" in err, (argv[0], err)
+        assert code == ExitCode.ENGINE and "refused the token" in err, (argv[0], err)
         assert_one_line(err)
 
 
@@ -163,7 +162,7 @@ def test_an_agent_error_message_stays_one_line(
 ) -> None:
     fake.answer = Answer(status=422, body=json.dumps({"error": "too\nmany\r\nlines"}).encode())
     code, err = run(capsys, "set", "--engine", fake.url, "--token", "t", "max_num_seqs=2")
-    assert code == EXIT_USAGE and "too many lines" in err
+    assert code == ExitCode.USAGE and "too many lines" in err
     assert_one_line(err)
 
 
@@ -186,7 +185,7 @@ def test_malformed_urls_are_usage_errors(
 ) -> None:
     for argv in engine_doors(url, db):
         code, err = run(capsys, *argv)
-        assert code == EXIT_USAGE, (argv[0], url, err)
+        assert code == ExitCode.USAGE, (argv[0], url, err)
         assert_one_line(err)
 
 
@@ -207,7 +206,7 @@ def test_tokens_a_header_cannot_carry_are_usage_errors(
 ) -> None:
     for token in ("two words", "naïve", "line\nbreak"):
         code, err = run(capsys, "status", "--engine", fake.url, "--token", token)
-        assert code == EXIT_USAGE
+        assert code == ExitCode.USAGE
         assert_one_line(err)
 
 
@@ -247,7 +246,7 @@ def test_engines_file_that_is_not_text(tmp_path: Path, capsys: pytest.CaptureFix
         path = tmp_path / name
         path.write_bytes(b"\xff\xfe\x00binary")
         code, err = run(capsys, "status", "--engines-file", str(path))
-        assert code == EXIT_USAGE and "not UTF-8" in err
+        assert code == ExitCode.USAGE and "not UTF-8" in err
         assert_one_line(err)
 
 
@@ -255,7 +254,7 @@ def test_config_that_is_not_text(tmp_path: Path, capsys: pytest.CaptureFixture[s
     path = tmp_path / "runbook.yaml"
     path.write_bytes(b"\xff\xfe\x00binary")
     code, err = run(capsys, "rules", "export", "--config", str(path))
-    assert code == EXIT_USAGE
+    assert code == ExitCode.USAGE
     assert_one_line(err)
 
 
@@ -274,7 +273,7 @@ def test_database_file_that_is_not_sqlite(
         ["revert", "1", "--db", url],
     ):
         code, err = run(capsys, *argv)
-        assert code == EXIT_STORE_ERROR and "file is not a database" in err, (argv, err)
+        assert code == ExitCode.STORE and "file is not a database" in err, (argv, err)
         assert_one_line(err)
     assert path.read_bytes() == b"this is not a database\n" * 200  # left as it was
 
@@ -290,7 +289,7 @@ def test_the_first_departure_from_the_agents_model_is_named(
         fake.answer = Answer(body=body)
         code, err = run(capsys, "status", "--engine", fake.url, "--token", "t")
         assert (code, err) == (
-            EXIT_ENGINE,
+            ExitCode.ENGINE,
             f"runbook: error: {fake.url} does not answer like a vllm-runbook agent ({where}): "
             f"{hint}\n",
         )
@@ -309,5 +308,5 @@ def test_a_bad_value_is_refused_before_anything_is_sent(
     # The client builds its command with the agent's model: the agent's own message, exit 2.
     sent = len(fake.requests)
     code, err = run(capsys, "set", "--engine", fake.url, "--token", "t", assignment)
-    assert (code, err) == (EXIT_USAGE, f"runbook: error: {message}\n")
+    assert (code, err) == (ExitCode.USAGE, f"runbook: error: {message}\n")
     assert len(fake.requests) == sent

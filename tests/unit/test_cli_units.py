@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from vllm_runbook.runbooks.cli import UsageError, main, parse_assignments, read_engines_file
+from vllm_runbook.runbooks.cli import main
+from vllm_runbook.runbooks.cli.engines import parse_assignments, read_engines_file
+from vllm_runbook.runbooks.cli.errors import UsageError
 
 
 def test_engines_file_plain_and_yaml(tmp_path: Path) -> None:

@@ -3,14 +3,14 @@
 The checks themselves (what is measured, the limits, the report) are
 vllm_runbook.rules.checklist; this samples the engine's agent (and vLLM's
 /metrics with --vllm) over HTTP and maps the outcome to an exit code:
-0 every check passed or n/a, 1 a check failed, 2 usage error, 3 unreachable.
+OK every check passed or n/a, FAILED a check failed; a usage error (USAGE) or
+an engine that does not answer as expected (ENGINE) is raised to `main`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,13 +27,15 @@ from vllm_runbook.rules.checklist import (
     run_checklist,
     with_note,
 )
-from vllm_runbook.runbooks.client import CommandRefused, normalize_url
+from vllm_runbook.runbooks.cli.errors import UsageError
+from vllm_runbook.runbooks.client import normalize_url
+from vllm_runbook.runbooks.exit_codes import ExitCode, RunbookError
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 
-
-class Unreachable(Exception):
+class Unreachable(RunbookError):
     """The agent (or the vLLM server) did not answer as expected."""
+
+    exit_code = ExitCode.ENGINE
 
 
 def _get(client: httpx.Client, url: str, what: str) -> httpx.Response:
@@ -90,7 +92,7 @@ def sample(
     return state, out
 
 
-def add_subcommand(subparsers: Any) -> argparse.ArgumentParser:
+def add_subcommands(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("check", help="the production checklist against a live engine")
     p.add_argument("--engine", required=True, metavar="URL", help="engine agent URL")
     p.add_argument("--vllm", metavar="URL", help="vLLM API server URL (latency, finished requests)")
@@ -106,12 +108,8 @@ def add_subcommand(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    try:
-        agent = normalize_url(args.engine)
-        vllm = normalize_url(args.vllm) if args.vllm else None
-    except CommandRefused as exc:
-        print(f"runbook: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+    agent = normalize_url(args.engine)  # a malformed URL: CommandRefused (USAGE)
+    vllm = normalize_url(args.vllm) if args.vllm else None
     bad = [
         msg
         for msg, wrong in (
@@ -123,15 +121,10 @@ def cmd_check(args: argparse.Namespace) -> int:
         if wrong
     ]
     if bad:
-        print(f"runbook: error: {bad[0]}", file=sys.stderr)
-        return EXIT_USAGE
-    try:
-        state, scrapes = sample(
-            agent, vllm, scrapes=args.scrapes, interval=args.interval, timeout=args.timeout
-        )
-    except Unreachable as exc:
-        print(f"runbook: error: {exc}", file=sys.stderr)
-        return EXIT_UNREACHABLE
+        raise UsageError(bad[0])
+    state, scrapes = sample(
+        agent, vllm, scrapes=args.scrapes, interval=args.interval, timeout=args.timeout
+    )
     model, engine = state.engine.model_name, state.engine.engine
     results = run_checklist(scrapes, model, engine, args.sla_seconds)
     if not state.collector_up:
@@ -142,4 +135,4 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(json.dumps(as_json(agent, vllm, model, engine, scrapes, results), indent=2))
     else:
         print(format_results(agent, model, engine, scrapes, results))
-    return EXIT_FAILED if failed else EXIT_OK
+    return ExitCode.FAILED if failed else ExitCode.OK

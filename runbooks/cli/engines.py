@@ -1,8 +1,8 @@
-"""The `runbook` command line.
+"""`runbook status`, `set` and `restore`: read and change live engines' knobs.
 
-Exit codes: 0 ok; 2 usage, bounds or catalog error; 3 engine unreachable or
-authentication failed; 4 store (database) unavailable; 1 anything else.
-Errors are one line on stderr, never a traceback for a user mistake.
+Errors are raised (UsageError, the engine client's errors) and mapped to an
+exit code by the CLI's one `main`; `set` and `restore` on several engines
+report each engine's error and end with the worst code.
 """
 
 from __future__ import annotations
@@ -18,28 +18,11 @@ from typing import Any
 import yaml
 from vllm_runbook.collector.agent_api import POLICIES, AgentState, AutopilotState, ChangeResult
 from vllm_runbook.collector.autopilot import parse_switch, parse_target
-from vllm_runbook.runbooks import (
-    approvals_cli,
-    demo,
-    exec_cli,
-    journal_cli,
-    report_cli,
-    rules_cli,
-)
-from vllm_runbook.runbooks.client import CommandRefused, EngineClient, EngineClientError
-from vllm_runbook.runbooks.service import serve_cli
+from vllm_runbook.runbooks.cli.errors import UsageError
+from vllm_runbook.runbooks.client import EngineClient, EngineClientError
+from vllm_runbook.runbooks.exit_codes import ExitCode
 
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_ENGINE = 0, 1, 2, 3
 DEFAULT_TIMEOUT = 35.0  # a knob change may wait up to 30 s for a step boundary
-
-
-class UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> Any:  # one line, exit 2
-        raise UsageError(message)
 
 
 # -- engines -----------------------------------------------------------------
@@ -223,11 +206,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(as_json, indent=2, sort_keys=True))
     else:
         print("\n\n".join(format_status(u, s) for u, s in states))
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _each_engine(args: argparse.Namespace, action: Any) -> int:
-    code, results = EXIT_OK, []
+    code, results = ExitCode.OK, []
     for url in engine_urls(args):
         try:
             client = EngineClient(url, args.token, timeout=args.timeout)
@@ -265,9 +248,8 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="runbook", description="vLLM observability and runbook automation")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+def add_subcommands(sub: Any) -> None:
+    """Mount `status`, `set` and `restore` on the `runbook` command's subparsers."""
 
     def engine_args(p: argparse.ArgumentParser) -> None:
         p.add_argument(
@@ -319,37 +301,3 @@ def build_parser() -> argparse.ArgumentParser:
     engine_args(p)
     p.add_argument("--dry-run", action="store_true")
     p.set_defaults(func=cmd_restore)
-
-    journal_cli.add_subcommands(sub)
-    exec_cli.add_subcommands(sub)
-    approvals_cli.add_subcommands(sub)
-    rules_cli.add_subcommands(sub)
-    serve_cli.add_subcommands(sub)
-    report_cli.add_subcommands(sub)
-    demo.add_subcommands(sub)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-        return int(args.func(args))
-    except UsageError as exc:
-        print(f"runbook: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except CommandRefused as exc:
-        print(f"runbook: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except EngineClientError as exc:
-        print(f"runbook: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except UnicodeDecodeError as exc:
-        # A binary file where text (a config, a rule or runbook file) was expected.
-        print(f"runbook: error: a file given is not UTF-8 text ({exc.reason})", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,13 +1,11 @@
-"""`runbook rules export`, `runbook rules check` and `runbook check`, as pieces for the
-runbook CLI.
+"""`runbook rules export` and `runbook rules check`: the alert rule catalog.
 
 The rules' `runbook` labels (and the configuration's `automation:` keys) are
 checked against the runbook catalog the rules are deployed with: `--catalog DIR`
 (repeatable), by default the shipped one.
 
-Each command returns an exit code: 0 ok, 2 for a usage or validation error,
-reported on stderr as one line per problem and never as a traceback
-(`runbook check` adds 1 for a failed check and 3 for an unreachable engine).
+A usage or validation error is raised (USAGE), and the CLI's `main` reports
+it on stderr as one line per problem, never as a traceback.
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vllm_runbook.rules.errors import CatalogError, RulesError
 from vllm_runbook.rules.model import load_catalog
 from vllm_runbook.rules.prometheus_operator import (
     DEFAULT_NAME,
@@ -25,15 +22,13 @@ from vllm_runbook.rules.prometheus_operator import (
     parse_label,
 )
 from vllm_runbook.rules.promql import DEFAULT_RUNBOOK_URL_BASE, export
-from vllm_runbook.runbooks import check_cli
 from vllm_runbook.runbooks.catalogs import load_config, runbook_names
-
-EXIT_OK = 0
-EXIT_INVALID = 2
+from vllm_runbook.runbooks.cli.errors import UsageError
+from vllm_runbook.runbooks.exit_codes import ExitCode
 
 
 def add_subcommands(subparsers: Any) -> argparse.ArgumentParser:
-    """Add `rules export`, `rules check` and `check` to an argparse subparsers object.
+    """Add `rules export` and `rules check` to an argparse subparsers object.
 
     Each leaf parser sets ``func``: call ``args.func(args)`` for the exit code.
     """
@@ -96,7 +91,6 @@ def add_subcommands(subparsers: Any) -> argparse.ArgumentParser:
     )
     _runbook_catalog(check)
     check.set_defaults(func=cmd_check)
-    check_cli.add_subcommand(subparsers)
     return rules
 
 
@@ -111,69 +105,43 @@ def _runbook_catalog(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _runbooks(args: argparse.Namespace) -> list[str] | None:
-    """The runbook catalog's names; None (reported) when the catalog is broken."""
-    try:
-        return runbook_names(args.catalog)
-    except CatalogError as exc:
-        print(f"invalid runbook catalog:\n{exc}", file=sys.stderr)
-        return None
+def _runbooks(args: argparse.Namespace) -> list[str]:
+    """The runbook catalog's names (a broken catalog raises its CatalogError)."""
+    return runbook_names(args.catalog)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     operator_options = args.name is not None or args.namespace is not None or args.labels
     if args.format != "prometheus-operator" and operator_options:
-        print(
-            "rules export: --name, --namespace and --label need --format prometheus-operator",
-            file=sys.stderr,
-        )
-        return EXIT_INVALID
+        raise UsageError("--name, --namespace and --label need --format prometheus-operator")
     runbooks = _runbooks(args)
-    if runbooks is None:
-        return EXIT_INVALID
-    try:
-        config = load_config(args.config, runbooks)
-        rules = config.bind(load_catalog(args.rules_dir or config.catalog, runbooks=runbooks))
-        if args.format == "prometheus-operator":
-            text = export_prometheus_rule(
-                rules,
-                name=args.name or DEFAULT_NAME,
-                namespace=args.namespace,
-                labels=dict(parse_label(text) for text in args.labels),
-                runbook_url_base=args.runbook_url_base,
-            )
-        else:
-            text = export(rules, runbook_url_base=args.runbook_url_base)
-    except RulesError as exc:
-        return _fail(exc)
+    config = load_config(args.config, runbooks)
+    rules = config.bind(load_catalog(args.rules_dir or config.catalog, runbooks=runbooks))
+    if args.format == "prometheus-operator":
+        text = export_prometheus_rule(
+            rules,
+            name=args.name or DEFAULT_NAME,
+            namespace=args.namespace,
+            labels=dict(parse_label(text) for text in args.labels),
+            runbook_url_base=args.runbook_url_base,
+        )
+    else:
+        text = export(rules, runbook_url_base=args.runbook_url_base)
     if args.output is None:
         sys.stdout.write(text)
     else:
         try:
             args.output.write_text(text, encoding="utf-8")
         except OSError as exc:
-            print(f"rules export: cannot write {args.output}: {exc.strerror}", file=sys.stderr)
-            return EXIT_INVALID
-    return EXIT_OK
+            raise UsageError(f"cannot write {args.output}: {exc.strerror}") from None
+    return ExitCode.OK
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     runbooks = _runbooks(args)
-    if runbooks is None:
-        return EXIT_INVALID
-    try:
-        config = load_config(args.config, runbooks)
-        catalog = load_catalog(args.path or config.catalog, runbooks=runbooks)
-        rules = config.bind(catalog)
-    except RulesError as exc:
-        return _fail(exc)
+    config = load_config(args.config, runbooks)
+    catalog = load_catalog(args.path or config.catalog, runbooks=runbooks)
+    rules = config.bind(catalog)
     files = len({r.file for r in rules})
     print(f"ok: {len(rules)} rules ({len(catalog.alerts)} alerts) in {files} files")
-    return EXIT_OK
-
-
-def _fail(exc: RulesError) -> int:
-    lines = [str(p) for p in exc.problems] if isinstance(exc, CatalogError) else [str(exc)]
-    for line in lines:
-        print(line, file=sys.stderr)
-    return EXIT_INVALID
+    return ExitCode.OK

@@ -1,15 +1,10 @@
-"""CLI pieces for the journal and the catalog: `db upgrade`, `history`, `list`, `show`.
+"""`runbook db upgrade`, `history`, `list` and `show`: the journal and the catalog.
 
-`vllm_runbook.runbooks.cli` owns the `runbook` command and mounts these with
-`add_subcommands(subparsers)`; each handler takes the parsed namespace and
-returns an exit code. Errors are one line on stderr, never a traceback:
-
-    0  ok
-    1  store error that is not an outage (e.g. database at an unknown revision)
-    2  usage error (bad argument, unknown runbook or execution id, a note over 4096 characters)
-    3  invalid runbook catalog (each problem as file:line: runbook NAME: message)
-    3  `show --engine`: the engine unreachable or authentication failed
-    4  store unavailable (down, locked, or not migrated: run `runbook db upgrade`)
+Each handler returns an exit code or raises: the store's, the catalog's and
+the engine client's errors carry theirs (an unknown execution id or runbook:
+USAGE; a broken catalog: USAGE, one line per problem as file:line; the store
+down, locked, not migrated or not a database: STORE; `show --engine` on an
+engine unreachable: ENGINE), mapped by the CLI's `main`.
 
 Human output is aligned tables; `--json` output is stable for scripts (keys
 are only ever added).
@@ -20,21 +15,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Final, TextIO
+from typing import Any
 
-from vllm_runbook.rules.errors import CatalogError
+from vllm_runbook.runbooks.cli.errors import UsageError
+from vllm_runbook.runbooks.exit_codes import ExitCode
 from vllm_runbook.runbooks.render import format_table, format_value, render_report
 from vllm_runbook.runbooks.spec import Catalog, Runbook, load_catalog
 from vllm_runbook.runbooks.store import (
-    ExecutionNotFound,
     ExecutionRecord,
-    InvalidInput,
     Store,
-    StoreError,
-    StoreUnavailable,
     display_url,
     has_journal,
     head_revision,
@@ -43,41 +34,8 @@ from vllm_runbook.runbooks.store import (
 )
 from vllm_runbook.runbooks.store.notifications import NotificationRecord
 
-EXIT_OK: Final = 0
-EXIT_STORE_ERROR: Final = 1
-EXIT_USAGE: Final = 2
-EXIT_CATALOG: Final = 2  # a broken catalog file is a usage error, like bad input
-EXIT_STORE_UNAVAILABLE: Final = 4
 
-Handler = Callable[[argparse.Namespace], int]
-
-
-def _fail(code: int, message: str, stream: TextIO | None = None) -> int:
-    print(f"runbook: {message}", file=stream or sys.stderr)
-    return code
-
-
-def _guarded(handler: Handler) -> Handler:
-    """Map the store's and the catalog's errors to exit codes and one stderr line."""
-
-    def run(args: argparse.Namespace) -> int:
-        try:
-            return handler(args)
-        except StoreUnavailable as e:
-            return _fail(EXIT_STORE_UNAVAILABLE, str(e))
-        except (ExecutionNotFound, InvalidInput) as e:
-            return _fail(EXIT_USAGE, str(e))
-        except StoreError as e:
-            return _fail(EXIT_STORE_ERROR, str(e))
-        except CatalogError as e:
-            return _fail(EXIT_CATALOG, f"invalid runbook catalog:\n{e}")
-
-    run.__name__ = handler.__name__
-    run.__doc__ = handler.__doc__
-    return run
-
-
-def _add_db_option(parser: argparse.ArgumentParser) -> None:
+def add_db_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--db",
         metavar="URL",
@@ -85,7 +43,7 @@ def _add_db_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_catalog_option(parser: argparse.ArgumentParser) -> None:
+def add_catalog_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--catalog",
         metavar="DIR",
@@ -100,7 +58,7 @@ def add_subcommands(subparsers: Any) -> None:
     db = subparsers.add_parser("db", help="manage the journal database")
     db_commands = db.add_subparsers(dest="db_command", metavar="COMMAND", required=True)
     db_upgrade = db_commands.add_parser("upgrade", help="create or migrate the schema to head")
-    _add_db_option(db_upgrade)
+    add_db_option(db_upgrade)
     db_upgrade.set_defaults(func=cmd_db_upgrade)
 
     history = subparsers.add_parser("history", help="past executions, newest first")
@@ -109,12 +67,12 @@ def add_subcommands(subparsers: Any) -> None:
     history.add_argument("--runbook", metavar="NAME", help="only executions of this runbook")
     history.add_argument("--limit", type=_positive_int, default=20, help="at most N (default 20)")
     history.add_argument("--json", action="store_true", help="machine-readable output")
-    _add_db_option(history)
+    add_db_option(history)
     history.set_defaults(func=cmd_history)
 
     list_parser = subparsers.add_parser("list", help="the runbook catalog")
     list_parser.add_argument("--json", action="store_true", help="machine-readable output")
-    _add_catalog_option(list_parser)
+    add_catalog_option(list_parser)
     list_parser.set_defaults(func=cmd_list)
 
     show = subparsers.add_parser("show", help="one runbook: triggers, checks, steps, guardrails")
@@ -129,7 +87,7 @@ def add_subcommands(subparsers: Any) -> None:
         "--vllm", metavar="URL", help="the engine's vLLM API server (what only it knows)"
     )
     show.add_argument("--token", help="agent token (default: VLLM_RUNBOOK_TOKEN or the local one)")
-    _add_catalog_option(show)
+    add_catalog_option(show)
     show.set_defaults(func=cmd_show)
 
 
@@ -150,13 +108,12 @@ def _print_json(data: Any) -> None:
 # --- db upgrade ------------------------------------------------------------------
 
 
-@_guarded
 def cmd_db_upgrade(args: argparse.Namespace) -> int:
     """Create or migrate the journal schema to the newest revision."""
     url = resolve_url(args.db)
     revision = upgrade(url)
     print(f"{display_url(url)}: at revision {revision} (head {head_revision()})")
-    return EXIT_OK
+    return ExitCode.OK
 
 
 # --- history ---------------------------------------------------------------------
@@ -166,18 +123,16 @@ def _when(value: datetime | None) -> str:
     return "-" if value is None else value.strftime("%Y-%m-%d %H:%M:%SZ")
 
 
-@_guarded
 def cmd_history(args: argparse.Namespace) -> int:
     """Executions from the journal; with an id, that execution's full report."""
     if not has_journal(args.db):  # read-only: a missing store is no error, and stays missing
         if args.id is not None:
-            print(f"runbook: no executions yet (no execution with id {args.id})", file=sys.stderr)
-            return EXIT_USAGE
+            raise UsageError(f"no executions yet (no execution with id {args.id})")
         if args.json:
             _print_json({"executions": []})
         else:
             print("no executions yet")
-        return EXIT_OK
+        return ExitCode.OK
     store = Store(args.db)
     try:
         if args.id is not None:
@@ -189,17 +144,17 @@ def cmd_history(args: argparse.Namespace) -> int:
                 )
             else:
                 sys.stdout.write(render_report(record) + _notifications_text(sent))
-            return EXIT_OK
+            return ExitCode.OK
         records = store.list_executions(args.engine, runbook=args.runbook, limit=args.limit)
         failed = store.notifications([r.id for r in records], status="failed")
     finally:
         store.close()
     if args.json:
         _print_json({"executions": [r.to_dict() for r in records]})
-        return EXIT_OK
+        return ExitCode.OK
     if not records:
         print("no executions recorded")
-        return EXIT_OK
+        return ExitCode.OK
     rows = [
         (
             r.id,
@@ -216,7 +171,7 @@ def cmd_history(args: argparse.Namespace) -> int:
     ]
     headers = ["ID", "RUNBOOK", "ENGINE", "STATUS", "TRIGGER", "WHO", "STARTED", "APPLIED", "NOTE"]
     print(format_table(rows, headers))
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _note(record: ExecutionRecord, failed: list[NotificationRecord]) -> str:
@@ -251,13 +206,12 @@ def _runbook_json(runbook: Runbook, catalog: Catalog) -> dict[str, Any]:
     return data
 
 
-@_guarded
 def cmd_list(args: argparse.Namespace) -> int:
     """The catalog: one line per runbook."""
     catalog = _catalog(args)
     if args.json:
         _print_json({"runbooks": [_runbook_json(r, catalog) for r in catalog.values()]})
-        return EXIT_OK
+        return ExitCode.OK
     rows = [
         (
             r.name,
@@ -268,35 +222,29 @@ def cmd_list(args: argparse.Namespace) -> int:
         for r in catalog.values()
     ]
     print(format_table(rows, ["NAME", "TRIGGERS", "STEPS", "APPROVAL"]))
-    return EXIT_OK
+    return ExitCode.OK
 
 
-@_guarded
 def cmd_show(args: argparse.Namespace) -> int:
     """One runbook: what it checks, what it changes, how it verifies and reverts."""
     catalog = _catalog(args)
     runbook = catalog.get(args.name)
     if runbook is None:
         known = ", ".join(catalog) or "none"
-        return _fail(EXIT_USAGE, f"unknown runbook {args.name!r} (known: {known})")
+        raise UsageError(f"unknown runbook {args.name!r} (known: {known})")
     live = None
     if getattr(args, "engine", None):
-        from vllm_runbook.runbooks.client import EngineClientError
-
-        try:
-            live = _live_readings(runbook, args.engine, args.vllm, args.token)
-        except EngineClientError as exc:
-            return _fail(exc.exit_code, f"error: {exc}")
+        live = _live_readings(runbook, args.engine, args.vllm, args.token)
     if args.json:
         data: dict[str, Any] = {"runbook": _runbook_json(runbook, catalog)}
         if live is not None:
             data["live"] = live
         _print_json(data)
-        return EXIT_OK
+        return ExitCode.OK
     print(_describe(runbook))
     if live is not None:
         print("\n" + _describe_live(live))
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _live_readings(
@@ -416,22 +364,3 @@ def _condition(when: Any) -> str:
 
 def _indent(text: str) -> str:
     return "\n".join(f"  {line}" for line in text.splitlines())
-
-
-# --- standalone entry (tests, and until vllm_runbook.runbooks.cli mounts these) -----------------
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="runbook")
-    add_subcommands(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    handler: Handler = args.func
-    return handler(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

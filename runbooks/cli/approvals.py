@@ -6,9 +6,9 @@ service's worker (it holds the engine inventory, the waits and the lease that
 makes one replica run it); rejecting refuses it. Both work on the journal
 alone, so any machine that reaches the database can answer.
 
-Exit codes: 0 decided; 1 too late (expired, the alert resolved, already
-answered); 2 usage (unknown id, not an execution awaiting approval, bad
-config); 4 store unavailable.
+Exit codes: OK decided; FAILED too late (expired, the alert resolved,
+already answered); USAGE (unknown id, not an execution awaiting approval, bad
+config); STORE unavailable (raised, mapped by the CLI's `main`).
 """
 
 from __future__ import annotations
@@ -17,20 +17,24 @@ import argparse
 import json
 import math
 from datetime import datetime, timedelta
-from typing import Any, Final
+from typing import Any
 
 from vllm_runbook.rules.errors import CatalogError
+from vllm_runbook.runbooks.cli.errors import UsageError
+from vllm_runbook.runbooks.cli.journal import add_db_option
 from vllm_runbook.runbooks.config import DEFAULT_APPROVAL_TIMEOUT, load_config
 from vllm_runbook.runbooks.executor import default_who, format_duration
-from vllm_runbook.runbooks.journal_cli import _add_db_option, _fail, _guarded
+from vllm_runbook.runbooks.exit_codes import ExitCode, RunbookError
 from vllm_runbook.runbooks.render import format_table
 from vllm_runbook.runbooks.store import Store, has_journal
 from vllm_runbook.runbooks.store.approvals import TOO_LATE
 from vllm_runbook.runbooks.store.models import APPROVED, REJECTED, utcnow
 
-EXIT_OK: Final = 0
-EXIT_TOO_LATE: Final = 1
-EXIT_USAGE: Final = 2
+
+class TooLate(RunbookError):
+    """The execution is no longer awaiting this answer (expired, resolved, already decided)."""
+
+    exit_code = ExitCode.FAILED
 
 
 def add_subcommands(subparsers: Any) -> None:
@@ -52,7 +56,7 @@ def add_subcommands(subparsers: Any) -> None:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    _add_db_option(p)
+    add_db_option(p)
     p.add_argument(
         "--config",
         metavar="FILE",
@@ -67,11 +71,11 @@ class _Setup:
         self.db = args.db or (config.database if config else None)
 
 
-def _setup(args: argparse.Namespace) -> _Setup | int:
+def _setup(args: argparse.Namespace) -> _Setup:
     try:
         return _Setup(args)
-    except CatalogError as exc:
-        return _fail(EXIT_USAGE, str(exc).splitlines()[0])
+    except CatalogError as exc:  # a broken configuration: its first problem is enough here
+        raise UsageError(str(exc).splitlines()[0]) from None
 
 
 def _expires(created: datetime, timeout_s: float) -> str:
@@ -79,17 +83,14 @@ def _expires(created: datetime, timeout_s: float) -> str:
     return format_duration(math.ceil(left)) if left > 0 else "expired"
 
 
-@_guarded
 def cmd_pending(args: argparse.Namespace) -> int:
     setup = _setup(args)
-    if isinstance(setup, int):
-        return setup
     if not has_journal(setup.db):  # read-only: a missing store is no error, and stays missing
         if args.json:
             print(json.dumps({"pending": []}, indent=2))
         else:
             print("no executions awaiting approval (no journal yet)")
-        return EXIT_OK
+        return ExitCode.OK
     store = Store(setup.db)
     try:
         records = store.pending_approvals()
@@ -104,10 +105,10 @@ def cmd_pending(args: argparse.Namespace) -> int:
             for r in records
         ]
         print(json.dumps({"pending": rows}, indent=2, ensure_ascii=False))
-        return EXIT_OK
+        return ExitCode.OK
     if not records:
         print("no executions awaiting approval")
-        return EXIT_OK
+        return ExitCode.OK
     table = [
         (
             r.id,
@@ -120,15 +121,13 @@ def cmd_pending(args: argparse.Namespace) -> int:
         for r in records
     ]
     print(format_table(table, ["ID", "RUNBOOK", "ENGINE", "FROM", "SINCE", "EXPIRES IN"]))
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _decide(args: argparse.Namespace, decision: str) -> int:
     setup = _setup(args)
-    if isinstance(setup, int):
-        return setup
     if not has_journal(setup.db):  # nothing to decide, and nothing created by asking
-        return _fail(EXIT_USAGE, f"no executions yet (no execution with id {args.id})")
+        raise UsageError(f"no executions yet (no execution with id {args.id})")
     store = Store(setup.db)
     try:
         result = store.decide(
@@ -142,15 +141,15 @@ def _decide(args: argparse.Namespace, decision: str) -> int:
     if result.ok:
         if not args.json:
             print(result.message)
-        return EXIT_OK
-    return _fail(EXIT_TOO_LATE if result.outcome == TOO_LATE else EXIT_USAGE, result.message)
+        return ExitCode.OK
+    if result.outcome == TOO_LATE:
+        raise TooLate(result.message)
+    raise UsageError(result.message)
 
 
-@_guarded
 def cmd_approve(args: argparse.Namespace) -> int:
     return _decide(args, APPROVED)
 
 
-@_guarded
 def cmd_reject(args: argparse.Namespace) -> int:
     return _decide(args, REJECTED)

@@ -2,9 +2,9 @@
 
 The summary comes from the journal (checks, changes, verification, revert);
 the picture and the measured effect need the signal history the demo
-records beside its SQLite database (see vllm_runbook.runbooks.report). Exit codes: 0 ok;
-1 no picture (no signal history for that time); 2 unknown execution; 4 store
-unavailable.
+records beside its SQLite database (see vllm_runbook.runbooks.report). Exit codes: OK;
+FAILED no picture (no signal history for that time); USAGE unknown execution;
+STORE unavailable (the last two raised, mapped by the CLI's `main`).
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vllm_runbook.runbooks.journal_cli import _add_db_option, _guarded
+from vllm_runbook.runbooks.cli.errors import UsageError
+from vllm_runbook.runbooks.cli.journal import add_db_option
+from vllm_runbook.runbooks.exit_codes import ExitCode
 
-EXIT_OK, EXIT_NO_PICTURE = 0, 1
 # History drawn around the execution, before its finding and after its revert.
 MARGIN_S = 60.0
 
@@ -26,7 +27,7 @@ def add_subcommands(subparsers: Any) -> None:
         "report", help="an execution's summary and timeline picture (PNG) from the journal"
     )
     p.add_argument("id", type=int, help="execution id (a revert's id reports what it reverted)")
-    _add_db_option(p)
+    add_db_option(p)
     p.add_argument(
         "--signals",
         metavar="FILE",
@@ -36,7 +37,7 @@ def add_subcommands(subparsers: Any) -> None:
     p.add_argument(
         "-o", "--output", metavar="FILE", type=Path, help="PNG to write (default: report-ID.png)"
     )
-    p.set_defaults(func=_guarded(cmd_report))
+    p.set_defaults(func=cmd_report)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -53,8 +54,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     from vllm_runbook.runbooks.store import Store, has_journal
 
     if not has_journal(args.db):  # read-only: a missing store is no error, and stays missing
-        print(f"runbook: no executions yet (no execution with id {args.id})", file=sys.stderr)
-        return 2
+        raise UsageError(f"no executions yet (no execution with id {args.id})")
     store = Store(args.db)
     record = store.get_execution(args.id)
     if record.reverts_id is not None:
@@ -93,7 +93,7 @@ def cmd_report(args: argparse.Namespace) -> int:
             "(`runbook demo` records one; see runbooks/DEMO.md)",
             file=sys.stderr,
         )
-        return EXIT_NO_PICTURE
+        return ExitCode.FAILED
     out = args.output or Path(f"report-{record.id}.png")
     timeline_png(
         history,
@@ -102,4 +102,4 @@ def cmd_report(args: argparse.Namespace) -> int:
         title=f"execution #{record.id} {record.runbook} on {record.engine}",
     )
     print(f"\npicture: {out}")
-    return EXIT_OK
+    return ExitCode.OK

@@ -1,13 +1,10 @@
-"""CLI pieces for acting on engines: `runbook exec NAME --engine URL` and `runbook revert ID`.
+"""`runbook exec NAME --engine URL` and `runbook revert ID`: act on an engine, journaled.
 
-Mounted by `vllm_runbook.runbooks.cli` with `add_subcommands(subparsers)`. Exit codes:
-
-    0  succeeded (or a dry run)
-    1  the execution failed or was rolled back (the journal says why)
-    2  usage, a broken runbook catalog, the engine's bounds, or a guardrail refusal
-    3  engine unreachable or authentication failed
-    4  store unavailable (down, locked, or a PostgreSQL store not migrated: run
-       `runbook db upgrade`; a SQLite journal is created on first use)
+The exit code is the execution's (`ExecutionResult.exit_code`: OK, FAILED when
+it failed or was rolled back, USAGE when refused, ENGINE); errors before or
+around it (a broken catalog, an unknown runbook or id, the store unavailable
+or a PostgreSQL store not migrated: `runbook db upgrade`; a SQLite journal is
+created on first use) are raised and mapped by the CLI's `main`.
 
 Errors are one line on stderr; the report (checks, before → after,
 verification) goes to stdout, or `--json` for scripts.
@@ -19,34 +16,14 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
-from vllm_runbook.rules.errors import CatalogError
-from vllm_runbook.runbooks.client import CommandRefused, EngineClientError, normalize_url
-from vllm_runbook.runbooks.executor import (
-    EXIT_REFUSED,
-    EXIT_STORE,
-    ExecutionResult,
-    Executor,
-    UnknownRunbook,
-)
+from vllm_runbook.runbooks.client import CommandRefused, normalize_url
+from vllm_runbook.runbooks.executor import ExecutionResult, Executor
+from vllm_runbook.runbooks.exit_codes import ExitCode
 from vllm_runbook.runbooks.render import render_report
-from vllm_runbook.runbooks.revert import RevertRefused
 from vllm_runbook.runbooks.spec import load_catalog
-from vllm_runbook.runbooks.store import (
-    ExecutionNotFound,
-    Store,
-    StoreError,
-    StoreUnavailable,
-    ensure_schema,
-)
-
-EXIT_STORE_ERROR: Final = 1
-
-
-def _fail(code: int, message: str) -> int:
-    print(f"runbook: error: {message}", file=sys.stderr)
-    return code
+from vllm_runbook.runbooks.store import Store, ensure_schema
 
 
 def _non_negative(text: str) -> float:
@@ -173,38 +150,17 @@ def _output(args: argparse.Namespace, result: ExecutionResult) -> int:
         sys.stdout.write(render_report(result.record))
         for warning in result.warnings:
             print(f"warning: {warning}")
-    if result.exit_code != 0 and result.message:
+    if result.exit_code != ExitCode.OK and result.message:
         print(f"runbook: error: {result.message}", file=sys.stderr)
     return result.exit_code
 
 
 def _run(args: argparse.Namespace, body: Any) -> int:
-    """Open the store, run `body(executor)`, map every error to one line and a code."""
+    """Open the store, run `body(executor)`, report; errors are raised to `main`."""
+    # First use: the default SQLite journal is created and migrated here.
+    store = Store(ensure_schema(args.db))
     try:
-        # First use: the default SQLite journal is created and migrated here.
-        store = Store(ensure_schema(args.db))
-    except StoreUnavailable as e:
-        return _fail(EXIT_STORE, str(e))
-    except StoreError as e:
-        return _fail(EXIT_STORE_ERROR, str(e))
-    try:
-        executor = _executor(args, store)
-        return _output(args, body(executor))
-    except CatalogError as e:
-        # One line per problem, each naming its file and line.
-        return _fail(EXIT_REFUSED, f"invalid runbook catalog: {e}")
-    except StoreUnavailable as e:
-        return _fail(EXIT_STORE, str(e))
-    except ExecutionNotFound as e:
-        return _fail(EXIT_REFUSED, str(e))
-    except StoreError as e:
-        return _fail(EXIT_STORE_ERROR, str(e))
-    except (UnknownRunbook, RevertRefused) as e:
-        return _fail(EXIT_REFUSED, str(e))
-    except CommandRefused as e:
-        return _fail(EXIT_REFUSED, str(e))
-    except EngineClientError as e:
-        return _fail(e.exit_code, str(e))
+        return _output(args, body(_executor(args, store)))
     finally:
         store.close()
 
