@@ -43,6 +43,7 @@ webhook's JSON carries them in their own fields (`alert`, `execution`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -269,7 +270,7 @@ class Notifier:
         self._feed_job = WakeableJob(self._feed_pass, job_id=FEED_JOB_ID, name="notify-feed")
         self._deliveries = {
             r.name: WakeableJob(
-                lambda r=r: self._delivery_pass(r),
+                functools.partial(self._delivery_pass, r),
                 job_id=DELIVERY_JOB_ID.format(receiver=r.name),
                 name=f"notify-{r.name}",
             )

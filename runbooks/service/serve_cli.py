@@ -311,7 +311,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             # body's limit and deadline are the app's RequestLimits.
             http=timed_h11_protocol(limits.header_timeout_seconds, app.state.refused),
             h11_max_incomplete_event_size=MAX_HEAD_BYTES,
-            timeout_keep_alive=limits.keep_alive_seconds,
+            # Hinted int, used as a float (call_later): a fraction of a second is kept.
+            timeout_keep_alive=limits.keep_alive_seconds,  # type: ignore[arg-type]
             limit_concurrency=limits.max_connections,
         )
     finally:
