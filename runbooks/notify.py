@@ -1,8 +1,8 @@
 """Notifications: every execution event to the configured receivers.
 
     notifier = Notifier(store, receivers_from(config.notifications), metrics=metrics)
-    notifier.start()      # a feed thread + one delivery thread per receiver
-    notifier.stop()
+    notifier.schedule(scheduler)   # the feed job + one delivery job per receiver
+    notifier.stop()                # (`start()`: on a scheduler of its own)
 
 Events are not pushed by the executor: every transaction that changes an
 execution appends the events it implies to the store's events table, in the
@@ -18,14 +18,18 @@ skipped however many events share a timestamp), and queues one outbox row
 per event and receiver, moving the cursors in the same transaction; the
 cursors are in the database, so a restart goes on where the feed stopped.
 
-Each receiver's delivery thread claims queued rows for a lease
+The feed and each receiver's delivery are jobs of the service's APScheduler
+scheduler (service/jobs.py), beside the worker and the rules' cycle; each
+never overlaps itself, and the feed wakes a delivery when it queued rows.
+
+Each receiver's delivery job claims queued rows for a lease
 (`notifications.claim_lease`), renews the claim while it tries, and records
 the fate: among replicas watching one database the one holding the claim
 delivers. A replica that dies leaves its claims to lapse; another replica
 then claims and sends them again: delivery is at least once, and every
 message carries the event's key (the webhook's `key`, the Slack text's last
 line) so a receiver drops a duplicate. A delivery is retried with exponential
-backoff on its receiver's own thread (a slow or dead receiver delays only
+backoff in its receiver's own job (a slow or dead receiver delays only
 itself); its fate is recorded in the outbox (visible in `runbook history ID`
 and on the page) and counted in `vllm_runbook_service_notifications_total`.
 
@@ -39,6 +43,7 @@ webhook's JSON carries them in their own fields (`alert`, `execution`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -50,8 +55,12 @@ from datetime import timedelta
 from typing import Any, Final, Protocol
 
 import httpx
+from apscheduler.executors.pool import ThreadPoolExecutor
+from apscheduler.schedulers.background import BackgroundScheduler
+from apscheduler.schedulers.base import BaseScheduler
 from vllm_runbook.runbooks.config import NotificationsConfig
 from vllm_runbook.runbooks.render import PLAIN, SLACK, render_notification
+from vllm_runbook.runbooks.service.jobs import WakeableJob
 from vllm_runbook.runbooks.store import ExecutionRecord, Store, StoreError
 from vllm_runbook.runbooks.store.events import (
     AWAITING,
@@ -84,8 +93,11 @@ log = logging.getLogger("vllm_runbook.notify")
 # whole history). Afterwards its cursor is stored.
 START_LOOKBACK: Final = timedelta(minutes=5)
 FEED_PAGE: Final = 1000  # events read per query
-CLAIM_BATCH: Final = 16  # outbox rows a delivery thread claims at once
+CLAIM_BATCH: Final = 16  # outbox rows a delivery job claims at once
 DEFAULT_CLAIM_LEASE_S: Final = 30.0
+FEED_JOB_ID: Final = "vllm-runbook-notify-feed"
+DELIVERY_JOB_ID: Final = "vllm-runbook-notify-{receiver}"
+STOP_TIMEOUT_S: Final = 10.0  # per job: a stopping delivery gives its claims back at once
 
 
 def alert_name(record: ExecutionRecord) -> str | None:
@@ -255,11 +267,16 @@ class Notifier:
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
         self._cursors: dict[str, int] = {}
         self._stop = threading.Event()
-        self._wakes = {r.name: threading.Event() for r in self.receivers}
-        self._threads = [threading.Thread(target=self._feed, name="notify-feed", daemon=True)] + [
-            threading.Thread(target=self._deliver, args=(r,), name=f"notify-{r.name}", daemon=True)
+        self._feed_job = WakeableJob(self._feed_pass, job_id=FEED_JOB_ID, name="notify-feed")
+        self._deliveries = {
+            r.name: WakeableJob(
+                functools.partial(self._delivery_pass, r),
+                job_id=DELIVERY_JOB_ID.format(receiver=r.name),
+                name=f"notify-{r.name}",
+            )
             for r in self.receivers
-        ]
+        }
+        self._own_scheduler: BackgroundScheduler | None = None
 
     @classmethod
     def from_config(cls, store: Store, config: NotificationsConfig, **kwargs: Any) -> Notifier:
@@ -274,32 +291,48 @@ class Notifier:
             **kwargs,
         )
 
+    @property
+    def job_count(self) -> int:
+        """The jobs `schedule` adds (the scheduler's pool needs a thread for each)."""
+        return 1 + len(self._deliveries)
+
+    def schedule(self, scheduler: BaseScheduler) -> None:
+        """The feed and every receiver's delivery on `scheduler`, each every
+        `interval_s`, first now; a delivery is woken when the feed queued rows."""
+        self._feed_job.schedule(scheduler, self.interval_s)
+        for job in self._deliveries.values():
+            job.schedule(scheduler, self.interval_s)
+
     def start(self) -> Notifier:
-        for thread in self._threads:
-            thread.start()
+        """Run on a scheduler of its own (`runbook serve` uses its shared one)."""
+        pool = ThreadPoolExecutor(max_workers=self.job_count)
+        self._own_scheduler = BackgroundScheduler(executors={"default": pool})
+        self.schedule(self._own_scheduler)
+        self._own_scheduler.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """No further pass; a delivery in flight gives its claims back to the
+        other replicas now (not when the lease lapses); waits for them."""
         self._stop.set()
-        for wake in self._wakes.values():
-            wake.set()
-        for thread in self._threads:
-            if thread.is_alive():
-                thread.join(timeout=10)
+        for job in [self._feed_job, *self._deliveries.values()]:
+            job.stop(timeout_s)
+        if self._own_scheduler is not None:
+            self._own_scheduler.shutdown(wait=False)
+            self._own_scheduler = None
         if self._http is not None:
             self._http.close()
 
     # --- the feed ------------------------------------------------------------------
 
-    def _feed(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.poll()
-            except StoreError as exc:
-                log.warning("notifications: store unavailable (%s); retrying", exc)
-            except Exception:
-                log.exception("notifications: unexpected error; continuing")
-            self._stop.wait(self.interval_s)
+    def _feed_pass(self) -> bool:
+        try:
+            self.poll()
+        except StoreError as exc:
+            log.warning("notifications: store unavailable (%s); retrying", exc)
+        except Exception:
+            log.exception("notifications: unexpected error; continuing")
+        return False
 
     def poll(self) -> int:
         """Queue an outbox row per receiver for every event written since the
@@ -323,27 +356,23 @@ class Notifier:
                 break
         self._cursors = cursors
         if seen:
-            for wake in self._wakes.values():
-                wake.set()
+            for job in self._deliveries.values():
+                job.wake()
         return queued
 
     # --- delivery ------------------------------------------------------------------
 
-    def _deliver(self, receiver: Receiver) -> None:
-        wake = self._wakes[receiver.name]
-        while not self._stop.is_set():
-            sent = 0
-            try:
-                sent = self.send_queued(receiver)
-            except StoreError as exc:
-                log.warning("notifications: %s: store unavailable (%s)", receiver.name, exc)
-            except Exception:
-                log.exception("notifications: %s: unexpected error", receiver.name)
-            if not sent:
-                # New rows wake us (this replica's feed); claims of a replica
-                # that died lapse without a sound: looked for every interval.
-                wake.wait(self.interval_s)
-                wake.clear()
+    def _delivery_pass(self, receiver: Receiver) -> bool:
+        """Deliver what is queued; True (run again at once) when some was sent.
+        New rows wake the job (this replica's feed); claims of a replica that
+        died lapse without a sound: looked for every interval."""
+        try:
+            return self.send_queued(receiver) > 0
+        except StoreError as exc:
+            log.warning("notifications: %s: store unavailable (%s)", receiver.name, exc)
+        except Exception:
+            log.exception("notifications: %s: unexpected error", receiver.name)
+        return False
 
     def send_queued(self, receiver: Receiver) -> int:
         """Claim and deliver the queued rows of `receiver` until none is left

@@ -24,24 +24,24 @@ body is read (service/limits.py, RequestLimits around the whole app).
 from __future__ import annotations
 
 import asyncio
-import base64
-import hmac
 import json
 import logging
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from vllm_runbook.runbooks.config import LimitsConfig
 from vllm_runbook.runbooks.service import telemetry as T
 from vllm_runbook.runbooks.service.alertmanager import WebhookPayload, unstorable_text
-from vllm_runbook.runbooks.service.browser import BrowserGuard, BrowserPolicy, unknown_host
+from vllm_runbook.runbooks.service.auth import Access, Credentials, Refusal, send_refusal
+from vllm_runbook.runbooks.service.browser import BrowserGuard, BrowserPolicy
 from vllm_runbook.runbooks.service.limits import BODY_TOO_LARGE, WEBHOOK_PATH, RequestLimits
+from vllm_runbook.runbooks.service.page import is_page, mount_page
 from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
 from vllm_runbook.runbooks.service.webhooks import GroupCommitter, Router
 from vllm_runbook.runbooks.service.worker import Worker
@@ -55,50 +55,13 @@ from vllm_runbook.runbooks.store import (
 from vllm_runbook.runbooks.store.approvals import DEFAULT_APPROVAL_TIMEOUT_S, TOO_LATE
 from vllm_runbook.runbooks.store.models import APPROVED, REFUSED, REJECTED
 
+__all__ = ["Credentials", "create_app", "store_error"]
+
 log = logging.getLogger("vllm_runbook.service")
 
 _SUSPECT_ESCAPE = re.compile(rb"\\u(?:0000|[dD][89a-fA-F])")
 
-
-@dataclass(frozen=True)
-class Credentials:
-    """What Alertmanager's http_config sends: a bearer token or basic auth.
-    `name`: who a decision made with the token is recorded as (basic auth
-    records its user name)."""
-
-    token: str | None = None
-    username: str | None = None
-    password: str | None = None
-    name: str = "webhook token"
-
-    @property
-    def secret(self) -> str:
-        return self.token or self.password or ""
-
-    def check(self, header: str | None) -> bool:
-        if not header:
-            return False
-        scheme, _, value = header.partition(" ")
-        value = value.strip()
-        if scheme.lower() == "bearer" and self.token:
-            return hmac.compare_digest(value.encode(), self.token.encode())
-        if scheme.lower() == "basic" and self.username is not None and self.password:
-            try:
-                user, _, password = base64.b64decode(value, validate=True).decode().partition(":")
-            except (ValueError, UnicodeDecodeError):
-                return False
-            return hmac.compare_digest(user.encode(), self.username.encode()) & hmac.compare_digest(
-                password.encode(), self.password.encode()
-            )
-        return False
-
-    def identity(self, header: str | None) -> str | None:
-        """Who these credentials say is asking: the basic-auth user name or the
-        token's configured name, once `check` accepted the header; else None."""
-        if not self.check(header):
-            return None
-        scheme = (header or "").partition(" ")[0].lower()
-        return self.name if scheme == "bearer" else self.username
+Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
 
 def _reject_constant(name: str) -> Any:
@@ -107,6 +70,21 @@ def _reject_constant(name: str) -> Any:
 
 def _error(status: int, message: str, **extra: Any) -> JSONResponse:
     return JSONResponse({"error": message, **extra}, status_code=status)
+
+
+async def store_error(request: Request, exc: Exception) -> Response:
+    """The app's one handler for the store's errors: no such execution 404, a
+    value the journal does not take 422, anything else the store raises 503
+    (the database is down, locked or has no schema: retry later). The API
+    answers JSON, the on-call page text."""
+    assert isinstance(exc, StoreError)
+    if isinstance(exc, ExecutionNotFound):
+        return _error(404, str(exc))
+    if isinstance(exc, InvalidInput):
+        return _error(422, str(exc))
+    if is_page(request.url.path):
+        return HTMLResponse(f"store unavailable: {exc}", status_code=503)
+    return _error(503, f"store unavailable: {exc}")
 
 
 def create_app(
@@ -122,6 +100,7 @@ def create_app(
     approval_timeout_s: float = DEFAULT_APPROVAL_TIMEOUT_S,
     browser: BrowserPolicy | None = None,
     limits: LimitsConfig | None = None,
+    lifespan: Lifespan | None = None,
 ) -> FastAPI:
     """The app; `status` adds to /healthz (e.g. whether this replica leads the rules).
     `protect_reads`: the reads and the page need `credentials` or
@@ -130,41 +109,37 @@ def create_app(
     `browser`: the names the service answers to and its page sessions
     (default: loopback names only, sessions signed with `credentials`).
     `limits`: the webhook's body limit and the body-read timeout (the
-    configuration's `limits`; the rest of it is uvicorn's, set by serve)."""
+    configuration's `limits`; the rest of it is uvicorn's, set by serve).
+    `lifespan`: what runs while the app serves (`runbook serve`'s background
+    jobs, service/lifecycle.py); the webhook's writer closes first on shutdown."""
     if not credentials.token and not credentials.password:
         raise ValueError("the webhook needs a token or basic-auth credentials")
     browser = browser or BrowserPolicy.build(credentials.secret)
-
-    def read_refusal(request: Request) -> Response | None:
-        """None when `request` may read; else the answer that says why not."""
-        header = request.headers.get("authorization")
-        if credentials.check(header) or (
-            read_credentials is not None and read_credentials.check(header)
-        ):
-            return None
-        if protect_reads:
-            return unauthorized()
-        # Open on loopback, but only under the service's own names: a DNS name
-        # rebound to 127.0.0.1 would let another site's script read it.
-        if not browser.host_allowed(request.headers.get("host")):
-            return unknown_host(request.headers.get("host"))
-        return None
-
-    def unauthorized() -> JSONResponse:
-        return JSONResponse(
-            {"error": "unauthorized"},
-            status_code=401,
-            headers={"WWW-Authenticate": 'Bearer realm="vllm-runbook"'},
-        )
-
     metrics = metrics or ServiceMetrics()
+    access = Access(credentials, browser, metrics, read_credentials, protect_reads)
     committer = GroupCommitter(store, router)
+
+    @asynccontextmanager
+    async def serving(app: FastAPI) -> AsyncIterator[None]:
+        async with lifespan(app) if lifespan is not None else nullcontext():
+            try:
+                yield
+            finally:
+                # The deliveries queued before the jobs stop (and the store closes).
+                await asyncio.to_thread(committer.close)
+
     # No Swagger UI or ReDoc (they load a CDN's script); the schema is a guarded read.
     app = FastAPI(
-        title="vllm-runbook", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None
+        title="vllm-runbook",
+        version="0.1.0",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        lifespan=serving,
     )
     app.add_middleware(BrowserGuard, policy=browser)
-    app.router.on_shutdown.append(committer.close)
+    app.add_exception_handler(Refusal, send_refusal)
+    app.add_exception_handler(StoreError, store_error)
 
     def refused(path: str, reason: str) -> None:
         metrics.requests_refused.labels(reason).inc()
@@ -178,15 +153,10 @@ def create_app(
         metrics.webhooks_rejected.labels(reason).inc()
         return _error(status_code, message, **extra)
 
-    @app.post(WEBHOOK_PATH)
+    read = [Depends(access.reader)]
+
+    @app.post(WEBHOOK_PATH, dependencies=[Depends(access.webhook)])
     async def alertmanager(request: Request) -> Response:
-        if not credentials.check(request.headers.get("authorization")):
-            metrics.webhooks_rejected.labels(T.REJECT_AUTH).inc()
-            return JSONResponse(
-                {"error": "unauthorized"},
-                status_code=401,
-                headers={"WWW-Authenticate": 'Bearer realm="vllm-runbook"'},
-            )
         body = await request.body()  # within its limit: RequestLimits cuts it at the limit
         try:
             # NaN/Infinity are not JSON; they would not survive the store either.
@@ -214,6 +184,7 @@ def create_app(
             # Off the event loop: the writer thread commits, then we answer.
             outcome = await asyncio.wrap_future(committer.submit(payload, raw, len(body)))
         except StoreUnavailable as exc:
+            # Counted as a rejection, and worded for Alertmanager (it retries).
             log.error("webhook: store unavailable, Alertmanager will retry: %s", exc)
             return rejected(T.REJECT_STORE_DOWN, 503, "store unavailable; retry later")
         except StoreError as exc:
@@ -242,59 +213,33 @@ def create_app(
     def healthz() -> Response:
         # Healthy means deliveries can be stored: a write, rolled back (the
         # SQLite file is the one opened and writable, PostgreSQL not read-only).
-        try:
-            store.probe_write()
-        except StoreError as exc:
-            return _error(503, f"store unavailable: {exc}")
+        store.probe_write()
         return JSONResponse({"status": "ok", **(status() if status else {})})
 
-    @app.get("/metrics")
-    def prometheus_metrics(request: Request) -> Response:
-        if (refusal := read_refusal(request)) is not None:
-            return refusal
+    @app.get("/metrics", dependencies=read)
+    def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/openapi.json", include_in_schema=False)
-    def openapi(request: Request) -> Response:
-        if (refusal := read_refusal(request)) is not None:
-            return refusal
+    @app.get("/openapi.json", include_in_schema=False, dependencies=read)
+    def openapi() -> Response:
         return JSONResponse(app.openapi())
 
-    @app.get("/api/executions")
-    def executions(request: Request, engine: str | None = None, limit: int = 50) -> Response:
-        if (refusal := read_refusal(request)) is not None:
-            return refusal
-        try:
-            rows = store.list_executions(engine, limit=max(1, min(limit, 1000)))
-        except StoreError as exc:
-            return _error(503, f"store unavailable: {exc}")
+    @app.get("/api/executions", dependencies=read)
+    def executions(engine: str | None = None, limit: int = 50) -> Response:
+        rows = store.list_executions(engine, limit=max(1, min(limit, 1000)))
         return JSONResponse([r.to_dict() for r in rows])
 
-    @app.get("/api/incidents")
-    def incidents(request: Request, open_only: bool = False) -> Response:
-        if (refusal := read_refusal(request)) is not None:
-            return refusal
-        try:
-            rows = store.list_incidents(open_only=open_only)
-        except StoreError as exc:
-            return _error(503, f"store unavailable: {exc}")
+    @app.get("/api/incidents", dependencies=read)
+    def incidents(open_only: bool = False) -> Response:
+        rows = store.list_incidents(open_only=open_only)
         return JSONResponse([r.to_dict() for r in rows])
 
-    @app.get("/api/pending")
-    def pending(request: Request) -> Response:
-        if (refusal := read_refusal(request)) is not None:
-            return refusal
-        try:
-            rows = store.pending_approvals()
-        except StoreError as exc:
-            return _error(503, f"store unavailable: {exc}")
+    @app.get("/api/pending", dependencies=read)
+    def pending() -> Response:
+        rows = store.pending_approvals()
         return JSONResponse([r.to_dict() for r in rows])
 
-    async def decide(request: Request, execution_id: int, decision: str) -> Response:
-        # Who answered is who the credentials say (never a name the body claims).
-        who = credentials.identity(request.headers.get("authorization"))
-        if who is None:
-            return unauthorized()
+    async def decide(request: Request, execution_id: int, decision: str, who: str) -> Response:
         body: dict[str, Any] = {}
         raw = await request.body()
         if raw.strip():
@@ -312,21 +257,16 @@ def create_app(
                     'body: "by" is not accepted: the journal records who answered from the '
                     "credentials (the basic-auth user, or the token's webhook.token_name)",
                 )
-        try:
-            result = await asyncio.to_thread(
-                store.decide,
-                execution_id,
-                decision,
-                who[:256],
-                body.get("note"),
-                timeout_s=approval_timeout_s,
-            )
-        except ExecutionNotFound as exc:
-            return _error(404, str(exc))
-        except InvalidInput as exc:
-            return _error(422, str(exc))
-        except StoreError as exc:
-            return _error(503, f"store unavailable: {exc}")
+        # No such execution (404), a note the journal refuses (422), the store
+        # down (503): the app's store_error handler.
+        result = await asyncio.to_thread(
+            store.decide,
+            execution_id,
+            decision,
+            who[:256],
+            body.get("note"),
+            timeout_s=approval_timeout_s,
+        )
         if not result.ok:
             code = 410 if result.outcome == TOO_LATE else 409
             return _error(code, result.message, execution=result.record.to_dict())
@@ -337,23 +277,16 @@ def create_app(
         return JSONResponse({"message": result.message, "execution": result.record.to_dict()})
 
     @app.post("/api/executions/{execution_id}/approve")
-    async def approve(request: Request, execution_id: int) -> Response:
-        return await decide(request, execution_id, APPROVED)
+    async def approve(
+        request: Request, execution_id: int, who: str = Depends(access.decider)
+    ) -> Response:
+        return await decide(request, execution_id, APPROVED, who)
 
     @app.post("/api/executions/{execution_id}/reject")
-    async def reject(request: Request, execution_id: int) -> Response:
-        return await decide(request, execution_id, REJECTED)
+    async def reject(
+        request: Request, execution_id: int, who: str = Depends(access.decider)
+    ) -> Response:
+        return await decide(request, execution_id, REJECTED, who)
 
-    from vllm_runbook.runbooks.service.page import mount_page
-
-    mount_page(
-        app,
-        store,
-        credentials,
-        worker,
-        browser,
-        approval_timeout_s=approval_timeout_s,
-        read_refusal=read_refusal,
-        open_on_loopback=not protect_reads,
-    )
+    mount_page(app, store, access, worker, approval_timeout_s=approval_timeout_s)
     return app

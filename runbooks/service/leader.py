@@ -10,6 +10,9 @@ leadership starts from empty windows (what it scraped as a follower would
 be stale): its alerts go through `for` again, a new episode whose
 remediation the executor's cooldown refuses if the previous leader already
 acted.
+
+The cycle is a job of the service's scheduler (`schedule`): every
+`rules.evaluation_interval`, never two at once, missed runs coalesced.
 """
 
 from __future__ import annotations
@@ -20,8 +23,12 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
+from apscheduler.job import Job
+from apscheduler.schedulers.base import BaseScheduler
+from vllm_runbook.rules.scheduling import JOB_ID
+from vllm_runbook.runbooks.service.jobs import WakeableJob
 from vllm_runbook.runbooks.store import Store, StoreError
 
 if TYPE_CHECKING:
@@ -31,6 +38,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm_runbook.service")
 
 LEASE_NAME = "rules-leader"
+# How long a stop waits for a cycle in flight (scrapes have their own timeout).
+STOP_TIMEOUT_S: Final = 60.0
 
 
 class RulesLeader:
@@ -52,6 +61,15 @@ class RulesLeader:
         self.clock = clock
         self.service: RulesService | None = None
         self.cycles = 0  # cycles evaluated as the leader
+        self._job = WakeableJob(self._pass, job_id=JOB_ID, name="rules")
+
+    def schedule(self, scheduler: BaseScheduler, evaluation_interval: float) -> Job:
+        """The cycle every `evaluation_interval` on `scheduler`, first now."""
+        return self._job.schedule(scheduler, evaluation_interval)
+
+    def _pass(self) -> bool:
+        self.cycle()
+        return False
 
     @property
     def is_leader(self) -> bool:
@@ -96,8 +114,11 @@ class RulesLeader:
         if self.metrics is not None:
             self.metrics.clear_firing()
 
-    def stop(self) -> None:
-        """Give leadership up now, so another replica need not wait for the TTL."""
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """No further cycle (the one in flight ends first); give leadership up
+        now, so another replica need not wait for the TTL."""
+        if not self._job.stop(timeout_s):
+            log.warning("rules leader: a cycle still runs after %g s; stepping down", timeout_s)
         was_leader = self.is_leader
         self._step_down()
         if was_leader:

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import parse_qs, quote
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import FileSystemLoader, StrictUndefined, select_autoescape
 from jinja2.sandbox import SandboxedEnvironment
@@ -35,20 +34,17 @@ from vllm_runbook.runbooks.service.browser import (
     SECURE_SESSION_COOKIE,
     SESSION_COOKIE,
     SESSION_LIFETIME_S,
-    BrowserPolicy,
-    unknown_host,
 )
 from vllm_runbook.runbooks.store import (
     ExecutionNotFound,
     ExecutionRecord,
     InvalidInput,
     Store,
-    StoreError,
 )
 from vllm_runbook.runbooks.store.models import APPROVED, REJECTED, utcnow
 
 if TYPE_CHECKING:
-    from vllm_runbook.runbooks.service.app import Credentials
+    from vllm_runbook.runbooks.service.auth import Access
     from vllm_runbook.runbooks.service.worker import Worker
 
 PAGE_TEMPLATE: Final = "page.html.j2"
@@ -57,6 +53,12 @@ PAGE_CSS: Final = TEMPLATES_DIR / "page.css"
 ANONYMOUS: Final = "anonymous (loopback)"
 REFRESH_SECONDS: Final = 10
 RECENT: Final = 20
+UI_PREFIX: Final = "/ui/"
+
+
+def is_page(path: str) -> bool:
+    """Whether `path` is the page's (its errors are text, not the API's JSON)."""
+    return path == "/" or path.startswith(UI_PREFIX)
 
 
 def _environment() -> SandboxedEnvironment:
@@ -106,35 +108,19 @@ def _view(store: Store, timeout_s: float) -> dict[str, Any]:
 def mount_page(
     app: FastAPI,
     store: Store,
-    credentials: Credentials,
+    access: Access,
     worker: Worker | None,
-    browser: BrowserPolicy,
     *,
     approval_timeout_s: float,
-    read_refusal: Callable[[Request], Response | None],
-    open_on_loopback: bool,
 ) -> None:
-    """`open_on_loopback`: the page needs no credentials (bound to loopback);
-    else reading needs what `read_refusal` accepts and an answer the webhook's
-    credentials (a read token shows the page, it does not act)."""
+    """Bound to loopback (no `access.protect_reads`) the page needs no
+    credentials; else reading needs the read credentials and an answer the
+    webhook's (a read token shows the page, it does not act). The store's
+    errors are the app's handler's (503)."""
     env = _environment()
     stylesheet = PAGE_CSS.read_text(encoding="utf-8")
-
-    def denied(request: Request, *, act: bool = False) -> Response | None:
-        if not browser.host_allowed(request.headers.get("host")):
-            return unknown_host(request.headers.get("host"))
-        if open_on_loopback:
-            return None
-        header = request.headers.get("authorization")
-        if credentials.check(header) if act else read_refusal(request) is None:
-            return None
-        scheme = "Basic" if credentials.password else "Bearer"
-        return Response(
-            "credentials required\n",
-            status_code=401,
-            headers={"WWW-Authenticate": f'{scheme} realm="vllm-runbook"'},
-            media_type="text/plain",
-        )
+    browser = access.browser
+    open_on_loopback = not access.protect_reads
 
     def session_cookie(request: Request) -> tuple[str, bool]:
         """The session cookie's name for this request, and whether it is Secure."""
@@ -142,21 +128,16 @@ def mount_page(
         return (SECURE_SESSION_COOKIE if secure else SESSION_COOKIE), secure
 
     def answers_as(request: Request) -> str | None:
-        who = credentials.identity(request.headers.get("authorization"))
+        who = access.credentials.identity(request.headers.get("authorization"))
         return who or (ANONYMOUS if open_on_loopback else None)
 
     @app.get("/page.css", include_in_schema=False)
     def css() -> Response:
         return Response(stylesheet, media_type="text/css", headers={"Cache-Control": "no-cache"})
 
-    @app.get("/", response_class=HTMLResponse)
+    @app.get("/", response_class=HTMLResponse, dependencies=[Depends(access.page_reader)])
     def page(request: Request, msg: str | None = None) -> Response:
-        if (refusal := denied(request)) is not None:
-            return refusal
-        try:
-            view = _view(store, approval_timeout_s)
-        except StoreError as exc:
-            return HTMLResponse(f"store unavailable: {exc}", status_code=503)
+        view = _view(store, approval_timeout_s)
         name, secure = session_cookie(request)
         cookie = request.cookies.get(name)
         fresh = not browser.session_valid(cookie)
@@ -179,16 +160,13 @@ def mount_page(
         return response
 
     async def decide(request: Request, execution_id: int, decision: str) -> Response:
-        # Host here; the Origin / Sec-Fetch-Site check ran before (BrowserGuard).
-        if (refusal := denied(request, act=True)) is not None:
-            return refusal
         body = await request.body()  # at most 64 KiB: RequestLimits (service/limits.py)
         form = {k: v[0] for k, v in parse_qs(body.decode("utf-8", "replace")).items()}
         name, _ = session_cookie(request)
         problem = browser.token_problem(request.cookies.get(name), form.get("token", ""))
         if problem is not None:
             return Response(problem + "\n", status_code=403, media_type="text/plain")
-        who = answers_as(request)  # off loopback `denied` required an identity
+        who = answers_as(request)  # off loopback `page_actor` required an identity
         if who is None:
             return Response("credentials required\n", status_code=401, media_type="text/plain")
         try:
@@ -204,18 +182,18 @@ def mount_page(
             message = str(exc)
         except InvalidInput as exc:
             return Response(f"{exc}\n", status_code=422, media_type="text/plain")
-        except StoreError as exc:
-            return HTMLResponse(f"store unavailable: {exc}", status_code=503)
         else:
             message = result.message
             if result.ok and worker is not None:
                 worker.wake()
         return RedirectResponse(f"/?msg={quote(message)}", status_code=303)
 
-    @app.post("/ui/executions/{execution_id}/approve")
+    act = [Depends(access.page_actor)]
+
+    @app.post(UI_PREFIX + "executions/{execution_id}/approve", dependencies=act)
     async def approve(request: Request, execution_id: int) -> Response:
         return await decide(request, execution_id, APPROVED)
 
-    @app.post("/ui/executions/{execution_id}/reject")
+    @app.post(UI_PREFIX + "executions/{execution_id}/reject", dependencies=act)
     async def reject(request: Request, execution_id: int) -> Response:
         return await decide(request, execution_id, REJECTED)

@@ -1,7 +1,7 @@
 """The retention job: stored Alertmanager deliveries pruned on the service's scheduler.
 
-`runbook serve` adds it to the APScheduler scheduler it already runs (the
-rules' cycle is the other job): first at start, then every
+`runbook serve` adds it to its APScheduler scheduler (beside the rules'
+cycle, the worker and the notifications): first at start, then every
 `retention.interval`. Every replica may run it; the deletes are idempotent.
 A store that fails is logged and tried again at the next run.
 """
@@ -9,13 +9,13 @@ A store that fails is logged and tried again at the next run.
 from __future__ import annotations
 
 import logging
-from datetime import datetime
 from typing import Final
 
 from apscheduler.job import Job
 from apscheduler.schedulers.base import BaseScheduler
 from vllm_runbook.runbooks.config import RetentionConfig
 from vllm_runbook.runbooks.service import telemetry as T
+from vllm_runbook.runbooks.service.jobs import WakeableJob
 from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
 from vllm_runbook.runbooks.store import Store, StoreError
 from vllm_runbook.runbooks.store.webhook_events import Pruned
@@ -23,6 +23,7 @@ from vllm_runbook.runbooks.store.webhook_events import Pruned
 log = logging.getLogger("vllm_runbook.service")
 
 JOB_ID: Final = "vllm-runbook-retention"
+STOP_TIMEOUT_S: Final = 30.0
 
 
 class Retention:
@@ -32,6 +33,11 @@ class Retention:
         self.store = store
         self.config = config
         self.metrics = metrics
+        self._job = WakeableJob(self._pass, job_id=JOB_ID, name="retention")
+
+    def _pass(self) -> bool:
+        self.run()
+        return False
 
     def run(self) -> Pruned:
         """Prune once: deliveries older than max_age, then the oldest beyond max_size."""
@@ -58,12 +64,8 @@ class Retention:
 
     def schedule(self, scheduler: BaseScheduler) -> Job:
         """Run now and then every interval; one at a time, missed runs coalesced."""
-        return scheduler.add_job(
-            self.run,
-            "interval",
-            seconds=self.config.interval_seconds,
-            id=JOB_ID,
-            max_instances=1,
-            coalesce=True,
-            next_run_time=datetime.now(),
-        )
+        return self._job.schedule(scheduler, self.config.interval_seconds)
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """No further run; wait for the one in flight."""
+        self._job.stop(timeout_s)

@@ -7,17 +7,19 @@ import argparse
 import logging
 import os
 import secrets
-import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_runbook.collector.auth import TokenError, is_loopback, runtime_dir
 from vllm_runbook.runbooks.exit_codes import ExitCode
 
+if TYPE_CHECKING:
+    from vllm_runbook.runbooks.service.lifecycle import Service
+
 
 def read_credentials_from_env() -> Any:
     """An optional token that may read the /api routes but not post webhooks."""
-    from vllm_runbook.runbooks.service.app import Credentials
+    from vllm_runbook.runbooks.service.auth import Credentials
 
     token = os.environ.get("RUNBOOK_READ_TOKEN", "").strip()
     return Credentials(token=token) if token else None
@@ -36,7 +38,7 @@ def _read_secret(path: Path, what: str) -> str:
 def credentials_from(config: Any, host: str) -> Any:
     """The webhook's credentials: configured, or a generated token stored
     0600 in the runtime directory (loopback only)."""
-    from vllm_runbook.runbooks.service.app import Credentials
+    from vllm_runbook.runbooks.service.auth import Credentials
 
     webhook = config.webhook
     name = webhook.token_name  # who an answer with the token is recorded as
@@ -73,14 +75,16 @@ def build(
     worker: bool = True,
     rules: bool = True,
     catalog: list[Path] | None = None,
-) -> tuple[Any, Any, Any, Any, Any]:
-    """Config, store (migrated), app, worker and rules leader (neither started);
-    raises the errors the CLI maps."""
+) -> Service:
+    """The service: config, store (migrated), app, and its jobs (none started:
+    the app's lifespan starts them); raises the errors the CLI maps."""
     from vllm_runbook.runbooks.catalogs import load_deployment
     from vllm_runbook.runbooks.client import normalize_url
     from vllm_runbook.runbooks.engine_actions import engine_registry
     from vllm_runbook.runbooks.service.app import create_app
     from vllm_runbook.runbooks.service.browser import BrowserPolicy
+    from vllm_runbook.runbooks.service.lifecycle import Service
+    from vllm_runbook.runbooks.service.retention import Retention
     from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
     from vllm_runbook.runbooks.service.webhooks import Router
     from vllm_runbook.runbooks.store import Store, upgrade
@@ -141,9 +145,27 @@ def build(
             config.leader_lease,
             metrics=metrics,
         )
-    status = (lambda: {"rules_leader": leader.is_leader}) if leader is not None else None
     credentials = credentials_from(config, host)
-    app = create_app(
+    notifier = None
+    if config.notifications.receivers:
+        from vllm_runbook.runbooks.notify import Notifier
+
+        try:
+            notifier = Notifier.from_config(store, config.notifications, metrics=metrics)
+        except OSError as exc:
+            raise TokenError(f"notifications: cannot read a receiver's token_file: {exc}") from None
+    service = Service(
+        config,
+        store,
+        runbooks,
+        metrics,
+        Retention(store, config.retention, metrics),
+        worker=runner,
+        leader=leader,
+        notifier=notifier,
+    )
+    status = (lambda: {"rules_leader": leader.is_leader}) if leader is not None else None
+    service.app = create_app(
         store,
         router,
         credentials,
@@ -162,20 +184,9 @@ def build(
             bind_host=host,
         ),
         limits=config.limits,
+        lifespan=service.lifespan,
     )
-    from vllm_runbook.runbooks.service.retention import Retention
-
-    app.state.runbooks = runbooks
-    app.state.retention = Retention(store, config.retention, metrics)
-    app.state.notifier = None
-    if config.notifications.receivers:
-        from vllm_runbook.runbooks.notify import Notifier
-
-        try:
-            app.state.notifier = Notifier.from_config(store, config.notifications, metrics=metrics)
-        except OSError as exc:
-            raise TokenError(f"notifications: cannot read a receiver's token_file: {exc}") from None
-    return config, store, app, runner, leader
+    return service
 
 
 def unreadable_at_start(
@@ -221,8 +232,6 @@ def log_unreadable_at_start(engines: Any, runbooks: Any) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
-    from apscheduler.schedulers.background import BackgroundScheduler
-    from vllm_runbook.rules.scheduling import schedule_cycle
     from vllm_runbook.runbooks.service.limits import MAX_HEAD_BYTES, timed_h11_protocol
 
     logging.basicConfig(
@@ -232,42 +241,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for chatty in ("httpx", "apscheduler"):
         logging.getLogger(chatty).setLevel(logging.WARNING)
     # A broken catalog or configuration, a token, the store: raised to the CLI's `main`.
-    config, store, app, worker, leader = build(
+    service = build(
         args.config, args.db, args.host, not args.no_worker, not args.no_rules, args.catalog
     )
-    log_unreadable_at_start(config.engines, app.state.runbooks)
-    # The service's background jobs: the rules' cycle (when it evaluates) and
-    # the retention of stored deliveries.
-    scheduler = BackgroundScheduler()
-    if leader is not None:
-        schedule_cycle(scheduler, leader.cycle, config.evaluation_interval)
-    app.state.retention.schedule(scheduler)
-    scheduler.start()
-    if worker is not None:
-        worker.start()
-    notifier = app.state.notifier
-    if notifier is not None:
-        notifier.start()
-    stopped = threading.Event()
-
-    def stop() -> None:
-        if stopped.is_set():
-            return
-        stopped.set()
-        scheduler.shutdown(wait=True)
-        if leader is not None:
-            leader.stop()  # the other replicas need not wait for the lease to lapse
-        if worker is not None:
-            worker.stop()
-        if notifier is not None:
-            notifier.stop()
-        # Close the connections: SQLite folds its write-ahead log into the file.
-        store.close()
-
-    # uvicorn re-raises SIGTERM/SIGINT after its shutdown (the default action ends
-    # the process), so a `finally` here would not run: stop in the app's shutdown.
-    app.router.on_shutdown.append(stop)
-    limits = config.limits
+    log_unreadable_at_start(service.config.engines, service.runbooks)
+    # The jobs start and stop with the app (its lifespan: service/lifecycle.py).
+    # uvicorn re-raises SIGTERM/SIGINT after its shutdown (the default action
+    # ends the process), so the `finally` below is for a start that failed.
+    limits = service.config.limits
+    app = service.app
     try:
         uvicorn.run(
             app,
@@ -278,9 +260,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             # body's limit and deadline are the app's RequestLimits.
             http=timed_h11_protocol(limits.header_timeout_seconds, app.state.refused),
             h11_max_incomplete_event_size=MAX_HEAD_BYTES,
-            timeout_keep_alive=limits.keep_alive_seconds,
+            # Hinted int, used as a float (call_later): a fraction of a second is kept.
+            timeout_keep_alive=limits.keep_alive_seconds,  # type: ignore[arg-type]
             limit_concurrency=limits.max_connections,
         )
     finally:
-        stop()
+        service.stop()
     return ExitCode.OK

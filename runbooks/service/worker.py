@@ -15,6 +15,10 @@ from a partial index, oldest first, however many executions are finished or
 await a person. A webhook delivery or an answer taken by this process wakes
 the worker at once (`wake`); what another replica or `runbook approve`
 records is found at the next poll (`interval`, 1 s).
+
+The worker is a job of the service's APScheduler scheduler (`schedule`,
+service/jobs.py), beside the rules' cycle and the retention; `start` gives
+it a scheduler of its own (a worker alone, the tests).
 """
 
 from __future__ import annotations
@@ -25,10 +29,14 @@ import queue
 import socket
 import threading
 from datetime import datetime
-from typing import Any
+from typing import Any, Final
 
+from apscheduler.job import Job
+from apscheduler.schedulers.background import BackgroundScheduler
+from apscheduler.schedulers.base import BaseScheduler
 from vllm_runbook.runbooks.config import ExecutorConfig
 from vllm_runbook.runbooks.executor import Executor
+from vllm_runbook.runbooks.service.jobs import WakeableJob
 from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
 from vllm_runbook.runbooks.store import ExecutionRecord, Store, StoreError
 from vllm_runbook.runbooks.store.approvals import DEFAULT_APPROVAL_TIMEOUT_S
@@ -39,6 +47,10 @@ log = logging.getLogger("vllm_runbook.service")
 __all__ = ["AWAITING_APPROVAL", "ExecutorHook", "Worker"]
 
 RUNNABLE_PAGE = 100  # runnable executions read per query
+JOB_ID: Final = "vllm-runbook-worker"
+# How long a stop waits for the execution in flight; one still running when the
+# process ends is settled as interrupted by the next run on this host.
+STOP_TIMEOUT_S: Final = 30.0
 
 
 class Worker:
@@ -65,32 +77,46 @@ class Worker:
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
         self.resolved: queue.Queue[dict[str, str]] = queue.Queue()
         self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="runbook-worker", daemon=True)
+        self._job = WakeableJob(self._pass, job_id=JOB_ID, name="worker")
+        self._own_scheduler: BackgroundScheduler | None = None
+
+    def schedule(self, scheduler: BaseScheduler) -> Job:
+        """Poll every `interval` on `scheduler`, first now; woken by `wake`."""
+        return self._job.schedule(scheduler, self.interval)
 
     def start(self) -> Worker:
-        self._thread.start()
+        """Run on a scheduler of its own (what `runbook serve` does with its shared one)."""
+        self._own_scheduler = BackgroundScheduler()
+        self.schedule(self._own_scheduler)
+        self._own_scheduler.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """No further tick; wait up to `timeout_s` for the one in flight (the
+        execution it runs is not interrupted; the tick looks for no more)."""
         self._stop.set()
-        self._wake.set()
-        self._thread.join(timeout=30)
+        if not self._job.stop(timeout_s):
+            log.warning(
+                "worker: an execution still runs after %g s; if the process ends "
+                "first, the next run on this host settles it as interrupted",
+                timeout_s,
+            )
+        if self._own_scheduler is not None:
+            self._own_scheduler.shutdown(wait=False)
+            self._own_scheduler = None
 
     def wake(self) -> None:
         """New work was recorded: don't wait for the next poll."""
-        self._wake.set()
+        self._job.wake()
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.tick()
-            except StoreError as exc:  # the store is down: try again next poll
-                log.warning("worker: store unavailable (%s); retrying", exc)
-            except Exception:
-                log.exception("worker: unexpected error; continuing")
-            self._wake.wait(self.interval)
-            self._wake.clear()
+    def _pass(self) -> bool:
+        try:
+            self.tick()
+        except StoreError as exc:  # the store is down: try again next poll
+            log.warning("worker: store unavailable (%s); retrying", exc)
+        except Exception:
+            log.exception("worker: unexpected error; continuing")
+        return False  # more work wakes it
 
     def tick(self) -> int:
         """Run what is pending and revert what resolved; returns how many ran."""

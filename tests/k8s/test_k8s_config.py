@@ -83,14 +83,17 @@ def test_runbook_serve_starts_on_the_rendered_configuration(overlay: str, tmp_pa
     )
     serve = container(objects)
     args = build_parser().parse_args(serve["args"])
-    _config, store, app, worker, leader = build(
+    service = build(
         str(path), f"sqlite:///{tmp_path / 'runbook.db'}", args.host, worker=False,
         rules=not args.no_rules,
     )  # fmt: skip
+    store = service.store
     try:
-        assert worker is None
-        assert leader is None  # an empty inventory: nothing for the embedded rules to scrape
-        with TestClient(app, base_url="http://127.0.0.1") as client:
+        assert service.worker is None
+        assert (
+            service.leader is None
+        )  # an empty inventory: nothing for the embedded rules to scrape
+        with TestClient(service.app, base_url="http://127.0.0.1") as client:
             health = client.get(serve["readinessProbe"]["httpGet"]["path"])
             assert (health.status_code, health.json()) == (200, {"status": "ok"})
             hook = "/webhooks/alertmanager"

@@ -219,10 +219,8 @@ def served(host: str, tmp_path: Path, sqlite_url: str, base_url: str) -> TestCli
     token_file.write_text(TOKEN + "\n")
     config = tmp_path / "runbook.yaml"
     config.write_text(BUILD_CONFIG.replace("TOKEN_FILE", str(token_file)))
-    _config, _store, app, _worker, _leader = build(
-        str(config), sqlite_url, host, worker=False, rules=False
-    )
-    return TestClient(app, base_url=base_url)
+    service = build(str(config), sqlite_url, host, worker=False, rules=False)
+    return TestClient(service.app, base_url=base_url)
 
 
 def test_the_service_answers_to_its_own_names_only(tmp_path: Path, sqlite_url: str) -> None:

@@ -35,10 +35,8 @@ def client_for(host: str, tmp_path: Path, sqlite_url: str) -> TestClient:
     password.write_text("basic-password\n")
     config = tmp_path / "runbook.yaml"
     config.write_text(CONFIG.replace("PASSWORD", str(password)))
-    _config, _store, app, _worker, _leader = build(
-        str(config), sqlite_url, host, worker=False, rules=False
-    )
-    return TestClient(app, base_url="http://127.0.0.1")
+    service = build(str(config), sqlite_url, host, worker=False, rules=False)
+    return TestClient(service.app, base_url="http://127.0.0.1")
 
 
 def basic(user: str, password: str) -> dict[str, str]:
@@ -110,8 +108,8 @@ def test_off_loopback_without_a_read_token_only_the_webhook_credentials_read(
     monkeypatch.setenv("RUNBOOK_WEBHOOK_TOKEN", WEBHOOK_TOKEN)
     config = tmp_path / "runbook.yaml"
     config.write_text(CONFIG.split("webhook:")[0])
-    _c, _s, app, _w, _l = build(str(config), sqlite_url, "0.0.0.0", worker=False, rules=False)
-    client = TestClient(app, base_url="http://127.0.0.1")
+    service = build(str(config), sqlite_url, "0.0.0.0", worker=False, rules=False)
+    client = TestClient(service.app, base_url="http://127.0.0.1")
     for path in READS:
         assert client.get(path).status_code == 401
         assert client.get(path, headers={"Authorization": "Bearer "}).status_code == 401

@@ -290,10 +290,12 @@ def test_serve_wires_the_inventory_into_the_executor_and_the_metrics(tmp_path: P
         f"database: sqlite:///{tmp_path / 'j.db'}\n"
         "webhook: {token_file: token}\n"
     )
-    _, store, app, worker, _ = build(str(cfg), None, "127.0.0.1")
+    service = build(str(cfg), None, "127.0.0.1")
+    store = service.store
     try:
-        assert worker.executor.api_urls == {"http://127.0.0.1:9": "http://127.0.0.1:8000"}
-        text = TestClient(app, base_url="http://127.0.0.1").get("/metrics").text
+        assert service.worker is not None
+        assert service.worker.executor.api_urls == {"http://127.0.0.1:9": "http://127.0.0.1:8000"}
+        text = TestClient(service.app, base_url="http://127.0.0.1").get("/metrics").text
         assert (
             'vllm_runbook_service_executions_total{runbook="warmup",status="succeeded"} 0.0' in text
         )

@@ -112,9 +112,10 @@ def test_serve_automates_a_catalog_under_new_alert_and_runbook_names(tmp_path: P
     assert deployment.runbooks["kv-relief"].triggers == ("ClusterKVExhausted", "VllmOOMRateHigh")
     assert "oom-pressure" not in deployment.runbooks
 
-    _, store, app, _, _ = build(str(cfg), None, "127.0.0.1", False, False, [runbooks_dir])
+    service = build(str(cfg), None, "127.0.0.1", False, False, [runbooks_dir])
+    store = service.store
     try:
-        r = TestClient(app, base_url="http://127.0.0.1").post(
+        r = TestClient(service.app, base_url="http://127.0.0.1").post(
             "/webhooks/alertmanager",
             json=firing("ClusterKVExhausted"),
             headers={"Authorization": f"Bearer {TOKEN}"},

@@ -1,0 +1,150 @@
+"""`runbook serve` as one object: its jobs on one scheduler, started and stopped
+by the app's lifespan; a job woken while it runs runs again; the store's
+errors answered by one handler."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from apscheduler.schedulers.background import BackgroundScheduler
+from fastapi.testclient import TestClient
+from vllm_runbook.runbooks.notify import FEED_JOB_ID
+from vllm_runbook.runbooks.service import retention, worker
+from vllm_runbook.runbooks.service.jobs import WakeableJob
+from vllm_runbook.runbooks.service.serve_cli import build
+from vllm_runbook.runbooks.store import StoreUnavailable
+
+TOKEN = "lifecycle-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+class Work:
+    """A pass that blocks until released, counting passes and overlaps."""
+
+    def __init__(self) -> None:
+        self.passes = 0
+        self.inside = 0
+        self.most_inside = 0
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.lock = threading.Lock()
+
+    def __call__(self) -> bool:
+        with self.lock:
+            self.passes += 1
+            self.inside += 1
+            self.most_inside = max(self.most_inside, self.inside)
+        self.entered.set()
+        self.release.wait(10)
+        with self.lock:
+            self.inside -= 1
+        return False
+
+
+def wait_until(condition: object, limit: float = 5.0) -> bool:
+    deadline = time.monotonic() + limit
+    while not condition():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_a_wake_during_a_pass_runs_it_again_once_and_never_alongside() -> None:
+    work = Work()
+    job = WakeableJob(work, job_id="test-job", name="test")
+    scheduler = BackgroundScheduler()
+    job.schedule(scheduler, interval_s=3600.0)  # only the first run and the wakes
+    scheduler.start()
+    try:
+        assert work.entered.wait(5)  # the first pass, at start
+        work.entered.clear()
+        job.wake()
+        job.wake()  # two wakes during one pass: one more pass
+        time.sleep(0.2)
+        assert work.passes == 1  # not alongside the one in flight
+        work.release.set()
+        assert wait_until(lambda: work.passes == 2)
+        assert wait_until(lambda: not job.running)
+        time.sleep(0.2)
+        assert (work.passes, work.most_inside) == (2, 1)
+        # Idle, a wake runs it at once (the interval is an hour).
+        job.wake()
+        assert wait_until(lambda: work.passes == 3)
+    finally:
+        assert job.stop(5)
+        scheduler.shutdown(wait=False)
+
+
+def test_stop_waits_for_the_pass_in_flight_and_none_runs_after() -> None:
+    work = Work()
+    job = WakeableJob(work, job_id="test-job", name="test")
+    scheduler = BackgroundScheduler()
+    job.schedule(scheduler, interval_s=0.05)
+    scheduler.start()
+    assert work.entered.wait(5)
+    scheduler.shutdown(wait=False)
+    assert job.stop(0.2) is False  # still in flight
+    job.wake()  # ignored: stopping
+    work.release.set()
+    assert job.stop(5) is True
+    time.sleep(0.2)
+    assert work.passes == 1
+
+
+def config(tmp_path: Path) -> Path:
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    path = tmp_path / "runbook.yaml"
+    path.write_text(
+        "engines:\n"
+        "  - {name: engine-a, agent: 'http://127.0.0.1:9'}\n"
+        f"database: sqlite:///{tmp_path / 'j.db'}\n"
+        "webhook: {token_file: token}\n"
+        "notifications:\n"
+        "  receivers:\n"
+        "    - {name: ops, type: webhook, url: 'http://127.0.0.1:9/hook'}\n"
+    )
+    return path
+
+
+def test_the_lifespan_runs_the_jobs_of_one_scheduler_and_stops_them(tmp_path: Path) -> None:
+    service = build(str(config(tmp_path)), None, "127.0.0.1", worker=True, rules=False)
+    assert service.worker is not None and service.notifier is not None
+    assert service.leader is None and not service.scheduler.running  # nothing runs yet
+    with TestClient(service.app, base_url="http://127.0.0.1") as client:
+        assert client.get("/healthz").json() == {"status": "ok"}
+        assert {job.id for job in service.scheduler.get_jobs()} == {
+            worker.JOB_ID,
+            retention.JOB_ID,
+            FEED_JOB_ID,
+            "vllm-runbook-notify-ops",
+        }
+    assert not service.scheduler.running
+    service.stop()  # once: the lifespan stopped it
+
+
+def test_the_store_s_errors_are_answered_by_one_handler(tmp_path: Path) -> None:
+    service = build(str(config(tmp_path)), None, "127.0.0.1", worker=False, rules=False)
+    client = TestClient(service.app, base_url="http://127.0.0.1")
+
+    def down(*_args: object, **_kwargs: object) -> None:
+        raise StoreUnavailable("store sqlite:///j.db unavailable: disk I/O error")
+
+    store = service.store
+    try:
+        for method in ("probe_write", "list_executions", "pending_approvals", "list_incidents"):
+            setattr(store, method, down)
+        expected = {"error": "store unavailable: store sqlite:///j.db unavailable: disk I/O error"}
+        for path in ("/healthz", "/api/executions", "/api/pending", "/api/incidents"):
+            answer = client.get(path)
+            assert (answer.status_code, answer.json()) == (503, expected), path
+        page = client.get("/")
+        assert page.status_code == 503
+        assert page.headers["content-type"].startswith("text/html")
+        assert page.text == expected["error"]
+        missing = client.post("/api/executions/999/approve", headers=AUTH)
+        assert (missing.status_code, missing.json()) == (404, {"error": "no execution with id 999"})
+    finally:
+        store.close()
