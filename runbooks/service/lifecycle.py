@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 from apscheduler.executors.pool import ThreadPoolExecutor
 from apscheduler.schedulers.background import BackgroundScheduler
 from fastapi import FastAPI
-from vllm_runbook.rules.config import Config
+from vllm_runbook.runbooks.config import Config
 from vllm_runbook.runbooks.service.leader import RulesLeader
 from vllm_runbook.runbooks.service.retention import Retention
 from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
