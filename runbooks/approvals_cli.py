@@ -26,7 +26,10 @@ from vllm_runbook.runbooks.journal_cli import _add_db_option, _fail, _guarded
 from vllm_runbook.runbooks.render import format_table
 from vllm_runbook.runbooks.store import Store, has_journal
 from vllm_runbook.runbooks.store.approvals import TOO_LATE
-from vllm_runbook.runbooks.store.models import APPROVED, REJECTED, utcnow
+from vllm_runbook.runbooks.store.models import (
+    ApprovalState,
+    utcnow,
+)
 
 EXIT_OK: Final = 0
 EXIT_TOO_LATE: Final = 1
@@ -148,9 +151,9 @@ def _decide(args: argparse.Namespace, decision: str) -> int:
 
 @_guarded
 def cmd_approve(args: argparse.Namespace) -> int:
-    return _decide(args, APPROVED)
+    return _decide(args, ApprovalState.APPROVED)
 
 
 @_guarded
 def cmd_reject(args: argparse.Namespace) -> int:
-    return _decide(args, REJECTED)
+    return _decide(args, ApprovalState.REJECTED)

@@ -53,7 +53,10 @@ from vllm_runbook.runbooks.store import (
     StoreUnavailable,
 )
 from vllm_runbook.runbooks.store.approvals import DEFAULT_APPROVAL_TIMEOUT_S, TOO_LATE
-from vllm_runbook.runbooks.store.models import APPROVED, REFUSED, REJECTED
+from vllm_runbook.runbooks.store.models import (
+    ApprovalState,
+    ExecutionStatus,
+)
 
 log = logging.getLogger("vllm_runbook.service")
 
@@ -330,7 +333,9 @@ def create_app(
         if not result.ok:
             code = 410 if result.outcome == TOO_LATE else 409
             return _error(code, result.message, execution=result.record.to_dict())
-        if result.record.status == REFUSED:  # rejected: final, counted like a refusal
+        if (
+            result.record.status == ExecutionStatus.REFUSED
+        ):  # rejected: final, counted like a refusal
             metrics.execution_finished(result.record)
         if worker is not None:
             worker.wake()
@@ -338,11 +343,11 @@ def create_app(
 
     @app.post("/api/executions/{execution_id}/approve")
     async def approve(request: Request, execution_id: int) -> Response:
-        return await decide(request, execution_id, APPROVED)
+        return await decide(request, execution_id, ApprovalState.APPROVED)
 
     @app.post("/api/executions/{execution_id}/reject")
     async def reject(request: Request, execution_id: int) -> Response:
-        return await decide(request, execution_id, REJECTED)
+        return await decide(request, execution_id, ApprovalState.REJECTED)
 
     from vllm_runbook.runbooks.service.page import mount_page
 

@@ -45,7 +45,10 @@ from vllm_runbook.runbooks.store import (
     Store,
     StoreError,
 )
-from vllm_runbook.runbooks.store.models import APPROVED, REJECTED, utcnow
+from vllm_runbook.runbooks.store.models import (
+    ApprovalState,
+    utcnow,
+)
 
 if TYPE_CHECKING:
     from vllm_runbook.runbooks.service.app import Credentials
@@ -214,8 +217,8 @@ def mount_page(
 
     @app.post("/ui/executions/{execution_id}/approve")
     async def approve(request: Request, execution_id: int) -> Response:
-        return await decide(request, execution_id, APPROVED)
+        return await decide(request, execution_id, ApprovalState.APPROVED)
 
     @app.post("/ui/executions/{execution_id}/reject")
     async def reject(request: Request, execution_id: int) -> Response:
-        return await decide(request, execution_id, REJECTED)
+        return await decide(request, execution_id, ApprovalState.REJECTED)
