@@ -41,10 +41,9 @@ if TYPE_CHECKING:
 REJECT_AUTH = "auth"
 REJECT_MALFORMED = "malformed"  # not JSON, not a v4 payload, or too large
 REJECT_STORE_DOWN = "store_down"
-PENDING = "pending"
 # The execution statuses this counter reaches (the active ones pass by).
 COUNTED_STATUSES = (
-    PENDING,
+    ExecutionStatus.PENDING,
     ExecutionStatus.SUCCEEDED,
     ExecutionStatus.FAILED,
     ExecutionStatus.ROLLED_BACK,
@@ -137,7 +136,7 @@ class ServiceMetrics:
     # --- executions -------------------------------------------------------------
 
     def execution_created(self, runbook: str) -> None:
-        self.executions.labels(runbook, PENDING).inc()
+        self.executions.labels(runbook, ExecutionStatus.PENDING).inc()
 
     def execution_finished(self, record: ExecutionRecord) -> None:
         """An execution (not a revert) reached its final status."""
