@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 ActionFn = Callable[..., Any]
 
@@ -210,8 +210,3 @@ def declared_registry() -> ActionRegistry:
     for name, params_model, mutating in CATALOG_ACTIONS:
         registry.register(name, None, params_model, mutating=mutating)
     return registry
-
-
-def format_validation_error(error: ValidationError) -> list[tuple[tuple[str | int, ...], str]]:
-    """(location, message) pairs from a pydantic error, in a stable order."""
-    return [(tuple(e["loc"]), e["msg"]) for e in error.errors()]

@@ -53,21 +53,12 @@ import httpx
 from vllm_runbook.rules.config import NotificationsConfig
 from vllm_runbook.runbooks.render import PLAIN, SLACK, render_notification
 from vllm_runbook.runbooks.store import ExecutionRecord, Store, StoreError
-from vllm_runbook.runbooks.store.events import (
-    AWAITING,
-    EVENTS,
-    NO_CHANGE,
-    STARTED,
-    derive_events,
-)
+from vllm_runbook.runbooks.store.events import NO_CHANGE, derive_events
 from vllm_runbook.runbooks.store.models import NOTIFY_DELIVERED, NOTIFY_FAILED
 from vllm_runbook.runbooks.store.notifications import Claim
 
 __all__ = [
-    "AWAITING",
-    "EVENTS",
     "NO_CHANGE",
-    "STARTED",
     "HttpSender",
     "Notifier",
     "Receiver",
