@@ -41,9 +41,7 @@ from vllm_runbook.dashboards.queries import (
 )
 from vllm_runbook.rules.promql import to_promql
 from vllm_runbook.runbooks import service_metrics as S
-from vllm_runbook.runbooks.store.models import (
-    ExecutionStatus,
-)
+from vllm_runbook.runbooks.store.models import ExecutionStatus
 
 ENGINE_UID = "vllm-runbook-engine"
 FLEET_UID = "vllm-runbook-fleet"

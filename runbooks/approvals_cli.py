@@ -26,10 +26,7 @@ from vllm_runbook.runbooks.journal_cli import _add_db_option, _fail, _guarded
 from vllm_runbook.runbooks.render import format_table
 from vllm_runbook.runbooks.store import Store, has_journal
 from vllm_runbook.runbooks.store.approvals import TOO_LATE
-from vllm_runbook.runbooks.store.models import (
-    ApprovalState,
-    utcnow,
-)
+from vllm_runbook.runbooks.store.models import ApprovalState, utcnow
 
 EXIT_OK: Final = 0
 EXIT_TOO_LATE: Final = 1

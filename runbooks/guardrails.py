@@ -25,11 +25,7 @@ from vllm_runbook.rules.durations import format_duration
 from vllm_runbook.runbooks.outcome import EXIT_FAILED, EXIT_REFUSED, Abort, EngineBusy
 from vllm_runbook.runbooks.spec import Runbook
 from vllm_runbook.runbooks.store import Store
-from vllm_runbook.runbooks.store.models import (
-    FINAL_STATUSES,
-    ExecutionStatus,
-    utcnow,
-)
+from vllm_runbook.runbooks.store.models import FINAL_STATUSES, ExecutionStatus, utcnow
 from vllm_runbook.runbooks.verification import HIGHER_IS_WORSE, WORSE, judge
 
 # Lease lengths: the engine lock is renewed at every poll, so its TTL only

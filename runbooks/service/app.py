@@ -53,10 +53,7 @@ from vllm_runbook.runbooks.store import (
     StoreUnavailable,
 )
 from vllm_runbook.runbooks.store.approvals import DEFAULT_APPROVAL_TIMEOUT_S, TOO_LATE
-from vllm_runbook.runbooks.store.models import (
-    ApprovalState,
-    ExecutionStatus,
-)
+from vllm_runbook.runbooks.store.models import ApprovalState, ExecutionStatus
 
 log = logging.getLogger("vllm_runbook.service")
 

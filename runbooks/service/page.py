@@ -45,10 +45,7 @@ from vllm_runbook.runbooks.store import (
     Store,
     StoreError,
 )
-from vllm_runbook.runbooks.store.models import (
-    ApprovalState,
-    utcnow,
-)
+from vllm_runbook.runbooks.store.models import ApprovalState, utcnow
 
 if TYPE_CHECKING:
     from vllm_runbook.runbooks.service.app import Credentials

@@ -32,10 +32,7 @@ from vllm_runbook.runbooks.executor import Executor
 from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
 from vllm_runbook.runbooks.store import ExecutionRecord, Store, StoreError
 from vllm_runbook.runbooks.store.approvals import DEFAULT_APPROVAL_TIMEOUT_S
-from vllm_runbook.runbooks.store.models import (
-    ApprovalState,
-    ExecutionStatus,
-)
+from vllm_runbook.runbooks.store.models import ApprovalState, ExecutionStatus
 
 log = logging.getLogger("vllm_runbook.service")
 

@@ -18,10 +18,7 @@ from vllm_runbook.runbooks.report import (
     signals_path_for,
 )
 from vllm_runbook.runbooks.store import Store, upgrade
-from vllm_runbook.runbooks.store.models import (
-    Execution,
-    ExecutionStatus,
-)
+from vllm_runbook.runbooks.store.models import Execution, ExecutionStatus
 
 ENGINE = "http://127.0.0.1:9360"
 

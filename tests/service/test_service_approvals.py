@@ -26,9 +26,7 @@ from vllm_runbook.runbooks.service.worker import Worker
 from vllm_runbook.runbooks.spec import load_catalog as load_runbook_catalog
 from vllm_runbook.runbooks.store import Store
 from vllm_runbook.runbooks.store.approvals import RESOLVED_BEFORE_APPROVAL
-from vllm_runbook.runbooks.store.models import (
-    ExecutionStatus,
-)
+from vllm_runbook.runbooks.store.models import ExecutionStatus
 
 from tests.fake_agent import STARTUP, Clock, FakeAgent
 from tests.service.test_service_webhooks import AUTH, TOKEN, payload

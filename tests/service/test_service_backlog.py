@@ -16,9 +16,7 @@ import pytest
 from sqlalchemy import text
 from vllm_runbook.runbooks.notify import Notifier, Receiver
 from vllm_runbook.runbooks.service.app import Credentials
-from vllm_runbook.runbooks.store.models import (
-    ExecutionStatus,
-)
+from vllm_runbook.runbooks.store.models import ExecutionStatus
 
 from tests.fake_agent import FakeAgent
 from tests.service.test_service_approvals import CONFIG, Replica

@@ -44,10 +44,7 @@ from vllm_runbook.dashboards import lint
 from vllm_runbook.dashboards.generate import DASHBOARDS_DIR
 from vllm_runbook.rules.model import load_catalog
 from vllm_runbook.rules.promql import export
-from vllm_runbook.runbooks.store.models import (
-    STEP_APPLIED,
-    ExecutionStatus,
-)
+from vllm_runbook.runbooks.store.models import STEP_APPLIED, ExecutionStatus
 
 from tests.dashboards.live import (
     MODEL,

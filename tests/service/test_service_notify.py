@@ -25,9 +25,7 @@ from vllm_runbook.runbooks.notify import (
 from vllm_runbook.runbooks.service.app import Credentials
 from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
 from vllm_runbook.runbooks.store import Store
-from vllm_runbook.runbooks.store.models import (
-    ExecutionStatus,
-)
+from vllm_runbook.runbooks.store.models import ExecutionStatus
 
 from tests.fake_agent import FakeAgent
 from tests.service.test_service_approvals import Replica, fire

@@ -36,9 +36,7 @@ from sqlalchemy import create_engine, text
 from vllm_runbook.runbooks.notify import events_of
 from vllm_runbook.runbooks.processes import free_port, start_logged, stop_group, wait_http
 from vllm_runbook.runbooks.store import Store, upgrade
-from vllm_runbook.runbooks.store.models import (
-    ExecutionStatus,
-)
+from vllm_runbook.runbooks.store.models import ExecutionStatus
 
 from tests.engines import runbook_cli_command, runbook_cli_env
 from tests.fake_agent import STARTUP, AgentHTTP, FakeAgent

@@ -22,10 +22,7 @@ from vllm_runbook.runbooks.service.webhooks import Router
 from vllm_runbook.runbooks.service.worker import Worker
 from vllm_runbook.runbooks.spec import load_catalog as load_runbook_catalog
 from vllm_runbook.runbooks.store import Store
-from vllm_runbook.runbooks.store.models import (
-    STEP_APPLIED,
-    ExecutionStatus,
-)
+from vllm_runbook.runbooks.store.models import STEP_APPLIED, ExecutionStatus
 
 from tests.fake_agent import STARTUP, URL, Clock, FakeAgent
 from tests.service.test_service_webhooks import AUTH, CONFIG, TOKEN, payload
