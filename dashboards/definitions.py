@@ -41,7 +41,7 @@ from vllm_runbook.dashboards.queries import (
 )
 from vllm_runbook.rules.promql import to_promql
 from vllm_runbook.runbooks import service_metrics as S
-from vllm_runbook.runbooks.store.models import REFUSED, REVERTED, ROLLED_BACK
+from vllm_runbook.runbooks.store.models import ExecutionStatus
 
 ENGINE_UID = "vllm-runbook-engine"
 FLEET_UID = "vllm-runbook-fleet"
@@ -972,7 +972,9 @@ def fleet(notes: Q.RuleNotes) -> dict[str, Any]:
 def runbook_activity(notes: Q.RuleNotes) -> dict[str, Any]:
     p = Panels(notes)
     executions = S.EXECUTIONS.series_name
-    undone = "|".join((REVERTED, ROLLED_BACK, REFUSED))
+    undone = "|".join(
+        (ExecutionStatus.REVERTED, ExecutionStatus.ROLLED_BACK, ExecutionStatus.REFUSED)
+    )
     in_range = increase(executions, "$__range", "runbook, status")
     return dashboard(
         uid=ACTIVITY_UID,
@@ -1012,9 +1014,10 @@ def runbook_activity(notes: Q.RuleNotes) -> dict[str, Any]:
                     ),
                     Graph(
                         "Reverts, rollbacks and refusals",
-                        f"{ROLLED_BACK}: the circuit breaker undid a runbook's change because "
-                        f"errors or OOMs got worse after it. {REVERTED}: the change was undone "
-                        f"when the alert resolved or by `runbook revert`. {REFUSED}: a "
+                        f"{ExecutionStatus.ROLLED_BACK}: the circuit breaker undid a runbook's "
+                        "change because errors or OOMs got worse after it. "
+                        f"{ExecutionStatus.REVERTED}: the change was undone when the alert "
+                        f"resolved or by `runbook revert`. {ExecutionStatus.REFUSED}: a "
                         "guardrail (cooldown, max runs per hour, blast radius, approval) "
                         "said no.",
                         12,

@@ -32,7 +32,7 @@ from vllm_runbook.rules.errors import (
     UnknownParameterError,
     UnknownSignalError,
 )
-from vllm_runbook.rules.signals import SIGNALS, Signal, unknown_signal
+from vllm_runbook.rules.signals import SIGNALS, unknown_signal
 from vllm_runbook.rules.yamlmarks import MarkedDict, line_of
 
 _COMPARE = {"above": ">", "at_least": ">=", "below": "<", "at_most": "<="}
@@ -254,13 +254,3 @@ class _Line:
 
     def __init__(self, line: int | None) -> None:
         self.line = line
-
-
-def parse_condition(
-    raw: object, params: Mapping[str, object], line: int | None = None, for_seconds: float = 0.0
-) -> C.Condition:
-    return ConditionParser(params, line, for_seconds).condition(raw)
-
-
-def signals_used(cond: C.Condition) -> set[Signal]:
-    return {leaf.sel.signal for leaf, _ in C.leaves(cond)}

@@ -185,11 +185,6 @@ class Scraper:
             self.observer.cycle_scraped(cycle)
         return results
 
-    def scrape_target(self, target: Target, now: float) -> ScrapeResult:
-        """One attempt at one target now, backoff or not."""
-        [result] = self._run(self._scrape_all([target], now))
-        return result
-
     async def _scrape_all(self, targets: list[Target], now: float) -> list[ScrapeResult]:
         limit = asyncio.Semaphore(self.concurrency)
 

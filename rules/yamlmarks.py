@@ -25,7 +25,7 @@ how the message joins the path: ``phrase`` → ``PATH message``, ``detail`` →
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Literal, get_args
 
 import yaml
@@ -118,14 +118,6 @@ def _build(node: Node, constructor: yaml.SafeLoader, file: str) -> object:
 
 
 # --- locating a validation error -----------------------------------------------------
-
-
-def format_loc(loc: Iterable[str | int]) -> str:
-    """``("steps", 0, "params", "factor")`` → ``steps[0].params.factor``."""
-    text = ""
-    for part in loc:
-        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
-    return text
 
 
 def locate(doc: object, loc: Loc) -> tuple[str, int, object]:

@@ -77,10 +77,6 @@ from vllm_runbook.runbooks.sources import (
 from vllm_runbook.runbooks.spec import Catalog, Condition, Runbook, StepSpec, load_catalog
 from vllm_runbook.runbooks.store import StepRecord, Store
 from vllm_runbook.runbooks.store.models import (
-    FAILED,
-    REFUSED,
-    ROLLED_BACK,
-    RUNNING,
     STEP_APPLIED,
     STEP_APPLYING,
     STEP_FAILED,
@@ -88,8 +84,7 @@ from vllm_runbook.runbooks.store.models import (
     STEP_PLANNED,
     STEP_REVERTED,
     STEP_SKIPPED,
-    SUCCEEDED,
-    VERIFYING,
+    ExecutionStatus,
 )
 from vllm_runbook.runbooks.verification import IMPROVED, NO_CHANGE, WORSE, measure
 
@@ -335,10 +330,14 @@ class Run:
     def finish(self, status: str, exit_code: ExitCode, message: str | None) -> ExecutionResult:
         record = self.store.get_execution(self.id)
         if record.status != status:
-            error = message if status in (FAILED, ROLLED_BACK) else None
-            reason = message if status in (REFUSED, SUCCEEDED) else None
+            error = (
+                message if status in (ExecutionStatus.FAILED, ExecutionStatus.ROLLED_BACK) else None
+            )
+            reason = (
+                message if status in (ExecutionStatus.REFUSED, ExecutionStatus.SUCCEEDED) else None
+            )
             self.store.transition(self.id, status, error, reason=reason)
-        return self.result(exit_code, None if status == SUCCEEDED else message)
+        return self.result(exit_code, None if status == ExecutionStatus.SUCCEEDED else message)
 
     def execute(self) -> ExecutionResult:
         if self.dry_run:
@@ -348,7 +347,7 @@ class Run:
                 self.renew = renew
                 return self._guard(self._real_run)
         except EngineBusy as busy:
-            return self.finish(REFUSED, ExitCode.USAGE, str(busy))
+            return self.finish(ExecutionStatus.REFUSED, ExitCode.USAGE, str(busy))
 
     def _guard(self, body: Callable[[], ExecutionResult]) -> ExecutionResult:
         """Turn errors into a final status; roll back whatever was applied."""
@@ -364,12 +363,12 @@ class Run:
                 # Rolled back = exit 1, unless the engine itself is gone (3).
                 code = ExitCode.ENGINE if error.exit_code == ExitCode.ENGINE else ExitCode.FAILED
                 return self._roll_back(message, code)
-            return self.finish(FAILED, error.exit_code, message)
+            return self.finish(ExecutionStatus.FAILED, error.exit_code, message)
         except ActionError as error:
             message = one_line(error)
             if self.applied:
                 return self._roll_back(message, ExitCode.FAILED)
-            return self.finish(FAILED, ExitCode.FAILED, message)
+            return self.finish(ExecutionStatus.FAILED, ExitCode.FAILED, message)
 
     # --- the phases --------------------------------------------------------------------
 
@@ -403,7 +402,7 @@ class Run:
         return f"required guard cannot be read on this engine: {'; '.join(unread)}"
 
     def _dry_run(self) -> ExecutionResult:
-        self.store.transition(self.id, RUNNING)
+        self.store.transition(self.id, ExecutionStatus.RUNNING)
         self.checks()
         refusal = guardrail_refusal(self.store, self.spec, self.client.url, approved=True)
         if refusal:
@@ -433,7 +432,7 @@ class Run:
                     after=outcome.after,
                     status=STEP_PLANNED,
                 )
-        return self.finish(SUCCEEDED, ExitCode.OK, "dry run: nothing changed")
+        return self.finish(ExecutionStatus.SUCCEEDED, ExitCode.OK, "dry run: nothing changed")
 
     def _real_run(self) -> ExecutionResult:
         # A crashed run on this host still says 'running': settle it first, so
@@ -445,8 +444,8 @@ class Run:
                 self.store, self.spec, self.client.url, self.approved
             )
             if refusal:
-                raise Abort(REFUSED, ExitCode.USAGE, refusal)
-            self.store.transition(self.id, RUNNING)
+                raise Abort(ExecutionStatus.REFUSED, ExitCode.USAGE, refusal)
+            self.store.transition(self.id, ExecutionStatus.RUNNING)
         for index, step in enumerate(self.spec.steps):
             details: dict[str, Any] = {}
             if step.when is not None and not self._condition_holds(step, index, details):
@@ -548,8 +547,8 @@ class Run:
         changed = [s for s in self.applied if s.status == STEP_APPLIED and s.before]
         if v is None or not changed:
             why = "no verification" if v is None else "nothing changed"
-            return self.finish(SUCCEEDED, ExitCode.OK, why)
-        self.store.transition(self.id, VERIFYING)
+            return self.finish(ExecutionStatus.SUCCEEDED, ExitCode.OK, why)
+        self.store.transition(self.id, ExecutionStatus.VERIFYING)
         deadline_s = v.deadline_seconds if self.verify_seconds is None else self.verify_seconds
         steps = [s.applied_at_step for s in changed if s.applied_at_step is not None]
         from_step = max(steps) if steps else None
@@ -602,16 +601,16 @@ class Run:
                 ExitCode.FAILED,
             )
         if outcome == IMPROVED:
-            return self.finish(SUCCEEDED, ExitCode.OK, None)
+            return self.finish(ExecutionStatus.SUCCEEDED, ExitCode.OK, None)
         if outcome.startswith("not in effect"):
             return self.finish(
-                FAILED,
+                ExecutionStatus.FAILED,
                 ExitCode.FAILED,
                 f"verification: {outcome}; changes kept, `runbook revert {self.id}` restores them",
             )
         if outcome.startswith("unverified"):
             self.warnings.append(outcome)
-            return self.finish(SUCCEEDED, ExitCode.OK, outcome)
+            return self.finish(ExecutionStatus.SUCCEEDED, ExitCode.OK, outcome)
         change = f"{format_signal(v.signal, before)} → {format_signal(v.signal, after)}"
         if outcome == WORSE:
             return self._roll_back(
@@ -620,7 +619,7 @@ class Run:
             )
         assert outcome == NO_CHANGE
         return self.finish(
-            FAILED,
+            ExecutionStatus.FAILED,
             ExitCode.FAILED,
             f"verification: no measurable change in {v.signal} ({change}; needed "
             f"{report['needed']}) within {report['measured_seconds']:g} s after the change; "
@@ -638,13 +637,13 @@ class Run:
                 f"{why}; rollback failed: {one_line(error)}; "
                 f"`runbook revert {self.id}` restores the recorded before-values"
             )
-            return self.finish(FAILED, error.exit_code, message)
+            return self.finish(ExecutionStatus.FAILED, error.exit_code, message)
         for step in self.applied:
             current = self.store.get_execution(self.id)
             status = next((s.status for s in current.steps if s.id == step.id), None)
             if status in (STEP_APPLIED, STEP_INTERRUPTED):
                 self.store.finish_step(step.id, STEP_REVERTED)
-        return self.finish(ROLLED_BACK, exit_code, f"{why}; rolled back")
+        return self.finish(ExecutionStatus.ROLLED_BACK, exit_code, f"{why}; rolled back")
 
 
 def _autopilot_settled(state: AgentState | None) -> dict[str, Any] | None:

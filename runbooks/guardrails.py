@@ -26,7 +26,7 @@ from vllm_runbook.runbooks.exit_codes import ExitCode
 from vllm_runbook.runbooks.outcome import Abort, EngineBusy
 from vllm_runbook.runbooks.spec import Runbook
 from vllm_runbook.runbooks.store import Store
-from vllm_runbook.runbooks.store.models import FAILED, FINAL_STATUSES, REFUSED, utcnow
+from vllm_runbook.runbooks.store.models import FINAL_STATUSES, ExecutionStatus, utcnow
 from vllm_runbook.runbooks.verification import HIGHER_IS_WORSE, WORSE, judge
 
 # Lease lengths: the engine lock is renewed at every poll, so its TTL only
@@ -78,7 +78,9 @@ def engine_lock(store: Store, engine_url: str, execution_id: int) -> Iterator[Ca
 
     def renew() -> None:
         if not store.renew_lease(name, holder, ENGINE_LOCK_TTL_S):
-            raise Abort(FAILED, ExitCode.FAILED, "lost the engine lock (lease expired)")
+            raise Abort(
+                ExecutionStatus.FAILED, ExitCode.FAILED, "lost the engine lock (lease expired)"
+            )
 
     try:
         yield renew
@@ -117,7 +119,7 @@ def admission(store: Store, execution_id: int, clock: Callable[[], float]) -> It
     end = clock() + ADMISSION_WAIT_S
     while not store.acquire_lease(ADMISSION_LEASE, holder, ADMISSION_TTL_S):
         if clock() >= end:
-            raise Abort(REFUSED, ExitCode.USAGE, "admission busy: try again")
+            raise Abort(ExecutionStatus.REFUSED, ExitCode.USAGE, "admission busy: try again")
         time.sleep(0.05)
     try:
         yield

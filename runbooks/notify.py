@@ -62,21 +62,12 @@ from vllm_runbook.runbooks.config import NotificationsConfig
 from vllm_runbook.runbooks.render import PLAIN, SLACK, render_notification
 from vllm_runbook.runbooks.service.jobs import WakeableJob
 from vllm_runbook.runbooks.store import ExecutionRecord, Store, StoreError
-from vllm_runbook.runbooks.store.events import (
-    AWAITING,
-    EVENTS,
-    NO_CHANGE,
-    STARTED,
-    derive_events,
-)
+from vllm_runbook.runbooks.store.events import NO_CHANGE, derive_events
 from vllm_runbook.runbooks.store.models import NOTIFY_DELIVERED, NOTIFY_FAILED
 from vllm_runbook.runbooks.store.notifications import Claim
 
 __all__ = [
-    "AWAITING",
-    "EVENTS",
     "NO_CHANGE",
-    "STARTED",
     "HttpSender",
     "Notifier",
     "Receiver",

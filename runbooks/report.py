@@ -46,6 +46,7 @@ from vllm_runbook.runbooks.render import (
     format_guards,
     format_verification,
 )
+from vllm_runbook.runbooks.store.models import ExecutionStatus
 
 # Seconds of history compared before and after an execution's changes.
 EFFECT_WINDOW_S = 20.0
@@ -298,7 +299,10 @@ def execution_lines(
         f"#{execution['id']} {execution['runbook']} on {execution['engine']} "
         f"({trigger}, {execution['trigger']}): {execution['status']}"
     ]
-    if execution.get("reason") and execution["status"] in ("refused", "reverted"):
+    if execution.get("reason") and execution["status"] in (
+        ExecutionStatus.REFUSED,
+        ExecutionStatus.REVERTED,
+    ):
         lines.append(f"    reason: {execution['reason']}")
     if execution.get("error"):
         lines.append(f"    error: {execution['error']}")
@@ -368,7 +372,7 @@ def _events(executions: Sequence[Mapping[str, Any]]) -> list[tuple[float, str, s
         if created is not None:
             alert = str(e.get("who", "")).removeprefix("rules:")
             out.append((created, "tab:red", f"{alert} → {name}"))
-        if e["status"] == "refused":
+        if e["status"] == ExecutionStatus.REFUSED:
             continue
         for s in applied_steps(e):
             t = step_time(s)

@@ -32,17 +32,12 @@ from vllm_runbook.runbooks.spec import Runbook
 from vllm_runbook.runbooks.store import ExecutionRecord, StepRecord
 from vllm_runbook.runbooks.store.models import (
     ACTIVE_STATUSES,
-    FAILED,
-    REFUSED,
-    REVERTED,
-    ROLLED_BACK,
-    RUNNING,
     STEP_APPLIED,
     STEP_FAILED,
     STEP_INTERRUPTED,
     STEP_REVERTED,
     STEP_SKIPPED,
-    SUCCEEDED,
+    ExecutionStatus,
 )
 
 if TYPE_CHECKING:  # the executor imports this module; a revert is given its executor
@@ -97,7 +92,7 @@ def revert_on_resolve(
         record is None
         or not spec.revert.on_resolve
         or record.dry_run
-        or record.status not in (SUCCEEDED, FAILED)
+        or record.status not in (ExecutionStatus.SUCCEEDED, ExecutionStatus.FAILED)
         or not revertible_steps(record)
     ):
         return None
@@ -159,7 +154,7 @@ class Revert:
                 run.renew = renew
                 return self._restore(run, original, stepwise, healthy_period_seconds)
         except EngineBusy as busy:
-            return run.finish(REFUSED, ExitCode.USAGE, str(busy))
+            return run.finish(ExecutionStatus.REFUSED, ExitCode.USAGE, str(busy))
 
     def _known(self, original: ExecutionRecord) -> bool:
         return self.x.catalog is not None and original.runbook in self.x.catalog
@@ -169,13 +164,13 @@ class Revert:
             return f"execution #{original.id} is itself a revert (of #{original.reverts_id})"
         if original.dry_run:
             return f"execution #{original.id} was a dry run: it changed nothing"
-        if original.status == REVERTED:
+        if original.status == ExecutionStatus.REVERTED:
             return f"execution #{original.id} is already reverted"
-        if original.status == ROLLED_BACK:
+        if original.status == ExecutionStatus.ROLLED_BACK:
             return f"execution #{original.id} was already rolled back"
         if original.status in ACTIVE_STATUSES:
             return f"execution #{original.id} is still {original.status}"
-        if original.status not in (SUCCEEDED, FAILED):
+        if original.status not in (ExecutionStatus.SUCCEEDED, ExecutionStatus.FAILED):
             return f"execution #{original.id} is {original.status}: nothing to revert"
         if not revertible_steps(original):
             return f"execution #{original.id} changed no knob: nothing to revert"
@@ -199,7 +194,7 @@ class Revert:
             if healthy_period_seconds is None
             else healthy_period_seconds
         )
-        store.transition(run.id, RUNNING)
+        store.transition(run.id, ExecutionStatus.RUNNING)
         try:
             run.checks()
             assert run.reader.last_state is not None  # checks() read it
@@ -238,17 +233,21 @@ class Revert:
                     problem = self._unhealthy(run, healthy, stage_baseline, stage_step)
                     if problem is not None:
                         return run.finish(
-                            FAILED,
+                            ExecutionStatus.FAILED,
                             ExitCode.FAILED,
                             f"stepwise revert halted after {fraction:.0%}: {problem}; "
                             f"execution #{original.id} is left partly restored",
                         )
         except EngineClientError as error:
-            return run.finish(FAILED, error.exit_code, one_line(error))
+            return run.finish(ExecutionStatus.FAILED, error.exit_code, one_line(error))
         for step in steps:
             store.finish_step(step.id, STEP_REVERTED)
-        store.transition(original.id, REVERTED, reason=f"reverted by execution #{run.id}")
-        return run.finish(SUCCEEDED, ExitCode.OK, f"execution #{original.id} reverted")
+        store.transition(
+            original.id, ExecutionStatus.REVERTED, reason=f"reverted by execution #{run.id}"
+        )
+        return run.finish(
+            ExecutionStatus.SUCCEEDED, ExitCode.OK, f"execution #{original.id} reverted"
+        )
 
     def _unhealthy(
         self,

@@ -162,7 +162,6 @@ SERVICE_METRICS: tuple[MetricSpec, ...] = (
     REQUESTS_REFUSED,
     WEBHOOK_EVENTS_PRUNED,
 )
-SERVICE_METRICS_BY_NAME = {m.name: m for m in SERVICE_METRICS}
 
 ServiceMetric = Counter | Gauge | Histogram
 

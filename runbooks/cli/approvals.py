@@ -28,7 +28,7 @@ from vllm_runbook.runbooks.exit_codes import ExitCode, RunbookError
 from vllm_runbook.runbooks.render import format_table
 from vllm_runbook.runbooks.store import Store, has_journal
 from vllm_runbook.runbooks.store.approvals import TOO_LATE
-from vllm_runbook.runbooks.store.models import APPROVED, REJECTED, utcnow
+from vllm_runbook.runbooks.store.models import ApprovalState, utcnow
 
 
 class TooLate(RunbookError):
@@ -148,8 +148,8 @@ def _decide(args: argparse.Namespace, decision: str) -> int:
 
 
 def cmd_approve(args: argparse.Namespace) -> int:
-    return _decide(args, APPROVED)
+    return _decide(args, ApprovalState.APPROVED)
 
 
 def cmd_reject(args: argparse.Namespace) -> int:
-    return _decide(args, REJECTED)
+    return _decide(args, ApprovalState.REJECTED)

@@ -21,6 +21,7 @@ from vllm_runbook.runbooks.render import (
     format_guards,
     format_verification,
 )
+from vllm_runbook.runbooks.store.models import ACTIVE_STATUSES, ExecutionStatus
 
 
 def _fmt(value: Any) -> str:
@@ -125,7 +126,7 @@ class EventFeed:
                 f"  #{n} verification: {format_verification(v, parenthesized=True)}"
                 + (f"; guards: {g}" if (g := format_guards(v)) else ""),
             )
-        if e["status"] not in ("pending", "running", "verifying"):
+        if e["status"] not in ACTIVE_STATUSES:
             why = e.get("error") or e.get("reason") or ""
             self._once((n, e["status"]), f"  #{n} {e['status']}" + (f": {why}" if why else ""))
 
@@ -277,9 +278,11 @@ def runs_of(feed: EventFeed, runbook: str) -> list[dict[str, Any]]:
     return [
         e
         for e in feed.executions.values()
-        if e["runbook"] == runbook and e.get("reverts_id") is None and e["status"] != "refused"
+        if e["runbook"] == runbook
+        and e.get("reverts_id") is None
+        and e["status"] != ExecutionStatus.REFUSED
     ]
 
 
 def finished(e: dict[str, Any]) -> bool:
-    return e["status"] not in ("pending", "running", "verifying")
+    return e["status"] not in ACTIVE_STATUSES

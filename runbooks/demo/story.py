@@ -63,6 +63,7 @@ from vllm_runbook.runbooks.processes import (
     wait_http,
 )
 from vllm_runbook.runbooks.report import SignalLog, signals_path_for
+from vllm_runbook.runbooks.store.models import ExecutionStatus
 
 
 class DemoFailed(Exception):
@@ -331,7 +332,7 @@ def run(directory: Path, ci: bool) -> int:
 
         def all_reverted() -> bool:
             runs = runs_of(feed, "oom-pressure") + runs_of(feed, "latency-spike")
-            reverted = bool(runs) and all(e["status"] == "reverted" for e in runs)
+            reverted = bool(runs) and all(e["status"] == ExecutionStatus.REVERTED for e in runs)
             return reverted and time.monotonic() - t_recovery >= RECOVERY_MIN_S
 
         _wait(demo, RECOVERY_MAX_S, all_reverted)

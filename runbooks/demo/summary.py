@@ -17,6 +17,7 @@ from vllm_runbook.runbooks.report import (
     reverts_of,
     timeline_png,
 )
+from vllm_runbook.runbooks.store.models import ExecutionStatus
 
 
 def conclude(
@@ -132,7 +133,7 @@ def story_problems(
         acted = [e for e in runs if any(s["status"] in ("applied", "reverted") for s in e["steps"])]
         if not acted:
             problems.append(f"no action: {runbook} changed nothing")
-        elif not all(e["status"] == "reverted" for e in acted):
+        elif not all(e["status"] == ExecutionStatus.REVERTED for e in acted):
             states = ", ".join(f"#{e['id']} {e['status']}" for e in acted)
             problems.append(f"no recovery: {runbook} not reverted ({states})")
     oom = [e for e in runs_of(feed, "oom-pressure") if e.get("verification")]

@@ -53,7 +53,7 @@ from vllm_runbook.runbooks.store import (
     StoreUnavailable,
 )
 from vllm_runbook.runbooks.store.approvals import DEFAULT_APPROVAL_TIMEOUT_S, TOO_LATE
-from vllm_runbook.runbooks.store.models import APPROVED, REFUSED, REJECTED
+from vllm_runbook.runbooks.store.models import ApprovalState, ExecutionStatus
 
 __all__ = ["Credentials", "create_app", "store_error"]
 
@@ -270,7 +270,9 @@ def create_app(
         if not result.ok:
             code = 410 if result.outcome == TOO_LATE else 409
             return _error(code, result.message, execution=result.record.to_dict())
-        if result.record.status == REFUSED:  # rejected: final, counted like a refusal
+        if (
+            result.record.status == ExecutionStatus.REFUSED
+        ):  # rejected: final, counted like a refusal
             metrics.execution_finished(result.record)
         if worker is not None:
             worker.wake()
@@ -280,13 +282,13 @@ def create_app(
     async def approve(
         request: Request, execution_id: int, who: str = Depends(access.decider)
     ) -> Response:
-        return await decide(request, execution_id, APPROVED, who)
+        return await decide(request, execution_id, ApprovalState.APPROVED, who)
 
     @app.post("/api/executions/{execution_id}/reject")
     async def reject(
         request: Request, execution_id: int, who: str = Depends(access.decider)
     ) -> Response:
-        return await decide(request, execution_id, REJECTED, who)
+        return await decide(request, execution_id, ApprovalState.REJECTED, who)
 
     mount_page(app, store, access, worker, approval_timeout_s=approval_timeout_s)
     return app

@@ -41,7 +41,7 @@ from vllm_runbook.runbooks.store import (
     InvalidInput,
     Store,
 )
-from vllm_runbook.runbooks.store.models import APPROVED, REJECTED, utcnow
+from vllm_runbook.runbooks.store.models import ApprovalState, utcnow
 
 if TYPE_CHECKING:
     from vllm_runbook.runbooks.service.auth import Access
@@ -192,8 +192,8 @@ def mount_page(
 
     @app.post(UI_PREFIX + "executions/{execution_id}/approve", dependencies=act)
     async def approve(request: Request, execution_id: int) -> Response:
-        return await decide(request, execution_id, APPROVED)
+        return await decide(request, execution_id, ApprovalState.APPROVED)
 
     @app.post(UI_PREFIX + "executions/{execution_id}/reject", dependencies=act)
     async def reject(request: Request, execution_id: int) -> Response:
-        return await decide(request, execution_id, REJECTED)
+        return await decide(request, execution_id, ApprovalState.REJECTED)

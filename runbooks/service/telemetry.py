@@ -27,15 +27,11 @@ from vllm_runbook.runbooks.engine_actions import KNOBS
 from vllm_runbook.runbooks.service.limits import REFUSAL_REASONS as REQUEST_REFUSAL_REASONS
 from vllm_runbook.runbooks.store import ExecutionRecord, StepRecord
 from vllm_runbook.runbooks.store.models import (
-    FAILED,
     NOTIFY_DELIVERED,
     NOTIFY_FAILED,
-    REFUSED,
-    REVERTED,
-    ROLLED_BACK,
     STEP_APPLIED,
     STEP_REVERTED,
-    SUCCEEDED,
+    ExecutionStatus,
 )
 
 if TYPE_CHECKING:
@@ -45,9 +41,15 @@ if TYPE_CHECKING:
 REJECT_AUTH = "auth"
 REJECT_MALFORMED = "malformed"  # not JSON, not a v4 payload, or too large
 REJECT_STORE_DOWN = "store_down"
-PENDING = "pending"
 # The execution statuses this counter reaches (the active ones pass by).
-COUNTED_STATUSES = (PENDING, SUCCEEDED, FAILED, ROLLED_BACK, REVERTED, REFUSED)
+COUNTED_STATUSES = (
+    ExecutionStatus.PENDING,
+    ExecutionStatus.SUCCEEDED,
+    ExecutionStatus.FAILED,
+    ExecutionStatus.ROLLED_BACK,
+    ExecutionStatus.REVERTED,
+    ExecutionStatus.REFUSED,
+)
 SCRAPE_ERROR_REASONS = ("unreachable", "http_status", "parse")
 NOTIFY_OUTCOMES = (NOTIFY_DELIVERED, NOTIFY_FAILED)
 # Why an alert of a stored delivery was not stored (ALERTS_REJECTED `reason`).
@@ -134,7 +136,7 @@ class ServiceMetrics:
     # --- executions -------------------------------------------------------------
 
     def execution_created(self, runbook: str) -> None:
-        self.executions.labels(runbook, PENDING).inc()
+        self.executions.labels(runbook, ExecutionStatus.PENDING).inc()
 
     def execution_finished(self, record: ExecutionRecord) -> None:
         """An execution (not a revert) reached its final status."""
@@ -142,7 +144,7 @@ class ServiceMetrics:
         changed = [(s, knob_changes(s)) for s in sorted(record.steps, key=lambda s: s.ordinal)]
         changed = [(s, knobs) for s, knobs in changed if knobs]
         # A rolled-back step changed its knobs twice: applied, then restored.
-        times = 2 if record.status == ROLLED_BACK else 1
+        times = 2 if record.status == ExecutionStatus.ROLLED_BACK else 1
         self._count_knobs(record.engine, (k for _, knobs in changed for k in knobs), times)
         if changed and record.alert_starts_at is not None:
             first = changed[0][0]
@@ -152,7 +154,11 @@ class ServiceMetrics:
 
     def revert_finished(self, original: ExecutionRecord, revert: ExecutionRecord) -> None:
         """A revert of `original` finished: the original is `reverted` if it worked."""
-        status = REVERTED if revert.status == SUCCEEDED else revert.status
+        status = (
+            ExecutionStatus.REVERTED
+            if revert.status == ExecutionStatus.SUCCEEDED
+            else revert.status
+        )
         self.executions.labels(original.runbook, status).inc()
         knobs = (k for s in revert.steps for k in knob_changes(s))
         self._count_knobs(revert.engine, knobs, 1)

@@ -16,28 +16,24 @@ that holds it, so durability is unchanged and the commit cost is shared.
 from __future__ import annotations
 
 import logging
-import os
 import queue
-import socket
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from sqlalchemy import Table, insert, select
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import Table, insert
 from sqlalchemy.orm import Session
 from vllm_runbook.rules.config import Automation, EngineConfig
 from vllm_runbook.runbooks.client import normalize_url
 from vllm_runbook.runbooks.service.alertmanager import Alert, WebhookPayload
-from vllm_runbook.runbooks.store import Store, StoreError, StoreUnavailable
-from vllm_runbook.runbooks.store.events import touch_executions
-from vllm_runbook.runbooks.store.models import Execution, WebhookEvent, episode_key, utcnow
+from vllm_runbook.runbooks.store import Store, StoreUnavailable
+from vllm_runbook.runbooks.store.executions import NewExecution
+from vllm_runbook.runbooks.store.models import ApprovalState, WebhookEvent, utcnow
 
 log = logging.getLogger("vllm_runbook.service")
 
-_HOSTNAME = socket.gethostname()
 WHO_MAX = 256  # executions.who
 MAX_BATCH = 128  # deliveries per group commit
 
@@ -96,7 +92,7 @@ class _Planned:
     payload: WebhookPayload
     raw: dict[str, Any]
     size: int = 0  # bytes of the body as received
-    executions: list[dict[str, Any]] = field(default_factory=list)  # row values
+    executions: list[NewExecution] = field(default_factory=list)
     modes: list[str] = field(default_factory=list)
     skipped: list[dict[str, str]] = field(default_factory=list)
     resolved: list[dict[str, str]] = field(default_factory=list)
@@ -107,7 +103,6 @@ def plan(router: Router, payload: WebhookPayload, raw: dict[str, Any], size: int
     """Route every alert (no database): pending executions, skips, rejections,
     episodes to revert. `size`: the body's bytes (kept for the retention)."""
     planned = _Planned(payload, raw, size)
-    now = utcnow()
     for alert in payload.alerts:
 
         def skip(reason: str, alert: Alert = alert) -> None:
@@ -154,42 +149,23 @@ def plan(router: Router, payload: WebhookPayload, raw: dict[str, Any], size: int
             continue
         planned.modes.append(mode)
         planned.executions.append(
-            {
-                "runbook": runbook,
-                "engine": engine_url,
-                "trigger": "alert",
-                "who": f"alertmanager:{alert.alertname}"[:WHO_MAX],
-                "dry_run": False,
-                "alert_fingerprint": alert.fingerprint,
-                "alert_starts_at": alert.startsAt,
-                "episode_key": episode_key(runbook, engine_url, alert.fingerprint, alert.startsAt),
-                "status": "pending",
-                "reason": "awaiting approval" if mode == "approve" else None,
-                "hostname": _HOSTNAME,
-                "pid": os.getpid(),
-                "created_at": now,
-                "updated_at": now,
-            }
+            NewExecution(
+                runbook,
+                engine_url,
+                trigger="alert",
+                who=f"alertmanager:{alert.alertname}"[:WHO_MAX],
+                alert_fingerprint=alert.fingerprint,
+                alert_starts_at=alert.startsAt,
+                reason=ApprovalState.AWAITING if mode == "approve" else None,
+            )
         )
     return planned
 
 
-def _dialect_insert(store: Store) -> Any:
-    # ON CONFLICT DO NOTHING (both dialects): a duplicate episode is no error.
-    if store.dialect == "postgresql":
-        return postgresql.insert
-    if store.dialect == "sqlite":
-        return sqlite.insert
-    raise StoreError(f"unsupported database dialect {store.dialect!r}")
-
-
 def _write(store: Store, s: Session, batch: Sequence[_Planned]) -> list[Outcome]:
-    """Every delivery of `batch` in the caller's transaction.
-
-    Core executemany statements (SQLAlchemy's insertmanyvalues): one cached
-    statement whatever the batch size; a multi-row VALUES clause built per
-    batch would be compiled every time (measured: most of the cost).
-    """
+    """Every delivery of `batch` in the caller's transaction: one executemany
+    statement for the events and one for the executions (Store.create_executions),
+    whatever the batch size."""
     events = cast(Table, WebhookEvent.__table__)
     event_ids = list(
         s.execute(
@@ -207,40 +183,20 @@ def _write(store: Store, s: Session, batch: Sequence[_Planned]) -> list[Outcome]
             ],
         ).scalars()
     )
-    # One row per episode, whatever the number of deliveries carrying it.
-    rows: dict[str, dict[str, Any]] = {}
-    for p in batch:
-        for values in p.executions:
-            rows.setdefault(values["episode_key"], values)
-    created: dict[str, int] = {}
-    if rows:
-        executions = cast(Table, Execution.__table__)
-        stmt = (
-            _dialect_insert(store)(executions)
-            .on_conflict_do_nothing(index_elements=["episode_key"])
-            .returning(executions.c.id, executions.c.episode_key)
-        )
-        created = {str(key): id_ for id_, key in s.execute(stmt, list(rows.values()))}
-        touch_executions(s, created.values())  # their events commit with them
-    ids = dict(created)
-    missing = [k for k in rows if k not in ids]
-    if missing:  # earlier deliveries (or another replica) made them
-        found = s.execute(
-            select(Execution.id, Execution.episode_key).where(Execution.episode_key.in_(missing))
-        )
-        ids.update({str(key): id_ for id_, key in found})
+    # One row per episode, whatever the number of deliveries carrying it: the
+    # first delivery in the batch that carries a new one created it.
+    created = iter(store.create_executions(s, [e for p in batch for e in p.executions]))
     outcomes = []
     for p, event_id in zip(batch, event_ids, strict=True):
         outcome = Outcome(event_id, skipped=p.skipped, resolved=p.resolved, rejected=p.rejected)
-        for values, mode in zip(p.executions, p.modes, strict=True):
-            key = values["episode_key"]
+        for new, mode in zip(p.executions, p.modes, strict=True):
+            execution_id, was_created = next(created)
             outcome.executions.append(
                 {
-                    "id": ids[key],
-                    "runbook": values["runbook"],
-                    "engine": values["engine"],
-                    # The first delivery in the batch that carries it created it.
-                    "created": created.pop(key, None) is not None,
+                    "id": execution_id,
+                    "runbook": new.runbook,
+                    "engine": new.engine,
+                    "created": was_created,
                     "mode": mode,
                 }
             )

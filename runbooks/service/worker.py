@@ -40,11 +40,11 @@ from vllm_runbook.runbooks.service.jobs import WakeableJob
 from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
 from vllm_runbook.runbooks.store import ExecutionRecord, Store, StoreError
 from vllm_runbook.runbooks.store.approvals import DEFAULT_APPROVAL_TIMEOUT_S
-from vllm_runbook.runbooks.store.models import AWAITING_APPROVAL, PENDING
+from vllm_runbook.runbooks.store.models import ApprovalState, ExecutionStatus
 
 log = logging.getLogger("vllm_runbook.service")
 
-__all__ = ["AWAITING_APPROVAL", "ExecutorHook", "Worker"]
+__all__ = ["ExecutorHook", "Worker"]
 
 RUNNABLE_PAGE = 100  # runnable executions read per query
 JOB_ID: Final = "vllm-runbook-worker"
@@ -152,7 +152,7 @@ class Worker:
     def _run_one(self, record: ExecutionRecord) -> int:
         if not self.store.acquire_lease(f"execution:{record.id}", self.holder, self.lease_seconds):
             return 0  # another replica runs it
-        if self.store.get_execution(record.id).status != PENDING:
+        if self.store.get_execution(record.id).status != ExecutionStatus.PENDING:
             return 0  # ran or refused meanwhile (the alert resolved, a rejection)
         result = self.executor.run_pending(
             record.id,
@@ -247,7 +247,7 @@ class ExecutorHook:
             who=f"rules:{handoff.incident.alert}",
             alert_fingerprint=fingerprint,
             alert_starts_at=starts_at,
-            reason=AWAITING_APPROVAL if handoff.mode == "approve" else None,
+            reason=ApprovalState.AWAITING if handoff.mode == "approve" else None,
         )
         if created and self.worker.metrics is not None:
             self.worker.metrics.execution_created(handoff.runbook)

@@ -24,13 +24,10 @@ from vllm_runbook.runbooks.store.base import StoreBase
 from vllm_runbook.runbooks.store.errors import ExecutionNotFound, InvalidInput
 from vllm_runbook.runbooks.store.executions import ExecutionRecord
 from vllm_runbook.runbooks.store.models import (
-    APPROVED,
-    AWAITING_APPROVAL,
     AWAITING_SQL,
-    PENDING,
-    REFUSED,
-    REJECTED,
+    ApprovalState,
     Execution,
+    ExecutionStatus,
     UTCDateTime,
     episode_key,
     is_row_id,
@@ -73,7 +70,11 @@ def expired_reason(timeout_s: float) -> str:
 
 
 def _is_awaiting(row: Execution) -> bool:
-    return row.status == PENDING and row.reason == AWAITING_APPROVAL and row.decision is None
+    return (
+        row.status == ExecutionStatus.PENDING
+        and row.reason == ApprovalState.AWAITING
+        and row.decision is None
+    )
 
 
 def _why_not(row: Execution) -> tuple[str, str]:
@@ -82,9 +83,9 @@ def _why_not(row: Execution) -> tuple[str, str]:
     if row.decision is not None:
         when = row.decided_at.strftime("%H:%M:%SZ") if row.decided_at else "?"
         return TOO_LATE, f"{label} was already {row.decision} by {row.decided_by} at {when}"
-    if row.status == REFUSED and row.reason == RESOLVED_BEFORE_APPROVAL:
+    if row.status == ExecutionStatus.REFUSED and row.reason == RESOLVED_BEFORE_APPROVAL:
         return TOO_LATE, f"{label}: the alert resolved before approval; nothing runs"
-    if row.status == REFUSED and (row.reason or "").startswith(EXPIRED_PREFIX):
+    if row.status == ExecutionStatus.REFUSED and (row.reason or "").startswith(EXPIRED_PREFIX):
         return TOO_LATE, f"{label}: {row.reason}; nothing runs"
     return NOT_AWAITING, f"{label} is {row.status}, not awaiting approval"
 
@@ -133,8 +134,11 @@ class ApprovalStore(StoreBase):
         answer is TOO_LATE. Raises ExecutionNotFound for an unknown id,
         InvalidInput for a note over MAX_NOTE_CHARS.
         """
-        if decision not in (APPROVED, REJECTED):
-            raise ValueError(f"decision {decision!r} is not {APPROVED!r} or {REJECTED!r}")
+        if decision not in (ApprovalState.APPROVED, ApprovalState.REJECTED):
+            choices = " or ".join(
+                repr(str(d)) for d in (ApprovalState.APPROVED, ApprovalState.REJECTED)
+            )
+            raise ValueError(f"decision {decision!r} is not {choices}")
         if note is not None and len(note) > MAX_NOTE_CHARS:
             raise InvalidInput(
                 f"the note has {len(note)} characters; at most {MAX_NOTE_CHARS} are kept"
@@ -155,7 +159,7 @@ class ApprovalStore(StoreBase):
             row.decision, row.decided_by, row.decided_at = decision, who, now
             row.decision_note = note or None
             label = f"execution #{row.id} ({row.runbook} on {row.engine})"
-            if decision == APPROVED:
+            if decision == ApprovalState.APPROVED:
                 row.reason = None  # no longer awaiting: the worker picks it up
                 message = f"{label} approved by {who}; the service runs it"
             else:
@@ -197,9 +201,9 @@ class ApprovalStore(StoreBase):
             row = s.scalars(
                 select(Execution).where(Execution.episode_key == key).with_for_update()
             ).first()
-            if row is None or row.status != PENDING:
+            if row is None or row.status != ExecutionStatus.PENDING:
                 return None
-            if not (_is_awaiting(row) or row.decision == APPROVED):
+            if not (_is_awaiting(row) or row.decision == ApprovalState.APPROVED):
                 return None
             self._refuse(row, RESOLVED_BEFORE_APPROVAL, utcnow())
             s.flush()
@@ -207,4 +211,4 @@ class ApprovalStore(StoreBase):
 
     @staticmethod
     def _refuse(row: Execution, reason: str, now: datetime) -> None:
-        row.status, row.reason, row.finished_at = REFUSED, reason, now
+        row.status, row.reason, row.finished_at = ExecutionStatus.REFUSED, reason, now

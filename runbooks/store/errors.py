@@ -36,10 +36,12 @@ class IllegalTransition(StoreError):
     """An execution was asked to move to a status its current one cannot reach."""
 
     def __init__(self, execution_id: int, current: str, requested: str) -> None:
-        super().__init__(f"execution {execution_id}: cannot go from {current!r} to {requested!r}")
+        super().__init__(
+            f"execution {execution_id}: cannot go from {str(current)!r} to {str(requested)!r}"
+        )
         self.execution_id = execution_id
-        self.current = current
-        self.requested = requested
+        self.current = str(current)
+        self.requested = str(requested)
 
 
 class ExecutionNotFound(StoreError, LookupError):

@@ -29,15 +29,11 @@ from sqlalchemy import select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, UOWTransaction, sessionmaker
 from vllm_runbook.runbooks.store.models import (
-    AWAITING_APPROVAL,
-    FAILED,
     INTERRUPTED_REASON,
-    REFUSED,
-    REVERTED,
-    ROLLED_BACK,
-    SUCCEEDED,
+    ApprovalState,
     Execution,
     ExecutionEvent,
+    ExecutionStatus,
     utcnow,
 )
 
@@ -84,22 +80,22 @@ def derive_events(
     if dry_run or reverts_id is not None:
         return []
     events = []
-    if reason == AWAITING_APPROVAL or decision is not None:
+    if reason == ApprovalState.AWAITING or decision is not None:
         events.append(AWAITING)
     if started_at is not None:
         events.append(STARTED)
-    if interrupted or (status == FAILED and error == INTERRUPTED_REASON):
+    if interrupted or (status == ExecutionStatus.FAILED and error == INTERRUPTED_REASON):
         events.append(INTERRUPTED)
-    elif status == FAILED:
+    elif status == ExecutionStatus.FAILED:
         outcome = (verification or {}).get("outcome")
         events.append(NO_CHANGE if outcome == "not improved" else "failed")
-    elif status == SUCCEEDED:
+    elif status == ExecutionStatus.SUCCEEDED:
         events.append("succeeded")
-    elif status == ROLLED_BACK:
+    elif status == ExecutionStatus.ROLLED_BACK:
         events.append("rolled back")
-    elif status == REFUSED:
+    elif status == ExecutionStatus.REFUSED:
         events.append("refused")
-    elif status == REVERTED:
+    elif status == ExecutionStatus.REVERTED:
         events.append("reverted")
     return events
 

@@ -17,27 +17,23 @@ the executor asks them, under its admission lease, before it acts.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Final
+from typing import Any, Final, cast
 
-from sqlalchemy import Select, func, select, text, update
+from sqlalchemy import Select, Table, func, insert, select, text, update
 from sqlalchemy.orm import Session, selectinload
 from vllm_runbook.runbooks.store.base import StoreBase, iso
 from vllm_runbook.runbooks.store.errors import ExecutionNotFound, IllegalTransition, StoreError
 from vllm_runbook.runbooks.store.events import touch_executions
 from vllm_runbook.runbooks.store.models import (
     ACTIVE_STATUSES,
-    AWAITING_APPROVAL,
     EXECUTION_STATUSES,
     EXECUTION_TRANSITIONS,
     FINAL_STATUSES,
     INTERRUPTED_REASON,
-    PENDING,
-    REFUSED,
     RUNNABLE_SQL,
-    RUNNING,
     STEP_APPLIED,
     STEP_APPLYING,
     STEP_FAILED,
@@ -47,8 +43,9 @@ from vllm_runbook.runbooks.store.models import (
     STEP_SKIPPED,
     STEP_STATUSES,
     TRIGGER_SOURCES,
-    VERIFYING,
+    ApprovalState,
     Execution,
+    ExecutionStatus,
     Step,
     episode_key,
     is_row_id,
@@ -82,7 +79,9 @@ def runs_in_its_process(status: str, trigger: str) -> bool:
     execution not started yet (`runbook exec` records it, then runs it). A
     pending alert execution names the replica that received the webhook; any
     worker runs it, and that replica dying interrupts nothing."""
-    return status in (RUNNING, VERIFYING) or (status == PENDING and trigger == "cli")
+    return status in (ExecutionStatus.RUNNING, ExecutionStatus.VERIFYING) or (
+        status == ExecutionStatus.PENDING and trigger == "cli"
+    )
 
 
 # --- records ---------------------------------------------------------------------
@@ -208,7 +207,11 @@ class ExecutionRecord:
     @property
     def awaiting_approval(self) -> bool:
         """Pending until a person approves or rejects it."""
-        return self.status == PENDING and self.reason == AWAITING_APPROVAL and not self.decision
+        return (
+            self.status == ExecutionStatus.PENDING
+            and self.reason == ApprovalState.AWAITING
+            and not self.decision
+        )
 
     @property
     def display_status(self) -> str:
@@ -247,6 +250,53 @@ class ExecutionRecord:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class NewExecution:
+    """An execution to record (pending); `create_executions` fills the rest:
+    status, who runs it (hostname, pid, pid_start) and the times."""
+
+    runbook: str
+    engine: str
+    trigger: str
+    who: str
+    dry_run: bool = False
+    alert_fingerprint: str | None = None
+    alert_starts_at: datetime | None = None
+    # ApprovalState.AWAITING for an execution that waits for a person.
+    reason: str | None = None
+    reverts_id: int | None = None
+    episode_key: str | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.trigger not in TRIGGER_SOURCES:
+            raise ValueError(f"trigger {self.trigger!r} not in {TRIGGER_SOURCES}")
+        if self.trigger == "alert":
+            if not self.alert_fingerprint or self.alert_starts_at is None:
+                raise ValueError("an alert-triggered execution needs a fingerprint and startsAt")
+            # One execution per episode (the evaluator's incidents are recorded
+            # as alert episodes too); the schema checks key <=> trigger 'alert'.
+            key = episode_key(
+                self.runbook, self.engine, self.alert_fingerprint, self.alert_starts_at
+            )
+            object.__setattr__(self, "episode_key", key)
+
+    def values(self) -> dict[str, Any]:
+        """The row's columns this item decides."""
+        return {
+            "runbook": self.runbook,
+            "engine": self.engine,
+            "trigger": self.trigger,
+            "who": self.who,
+            "dry_run": self.dry_run,
+            "alert_fingerprint": self.alert_fingerprint,
+            "alert_starts_at": self.alert_starts_at,
+            "episode_key": self.episode_key,
+            "status": ExecutionStatus.PENDING,
+            "reason": self.reason,
+            "reverts_id": self.reverts_id,
+        }
+
+
 class ExecutionStore(StoreBase):
     """Executions, their steps, and what the guardrails ask of them."""
 
@@ -269,61 +319,85 @@ class ExecutionStore(StoreBase):
         episode is unique: a duplicate delivery returns the existing execution
         with created=False, race-free across processes and replicas.
         """
-        if trigger not in TRIGGER_SOURCES:
-            raise ValueError(f"trigger {trigger!r} not in {TRIGGER_SOURCES}")
-        key: str | None = None
-        if trigger == "alert":
-            if not alert_fingerprint or alert_starts_at is None:
-                raise ValueError("an alert-triggered execution needs a fingerprint and startsAt")
-            # One execution per episode (the evaluator's incidents are recorded
-            # as alert episodes too); the schema checks key <=> trigger 'alert'.
-            key = episode_key(runbook, engine, alert_fingerprint, alert_starts_at)
-        now = utcnow()
-        values = {
-            "runbook": runbook,
-            "engine": engine,
-            "trigger": trigger,
-            "who": who,
-            "dry_run": dry_run,
-            "alert_fingerprint": alert_fingerprint,
-            "alert_starts_at": alert_starts_at,
-            "episode_key": key,
-            "status": "pending",
-            "reason": reason,
-            "reverts_id": reverts_id,
-            "hostname": HOSTNAME,
-            "pid": os.getpid(),
-            "pid_start": process_start(os.getpid()),
-            "created_at": now,
-            "updated_at": now,
-        }
+        new = NewExecution(
+            runbook,
+            engine,
+            trigger=trigger,
+            who=who,
+            dry_run=dry_run,
+            alert_fingerprint=alert_fingerprint,
+            alert_starts_at=alert_starts_at,
+            reason=reason,
+            reverts_id=reverts_id,
+        )
         with self.session(write=True) as s:
-            if key is None:
-                row = Execution(**values)
-                s.add(row)
-                s.flush()
-                return ExecutionRecord.from_row(row), True
+            [(execution_id, created)] = self.create_executions(s, [new])
+            row = s.get(Execution, execution_id, options=[selectinload(Execution.steps)])
+            assert row is not None
+            return ExecutionRecord.from_row(row), created
+
+    def create_executions(self, s: Session, new: Sequence[NewExecution]) -> list[tuple[int, bool]]:
+        """Record pending executions in the caller's transaction `s` (the one
+        way executions are created); returns (id, created) for each of `new`,
+        in order.
+
+        An alert episode is unique: one already in the journal (an earlier
+        delivery, another replica) gives its id with created=False, and so
+        does a repeat within `new` (the first one creates it). One executemany
+        statement per kind whatever the number (SQLAlchemy's insertmanyvalues:
+        one cached statement; a multi-row VALUES clause built per call would be
+        compiled every time). Their events are appended before `s` commits.
+        """
+        if not new:
+            return []
+        now = utcnow()
+        pid = os.getpid()
+        stamp = {"hostname": HOSTNAME, "pid": pid, "pid_start": process_start(pid)}
+        keyed: dict[str, dict[str, Any]] = {}  # episode key -> row, first one wins
+        plain: list[dict[str, Any]] = []
+        for item in new:
+            values = {**item.values(), **stamp, "created_at": now, "updated_at": now}
+            if values["episode_key"] is None:
+                plain.append(values)
+            else:
+                keyed.setdefault(values["episode_key"], values)
+        table = cast(Table, Execution.__table__)
+        plain_ids: list[int] = []
+        if plain:
+            stmt = insert(table).returning(table.c.id, sort_by_parameter_order=True)
+            plain_ids = list(s.execute(stmt, plain).scalars())
+        created: dict[str, int] = {}
+        if keyed:
             stmt = (
-                self._insert()(Execution)
-                .values(**values)
+                self._insert()(table)
                 .on_conflict_do_nothing(index_elements=["episode_key"])
-                .returning(Execution.id)
+                .returning(table.c.id, table.c.episode_key)
             )
-            new_id = s.execute(stmt).scalar_one_or_none()
-            created = new_id is not None
-            if new_id is not None:
-                touch_executions(s, [new_id])  # its events commit with it
-            found = s.scalars(
-                select(Execution)
-                .where(Execution.episode_key == key)
-                .options(selectinload(Execution.steps))
-            ).one()
-            return ExecutionRecord.from_row(found), created
+            created = {str(key): id_ for id_, key in s.execute(stmt, list(keyed.values()))}
+        touch_executions(s, [*plain_ids, *created.values()])  # their events commit with them
+        ids = dict(created)
+        missing = [key for key in keyed if key not in ids]
+        if missing:
+            found = s.execute(
+                select(Execution.id, Execution.episode_key).where(
+                    Execution.episode_key.in_(missing)
+                )
+            )
+            ids.update({str(key): id_ for id_, key in found})
+        fresh = iter(plain_ids)
+        out: list[tuple[int, bool]] = []
+        for item in new:
+            key = item.episode_key
+            if key is None:
+                out.append((next(fresh), True))
+            else:
+                out.append((ids[key], created.pop(key, None) is not None))
+        return out
 
     def transition(
         self,
         execution_id: int,
-        new_status: str,
+        new_status: ExecutionStatus | str,
         error: str | None = None,
         *,
         reason: str | None = None,
@@ -334,14 +408,15 @@ class ExecutionStore(StoreBase):
         crash can be recognised later); a final status stamps finished_at.
         """
         if new_status not in EXECUTION_STATUSES:
-            raise ValueError(f"status {new_status!r} not in {EXECUTION_STATUSES}")
+            raise ValueError(f"status {new_status!r} not in {[str(v) for v in ExecutionStatus]}")
+        new_status = ExecutionStatus(new_status)
         with self.session(write=True) as s:
             row = self._get_locked(s, execution_id)
-            if new_status not in EXECUTION_TRANSITIONS[row.status]:
+            if new_status not in EXECUTION_TRANSITIONS[ExecutionStatus(row.status)]:
                 raise IllegalTransition(execution_id, row.status, new_status)
             now = utcnow()
             row.status = new_status
-            if new_status == RUNNING:
+            if new_status == ExecutionStatus.RUNNING:
                 row.started_at = now
                 row.hostname, row.pid = HOSTNAME, os.getpid()
                 row.pid_start = process_start(row.pid)
@@ -448,7 +523,7 @@ class ExecutionStore(StoreBase):
             Execution.runbook == runbook,
             Execution.engine == engine,
             Execution.dry_run.is_(False),
-            Execution.status != REFUSED,
+            Execution.status != ExecutionStatus.REFUSED,
             Execution.started_at.is_not(None),
             Execution.reverts_id.is_(None),
         )
@@ -479,7 +554,7 @@ class ExecutionStore(StoreBase):
         revert restores; `other_than` leaves out the engine asking.
         """
         query = select(Execution.engine).where(
-            Execution.status.in_((RUNNING, VERIFYING)),
+            Execution.status.in_((ExecutionStatus.RUNNING, ExecutionStatus.VERIFYING)),
             Execution.dry_run.is_(False),
             Execution.reverts_id.is_(None),
         )
@@ -515,7 +590,11 @@ class ExecutionStore(StoreBase):
                 if not runs_in_its_process(row.status, row.trigger):
                     continue
                 now = utcnow()
-                row.status, row.error, row.finished_at = "failed", INTERRUPTED_REASON, now
+                row.status, row.error, row.finished_at = (
+                    ExecutionStatus.FAILED,
+                    INTERRUPTED_REASON,
+                    now,
+                )
                 s.execute(
                     update(Step)
                     .where(Step.execution_id == execution_id, Step.status == STEP_APPLYING)

@@ -13,8 +13,9 @@ Design points:
   for alert-triggered executions (NULL for CLI runs, and NULLs never collide)
   and `open_key` for open incidents. A NULL-able composite unique constraint
   would let (runbook, engine, NULL, NULL) duplicates through.
-- Statuses are strings with CHECK constraints; the legal moves between them
-  are `EXECUTION_TRANSITIONS`, enforced by the store in code.
+- Statuses are strings with CHECK constraints generated from their enums
+  (`ExecutionStatus`, stored as the members' values); the legal moves between
+  them are `EXECUTION_TRANSITIONS`, enforced by the store in code.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 from datetime import UTC, datetime
+from enum import StrEnum
 from typing import Any, Final
 
 from sqlalchemy import (
@@ -56,39 +58,63 @@ NAMING_CONVENTION: Final = {
 
 # --- execution state machine -------------------------------------------------
 
-PENDING, RUNNING, VERIFYING = "pending", "running", "verifying"
-SUCCEEDED, FAILED, ROLLED_BACK, REVERTED = "succeeded", "failed", "rolled_back", "reverted"
-# A guardrail said no (cooldown, max runs, blast radius, no approval): recorded
-# so the operator sees it, but it is not a run and counts for no guardrail.
-REFUSED = "refused"
 
-EXECUTION_STATUSES: Final = (
-    PENDING,
-    RUNNING,
-    VERIFYING,
-    SUCCEEDED,
-    FAILED,
-    ROLLED_BACK,
-    REVERTED,
-    REFUSED,
+class ExecutionStatus(StrEnum):
+    """Where an execution is; the stored value is the member's string."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    VERIFYING = "verifying"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    ROLLED_BACK = "rolled_back"
+    REVERTED = "reverted"
+    # A guardrail said no (cooldown, max runs, blast radius, no approval):
+    # recorded so the operator sees it, but it is not a run and counts for no
+    # guardrail.
+    REFUSED = "refused"
+
+
+class ApprovalState(StrEnum):
+    """A pending execution's approval: AWAITING is its `reason` while a
+    person has not answered; APPROVED / REJECTED are the answer (`decision`)."""
+
+    AWAITING = "awaiting approval"
+    APPROVED = "approved"
+    REJECTED = "rejected"
+
+
+EXECUTION_STATUSES: Final = tuple(ExecutionStatus)
+ACTIVE_STATUSES: Final = frozenset(
+    {ExecutionStatus.PENDING, ExecutionStatus.RUNNING, ExecutionStatus.VERIFYING}
 )
-ACTIVE_STATUSES: Final = frozenset({PENDING, RUNNING, VERIFYING})
-FINAL_STATUSES: Final = frozenset(EXECUTION_STATUSES) - ACTIVE_STATUSES
+FINAL_STATUSES: Final = frozenset(ExecutionStatus) - ACTIVE_STATUSES
 
-EXECUTION_TRANSITIONS: Final[dict[str, frozenset[str]]] = {
-    PENDING: frozenset({RUNNING, FAILED, REFUSED}),
+EXECUTION_TRANSITIONS: Final[dict[ExecutionStatus, frozenset[ExecutionStatus]]] = {
+    ExecutionStatus.PENDING: frozenset(
+        {ExecutionStatus.RUNNING, ExecutionStatus.FAILED, ExecutionStatus.REFUSED}
+    ),
     # running → succeeded: runbooks without verification (advice, diagnostics).
     # running → rolled_back: a step failed and the applied ones were undone.
-    RUNNING: frozenset({VERIFYING, SUCCEEDED, FAILED, ROLLED_BACK}),
-    VERIFYING: frozenset({SUCCEEDED, FAILED, ROLLED_BACK}),
+    ExecutionStatus.RUNNING: frozenset(
+        {
+            ExecutionStatus.VERIFYING,
+            ExecutionStatus.SUCCEEDED,
+            ExecutionStatus.FAILED,
+            ExecutionStatus.ROLLED_BACK,
+        }
+    ),
+    ExecutionStatus.VERIFYING: frozenset(
+        {ExecutionStatus.SUCCEEDED, ExecutionStatus.FAILED, ExecutionStatus.ROLLED_BACK}
+    ),
     # Reverting restores the recorded before-values: after success (alert
     # resolved, `runbook revert`) or after a failure that left changes behind
     # (an interrupted run).
-    SUCCEEDED: frozenset({REVERTED}),
-    FAILED: frozenset({REVERTED}),
-    ROLLED_BACK: frozenset(),
-    REVERTED: frozenset(),
-    REFUSED: frozenset(),
+    ExecutionStatus.SUCCEEDED: frozenset({ExecutionStatus.REVERTED}),
+    ExecutionStatus.FAILED: frozenset({ExecutionStatus.REVERTED}),
+    ExecutionStatus.ROLLED_BACK: frozenset(),
+    ExecutionStatus.REVERTED: frozenset(),
+    ExecutionStatus.REFUSED: frozenset(),
 }
 
 TRIGGER_SOURCES: Final = ("cli", "alert", "rule")
@@ -114,10 +140,6 @@ STEP_STATUSES: Final = (
 
 INCIDENT_STATES: Final = ("pending", "firing", "resolved")
 
-# Approvals: a person's decision on an execution awaiting approval.
-APPROVED, REJECTED = "approved", "rejected"
-AWAITING_APPROVAL: Final = "awaiting approval"
-
 # Notification deliveries: queued, then delivered or failed (after retries).
 NOTIFY_QUEUED, NOTIFY_DELIVERED, NOTIFY_FAILED = "queued", "delivered", "failed"
 NOTIFICATION_STATUSES: Final = (NOTIFY_QUEUED, NOTIFY_DELIVERED, NOTIFY_FAILED)
@@ -128,11 +150,13 @@ INTERRUPTED_REASON: Final = "interrupted"
 # SQLite uses a partial index only for a query whose WHERE holds the index's
 # terms as written (a bound parameter does not match a literal).
 RUNNABLE_SQL: Final = (
-    "status = 'pending' AND \"trigger\" IN ('alert', 'rule') "
-    f"AND (reason IS NULL OR reason <> '{AWAITING_APPROVAL}')"
+    f"status = '{ExecutionStatus.PENDING}' AND \"trigger\" IN ('alert', 'rule') "
+    f"AND (reason IS NULL OR reason <> '{ApprovalState.AWAITING}')"
 )
 # What awaits a person (the approvals' expiry and the pending list).
-AWAITING_SQL: Final = f"status = 'pending' AND reason = '{AWAITING_APPROVAL}'"
+AWAITING_SQL: Final = (
+    f"status = '{ExecutionStatus.PENDING}' AND reason = '{ApprovalState.AWAITING}'"
+)
 
 
 # Row ids are INTEGER columns: 32-bit on PostgreSQL. An id outside can name no
@@ -146,7 +170,8 @@ def is_row_id(value: int) -> bool:
 
 
 def _in(column: str, values: tuple[str, ...]) -> str:
-    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+    # str(): an enum member's stored value (its repr names the class).
+    return f"{column} IN ({', '.join(repr(str(v)) for v in values)})"
 
 
 def _key(*parts: object) -> str:
@@ -245,7 +270,7 @@ class Execution(Base):
     alert_starts_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     episode_key: Mapped[str | None] = mapped_column(String(64))
     dry_run: Mapped[bool] = mapped_column(Boolean, default=False)
-    status: Mapped[str] = mapped_column(String(16), default=PENDING)
+    status: Mapped[str] = mapped_column(String(16), default=ExecutionStatus.PENDING)
     reason: Mapped[str | None] = mapped_column(Text)
     error: Mapped[str | None] = mapped_column(Text)
     # Results of the runbook's checks and of its verification, as shown to the

@@ -18,7 +18,7 @@ from vllm_runbook.runbooks.report import (
     signals_path_for,
 )
 from vllm_runbook.runbooks.store import Store, upgrade
-from vllm_runbook.runbooks.store.models import RUNNING, SUCCEEDED, VERIFYING, Execution
+from vllm_runbook.runbooks.store.models import Execution, ExecutionStatus
 
 ENGINE = "http://127.0.0.1:9360"
 
@@ -122,7 +122,7 @@ def _journal(db: str) -> tuple[int, int]:
         alert_starts_at=datetime.now(UTC),
     )
     store.record_checks(rec.id, {"kv_usage": {"signal": "kv_cache_usage", "value": 0.98}})
-    store.transition(rec.id, RUNNING)
+    store.transition(rec.id, ExecutionStatus.RUNNING)
     step = store.add_step(
         rec.id,
         "scale_max_num_batched_tokens",
@@ -130,23 +130,23 @@ def _journal(db: str) -> tuple[int, int]:
         before={"max_num_batched_tokens": 512},
     )
     store.finish_step(step.id, "applied", after={"max_num_batched_tokens": 256}, applied_at_step=7)
-    store.transition(rec.id, VERIFYING)
+    store.transition(rec.id, ExecutionStatus.VERIFYING)
     store.record_verification(
         rec.id,
         {"signal": "preemptions_per_minute", "before": 40.0, "after": 4.0, "outcome": "improved"},
     )
-    store.transition(rec.id, SUCCEEDED)
+    store.transition(rec.id, ExecutionStatus.SUCCEEDED)
     rev, _ = store.create_execution(
         "oom-pressure", ENGINE, trigger="rule", who="alertmanager", reverts_id=rec.id
     )
-    store.transition(rev.id, RUNNING)
+    store.transition(rev.id, ExecutionStatus.RUNNING)
     back = store.add_step(
         rev.id, "revert_knobs", {"of_execution": rec.id}, before={"max_num_batched_tokens": 256}
     )
     store.finish_step(back.id, "applied", after={"max_num_batched_tokens": 512})
     store.finish_step(step.id, "reverted")
     store.transition(rec.id, "reverted", reason=f"reverted by execution #{rev.id}")
-    store.transition(rev.id, SUCCEEDED)
+    store.transition(rev.id, ExecutionStatus.SUCCEEDED)
     # The revert came half a minute after the change (the effect is measured until then).
     with store.session(write=True) as s:
         row = s.get(Execution, rev.id)

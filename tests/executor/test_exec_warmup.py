@@ -20,7 +20,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from vllm_runbook.collector import metrics as M
 from vllm_runbook.runbooks.store import Store
-from vllm_runbook.runbooks.store.models import FAILED, SUCCEEDED
+from vllm_runbook.runbooks.store.models import STEP_FAILED, ExecutionStatus
 from vllm_runbook.runbooks.warmup import warmup_prompt
 
 from tests.engines import ServedEngine, free_port, http_get, runbook_cli
@@ -97,7 +97,7 @@ def test_warmup_sends_exactly_the_requests_the_runbook_names(
     assert (summary["sent"], summary["succeeded"], summary["failed"]) == (32, 32, 0)
     assert (summary["prompt_tokens"], summary["output_tokens"]) == (256, 16)
     assert summary["model"] == served.model_id()
-    assert execution.status == SUCCEEDED, execution.reason
+    assert execution.status == ExecutionStatus.SUCCEEDED, execution.reason
 
 
 def test_warmup_prompt_that_does_not_fit_is_shortened(
@@ -151,7 +151,7 @@ def test_without_a_reachable_api_server_it_fails_in_one_line(
     assert expected in line, line
     assert delta(before, counters(served)) == dict.fromkeys(before, 0.0)
     execution, step = warmup_step(db_url)
-    assert (execution.status, step.status) == (FAILED, FAILED)
+    assert (execution.status, step.status) == (ExecutionStatus.FAILED, STEP_FAILED)
 
 
 def test_prompts_are_exact_lengths_of_valid_ids_and_differ_from_the_first_token() -> None:

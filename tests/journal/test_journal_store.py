@@ -13,14 +13,18 @@ from vllm_runbook.runbooks.store import (
     EXECUTION_STATUSES,
     EXECUTION_TRANSITIONS,
     ExecutionNotFound,
+    ExecutionStatus,
     IllegalTransition,
     Incident,
+    NewExecution,
     SchemaMissing,
     Store,
     StoreError,
     StoreUnavailable,
+    process_start,
     resolve_url,
 )
+from vllm_runbook.runbooks.store.models import ApprovalState, Execution, ExecutionEvent
 
 STARTS = datetime(2026, 1, 2, 3, 4, 5, 123456, tzinfo=UTC)
 
@@ -73,6 +77,51 @@ def test_alert_run_needs_its_episode(store: Store) -> None:
         store.create_execution("oom-pressure", "e", trigger="alert", who="am")
     with pytest.raises(ValueError, match="trigger 'cron'"):
         store.create_execution("oom-pressure", "e", trigger="cron", who="am")
+
+
+def test_create_executions_in_bulk(store: Store) -> None:
+    """The one creation path: many at once, in the caller's transaction, each
+    alert episode once (already stored, or repeated in the list)."""
+    first, _ = alert_run(store)  # an earlier delivery
+
+    def alert(fingerprint: str, reason: str | None = None) -> NewExecution:
+        return NewExecution(
+            "oom-pressure",
+            "llama-0",
+            trigger="alert",
+            who="alertmanager",
+            alert_fingerprint=fingerprint,
+            alert_starts_at=STARTS,
+            reason=reason,
+        )
+
+    new = [
+        alert("fp1"),  # stored before
+        alert("fp2", ApprovalState.AWAITING),
+        NewExecution("oom-pressure", "llama-0", trigger="cli", who="alice"),
+        alert("fp2"),  # a repeat in the same list
+        *(alert(f"bulk-{i}") for i in range(300)),
+    ]
+    with store.session(write=True) as s:
+        made = store.create_executions(s, new)
+    assert made[0] == (first.id, False)
+    assert made[1][1] is True and made[3] == (made[1][0], False)
+    assert made[2][1] is True
+    assert all(created for _, created in made[4:])
+    assert len({i for i, _ in made}) == len(new) - 1
+    assert len(store.list_executions(limit=1000)) == 303
+    waiting = store.get_execution(made[1][0])
+    assert (waiting.status, waiting.reason) == (ExecutionStatus.PENDING, "awaiting approval")
+    assert waiting.awaiting_approval and [r.id for r in store.pending_approvals()] == [waiting.id]
+    with store.session() as s:
+        rows = s.query(Execution.pid, Execution.pid_start, Execution.hostname).all()
+        events = s.query(ExecutionEvent.execution_id, ExecutionEvent.event).all()
+    # Filled as on the single path: this process, its start time, this host.
+    assert set(rows) == {(os.getpid(), process_start(os.getpid()), socket.gethostname())}
+    # The events commit with the executions (only the one awaiting a person has one).
+    assert events == [(waiting.id, "awaiting approval")]
+    with store.session(write=True) as s:
+        assert store.create_executions(s, []) == []
 
 
 def test_concurrent_duplicate_deliveries_create_one_execution(db_url: str) -> None:

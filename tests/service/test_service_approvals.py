@@ -26,7 +26,7 @@ from vllm_runbook.runbooks.service.worker import Worker
 from vllm_runbook.runbooks.spec import load_catalog as load_runbook_catalog
 from vllm_runbook.runbooks.store import Store
 from vllm_runbook.runbooks.store.approvals import RESOLVED_BEFORE_APPROVAL
-from vllm_runbook.runbooks.store.models import PENDING, REFUSED, SUCCEEDED
+from vllm_runbook.runbooks.store.models import ExecutionStatus
 
 from tests.fake_agent import STARTUP, Clock, FakeAgent
 from tests.service.test_service_webhooks import AUTH, TOKEN, payload
@@ -151,7 +151,7 @@ def test_approve_through_the_api_runs_it_and_the_journal_says_who(replica: Repli
     assert replica.worker.tick() == 1
     done = replica.store.get_execution(waiting.id)
     assert (done.status, done.decision, done.decided_by, done.decision_note) == (
-        SUCCEEDED,
+        ExecutionStatus.SUCCEEDED,
         "approved",
         "webhook token",  # the token's name (webhook.token_name)
         "KV full",
@@ -194,7 +194,7 @@ def test_reject_and_pending_through_the_cli(
     assert replica.worker.tick() == 0
     refused = replica.store.get_execution(waiting.id)
     assert (refused.status, refused.reason, refused.decision, refused.decided_by) == (
-        REFUSED,
+        ExecutionStatus.REFUSED,
         "rejected by bob: not now",
         "rejected",
         "bob",
@@ -228,7 +228,7 @@ def test_an_unanswered_approval_expires_and_a_late_approval_runs_nothing(
     [expired] = replica.store.expire_approvals(timeout, now=later)
     assert (expired.id, expired.status, expired.reason) == (
         waiting.id,
-        REFUSED,
+        ExecutionStatus.REFUSED,
         "approval expired: nobody approved within 10 min",
     )
     code, out, err = cli(
@@ -250,7 +250,7 @@ def test_an_approval_past_its_time_is_expired_by_the_answer_itself(replica: Repl
     result = replica.store.decide(waiting.id, "approved", "ann", timeout_s=600, now=late)
     assert (result.outcome, result.record.status, result.record.decision) == (
         "too late",
-        REFUSED,
+        ExecutionStatus.REFUSED,
         None,
     )
 
@@ -261,15 +261,17 @@ def test_an_approval_after_the_alert_resolved_does_nothing_and_says_so(replica: 
     fire(replica, "resolved")
     assert replica.worker.tick() == 0
     refused = replica.store.get_execution(waiting.id)
-    assert (refused.status, refused.reason) == (REFUSED, RESOLVED_BEFORE_APPROVAL)
+    assert (refused.status, refused.reason) == (ExecutionStatus.REFUSED, RESOLVED_BEFORE_APPROVAL)
     r = replica.client.post(f"/api/executions/{waiting.id}/approve", headers=AUTH)
     assert r.status_code == 410
     assert r.json()["error"] == (
         f"execution #{waiting.id} (oom-pressure): the alert resolved before approval; nothing runs"
     )
     assert replica.worker.tick() == 0
-    assert replica.store.get_execution(waiting.id).status == REFUSED
-    refusals = replica.metrics.executions.labels("oom-pressure", REFUSED)._value.get()
+    assert replica.store.get_execution(waiting.id).status == ExecutionStatus.REFUSED
+    refusals = replica.metrics.executions.labels(
+        "oom-pressure", ExecutionStatus.REFUSED
+    )._value.get()
     assert refusals == 1  # counted once, when the resolve refused it
 
 
@@ -317,7 +319,7 @@ def _two_replicas_one_approval(url: str, cfg: Path) -> None:
             {"autopilot": True},
         ]
         [done] = a.store.list_executions()
-        assert (done.id, done.status) == (waiting.id, SUCCEEDED)
+        assert (done.id, done.status) == (waiting.id, ExecutionStatus.SUCCEEDED)
         assert a.worker.tick() + b.worker.tick() == 0
     a.store.close()
     b.store.close()
@@ -372,11 +374,11 @@ def test_page_off_loopback_needs_the_api_credentials_and_a_form_token(
         done = r.store.get_execution(waiting.id)
         # Basic auth names the person; a `by` field in the form changes nothing.
         assert (done.status, done.decision, done.decided_by, done.decision_note) == (
-            PENDING,
+            ExecutionStatus.PENDING,
             "approved",
             "ann",
             "go",
         )
         assert r.worker.tick() == 1
-        assert r.store.get_execution(waiting.id).status == SUCCEEDED
+        assert r.store.get_execution(waiting.id).status == ExecutionStatus.SUCCEEDED
     r.store.close()

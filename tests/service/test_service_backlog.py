@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import text
 from vllm_runbook.runbooks.notify import Notifier, Receiver
 from vllm_runbook.runbooks.service.app import Credentials
-from vllm_runbook.runbooks.store.models import SUCCEEDED
+from vllm_runbook.runbooks.store.models import ExecutionStatus
 
 from tests.fake_agent import FakeAgent
 from tests.service.test_service_approvals import CONFIG, Replica
@@ -108,7 +108,11 @@ def test_an_approved_execution_older_than_the_newest_200_runs(replica: Replica) 
     assert replica.client.post(approve, json={"note": "go"}, headers=AUTH).status_code == 200
     assert replica.worker.tick() == 1
     done = replica.store.get_execution(oldest)
-    assert (done.status, done.decided_by, done.decision_note) == (SUCCEEDED, "webhook token", "go")
+    assert (done.status, done.decided_by, done.decision_note) == (
+        ExecutionStatus.SUCCEEDED,
+        "webhook token",
+        "go",
+    )
     assert replica.worker.tick() == 0  # once
     assert len(replica.store.pending_approvals()) == 249
 
@@ -125,7 +129,9 @@ def test_an_approval_wakes_the_worker(replica: Replica) -> None:
         time.sleep(0.5)  # its first tick found nothing to run; now it sleeps a minute
         approve = f"/api/executions/{oldest}/approve"
         assert replica.client.post(approve, headers=AUTH).status_code == 200
-        ran = wait_until(lambda: replica.store.get_execution(oldest).status == SUCCEEDED, 10)
+        ran = wait_until(
+            lambda: replica.store.get_execution(oldest).status == ExecutionStatus.SUCCEEDED, 10
+        )
         assert ran, f"execution #{oldest} did not run within 10 s of its approval"
     finally:
         worker.stop()

@@ -23,11 +23,11 @@ import pytest
 from vllm_runbook.runbooks.notify import Notifier, Receiver
 from vllm_runbook.runbooks.store import Store
 from vllm_runbook.runbooks.store.models import (
-    AWAITING_APPROVAL,
     NOTIFY_DELIVERED,
     NOTIFY_QUEUED,
-    REFUSED,
+    ApprovalState,
     Execution,
+    ExecutionStatus,
 )
 
 from tests.service.test_service_notify import Hooks, closed_port
@@ -59,7 +59,7 @@ def awaiting(store: Store, n: int = 1) -> list[int]:
             who="alertmanager:VllmOOMPressure",
             alert_fingerprint=f"claims-{i}",
             alert_starts_at=datetime.now(UTC),
-            reason=AWAITING_APPROVAL,
+            reason=ApprovalState.AWAITING,
         )[0].id
         for i in range(n)
     ]
@@ -183,7 +183,7 @@ def test_an_event_commits_with_its_change_and_ids_become_visible_in_order(
     with pytest.raises(RuntimeError), store.session(write=True) as s:
         row = s.get(Execution, first)
         assert row is not None
-        row.status, row.reason = REFUSED, "rolled back below"
+        row.status, row.reason = ExecutionStatus.REFUSED, "rolled back below"
         s.flush()
         raise RuntimeError("rolled back")
     assert [e.event for e in store.events_of_execution(first)] == ["awaiting approval"]
@@ -200,7 +200,7 @@ def test_an_event_commits_with_its_change_and_ids_become_visible_in_order(
     with store.session(write=True) as s:
         row = s.get(Execution, second)
         assert row is not None
-        row.status, row.reason = REFUSED, "T1"
+        row.status, row.reason = ExecutionStatus.REFUSED, "T1"
         s.flush()
         assert append_events(s, [second]) == 1
         thread = threading.Thread(target=t2)

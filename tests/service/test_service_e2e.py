@@ -44,7 +44,7 @@ from vllm_runbook.dashboards import lint
 from vllm_runbook.dashboards.generate import DASHBOARDS_DIR
 from vllm_runbook.rules.model import load_catalog
 from vllm_runbook.rules.promql import export
-from vllm_runbook.runbooks.store.models import REFUSED, REVERTED, STEP_APPLIED, SUCCEEDED
+from vllm_runbook.runbooks.store.models import STEP_APPLIED, ExecutionStatus
 
 from tests.dashboards.live import (
     MODEL,
@@ -72,7 +72,7 @@ TOKEN = "e2e-webhook-token"
 OVERRIDES = {"VllmOOMPressure": {"for": "2s", "window": "10s"}}
 REQUESTS, PROMPT_TOKENS, OUTPUT_TOKENS = 64, 300, 300
 STARTUP = {"max_num_batched_tokens": 512, "max_num_seqs": 32}
-FINAL = (SUCCEEDED, "failed", "rolled_back", REFUSED)
+FINAL = (ExecutionStatus.SUCCEEDED, "failed", "rolled_back", ExecutionStatus.REFUSED)
 ARTIFACTS = REPO_ROOT / "artifacts" / "runbook-activity"
 DEAD_ENGINE = "gone-0"
 ACTIVITY = "runbook-activity.json"
@@ -285,7 +285,7 @@ def one_path(
             revert = next((r for r in rows if r["reverts_id"] == execution["id"]), None)
             # The original says reverted before the revert execution finishes.
             finished = revert is not None and revert["status"] in FINAL
-            return rows if done["status"] == REVERTED and finished else None
+            return rows if done["status"] == ExecutionStatus.REVERTED and finished else None
 
         rows = wait_until(f"{name}: revert after the alert resolved", reverted, 90)
         result = PathResult(
@@ -304,7 +304,7 @@ def one_path(
 
 def check_remediation(result: PathResult, watch: AgentWatch) -> None:
     e = result.execution
-    assert e["status"] == SUCCEEDED, e
+    assert e["status"] == ExecutionStatus.SUCCEEDED, e
     applied = [s for s in e["steps"] if s["status"] == STEP_APPLIED]
     budget = next(s for s in applied if s["action"] == "scale_max_num_batched_tokens")
     assert (budget["before"], budget["after"]) == (
@@ -317,17 +317,17 @@ def check_remediation(result: PathResult, watch: AgentWatch) -> None:
     v = e["verification"]
     assert v["outcome"] == "improved" and v["after"] < v["before"], v
     # Resolved -> reverted: every knob back at its startup value.
-    assert result.reverted_by["status"] == SUCCEEDED
+    assert result.reverted_by["status"] == ExecutionStatus.SUCCEEDED
     state = json.loads(http_get(result_agent(watch) + "/v1/state")[1])
     assert {k: state["knobs"][k] for k in STARTUP} == STARTUP
     # A repeat firing after the revert (the workload may still run) is inside the
     # cooldown: recorded as refused, nothing changed.
     for other in result.others:
-        assert other["status"] in (REFUSED, "pending"), other
+        assert other["status"] in (ExecutionStatus.REFUSED, "pending"), other
         assert other["steps"] == []
     runs = "vllm_runbook_service_executions_total"
-    assert result.metric(runs, runbook="oom-pressure", status=SUCCEEDED) == 1
-    assert result.metric(runs, runbook="oom-pressure", status=REVERTED) == 1
+    assert result.metric(runs, runbook="oom-pressure", status=ExecutionStatus.SUCCEEDED) == 1
+    assert result.metric(runs, runbook="oom-pressure", status=ExecutionStatus.REVERTED) == 1
     delay = "vllm_runbook_service_detection_to_action_seconds"
     assert result.metric(delay + "_count", runbook="oom-pressure") == 1
     knobs = "vllm_runbook_service_knob_changes_total"

@@ -25,14 +25,7 @@ from vllm_runbook.runbooks.notify import (
 from vllm_runbook.runbooks.service.app import Credentials
 from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
 from vllm_runbook.runbooks.store import Store
-from vllm_runbook.runbooks.store.models import (
-    FAILED,
-    REVERTED,
-    ROLLED_BACK,
-    RUNNING,
-    SUCCEEDED,
-    VERIFYING,
-)
+from vllm_runbook.runbooks.store.models import ExecutionStatus
 
 from tests.fake_agent import FakeAgent
 from tests.service.test_service_approvals import Replica, fire
@@ -249,7 +242,7 @@ def test_a_receiver_that_hangs_never_holds_up_the_executor(replica: Replica, hoo
         assert replica.client.post(f"/api/executions/{waiting.id}/approve", headers=AUTH).is_success
         # The run completes while the receiver still holds the first delivery.
         assert replica.worker.tick() == 1
-        assert replica.store.get_execution(waiting.id).status == SUCCEEDED
+        assert replica.store.get_execution(waiting.id).status == ExecutionStatus.SUCCEEDED
         assert hooks.events("/hold") == ["awaiting approval"]
         hooks.release.set()
     finally:
@@ -268,14 +261,34 @@ def test_the_events_of_each_outcome(sqlite_url: str) -> None:
             store.record_verification(record.id, finish["verification"])
         return events_of(store.get_execution(record.id))
 
-    assert run(RUNNING, VERIFYING, SUCCEEDED) == ["started", "succeeded"]
-    assert run(RUNNING, VERIFYING, ROLLED_BACK) == ["started", "rolled back"]
-    assert run(RUNNING, VERIFYING, FAILED, verification={"outcome": "not improved"}) == [
+    assert run(ExecutionStatus.RUNNING, ExecutionStatus.VERIFYING, ExecutionStatus.SUCCEEDED) == [
+        "started",
+        "succeeded",
+    ]
+    assert run(ExecutionStatus.RUNNING, ExecutionStatus.VERIFYING, ExecutionStatus.ROLLED_BACK) == [
+        "started",
+        "rolled back",
+    ]
+    assert run(
+        ExecutionStatus.RUNNING,
+        ExecutionStatus.VERIFYING,
+        ExecutionStatus.FAILED,
+        verification={"outcome": "not improved"},
+    ) == [
         "started",
         NO_CHANGE,
     ]
-    assert run(RUNNING, FAILED, error="engine gone") == ["started", "failed"]
-    assert run(RUNNING, FAILED, error="interrupted") == ["started", "interrupted"]
-    assert run(RUNNING, SUCCEEDED, REVERTED) == ["started", "reverted"]
+    assert run(ExecutionStatus.RUNNING, ExecutionStatus.FAILED, error="engine gone") == [
+        "started",
+        "failed",
+    ]
+    assert run(ExecutionStatus.RUNNING, ExecutionStatus.FAILED, error="interrupted") == [
+        "started",
+        "interrupted",
+    ]
+    assert run(ExecutionStatus.RUNNING, ExecutionStatus.SUCCEEDED, ExecutionStatus.REVERTED) == [
+        "started",
+        "reverted",
+    ]
     assert run("refused") == ["refused"]
     store.close()

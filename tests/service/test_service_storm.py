@@ -36,7 +36,7 @@ from sqlalchemy import create_engine, text
 from vllm_runbook.runbooks.notify import events_of
 from vllm_runbook.runbooks.processes import free_port, start_logged, stop_group, wait_http
 from vllm_runbook.runbooks.store import Store, upgrade
-from vllm_runbook.runbooks.store.models import SUCCEEDED
+from vllm_runbook.runbooks.store.models import ExecutionStatus
 
 from tests.engines import runbook_cli_command, runbook_cli_env
 from tests.fake_agent import STARTUP, AgentHTTP, FakeAgent
@@ -269,7 +269,11 @@ def test_a_storm_over_two_replicas_one_killed_loses_nothing(
                 # The oldest execution: approved at once, run by whichever replica.
                 oldest = min(e["id"] for e in created)
                 assert a.post(f"/api/executions/{oldest}/approve", {"note": "oldest"}).is_success
-                wait_for(lambda i=oldest: execution_status(i) == SUCCEEDED, 60, "oldest ran")
+                wait_for(
+                    lambda i=oldest: execution_status(i) == ExecutionStatus.SUCCEEDED,
+                    60,
+                    "oldest ran",
+                )
             if number == KILL_AFTER - 1:
                 held = kill_holding_claims(b, scalar)
             newest = max([e["id"] for e in created] + [newest or 0])
@@ -277,7 +281,7 @@ def test_a_storm_over_two_replicas_one_killed_loses_nothing(
         phases["delivered"] = time.monotonic() - began
         # The newest execution, behind 1,998 others awaiting a person.
         assert a.post(f"/api/executions/{newest}/approve", {"note": "newest"}).is_success
-        wait_for(lambda: execution_status(newest) == SUCCEEDED, 60, "newest ran")
+        wait_for(lambda: execution_status(newest) == ExecutionStatus.SUCCEEDED, 60, "newest ran")
 
         phases["newest ran"] = time.monotonic() - began
         events = int(scalar("SELECT count(*) FROM execution_events"))
@@ -350,7 +354,7 @@ def test_a_storm_over_two_replicas_one_killed_loses_nothing(
     for execution_id, note in ((oldest, "oldest"), (newest, "newest")):
         done = store.get_execution(execution_id)
         assert (done.status, done.decided_by, done.decision_note) == (
-            SUCCEEDED,
+            ExecutionStatus.SUCCEEDED,
             "webhook token",
             note,
         )

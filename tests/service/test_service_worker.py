@@ -22,7 +22,7 @@ from vllm_runbook.runbooks.service.webhooks import Router
 from vllm_runbook.runbooks.service.worker import Worker
 from vllm_runbook.runbooks.spec import load_catalog as load_runbook_catalog
 from vllm_runbook.runbooks.store import Store
-from vllm_runbook.runbooks.store.models import REFUSED, REVERTED, STEP_APPLIED, SUCCEEDED
+from vllm_runbook.runbooks.store.models import STEP_APPLIED, ExecutionStatus
 
 from tests.fake_agent import STARTUP, URL, Clock, FakeAgent
 from tests.service.test_service_webhooks import AUTH, CONFIG, TOKEN, payload
@@ -111,7 +111,11 @@ def test_firing_runs_once_repeat_in_cooldown_is_refused_resolve_reverts(service:
     assert service.deliver(firing(first)).status_code == 200
     assert worker.tick() == 1
     [done] = service.store.list_executions()
-    assert (done.status, done.trigger, done.alert_starts_at) == (SUCCEEDED, "alert", first)
+    assert (done.status, done.trigger, done.alert_starts_at) == (
+        ExecutionStatus.SUCCEEDED,
+        "alert",
+        first,
+    )
     # Halved, capped at half the KV capacity (24 running on a full cache), then
     # handed over to the autopilot.
     assert agent.knobs == {
@@ -137,7 +141,7 @@ def test_firing_runs_once_repeat_in_cooldown_is_refused_resolve_reverts(service:
     writes = len(agent.writes)
     assert worker.tick() == 1
     refused = service.store.list_executions()[0]
-    assert refused.status == REFUSED and refused.alert_starts_at == second
+    assert refused.status == ExecutionStatus.REFUSED and refused.alert_starts_at == second
     assert refused.reason is not None and refused.reason.startswith("cooldown: oom-pressure ran")
     assert len(agent.writes) == writes  # recorded, not executed
     assert refused.steps == ()
@@ -147,9 +151,9 @@ def test_firing_runs_once_repeat_in_cooldown_is_refused_resolve_reverts(service:
     assert service.deliver(firing(first, "resolved")).status_code == 200
     worker.tick()
     assert agent.knobs == STARTUP
-    assert service.store.get_execution(done.id).status == REVERTED
+    assert service.store.get_execution(done.id).status == ExecutionStatus.REVERTED
     revert = service.store.list_executions()[0]
-    assert (revert.reverts_id, revert.status) == (done.id, SUCCEEDED)
+    assert (revert.reverts_id, revert.status) == (done.id, ExecutionStatus.SUCCEEDED)
     assert agent.writes[-2:] == [
         {"max_num_batched_tokens": 384, "max_num_seqs": 22, "autopilot": False},
         {"max_num_batched_tokens": 512, "max_num_seqs": 32},
@@ -158,9 +162,9 @@ def test_firing_runs_once_repeat_in_cooldown_is_refused_resolve_reverts(service:
     # The metrics say what the journal says.
     runs = "vllm_runbook_service_executions_total"
     assert v(runs, runbook="oom-pressure", status="pending") == 2
-    assert v(runs, runbook="oom-pressure", status=SUCCEEDED) == 1
-    assert v(runs, runbook="oom-pressure", status=REFUSED) == 1
-    assert v(runs, runbook="oom-pressure", status=REVERTED) == 1
+    assert v(runs, runbook="oom-pressure", status=ExecutionStatus.SUCCEEDED) == 1
+    assert v(runs, runbook="oom-pressure", status=ExecutionStatus.REFUSED) == 1
+    assert v(runs, runbook="oom-pressure", status=ExecutionStatus.REVERTED) == 1
     knobs = "vllm_runbook_service_knob_changes_total"
     # Applied: budget, max_num_seqs. Reverted in two stages: both knobs each time.
     assert v(knobs, engine="engine-a", knob="max_num_batched_tokens") == 3
@@ -264,14 +268,18 @@ def test_embedded_evaluator_handoff_runs_once_and_reverts_on_resolve(service: Se
     hook.on_firing(handoff)  # evaluated again (another replica, a retry): same episode
     assert service.worker.tick() == 1
     [done] = service.store.list_executions()
-    assert (done.status, done.trigger, done.who) == (SUCCEEDED, "alert", "rules:VllmOOMPressure")
+    assert (done.status, done.trigger, done.who) == (
+        ExecutionStatus.SUCCEEDED,
+        "alert",
+        "rules:VllmOOMPressure",
+    )
     # startsAt: when it fired, as Prometheus' startsAt (FiredAt) on the other path.
     assert done.alert_starts_at == datetime.fromtimestamp(first_seen + 2, UTC)
     assert service.agent.knobs["max_num_batched_tokens"] == 256
     hook.on_resolved(handoff)
     service.worker.tick()
     assert service.agent.knobs == STARTUP
-    assert service.store.get_execution(done.id).status == REVERTED
+    assert service.store.get_execution(done.id).status == ExecutionStatus.REVERTED
     pending = "vllm_runbook_service_executions_total"
     assert service.value(pending, runbook="oom-pressure", status="pending") == 1
 
