@@ -6,7 +6,8 @@ alembic.ini points `version_locations` there and this file runs the same
 environment code as the packaged one.
 """
 
-from alembic import context
 from vllm_runbook.runbooks.store.schema import run_migrations
+
+from alembic import context
 
 run_migrations(context)

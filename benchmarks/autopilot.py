@@ -162,7 +162,7 @@ class Bench:
                 elif oom_stage == 1 and now - oom_since >= self.condition:
                     if preempted > oom_count:
                         stats = collector.state().stats
-                        from vllm_runbook.runbooks.sources import kv_capacity_seqs
+                        from vllm_runbook.runbooks.engine.sources import kv_capacity_seqs
 
                         capacity = kv_capacity_seqs(stats) or 1
                         seqs = int(self.scheduler.max_num_active_reqs)

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_runbook.collector.tiny_model import create_tiny_model, prompt_token_ids
-from vllm_runbook.runbooks.processes import api_server_command, free_port, logged_process
+from vllm_runbook.runbooks.servers import api_server_command, free_port, logged_process
 
 HEADER = "| what | before | after | outcome |\n|---|---|---|---|"
 

@@ -37,8 +37,8 @@ from pathlib import Path
 
 import httpx
 from sqlalchemy import create_engine, func, select, text
-from vllm_runbook.runbooks.processes import free_port, logged_process
-from vllm_runbook.runbooks.store import Store, upgrade
+from vllm_runbook.runbooks.servers import free_port, logged_process
+from vllm_runbook.runbooks.store import Journal, upgrade
 from vllm_runbook.runbooks.store.models import Execution, WebhookEvent
 
 TOKEN = "bench-token"
@@ -181,7 +181,7 @@ def run(
     with serve(db_url, config, worker) as url:
         for phase in phases:
             drive(url, phase, seconds, n_alerts, seq)
-    store = Store(db_url)
+    store = Journal(db_url)
     with store.session() as s:
         events = s.scalar(select(func.count()).select_from(WebhookEvent)) or 0
         executions = s.scalar(select(func.count()).select_from(Execution)) or 0

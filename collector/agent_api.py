@@ -2,7 +2,7 @@
 
 One description for both sides: the agent (inside the engine) serializes
 its answers with these models and validates the commands it receives with
-them; the `runbook` client (vllm_runbook.runbooks.client) parses the answers
+them; the `runbook` client (vllm_runbook.runbooks.engine.client) parses the answers
 with them and builds its commands with them. docs/agent-api.schema.json is
 generated from them (`python -m vllm_runbook.dashboards.docs`), for other
 tools that speak to the agent.

@@ -1,7 +1,7 @@
 """The metrics a dashboard may query: the collector's, the service's, vLLM's.
 
 The collector (`vllm_runbook.collector.metrics`) and the service
-(`vllm_runbook.runbooks.service_metrics`) declare theirs; vLLM's are declared
+(`vllm_runbook.runbooks.service.metric_specs`) declare theirs; vLLM's are declared
 by vLLM in `vllm/v1/metrics/loggers.py`.
 The dashboards use a handful of vLLM's, named once here as MetricSpecs; the
 tests check them against the names parsed from the installed vLLM's source
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from vllm_runbook.collector import metrics as M
 from vllm_runbook.collector.metrics import MetricSpec
-from vllm_runbook.runbooks.service_metrics import SERVICE_METRICS
+from vllm_runbook.runbooks.service.metric_specs import SERVICE_METRICS
 
 
 def _vllm(name: str, type_: str, help_: str, *labels: str) -> MetricSpec:

@@ -3,7 +3,7 @@
 Each panel's description says what the signal means and which rule compares
 it against what (`RuleNotes`, read from the rule catalog). Metric names come
 from the catalogs (vllm_runbook.collector.metrics,
-vllm_runbook.runbooks.service_metrics, and the few
+vllm_runbook.runbooks.service.metric_specs, and the few
 vLLM series in vllm_runbook.dashboards.catalog); nothing here retypes a metric name.
 Panels are the Grafana Foundation SDK's builders (Grafana's own types), in the
 common style of vllm_runbook.dashboards.builder.
@@ -40,7 +40,7 @@ from vllm_runbook.dashboards.queries import (
     selector,
 )
 from vllm_runbook.rules.promql import to_promql
-from vllm_runbook.runbooks import service_metrics as S
+from vllm_runbook.runbooks.service import metric_specs as S
 from vllm_runbook.runbooks.store.models import ExecutionStatus
 
 ENGINE_UID = "vllm-runbook-engine"

@@ -36,9 +36,9 @@ from vllm_runbook.collector import metrics as collector_metrics
 from vllm_runbook.collector.metrics import MetricSpec
 from vllm_runbook.rules import load_catalog as load_rule_catalog
 from vllm_runbook.rules.signals import RENAMED, SIGNALS
-from vllm_runbook.runbooks import service_metrics
-from vllm_runbook.runbooks.actions import ActionRegistry, catalog_registry
+from vllm_runbook.runbooks.engine.actions import ActionRegistry, catalog_registry
 from vllm_runbook.runbooks.exit_codes import ExitCode
+from vllm_runbook.runbooks.service import metric_specs
 from vllm_runbook.runbooks.spec import Runbook
 from vllm_runbook.runbooks.spec import load_catalog as load_runbook_catalog
 
@@ -94,7 +94,7 @@ def gen_metrics() -> str:
 
 
 def gen_service_metrics() -> str:
-    return service_metric_table(service_metrics.SERVICE_METRICS)
+    return service_metric_table(metric_specs.SERVICE_METRICS)
 
 
 def gen_alerts() -> str:

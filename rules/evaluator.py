@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from vllm_runbook.rules import condition as C
 from vllm_runbook.rules import template
-from vllm_runbook.rules.evaluate import Cache, Compiler, Fn
+from vllm_runbook.rules.compiler import Cache, Compiler, Fn
 from vllm_runbook.rules.incidents import IncidentEvent, IncidentSink, OpenAlert, State
 from vllm_runbook.rules.model import Rule
 from vllm_runbook.rules.window import LOOKBACK_SECONDS, EngineKey, WindowStore

@@ -3,7 +3,7 @@
 Every leaf is aggregated ``by`` the engine labels (plus `gpu` while a value is
 still per GPU), so binary operators match one engine to itself whatever
 extra labels (job, pod) a deployment's scrape config adds. The in-service
-evaluator (vllm_runbook.rules.evaluate) implements exactly these semantics.
+evaluator (vllm_runbook.rules.compiler) implements exactly these semantics.
 """
 
 from __future__ import annotations

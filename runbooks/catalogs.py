@@ -26,8 +26,8 @@ from vllm_runbook.rules.model import Catalog as RuleCatalog
 from vllm_runbook.rules.model import Rule
 from vllm_runbook.rules.model import load_catalog as load_rule_catalog
 from vllm_runbook.runbooks import config as runbook_config
-from vllm_runbook.runbooks.actions import ActionRegistry
 from vllm_runbook.runbooks.config import Config
+from vllm_runbook.runbooks.engine.actions import ActionRegistry
 from vllm_runbook.runbooks.spec import Catalog as RunbookCatalog
 from vllm_runbook.runbooks.spec import load_catalog as load_runbook_catalog
 

@@ -1,6 +1,6 @@
 """The guarded executor: run a runbook against one engine, journaled, verified, reversible.
 
-    executor = Executor(Store(url))
+    executor = Executor(Journal(url))
     result = executor.execute("oom-pressure", "http://127.0.0.1:9360", approved=True)
     result.exit_code, result.record          # an ExitCode: OK, FAILED, USAGE (refused), ENGINE
     executor.revert(result.record.id)        # restore the recorded before-values
@@ -44,13 +44,19 @@ from datetime import datetime
 from typing import Any
 
 from vllm_runbook.collector.agent_api import AgentState, SettledSince
-from vllm_runbook.runbooks.actions import ActionError, ActionRegistry
-from vllm_runbook.runbooks.client import EngineClient, EngineClientError, EngineUnreachable
-from vllm_runbook.runbooks.engine_actions import (
+from vllm_runbook.runbooks.engine.actions import ActionError, ActionRegistry
+from vllm_runbook.runbooks.engine.client import EngineClient, EngineClientError, EngineUnreachable
+from vllm_runbook.runbooks.engine.operations import (
     ActionContext,
     ActionOutcome,
     SignalReader,
     engine_registry,
+)
+from vllm_runbook.runbooks.engine.sources import (
+    API_SIGNALS,
+    WINDOWED,
+    runbook_readings,
+    signals_from_state,
 )
 from vllm_runbook.runbooks.exit_codes import ExitCode
 from vllm_runbook.runbooks.guardrails import (
@@ -68,14 +74,8 @@ from vllm_runbook.runbooks.outcome import (
 )
 from vllm_runbook.runbooks.render import format_signal
 from vllm_runbook.runbooks.revert import Revert, RevertRefused, restore_targets, revert_on_resolve
-from vllm_runbook.runbooks.sources import (
-    API_SIGNALS,
-    WINDOWED,
-    runbook_readings,
-    signals_from_state,
-)
 from vllm_runbook.runbooks.spec import Catalog, Condition, Runbook, StepSpec, load_catalog
-from vllm_runbook.runbooks.store import StepRecord, Store
+from vllm_runbook.runbooks.store import Journal, StepRecord
 from vllm_runbook.runbooks.store.models import (
     STEP_APPLIED,
     STEP_APPLYING,
@@ -128,7 +128,7 @@ class Executor:
     """Runs runbooks and reverts them. One instance may serve many executions
     (the service keeps one); all shared state lives in the store."""
 
-    store: Store
+    store: Journal
     catalog: Catalog | None = None
     registry: ActionRegistry = field(default_factory=engine_registry)
     client_factory: Callable[[str], EngineClient] = EngineClient

@@ -25,7 +25,7 @@ from vllm_runbook.rules.durations import format_duration
 from vllm_runbook.runbooks.exit_codes import ExitCode
 from vllm_runbook.runbooks.outcome import Abort, EngineBusy
 from vllm_runbook.runbooks.spec import Runbook
-from vllm_runbook.runbooks.store import Store
+from vllm_runbook.runbooks.store import Journal
 from vllm_runbook.runbooks.store.models import FINAL_STATUSES, ExecutionStatus, utcnow
 from vllm_runbook.runbooks.verification import HIGHER_IS_WORSE, WORSE, judge
 
@@ -55,7 +55,7 @@ def engine_lock_name(engine_url: str) -> str:
 
 
 @contextlib.contextmanager
-def engine_lock(store: Store, engine_url: str, execution_id: int) -> Iterator[Callable[[], None]]:
+def engine_lock(store: Journal, engine_url: str, execution_id: int) -> Iterator[Callable[[], None]]:
     """Hold the engine's lease for this execution; yields a renew function.
 
     Raises EngineBusy when a live execution holds it. A lease whose
@@ -89,7 +89,7 @@ def engine_lock(store: Store, engine_url: str, execution_id: int) -> Iterator[Ca
             store.release_lease(name, holder)
 
 
-def _stale_holder(store: Store, holder: str | None) -> bool:
+def _stale_holder(store: Journal, holder: str | None) -> bool:
     if holder is None:
         return True  # expired between our two calls
     prefix, _, number = holder.partition(":")
@@ -102,7 +102,7 @@ def _stale_holder(store: Store, holder: str | None) -> bool:
     return record.interrupted or record.status in FINAL_STATUSES
 
 
-def _holder_text(store: Store, holder: str | None) -> str:
+def _holder_text(store: Journal, holder: str | None) -> str:
     prefix, _, number = (holder or "").partition(":")
     if prefix == "execution" and number.isdigit():
         with contextlib.suppress(LookupError):
@@ -112,7 +112,7 @@ def _holder_text(store: Store, holder: str | None) -> str:
 
 
 @contextlib.contextmanager
-def admission(store: Store, execution_id: int, clock: Callable[[], float]) -> Iterator[None]:
+def admission(store: Journal, execution_id: int, clock: Callable[[], float]) -> Iterator[None]:
     """Serialise guardrail checks + the move to running across processes,
     so the blast-radius count cannot be raced past."""
     holder = f"execution:{execution_id}"
@@ -128,7 +128,7 @@ def admission(store: Store, execution_id: int, clock: Callable[[], float]) -> It
             store.release_lease(ADMISSION_LEASE, holder)
 
 
-def guardrail_refusal(store: Store, spec: Runbook, engine: str, approved: bool) -> str | None:
+def guardrail_refusal(store: Journal, spec: Runbook, engine: str, approved: bool) -> str | None:
     """The first guardrail that refuses this run now, as one sentence; None if all pass."""
     g = spec.guardrails
     if g.requires_approval and not approved:

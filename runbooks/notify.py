@@ -61,7 +61,7 @@ from apscheduler.schedulers.base import BaseScheduler
 from vllm_runbook.runbooks.config import NotificationsConfig
 from vllm_runbook.runbooks.render import PLAIN, SLACK, render_notification
 from vllm_runbook.runbooks.service.jobs import WakeableJob
-from vllm_runbook.runbooks.store import ExecutionRecord, Store, StoreError
+from vllm_runbook.runbooks.store import ExecutionRecord, Journal, StoreError
 from vllm_runbook.runbooks.store.events import NO_CHANGE, derive_events
 from vllm_runbook.runbooks.store.models import NOTIFY_DELIVERED, NOTIFY_FAILED
 from vllm_runbook.runbooks.store.notifications import Claim
@@ -227,7 +227,7 @@ class Notifier:
 
     def __init__(
         self,
-        store: Store,
+        store: Journal,
         receivers: list[Receiver],
         *,
         retries: int = 4,
@@ -270,7 +270,7 @@ class Notifier:
         self._own_scheduler: BackgroundScheduler | None = None
 
     @classmethod
-    def from_config(cls, store: Store, config: NotificationsConfig, **kwargs: Any) -> Notifier:
+    def from_config(cls, store: Journal, config: NotificationsConfig, **kwargs: Any) -> Notifier:
         return cls(
             store,
             receivers_from(config),

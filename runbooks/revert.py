@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from vllm_runbook.runbooks.client import EngineClientError
-from vllm_runbook.runbooks.engine_actions import KNOBS
+from vllm_runbook.runbooks.engine.client import EngineClientError
+from vllm_runbook.runbooks.engine.operations import KNOBS
 from vllm_runbook.runbooks.exit_codes import ExitCode, RunbookError
 from vllm_runbook.runbooks.guardrails import engine_lock, worse
 from vllm_runbook.runbooks.outcome import (

@@ -1,7 +1,7 @@
 """Runbook definitions: the pydantic models and the YAML catalog loader.
 
 A runbook is data: the alerts that trigger it, the checks shown before
-acting, typed steps (actions from `vllm_runbook.runbooks.actions`), the verification that
+acting, typed steps (actions from `vllm_runbook.runbooks.engine.actions`), the verification that
 must succeed, the revert policy and the guardrails. The shipped catalog lives
 in `runbooks/catalog/*.yaml`, one runbook per file.
 
@@ -33,7 +33,7 @@ from pydantic import (
 from vllm_runbook.rules.errors import RUNBOOK_CATALOG, CatalogError, Problem, SyntaxProblem
 from vllm_runbook.rules.signals import READABLE, RENAMED, SIGNALS, unknown_signal
 from vllm_runbook.rules.yamlmarks import MarkedDict, load, locate, validation_problems
-from vllm_runbook.runbooks.actions import ActionRegistry, UnknownAction, catalog_registry
+from vllm_runbook.runbooks.engine.actions import ActionRegistry, UnknownAction, catalog_registry
 
 CATALOG_DIR: Final = Path(__file__).resolve().parent / "catalog"
 

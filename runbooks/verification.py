@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from vllm_runbook.rules.signals import READABLE
-from vllm_runbook.runbooks.sources import WINDOWED
+from vllm_runbook.runbooks.engine.sources import WINDOWED
 
 IMPROVED: Final = "improved"
 NO_CHANGE: Final = "no measurable change"

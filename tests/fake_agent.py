@@ -38,7 +38,7 @@ from vllm_runbook.collector.agent_api import (
     command_error,
 )
 from vllm_runbook.collector.metrics import SCHEDULE_SECONDS
-from vllm_runbook.runbooks.client import CommandRefused, EngineUnreachable
+from vllm_runbook.runbooks.engine.client import CommandRefused, EngineUnreachable
 
 URL = "http://127.0.0.1:9"  # the inventory's agent (nothing listens there)
 STARTUP: dict[str, Any] = {

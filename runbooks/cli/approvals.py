@@ -26,7 +26,7 @@ from vllm_runbook.runbooks.config import DEFAULT_APPROVAL_TIMEOUT, load_config
 from vllm_runbook.runbooks.executor import default_who, format_duration
 from vllm_runbook.runbooks.exit_codes import ExitCode, RunbookError
 from vllm_runbook.runbooks.render import format_table
-from vllm_runbook.runbooks.store import Store, has_journal
+from vllm_runbook.runbooks.store import Journal, has_journal
 from vllm_runbook.runbooks.store.approvals import TOO_LATE
 from vllm_runbook.runbooks.store.models import ApprovalState, utcnow
 
@@ -91,7 +91,7 @@ def cmd_pending(args: argparse.Namespace) -> int:
         else:
             print("no executions awaiting approval (no journal yet)")
         return ExitCode.OK
-    store = Store(setup.db)
+    store = Journal(setup.db)
     try:
         records = store.pending_approvals()
     finally:
@@ -128,7 +128,7 @@ def _decide(args: argparse.Namespace, decision: str) -> int:
     setup = _setup(args)
     if not has_journal(setup.db):  # nothing to decide, and nothing created by asking
         raise UsageError(f"no executions yet (no execution with id {args.id})")
-    store = Store(setup.db)
+    store = Journal(setup.db)
     try:
         result = store.decide(
             args.id, decision, args.by or default_who(), args.note, timeout_s=setup.timeout_s

@@ -28,7 +28,7 @@ from vllm_runbook.rules.checklist import (
     with_note,
 )
 from vllm_runbook.runbooks.cli.errors import UsageError
-from vllm_runbook.runbooks.client import normalize_url
+from vllm_runbook.runbooks.engine.client import normalize_url
 from vllm_runbook.runbooks.exit_codes import ExitCode, RunbookError
 
 

@@ -19,7 +19,7 @@ import yaml
 from vllm_runbook.collector.agent_api import POLICIES, AgentState, AutopilotState, ChangeResult
 from vllm_runbook.collector.autopilot import parse_switch, parse_target
 from vllm_runbook.runbooks.cli.errors import UsageError
-from vllm_runbook.runbooks.client import EngineClient, EngineClientError
+from vllm_runbook.runbooks.engine.client import EngineClient, EngineClientError
 from vllm_runbook.runbooks.exit_codes import ExitCode
 
 DEFAULT_TIMEOUT = 35.0  # a knob change may wait up to 30 s for a step boundary

@@ -18,12 +18,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vllm_runbook.runbooks.client import CommandRefused, normalize_url
+from vllm_runbook.runbooks.engine.client import CommandRefused, normalize_url
 from vllm_runbook.runbooks.executor import ExecutionResult, Executor
 from vllm_runbook.runbooks.exit_codes import ExitCode
 from vllm_runbook.runbooks.render import render_report
 from vllm_runbook.runbooks.spec import load_catalog
-from vllm_runbook.runbooks.store import Store, ensure_schema
+from vllm_runbook.runbooks.store import Journal, ensure_schema
 
 
 def _non_negative(text: str) -> float:
@@ -116,9 +116,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _executor(args: argparse.Namespace, store: Store) -> Executor:
-    from vllm_runbook.runbooks.client import EngineClient
-    from vllm_runbook.runbooks.engine_actions import engine_registry
+def _executor(args: argparse.Namespace, store: Journal) -> Executor:
+    from vllm_runbook.runbooks.engine.client import EngineClient
+    from vllm_runbook.runbooks.engine.operations import engine_registry
 
     registry = engine_registry()
     catalog = load_catalog(args.catalog, registry=registry)
@@ -158,7 +158,7 @@ def _output(args: argparse.Namespace, result: ExecutionResult) -> int:
 def _run(args: argparse.Namespace, body: Any) -> int:
     """Open the store, run `body(executor)`, report; errors are raised to `main`."""
     # First use: the default SQLite journal is created and migrated here.
-    store = Store(ensure_schema(args.db))
+    store = Journal(ensure_schema(args.db))
     try:
         return _output(args, body(_executor(args, store)))
     finally:

@@ -25,7 +25,7 @@ from vllm_runbook.runbooks.render import format_table, format_value, render_repo
 from vllm_runbook.runbooks.spec import Catalog, Runbook, load_catalog
 from vllm_runbook.runbooks.store import (
     ExecutionRecord,
-    Store,
+    Journal,
     display_url,
     has_journal,
     head_revision,
@@ -133,7 +133,7 @@ def cmd_history(args: argparse.Namespace) -> int:
         else:
             print("no executions yet")
         return ExitCode.OK
-    store = Store(args.db)
+    store = Journal(args.db)
     try:
         if args.id is not None:
             record = store.get_execution(args.id)
@@ -252,9 +252,9 @@ def _live_readings(
 ) -> dict[str, Any]:
     """Each check, verification signal and guard read on the engine now: its
     value, source and window, or why it cannot be read."""
-    from vllm_runbook.runbooks.client import EngineClient, normalize_url
-    from vllm_runbook.runbooks.engine_actions import SignalReader
-    from vllm_runbook.runbooks.sources import SOURCES, runbook_readings
+    from vllm_runbook.runbooks.engine.client import EngineClient, normalize_url
+    from vllm_runbook.runbooks.engine.operations import SignalReader
+    from vllm_runbook.runbooks.engine.sources import SOURCES, runbook_readings
 
     client = EngineClient(engine, token, timeout=35.0)
     reader = SignalReader(client, api_url=normalize_url(vllm) if vllm else None)
@@ -301,7 +301,7 @@ def _describe(runbook: Runbook) -> str:
     lines = [f"{runbook.name}: {runbook.description}", ""]
     lines.append(f"Triggers: {', '.join(runbook.triggers) or '(manual only)'}")
     lines += ["", "Checks"]
-    from vllm_runbook.runbooks.sources import SOURCES as _SOURCES
+    from vllm_runbook.runbooks.engine.sources import SOURCES as _SOURCES
 
     check_rows = [
         (c.name, c.signal, c.description, _SOURCES[c.signal].source) for c in runbook.checks
@@ -324,7 +324,7 @@ def _describe(runbook: Runbook) -> str:
     if v is None:
         lines.append("  none (advice / diagnostics only)")
     else:
-        from vllm_runbook.runbooks.sources import SOURCES
+        from vllm_runbook.runbooks.engine.sources import SOURCES
         from vllm_runbook.runbooks.verification import needed_text
 
         lines.append(

@@ -51,11 +51,11 @@ def cmd_report(args: argparse.Namespace) -> int:
         timeline_png,
         ts,
     )
-    from vllm_runbook.runbooks.store import Store, has_journal
+    from vllm_runbook.runbooks.store import Journal, has_journal
 
     if not has_journal(args.db):  # read-only: a missing store is no error, and stays missing
         raise UsageError(f"no executions yet (no execution with id {args.id})")
-    store = Store(args.db)
+    store = Journal(args.db)
     record = store.get_execution(args.id)
     if record.reverts_id is not None:
         record = store.get_execution(record.reverts_id)

@@ -26,7 +26,7 @@ vllm_runbook.runbooks (package data). It needs the installed package and vLLM, n
 The package, by job: config (settings, the files it writes), traffic (the
 clients), live (the event feed and the per-second monitor), story (the
 processes and the phases), summary (the verdict); the server processes are
-vllm_runbook.runbooks.processes; its options are vllm_runbook.runbooks.cli.demo.
+vllm_runbook.runbooks.servers; its options are vllm_runbook.runbooks.cli.demo.
 """
 
 from __future__ import annotations

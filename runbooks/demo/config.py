@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from vllm_runbook.runbooks.processes import api_server_command
+from vllm_runbook.runbooks.servers import api_server_command
 
 ENGINE_NAME = "cpu-0"
 HIGH, LOW = 0, 10  # vLLM's priority: the lower value is served first

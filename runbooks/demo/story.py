@@ -14,7 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_runbook.runbooks.client import EngineClient, EngineClientError
 from vllm_runbook.runbooks.demo.config import (
     BLOCK_SIZE,
     BURST_AFTER_FIX_S,
@@ -54,7 +53,9 @@ from vllm_runbook.runbooks.demo.traffic import (
     steady_request,
     stream_request,
 )
-from vllm_runbook.runbooks.processes import (
+from vllm_runbook.runbooks.engine.client import EngineClient, EngineClientError
+from vllm_runbook.runbooks.report import SignalLog, signals_path_for
+from vllm_runbook.runbooks.servers import (
     NotReady,
     ProcessExited,
     free_port,
@@ -62,7 +63,6 @@ from vllm_runbook.runbooks.processes import (
     stop_group,
     wait_http,
 )
-from vllm_runbook.runbooks.report import SignalLog, signals_path_for
 from vllm_runbook.runbooks.store.models import ExecutionStatus
 
 

@@ -48,7 +48,7 @@ from vllm_runbook.runbooks.service.worker import Worker
 from vllm_runbook.runbooks.store import (
     ExecutionNotFound,
     InvalidInput,
-    Store,
+    Journal,
     StoreError,
     StoreUnavailable,
 )
@@ -88,7 +88,7 @@ async def store_error(request: Request, exc: Exception) -> Response:
 
 
 def create_app(
-    store: Store,
+    store: Journal,
     router: Router,
     credentials: Credentials,
     worker: Worker | None = None,

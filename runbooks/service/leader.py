@@ -29,7 +29,7 @@ from apscheduler.job import Job
 from apscheduler.schedulers.base import BaseScheduler
 from vllm_runbook.rules.scheduling import JOB_ID
 from vllm_runbook.runbooks.service.jobs import WakeableJob
-from vllm_runbook.runbooks.store import Store, StoreError
+from vllm_runbook.runbooks.store import Journal, StoreError
 
 if TYPE_CHECKING:
     from vllm_runbook.runbooks.service.rules_service import RulesService
@@ -45,7 +45,7 @@ STOP_TIMEOUT_S: Final = 60.0
 class RulesLeader:
     def __init__(
         self,
-        store: Store,
+        store: Journal,
         make_service: Callable[[], RulesService],
         ttl_seconds: float,
         *,

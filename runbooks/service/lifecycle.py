@@ -40,7 +40,7 @@ from vllm_runbook.runbooks.service.leader import RulesLeader
 from vllm_runbook.runbooks.service.retention import Retention
 from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
 from vllm_runbook.runbooks.service.worker import Worker
-from vllm_runbook.runbooks.store import Store
+from vllm_runbook.runbooks.store import Journal
 
 if TYPE_CHECKING:
     from vllm_runbook.runbooks.catalogs import RunbookCatalog
@@ -57,7 +57,7 @@ class Service:
     service's) exists."""
 
     config: Config
-    store: Store
+    store: Journal
     runbooks: RunbookCatalog
     metrics: ServiceMetrics
     retention: Retention

@@ -39,7 +39,7 @@ from vllm_runbook.runbooks.store import (
     ExecutionNotFound,
     ExecutionRecord,
     InvalidInput,
-    Store,
+    Journal,
 )
 from vllm_runbook.runbooks.store.models import ApprovalState, utcnow
 
@@ -75,7 +75,7 @@ def _environment() -> SandboxedEnvironment:
     return env
 
 
-def _view(store: Store, timeout_s: float) -> dict[str, Any]:
+def _view(store: Journal, timeout_s: float) -> dict[str, Any]:
     incidents = store.list_incidents(open_only=True)
     pending = store.pending_approvals()
     recent = store.list_executions(limit=RECENT)
@@ -107,7 +107,7 @@ def _view(store: Store, timeout_s: float) -> dict[str, Any]:
 
 def mount_page(
     app: FastAPI,
-    store: Store,
+    store: Journal,
     access: Access,
     worker: Worker | None,
     *,

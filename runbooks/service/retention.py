@@ -17,7 +17,7 @@ from vllm_runbook.runbooks.config import RetentionConfig
 from vllm_runbook.runbooks.service import telemetry as T
 from vllm_runbook.runbooks.service.jobs import WakeableJob
 from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
-from vllm_runbook.runbooks.store import Store, StoreError
+from vllm_runbook.runbooks.store import Journal, StoreError
 from vllm_runbook.runbooks.store.webhook_events import Pruned
 
 log = logging.getLogger("vllm_runbook.service")
@@ -28,7 +28,7 @@ STOP_TIMEOUT_S: Final = 30.0
 
 class Retention:
     def __init__(
-        self, store: Store, config: RetentionConfig, metrics: ServiceMetrics | None = None
+        self, store: Journal, config: RetentionConfig, metrics: ServiceMetrics | None = None
     ) -> None:
         self.store = store
         self.config = config

@@ -1,7 +1,7 @@
 """The embedded rules engine, wired from the configuration to the store in one place.
 
     config = load_config(path)                          # CatalogError if the file is broken
-    service = RulesService.from_config(config, store=Store(url), hook=executor_hook,
+    service = RulesService.from_config(config, store=Journal(url), hook=executor_hook,
                                        runbooks=names)  # the deployed runbook catalog's
     service.start(scheduler)                            # scrape + evaluate every interval
 
@@ -36,7 +36,7 @@ from vllm_runbook.rules.window import WindowStore
 from vllm_runbook.runbooks.catalogs import load_rules, runbook_names
 from vllm_runbook.runbooks.config import Config
 from vllm_runbook.runbooks.service.sql_sink import SqlIncidentSink
-from vllm_runbook.runbooks.store import Store
+from vllm_runbook.runbooks.store import Journal
 
 if TYPE_CHECKING:
     from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
@@ -59,7 +59,7 @@ class RulesService:
         cls,
         config: Config,
         *,
-        store: Store | None = None,
+        store: Journal | None = None,
         hook: RemediationHook | None = None,
         clock: Callable[[], float] = time.time,
         scrape_timeout: float = 5.0,

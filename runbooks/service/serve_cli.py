@@ -79,15 +79,15 @@ def build(
     """The service: config, store (migrated), app, and its jobs (none started:
     the app's lifespan starts them); raises the errors the CLI maps."""
     from vllm_runbook.runbooks.catalogs import load_deployment
-    from vllm_runbook.runbooks.client import normalize_url
-    from vllm_runbook.runbooks.engine_actions import engine_registry
+    from vllm_runbook.runbooks.engine.client import normalize_url
+    from vllm_runbook.runbooks.engine.operations import engine_registry
     from vllm_runbook.runbooks.service.app import create_app
     from vllm_runbook.runbooks.service.browser import BrowserPolicy
     from vllm_runbook.runbooks.service.lifecycle import Service
     from vllm_runbook.runbooks.service.retention import Retention
     from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
     from vllm_runbook.runbooks.service.webhooks import Router
-    from vllm_runbook.runbooks.store import Store, upgrade
+    from vllm_runbook.runbooks.store import Journal, upgrade
 
     # The configuration, the rule catalog it names and the runbook catalog
     # (--catalog), each checked against the others: names come from them.
@@ -96,7 +96,7 @@ def build(
     config, runbooks = deployment.config, deployment.runbooks
     url = db or config.database
     upgrade(url)
-    store = Store(url)
+    store = Journal(url)
     router = Router(
         engines=config.engines,
         automation=config.automation,
@@ -196,9 +196,9 @@ def unreadable_at_start(
     verification signal and guard of the loaded runbooks that cannot be read
     there and why; for engines that do not answer yet, once for the catalog,
     what their configuration alone rules out (the API server's signals)."""
-    from vllm_runbook.runbooks.client import EngineClient, EngineClientError
-    from vllm_runbook.runbooks.engine_actions import SignalReader
-    from vllm_runbook.runbooks.sources import API_SIGNALS, NO_API_URL, unreadable
+    from vllm_runbook.runbooks.engine.client import EngineClient, EngineClientError
+    from vllm_runbook.runbooks.engine.operations import SignalReader
+    from vllm_runbook.runbooks.engine.sources import API_SIGNALS, NO_API_URL, unreadable
 
     make = client_factory or (lambda url: EngineClient(url, timeout=timeout))
     lines: list[str] = []

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 
 from vllm_runbook.rules.incidents import IncidentEvent, OpenAlert, engine_name
-from vllm_runbook.runbooks.store import Store, StoreError
+from vllm_runbook.runbooks.store import Journal, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def _dt(ts: float) -> datetime:
 class SqlIncidentSink:
     def __init__(
         self,
-        store: Store,
+        store: Journal,
         *,
         touch_every: float = 30.0,
         stale_after: float = 600.0,

@@ -1,4 +1,4 @@
-"""The service's own metrics (vllm_runbook.runbooks.service_metrics), fed from what it did.
+"""The service's own metrics (vllm_runbook.runbooks.service.metric_specs), fed from what it did.
 
 One ServiceMetrics per process, on its own registry, shared by the app (webhooks),
 the worker (executions, knob changes, detection-to-action) and the rules
@@ -22,8 +22,8 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from vllm_runbook.runbooks import service_metrics as S
-from vllm_runbook.runbooks.engine_actions import KNOBS
+from vllm_runbook.runbooks.engine.operations import KNOBS
+from vllm_runbook.runbooks.service import metric_specs as S
 from vllm_runbook.runbooks.service.limits import REFUSAL_REASONS as REQUEST_REFUSAL_REASONS
 from vllm_runbook.runbooks.store import ExecutionRecord, StepRecord
 from vllm_runbook.runbooks.store.models import (

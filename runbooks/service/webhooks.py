@@ -26,9 +26,9 @@ from typing import Any, cast
 from sqlalchemy import Table, insert
 from sqlalchemy.orm import Session
 from vllm_runbook.rules.config import Automation, EngineConfig
-from vllm_runbook.runbooks.client import normalize_url
+from vllm_runbook.runbooks.engine.client import normalize_url
 from vllm_runbook.runbooks.service.alertmanager import Alert, WebhookPayload
-from vllm_runbook.runbooks.store import Store, StoreUnavailable
+from vllm_runbook.runbooks.store import Journal, StoreUnavailable
 from vllm_runbook.runbooks.store.executions import NewExecution
 from vllm_runbook.runbooks.store.models import ApprovalState, WebhookEvent, utcnow
 
@@ -162,9 +162,9 @@ def plan(router: Router, payload: WebhookPayload, raw: dict[str, Any], size: int
     return planned
 
 
-def _write(store: Store, s: Session, batch: Sequence[_Planned]) -> list[Outcome]:
+def _write(store: Journal, s: Session, batch: Sequence[_Planned]) -> list[Outcome]:
     """Every delivery of `batch` in the caller's transaction: one executemany
-    statement for the events and one for the executions (Store.create_executions),
+    statement for the events and one for the executions (Journal.create_executions),
     whatever the batch size."""
     events = cast(Table, WebhookEvent.__table__)
     event_ids = list(
@@ -204,7 +204,7 @@ def _write(store: Store, s: Session, batch: Sequence[_Planned]) -> list[Outcome]
     return outcomes
 
 
-def ingest_many(store: Store, batch: Sequence[_Planned]) -> list[Outcome]:
+def ingest_many(store: Journal, batch: Sequence[_Planned]) -> list[Outcome]:
     """Store the deliveries and their pending executions in one transaction.
 
     Raises StoreUnavailable (→ 503) when nothing was stored; a retry re-runs
@@ -215,7 +215,7 @@ def ingest_many(store: Store, batch: Sequence[_Planned]) -> list[Outcome]:
 
 
 def ingest(
-    store: Store, router: Router, payload: WebhookPayload, raw: dict[str, Any], size: int = 0
+    store: Journal, router: Router, payload: WebhookPayload, raw: dict[str, Any], size: int = 0
 ) -> Outcome:
     """One delivery, its own transaction."""
     return ingest_many(store, [plan(router, payload, raw, size)])[0]
@@ -230,7 +230,7 @@ class GroupCommitter:
     time, so one bad delivery cannot fail the others.
     """
 
-    def __init__(self, store: Store, router: Router, max_batch: int = MAX_BATCH) -> None:
+    def __init__(self, store: Journal, router: Router, max_batch: int = MAX_BATCH) -> None:
         self.store = store
         self.router = router
         self.max_batch = max_batch

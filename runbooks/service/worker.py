@@ -38,7 +38,7 @@ from vllm_runbook.runbooks.config import ExecutorConfig
 from vllm_runbook.runbooks.executor import Executor
 from vllm_runbook.runbooks.service.jobs import WakeableJob
 from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
-from vllm_runbook.runbooks.store import ExecutionRecord, Store, StoreError
+from vllm_runbook.runbooks.store import ExecutionRecord, Journal, StoreError
 from vllm_runbook.runbooks.store.approvals import DEFAULT_APPROVAL_TIMEOUT_S
 from vllm_runbook.runbooks.store.models import ApprovalState, ExecutionStatus
 
@@ -56,7 +56,7 @@ STOP_TIMEOUT_S: Final = 30.0
 class Worker:
     def __init__(
         self,
-        store: Store,
+        store: Journal,
         executor: Executor,
         *,
         interval: float = 1.0,
@@ -210,7 +210,7 @@ class ExecutorHook:
     pending execution (one per episode, whatever the number of replicas),
     which the worker runs; its resolution queues the revert."""
 
-    def __init__(self, store: Store, worker: Worker) -> None:
+    def __init__(self, store: Journal, worker: Worker) -> None:
         self.store = store
         self.worker = worker
 
@@ -228,7 +228,7 @@ class ExecutorHook:
         return fingerprint, datetime.fromtimestamp(fired, UTC)
 
     def on_firing(self, handoff: Any) -> None:
-        from vllm_runbook.runbooks.client import normalize_url
+        from vllm_runbook.runbooks.engine.client import normalize_url
 
         if handoff.engine is None:
             log.warning(
@@ -254,7 +254,7 @@ class ExecutorHook:
         self.worker.wake()
 
     def on_resolved(self, handoff: Any) -> None:
-        from vllm_runbook.runbooks.client import normalize_url
+        from vllm_runbook.runbooks.engine.client import normalize_url
 
         if handoff.engine is None:
             return

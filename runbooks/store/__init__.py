@@ -1,8 +1,8 @@
 """The runbook store: journal of executions, incidents, webhook events, leases.
 
-from vllm_runbook.runbooks.store import Store, upgrade
+from vllm_runbook.runbooks.store import Journal, upgrade
 upgrade(url)                  # once, or on service start
-store = Store(url)            # url: explicit > $RUNBOOK_DB_URL > SQLite in the data dir
+store = Journal(url)            # url: explicit > $RUNBOOK_DB_URL > SQLite in the data dir
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ from vllm_runbook.runbooks.store.executions import NewExecution
 from vllm_runbook.runbooks.store.journal import (
     ExecutionRecord,
     IncidentRecord,
+    Journal,
     StepRecord,
-    Store,
 )
+from vllm_runbook.runbooks.store.liveness import process_alive, process_start
 from vllm_runbook.runbooks.store.models import (
     ACTIVE_STATUSES,
     EXECUTION_STATUSES,
@@ -43,7 +44,6 @@ from vllm_runbook.runbooks.store.models import (
     WebhookEvent,
     episode_key,
 )
-from vllm_runbook.runbooks.store.processes import process_alive, process_start
 from vllm_runbook.runbooks.store.schema import (
     current_revision,
     ensure_schema,
@@ -68,12 +68,12 @@ __all__ = [
     "Incident",
     "IncidentRecord",
     "InvalidInput",
+    "Journal",
     "Lease",
     "NewExecution",
     "SchemaMissing",
     "Step",
     "StepRecord",
-    "Store",
     "StoreError",
     "StoreUnavailable",
     "WebhookEvent",

@@ -1,7 +1,7 @@
 """The store's plumbing: one database engine, transactions, the dialect's insert.
 
 The tables' methods live beside it (executions.py, leases.py, incidents.py);
-`Store` (journal.py) is all of them over one engine.
+`Journal` (journal.py) is all of them over one engine.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class StoreBase:
         self._file_gone = False
 
     def __repr__(self) -> str:
-        return f"Store({display_url(self.url)!r})"
+        return f"Journal({display_url(self.url)!r})"
 
     @property
     def dialect(self) -> str:

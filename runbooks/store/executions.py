@@ -27,6 +27,7 @@ from sqlalchemy.orm import Session, selectinload
 from vllm_runbook.runbooks.store.base import StoreBase, iso
 from vllm_runbook.runbooks.store.errors import ExecutionNotFound, IllegalTransition, StoreError
 from vllm_runbook.runbooks.store.events import touch_executions
+from vllm_runbook.runbooks.store.liveness import HOSTNAME, process_alive, process_start
 from vllm_runbook.runbooks.store.models import (
     ACTIVE_STATUSES,
     EXECUTION_STATUSES,
@@ -51,7 +52,6 @@ from vllm_runbook.runbooks.store.models import (
     is_row_id,
     utcnow,
 )
-from vllm_runbook.runbooks.store.processes import HOSTNAME, process_alive, process_start
 
 # What add_step may start a step as, and what finish_step may end it as.
 _STEP_START_STATUSES: Final = frozenset({STEP_APPLYING, STEP_PLANNED, STEP_SKIPPED})

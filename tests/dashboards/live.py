@@ -20,7 +20,7 @@ from typing import Any
 from vllm_runbook.dashboards import catalog, lint
 from vllm_runbook.dashboards.definitions import DASHBOARDS
 from vllm_runbook.dashboards.generate import DASHBOARDS_DIR
-from vllm_runbook.runbooks.service_metrics import SERVICE_METRICS
+from vllm_runbook.runbooks.service.metric_specs import SERVICE_METRICS
 
 from tests.engines import PrometheusServer
 
@@ -55,7 +55,7 @@ def load(name: str) -> dict[str, Any]:
 
 
 def uses_service(expr: str) -> bool:
-    """The query reads a series of `runbook serve` (runbooks/service_metrics.py)."""
+    """The query reads a series of `runbook serve` (runbooks/service/metric_specs.py)."""
     return bool(lint.metric_names(expr) & SERVICE_SERIES)
 
 

@@ -18,7 +18,7 @@ from vllm_runbook.dashboards.definitions import DASHBOARDS, ENGINE_UID, engine_o
 from vllm_runbook.dashboards.generate import DASHBOARDS_DIR, RULE_FILE, render_all, stale_files
 from vllm_runbook.dashboards.queries import RuleNotes
 from vllm_runbook.rules import load_catalog
-from vllm_runbook.runbooks import service_metrics as S
+from vllm_runbook.runbooks.service import metric_specs as S
 
 KNOBS = (M.MAX_NUM_BATCHED_TOKENS, M.MAX_NUM_SEQS, M.SCHEDULER_POLICY)
 

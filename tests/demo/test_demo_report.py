@@ -17,7 +17,7 @@ from vllm_runbook.runbooks.report import (
     phase_rows,
     signals_path_for,
 )
-from vllm_runbook.runbooks.store import Store, upgrade
+from vllm_runbook.runbooks.store import Journal, upgrade
 from vllm_runbook.runbooks.store.models import Execution, ExecutionStatus
 
 ENGINE = "http://127.0.0.1:9360"
@@ -112,7 +112,7 @@ def test_phase_rows_from_a_known_history(tmp_path: Path) -> None:
 
 def _journal(db: str) -> tuple[int, int]:
     """An oom-pressure execution (budget halved, verified) and its revert."""
-    store = Store(db)
+    store = Journal(db)
     rec, _ = store.create_execution(
         "oom-pressure",
         ENGINE,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from vllm_runbook.collector import metrics as M
-from vllm_runbook.runbooks.sources import API, NO_API_URL, SOURCES, api_signals
+from vllm_runbook.runbooks.engine.sources import API, NO_API_URL, SOURCES, api_signals
 
 from tests.engines import ServedEngine, http_get, runbook_cli
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_runbook.runbooks.store import Store, upgrade
+from vllm_runbook.runbooks.store import Journal, upgrade
 
 
 @pytest.fixture(scope="session")
@@ -28,6 +28,6 @@ def db_url(exec_db_template: Path, tmp_path: Path) -> str:
 
 @pytest.fixture
 def store(db_url: str) -> Any:
-    s = Store(db_url)
+    s = Journal(db_url)
     yield s
     s.close()

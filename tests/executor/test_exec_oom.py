@@ -23,7 +23,7 @@ import httpx
 import pytest
 from exec_harness import cli, cli_background, cli_json
 from vllm_runbook.rules.durations import parse_duration
-from vllm_runbook.runbooks.store import Store
+from vllm_runbook.runbooks.store import Journal
 
 from tests.engines import InProcessEngine, free_port
 
@@ -268,7 +268,7 @@ def test_oom_pressure_halves_the_budget_caps_seqs_and_preemptions_fall(
         "autopilot": False,
     }
     assert knobs(eng) == STARTUP
-    store = Store(db_url)
+    store = Journal(db_url)
     original = store.get_execution(execution["id"])
     assert original.status == "reverted"
     assert [s.status for s in original.steps] == ["reverted", "reverted", "reverted"]
@@ -298,7 +298,7 @@ def test_sigkill_while_verifying_then_history_and_revert(
         "--poll-seconds",
         "0.2",
     )
-    store = Store(db_url)
+    store = Journal(db_url)
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -383,7 +383,7 @@ def test_engine_down_is_one_line_and_a_failed_execution(db_url: str) -> None:
     assert result.returncode == 3
     assert result.stderr.startswith("runbook: error: engine http://127.0.0.1:")
     assert "unreachable" in result.stderr and result.stderr.count("\n") == 1
-    store = Store(db_url)
+    store = Journal(db_url)
     (record,) = store.list_executions()
     store.close()
     assert (record.status, record.steps) == ("failed", ())

@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 from vllm_runbook.rules.durations import format_duration, parse_duration
-from vllm_runbook.runbooks.engine_actions import engine_registry, kv_capacity_seqs
+from vllm_runbook.runbooks.engine.operations import engine_registry, kv_capacity_seqs
 from vllm_runbook.runbooks.executor import ExecutionResult, Executor
 from vllm_runbook.runbooks.guardrails import engine_lock_name
 from vllm_runbook.runbooks.revert import RevertRefused, stage_values
 from vllm_runbook.runbooks.spec import Catalog, Runbook, load_catalog
-from vllm_runbook.runbooks.store import Store
+from vllm_runbook.runbooks.store import Journal
 
 from tests.fake_agent import PRESSURE, STARTUP, URL, Clock, FakeAgent, stats
 
@@ -45,7 +45,7 @@ def runbook(**overrides: Any) -> Runbook:
 
 
 @pytest.fixture
-def make(store: Store) -> Iterator[Callable[..., tuple[Executor, FakeAgent]]]:
+def make(store: Journal) -> Iterator[Callable[..., tuple[Executor, FakeAgent]]]:
     def build(
         agent: FakeAgent | None = None, catalog: Catalog | None = None
     ) -> tuple[Executor, FakeAgent]:
@@ -306,7 +306,7 @@ def test_approval_cooldown_and_rate_limit(make: Any) -> None:
     assert wait and 0 < parse_duration(wait[1]) <= 3600 and parse_duration(wait[1]) % 1 == 0
 
 
-def test_blast_radius_counts_other_engines_under_remediation(make: Any, store: Store) -> None:
+def test_blast_radius_counts_other_engines_under_remediation(make: Any, store: Journal) -> None:
     executor, agent = make()
     for other in ("http://10.0.0.1:9360", "http://10.0.0.2:9360"):
         record, _ = store.create_execution("oom-pressure", other, trigger="cli", who="t")
@@ -318,7 +318,7 @@ def test_blast_radius_counts_other_engines_under_remediation(make: Any, store: S
     assert agent.writes == []
 
 
-def test_engine_lock_refuses_while_a_live_execution_holds_it(make: Any, store: Store) -> None:
+def test_engine_lock_refuses_while_a_live_execution_holds_it(make: Any, store: Journal) -> None:
     executor, agent = make()
     holder, _ = store.create_execution("oom-pressure", URL, trigger="cli", who="other")
     store.transition(holder.id, "running")  # this (live) process
@@ -451,7 +451,7 @@ def test_judge_needs_the_named_effect() -> None:
 
 
 def test_http_error_rate_from_the_api_servers_metrics_text() -> None:
-    from vllm_runbook.runbooks.sources import api_signals
+    from vllm_runbook.runbooks.engine.sources import api_signals
 
     text = (
         "# HELP http_requests_total Total number of requests by method, status and handler.\n"

@@ -19,9 +19,9 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from vllm_runbook.collector import metrics as M
-from vllm_runbook.runbooks.store import Store
+from vllm_runbook.runbooks.engine.warmup import warmup_prompt
+from vllm_runbook.runbooks.store import Journal
 from vllm_runbook.runbooks.store.models import STEP_FAILED, ExecutionStatus
-from vllm_runbook.runbooks.warmup import warmup_prompt
 
 from tests.engines import ServedEngine, free_port, http_get, runbook_cli
 
@@ -68,7 +68,7 @@ def exec_warmup(db_url: str, served: ServedEngine, *extra: str) -> Any:
 
 
 def warmup_step(db_url: str) -> Any:
-    store = Store(db_url)
+    store = Journal(db_url)
     try:
         [execution] = store.list_executions(runbook="warmup")
         [step] = execution.steps

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine, text
-from vllm_runbook.runbooks.store import Base, Store, upgrade
+from vllm_runbook.runbooks.store import Base, Journal, upgrade
 
 PG_SERVER = os.environ.get("RUNBOOK_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432")
 # Every table of the store (the models are the schema's single source).
@@ -95,8 +95,8 @@ def db_url(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def store(db_url: str) -> Iterator[Store]:
-    s = Store(db_url)
+def store(db_url: str) -> Iterator[Journal]:
+    s = Journal(db_url)
     try:
         yield s
     finally:

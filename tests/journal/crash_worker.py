@@ -10,13 +10,13 @@ from __future__ import annotations
 import sys
 import time
 
-from vllm_runbook.runbooks.store import Store
+from vllm_runbook.runbooks.store import Journal
 
 POINTS = ("created", "running", "applying", "applied", "verifying")
 
 
 def main(url: str, stop_at: str) -> None:
-    store = Store(url)
+    store = Journal(url)
     record, _ = store.create_execution("oom-pressure", "llama-0", trigger="cli", who="crash")
 
     def reached(point: str) -> None:

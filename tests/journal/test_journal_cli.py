@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from vllm_runbook.runbooks.cli import main
-from vllm_runbook.runbooks.store import Store
+from vllm_runbook.runbooks.store import Journal
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -31,7 +31,7 @@ def test_db_upgrade_then_empty_history(tmp_path: Path, capsys: pytest.CaptureFix
 
 
 def test_history_table_and_json(sqlite_url: str, capsys: pytest.CaptureFixture[str]) -> None:
-    store = Store(sqlite_url)
+    store = Journal(sqlite_url)
     first, _ = store.create_execution("oom-pressure", "llama-0", trigger="cli", who="alice")
     store.transition(first.id, "running")
     step = store.add_step(first.id, "set_policy", {"policy": "fcfs"}, before={"policy": "priority"})

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from vllm_runbook.runbooks.store import Store
+from vllm_runbook.runbooks.store import Journal
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,7 +61,7 @@ def cli_history(url: str) -> dict[str, object]:
 
 def test_sigkill_while_applying_leaves_a_truthful_revertible_journal(sqlite_url: str) -> None:
     execution_id = run_until(sqlite_url, "applying")
-    store = Store(sqlite_url)
+    store = Journal(sqlite_url)
 
     record = store.get_execution(execution_id)
     assert (record.status, record.interrupted, record.display_status) == (
@@ -111,7 +111,7 @@ def test_sigkill_at_any_point_is_reported_interrupted(
     sqlite_url: str, point: str, status: str, step_statuses: list[str]
 ) -> None:
     execution_id = run_until(sqlite_url, point)
-    store = Store(sqlite_url)
+    store = Journal(sqlite_url)
     record = store.get_execution(execution_id)
     assert (record.status, record.display_status) == (status, "interrupted")
     assert [s.status for s in record.steps] == step_statuses
@@ -125,7 +125,7 @@ def test_sigkill_at_any_point_is_reported_interrupted(
 @pytest.mark.service
 def test_sigkill_on_postgres(pg_url: str) -> None:
     execution_id = run_until(pg_url, "applying")
-    store = Store(pg_url)
+    store = Journal(pg_url)
     assert store.get_execution(execution_id).display_status == "interrupted"
     assert store.recover_interrupted() == [execution_id]
     assert [s.status for s in store.get_execution(execution_id).steps] == ["interrupted"]
@@ -133,7 +133,7 @@ def test_sigkill_on_postgres(pg_url: str) -> None:
 
 
 def test_live_execution_is_not_interrupted(sqlite_url: str) -> None:
-    store = Store(sqlite_url)
+    store = Journal(sqlite_url)
     record, _ = store.create_execution("warmup", "e", trigger="cli", who="me")
     store.transition(record.id, "running")
     assert store.get_execution(record.id).interrupted is False
@@ -144,8 +144,8 @@ def test_live_execution_is_not_interrupted(sqlite_url: str) -> None:
 CREATE_AND_DIE = """
 import sys
 from datetime import UTC, datetime
-from vllm_runbook.runbooks.store import Store
-record, _ = Store(sys.argv[1]).create_execution(
+from vllm_runbook.runbooks.store import Journal
+record, _ = Journal(sys.argv[1]).create_execution(
     "oom-pressure", "llama-0", trigger="alert", who="alertmanager:VllmOOMPressure",
     alert_fingerprint="fp-1", alert_starts_at=datetime.now(UTC), reason=sys.argv[2] or None,
 )
@@ -170,7 +170,7 @@ def test_a_pending_alert_execution_outlives_the_replica_that_recorded_it(
         check=True,
     )
     execution_id = int(out.stdout)
-    store = Store(db_url)
+    store = Journal(db_url)
     record = store.get_execution(execution_id)
     assert (record.status, record.interrupted, record.display_status) == (
         "pending",

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from vllm_runbook.runbooks.store import Store, current_revision, head_revision, upgrade
+from vllm_runbook.runbooks.store import Journal, current_revision, head_revision, upgrade
 
 from tests.engines import free_port, runbook_cli
 
@@ -25,7 +25,7 @@ def test_exec_creates_and_migrates_the_default_journal(tmp_path: Path) -> None:
     assert "unreachable" in done.stderr and "db upgrade" not in done.stderr
     path = home / "vllm-runbook" / "runbook.db"
     assert current_revision(f"sqlite:///{path}") == head_revision()
-    store = Store(f"sqlite:///{path}")
+    store = Journal(f"sqlite:///{path}")
     (record,) = store.list_executions()
     store.close()
     assert (record.runbook, record.status) == ("oom-pressure", "failed")
@@ -53,7 +53,7 @@ def test_concurrent_first_uses_migrate_once(tmp_path: Path) -> None:
             )
         )
     assert [r.returncode for r in runs] == [3, 3, 3, 3], [r.stderr for r in runs]
-    store = Store(url)
+    store = Journal(url)
     records = store.list_executions()
     store.close()
     assert len(records) == 4

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from vllm_runbook.runbooks.store import IncidentRecord, Store
+from vllm_runbook.runbooks.store import IncidentRecord, Journal
 
 T0 = datetime(2026, 3, 1, 12, 0, 0, 250000, tzinfo=UTC)
 
@@ -17,7 +17,7 @@ def at(seconds: float) -> datetime:
 
 
 def put(
-    store: Store,
+    store: Journal,
     state: str,
     *,
     alert: str = "VllmOOMPressure",
@@ -41,7 +41,7 @@ def put(
     )
 
 
-def test_pending_firing_resolved_is_one_row(store: Store) -> None:
+def test_pending_firing_resolved_is_one_row(store: Journal) -> None:
     pending = put(store, "pending")
     assert pending is not None
     assert (pending.id, pending.state, pending.first_seen, pending.resolved_at) == (
@@ -73,7 +73,7 @@ def test_pending_firing_resolved_is_one_row(store: Store) -> None:
     assert resolved.first_seen.tzinfo is UTC
 
 
-def test_one_open_incident_per_alert_and_engine(store: Store) -> None:
+def test_one_open_incident_per_alert_and_engine(store: Journal) -> None:
     put(store, "firing")
     put(store, "firing", engine="llama-1")
     put(store, "firing", alert="VllmLatencySpike")
@@ -94,19 +94,19 @@ def test_one_open_incident_per_alert_and_engine(store: Store) -> None:
     assert [r.id for r in open_rows] == [reopened.id, 3]
 
 
-def test_firing_is_never_set_back_to_pending(store: Store) -> None:
+def test_firing_is_never_set_back_to_pending(store: Journal) -> None:
     put(store, "firing")
     again = put(store, "pending", last=20, value=0.96)
     assert again is not None
     assert (again.state, again.last_seen, again.value) == ("firing", at(20), 0.96)
 
 
-def test_resolving_nothing_open_returns_none(store: Store) -> None:
+def test_resolving_nothing_open_returns_none(store: Journal) -> None:
     assert put(store, "resolved") is None
     assert store.list_incidents() == []
 
 
-def test_discard_only_removes_a_pending_incident(store: Store) -> None:
+def test_discard_only_removes_a_pending_incident(store: Journal) -> None:
     put(store, "pending")
     assert store.discard_pending_incident("VllmOOMPressure", "llama-0") is True
     assert store.list_incidents() == []
@@ -115,7 +115,7 @@ def test_discard_only_removes_a_pending_incident(store: Store) -> None:
     assert [r.state for r in store.list_incidents()] == ["firing"]
 
 
-def test_touch_refreshes_open_incidents_only(store: Store) -> None:
+def test_touch_refreshes_open_incidents_only(store: Journal) -> None:
     put(store, "firing")
     put(store, "firing", engine="llama-1")
     put(store, "resolved", engine="llama-1", last=1)
@@ -129,7 +129,7 @@ def test_touch_refreshes_open_incidents_only(store: Store) -> None:
     assert (closed.value, closed.last_seen) == (0.97, at(1))
 
 
-def test_resolve_stale_closes_firing_and_drops_pending(store: Store) -> None:
+def test_resolve_stale_closes_firing_and_drops_pending(store: Journal) -> None:
     put(store, "firing", last=10)  # stale
     put(store, "pending", engine="llama-1", last=10)  # stale, never fired
     put(store, "firing", engine="llama-2", last=100)  # fresh
@@ -145,22 +145,22 @@ def test_resolve_stale_closes_firing_and_drops_pending(store: Store) -> None:
         store.resolve_stale_incidents(datetime(2026, 1, 1), at=at(0))
 
 
-def test_non_finite_values_are_stored_as_null(store: Store) -> None:
+def test_non_finite_values_are_stored_as_null(store: Journal) -> None:
     record = put(store, "firing", value=math.inf)
     assert record is not None and record.value is None
     assert record.to_dict()["value"] is None
     assert record.to_dict()["first_seen"] == "2026-03-01T12:00:00.250000+00:00"
 
 
-def test_bad_state_is_refused(store: Store) -> None:
+def test_bad_state_is_refused(store: Journal) -> None:
     with pytest.raises(ValueError, match="incident state 'inactive'"):
         put(store, "inactive")
 
 
-def test_concurrent_writers_open_one_incident(store: Store) -> None:
+def test_concurrent_writers_open_one_incident(store: Journal) -> None:
     # Several replicas (threads here, each its own connection) racing to open
     # the same incident: the open_key unique constraint makes it one row.
-    stores = [Store(store.url) for _ in range(4)]
+    stores = [Journal(store.url) for _ in range(4)]
     try:
         with ThreadPoolExecutor(4) as pool:
             ids = list(pool.map(lambda s: put(s, "firing").id, stores * 3))  # type: ignore[union-attr]

@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine, inspect
-from vllm_runbook.runbooks.store import Store, StoreError, current_revision, head_revision, upgrade
+from vllm_runbook.runbooks.store import (
+    Journal,
+    StoreError,
+    current_revision,
+    head_revision,
+    upgrade,
+)
 from vllm_runbook.runbooks.store.schema import alembic_config
 
 from alembic import command
@@ -67,7 +73,7 @@ def test_programmatic_upgrade_is_idempotent_and_reversible(tmp_path: Path) -> No
     assert head == "0004"
     assert upgrade(url) == head
     assert upgrade(url) == head  # second start of the service: nothing to do
-    Store(url).create_execution("warmup", "e", trigger="cli", who="me")
+    Journal(url).create_execution("warmup", "e", trigger="cli", who="me")
     command.downgrade(alembic_config(url), "base")
     assert current_revision(url) is None
     assert upgrade(url) == head
@@ -148,7 +154,7 @@ def _upgrade_from_0002_with_an_outbox(url: str) -> None:
                 f"'2026-12-01 10:00:0{i}')"
             )
     assert upgrade(url) == "0004"
-    store = Store(url)
+    store = Journal(url)
     events = store.events_of_execution(7)
     assert [e.event for e in events] == ["started", "succeeded"]
     keys = {e.event: e.key for e in events}
@@ -201,7 +207,7 @@ def test_0004_sizes_the_deliveries_stored_before(
         ).one()
     engine.dispose()
     assert size == len(stored.encode()) == len('{"alerts": ["é"]}'.encode())
-    store = Store(url)
+    store = Journal(url)
     assert store.webhook_events_size() == (1, 18)
     assert store.prune_webhook_events(max_age_s=None, max_bytes=17).by_size == 1
     store.close()

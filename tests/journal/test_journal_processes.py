@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from vllm_runbook.runbooks.store import Execution, Store, process_alive, process_start
+from vllm_runbook.runbooks.store import Execution, Journal, process_alive, process_start
 
 
 def _stat_starttime(pid: int) -> int:
@@ -60,7 +60,7 @@ def test_exited_child_is_not_alive() -> None:
 
 
 def test_rows_carry_this_process_start(sqlite_url: str) -> None:
-    store = Store(sqlite_url)
+    store = Journal(sqlite_url)
     record, _ = store.create_execution("warmup", "e", trigger="cli", who="me")
     store.transition(record.id, "running")
     with store.session() as s:

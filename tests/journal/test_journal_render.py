@@ -10,12 +10,12 @@ from vllm_runbook.runbooks.render import (
     render_report,
     render_string,
 )
-from vllm_runbook.runbooks.store import Store
+from vllm_runbook.runbooks.store import Journal
 
 
 @pytest.fixture
 def finished(sqlite_url: str):  # type: ignore[no-untyped-def]
-    store = Store(sqlite_url)
+    store = Journal(sqlite_url)
     record, _ = store.create_execution("oom-pressure", "llama-0", trigger="cli", who="alice")
     store.transition(record.id, "running")
     store.record_checks(
@@ -69,7 +69,7 @@ def test_report_shows_checks_before_after_and_verification(finished) -> None:  #
 
 
 def test_report_says_where_the_autopilot_had_it(sqlite_url: str) -> None:
-    store = Store(sqlite_url)
+    store = Journal(sqlite_url)
     record, _ = store.create_execution("oom-pressure", "llama-0", trigger="cli", who="alice")
     store.transition(record.id, "running")
     step = store.add_step(
@@ -133,7 +133,7 @@ def test_format_table_aligns_columns() -> None:
 def test_report_shows_unavailable_checks_guards_and_the_post_change_measurement(
     sqlite_url: str,
 ) -> None:
-    store = Store(sqlite_url)
+    store = Journal(sqlite_url)
     record, _ = store.create_execution("oom-pressure", "llama-0", trigger="cli", who="bob")
     store.transition(record.id, "running")
     store.record_checks(

@@ -1,4 +1,4 @@
-"""The Store API against real SQLite and PostgreSQL databases."""
+"""The Journal API against real SQLite and PostgreSQL databases."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from vllm_runbook.runbooks.store import (
     ExecutionStatus,
     IllegalTransition,
     Incident,
+    Journal,
     NewExecution,
     SchemaMissing,
-    Store,
     StoreError,
     StoreUnavailable,
     process_start,
@@ -29,7 +29,7 @@ from vllm_runbook.runbooks.store.models import ApprovalState, Execution, Executi
 STARTS = datetime(2026, 1, 2, 3, 4, 5, 123456, tzinfo=UTC)
 
 
-def alert_run(store: Store, fingerprint: str = "fp1", starts_at: datetime = STARTS):
+def alert_run(store: Journal, fingerprint: str = "fp1", starts_at: datetime = STARTS):
     return store.create_execution(
         "oom-pressure",
         "llama-0",
@@ -40,13 +40,13 @@ def alert_run(store: Store, fingerprint: str = "fp1", starts_at: datetime = STAR
     )
 
 
-def cli_run(store: Store, runbook: str = "oom-pressure", engine: str = "llama-0", **kw):
+def cli_run(store: Journal, runbook: str = "oom-pressure", engine: str = "llama-0", **kw):
     record, created = store.create_execution(runbook, engine, trigger="cli", who="alice", **kw)
     assert created is True
     return record
 
 
-def test_create_cli_execution_records_runner(store: Store) -> None:
+def test_create_cli_execution_records_runner(store: Journal) -> None:
     record = cli_run(store, reason="on-call")
     assert (record.id, record.status, record.trigger, record.who) == (1, "pending", "cli", "alice")
     assert (record.pid, record.hostname) == (os.getpid(), socket.gethostname())
@@ -57,7 +57,7 @@ def test_create_cli_execution_records_runner(store: Store) -> None:
     assert cli_run(store).id == 2
 
 
-def test_alert_episode_is_unique(store: Store) -> None:
+def test_alert_episode_is_unique(store: Journal) -> None:
     first, created = alert_run(store)
     assert created is True
     again, created_again = alert_run(store)
@@ -72,14 +72,14 @@ def test_alert_episode_is_unique(store: Store) -> None:
     assert store.get_execution(first.id).alert_starts_at == STARTS
 
 
-def test_alert_run_needs_its_episode(store: Store) -> None:
+def test_alert_run_needs_its_episode(store: Journal) -> None:
     with pytest.raises(ValueError, match="fingerprint and startsAt"):
         store.create_execution("oom-pressure", "e", trigger="alert", who="am")
     with pytest.raises(ValueError, match="trigger 'cron'"):
         store.create_execution("oom-pressure", "e", trigger="cron", who="am")
 
 
-def test_create_executions_in_bulk(store: Store) -> None:
+def test_create_executions_in_bulk(store: Journal) -> None:
     """The one creation path: many at once, in the caller's transaction, each
     alert episode once (already stored, or repeated in the list)."""
     first, _ = alert_run(store)  # an earlier delivery
@@ -126,7 +126,7 @@ def test_create_executions_in_bulk(store: Store) -> None:
 
 def test_concurrent_duplicate_deliveries_create_one_execution(db_url: str) -> None:
     # Two "replicas" (separate engines and pools), 20 deliveries at once.
-    replicas = [Store(db_url), Store(db_url)]
+    replicas = [Journal(db_url), Journal(db_url)]
     try:
         with ThreadPoolExecutor(max_workers=8) as pool:
             results = list(pool.map(lambda i: alert_run(replicas[i % 2]), range(20)))
@@ -139,7 +139,7 @@ def test_concurrent_duplicate_deliveries_create_one_execution(db_url: str) -> No
             replica.close()
 
 
-def test_lifecycle_timestamps_and_errors(store: Store) -> None:
+def test_lifecycle_timestamps_and_errors(store: Journal) -> None:
     record = cli_run(store)
     running = store.transition(record.id, "running")
     assert running.status == "running" and running.started_at is not None
@@ -172,7 +172,7 @@ def _path_to(status: str) -> list[str]:
 
 
 def test_every_transition_pair_follows_the_table(sqlite_url: str) -> None:
-    store = Store(sqlite_url)
+    store = Journal(sqlite_url)
     accepted = set()
     for current in EXECUTION_STATUSES:
         for requested in EXECUTION_STATUSES:
@@ -190,7 +190,7 @@ def test_every_transition_pair_follows_the_table(sqlite_url: str) -> None:
     store.close()
 
 
-def test_steps_record_before_and_after(store: Store) -> None:
+def test_steps_record_before_and_after(store: Journal) -> None:
     record = cli_run(store)
     store.transition(record.id, "running")
     step = store.add_step(
@@ -230,7 +230,7 @@ def test_steps_record_before_and_after(store: Store) -> None:
     assert got.to_dict()["steps"][0]["params"] == {"factor": 0.5}
 
 
-def test_dry_run_steps_are_planned(store: Store) -> None:
+def test_dry_run_steps_are_planned(store: Journal) -> None:
     record = cli_run(store, dry_run=True)
     store.transition(record.id, "running")
     step = store.add_step(
@@ -246,7 +246,7 @@ def test_dry_run_steps_are_planned(store: Store) -> None:
         store.add_step(record.id, "set_policy", status="applied")
 
 
-def test_checks_and_verification_round_trip(store: Store) -> None:
+def test_checks_and_verification_round_trip(store: Journal) -> None:
     record = cli_run(store)
     checks = {"kv_cache_usage": {"value": 0.97, "description": "KV usage"}}
     verification = {"signal": "preemptions_per_minute", "before": 37.0, "after": 0.0}
@@ -256,7 +256,7 @@ def test_checks_and_verification_round_trip(store: Store) -> None:
     assert (got.checks, got.verification) == (checks, verification)
 
 
-def test_guardrail_queries_count_real_runs_only(store: Store) -> None:
+def test_guardrail_queries_count_real_runs_only(store: Journal) -> None:
     assert store.last_run_started("oom-pressure", "llama-0") is None
     real = cli_run(store)
     started = store.transition(real.id, "running").started_at
@@ -294,7 +294,7 @@ def test_guardrail_queries_count_real_runs_only(store: Store) -> None:
     ]
 
 
-def test_find_episode(store: Store) -> None:
+def test_find_episode(store: Journal) -> None:
     first, _ = alert_run(store)
     found = store.find_episode("oom-pressure", "llama-0", "fp1", STARTS)
     assert found is not None and found.id == first.id
@@ -302,7 +302,7 @@ def test_find_episode(store: Store) -> None:
     assert store.find_episode("oom-pressure", "llama-1", "fp1", STARTS) is None
 
 
-def test_list_filters_and_order(store: Store) -> None:
+def test_list_filters_and_order(store: Journal) -> None:
     for engine in ("a", "b", "a"):
         cli_run(store, engine=engine)
     assert [r.id for r in store.list_executions()] == [3, 2, 1]
@@ -311,7 +311,7 @@ def test_list_filters_and_order(store: Store) -> None:
     assert store.list_executions(runbook="warmup") == []
 
 
-def test_leases(store: Store) -> None:
+def test_leases(store: Journal) -> None:
     assert store.acquire_lease("rules", "replica-a", ttl_seconds=30) is True
     assert store.acquire_lease("rules", "replica-b", ttl_seconds=30) is False
     assert store.lease_holder("rules") == "replica-a"
@@ -330,7 +330,7 @@ def test_leases(store: Store) -> None:
     assert store.lease_holder("rules") == "replica-a"
 
 
-def test_one_open_incident_per_alert_and_engine(store: Store) -> None:
+def test_one_open_incident_per_alert_and_engine(store: Journal) -> None:
     with store.session(write=True) as s:
         s.add(Incident(alert="VllmOOMPressure", engine="e", severity="critical", state="firing"))
     with pytest.raises(StoreError, match="open_key"), store.session(write=True) as s:
@@ -348,7 +348,7 @@ def test_one_open_incident_per_alert_and_engine(store: Store) -> None:
 
 def test_down_postgres_raises_store_unavailable() -> None:
     # Port 1 on loopback: connection refused at once.
-    store = Store("postgresql://postgres@127.0.0.1:1/runbook")
+    store = Journal("postgresql://postgres@127.0.0.1:1/runbook")
     with pytest.raises(StoreUnavailable, match=r"^store postgresql\+psycopg://postgres@127"):
         store.list_executions()
     with pytest.raises(StoreUnavailable):
@@ -359,27 +359,27 @@ def test_unopenable_sqlite_raises_store_unavailable(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
     with pytest.raises(StoreUnavailable, match="cannot create the store's directory"):
-        Store(f"sqlite:///{blocker}/sub/runbook.db")
+        Journal(f"sqlite:///{blocker}/sub/runbook.db")
     with pytest.raises(StoreUnavailable, match="invalid database URL"):
-        Store("not a url")
+        Journal("not a url")
 
 
 def test_password_is_hidden_in_errors() -> None:
-    store = Store("postgresql://u:s3cret@127.0.0.1:1/runbook")
+    store = Journal("postgresql://u:s3cret@127.0.0.1:1/runbook")
     with pytest.raises(StoreUnavailable) as info:
         store.list_executions()
     assert "s3cret" not in str(info.value) and "***" in str(info.value)
 
 
 def test_unmigrated_database_raises_schema_missing(tmp_path: Path) -> None:
-    store = Store(f"sqlite:///{tmp_path}/empty.db")
+    store = Journal(f"sqlite:///{tmp_path}/empty.db")
     with pytest.raises(SchemaMissing, match="run `runbook db upgrade`"):
         store.list_executions()
 
 
 @pytest.mark.service
 def test_unmigrated_postgres_raises_schema_missing(fresh_pg_database: str) -> None:
-    store = Store(fresh_pg_database)
+    store = Journal(fresh_pg_database)
     with pytest.raises(SchemaMissing, match="run `runbook db upgrade`"):
         store.get_execution(1)
     store.close()

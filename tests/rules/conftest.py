@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine, text
-from vllm_runbook.runbooks.store import Store, upgrade
+from vllm_runbook.runbooks.store import Journal, upgrade
 
 PG_SERVER = os.environ.get("RUNBOOK_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432")
 
@@ -40,7 +40,7 @@ def rules_sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.service)])
-def incident_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+def incident_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Journal]:
     """A migrated, empty store: SQLite, then PostgreSQL."""
     if request.param == "sqlite":
         target = tmp_path / "runbook.db"
@@ -52,7 +52,7 @@ def incident_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[S
         with engine.begin() as conn:
             conn.execute(text("TRUNCATE incidents RESTART IDENTITY"))
         engine.dispose()
-    store = Store(url)
+    store = Journal(url)
     try:
         yield store
     finally:

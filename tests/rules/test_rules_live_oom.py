@@ -20,7 +20,7 @@ from vllm_runbook.rules.remediation import Handoff
 from vllm_runbook.runbooks.cli import main
 from vllm_runbook.runbooks.config import load_config
 from vllm_runbook.runbooks.service.rules_service import RulesService
-from vllm_runbook.runbooks.store import Store, upgrade
+from vllm_runbook.runbooks.store import Journal, upgrade
 
 from tests.engines import InProcessEngine
 
@@ -77,7 +77,7 @@ def test_preemptions_fire_oom_pressure_in_time(
         encoding="utf-8",
     )
     config = load_config(config_path)
-    store = Store(config.database)
+    store = Journal(config.database)
     hook = FiringHook()
     service = RulesService.from_config(config, store=store, hook=hook)
     scheduler = BackgroundScheduler()

@@ -40,7 +40,7 @@ from vllm_runbook.runbooks.config import load_config
 from vllm_runbook.runbooks.service.leader import RulesLeader
 from vllm_runbook.runbooks.service.rules_service import RulesService
 from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
-from vllm_runbook.runbooks.store import Store
+from vllm_runbook.runbooks.store import Journal
 
 RULES = load_catalog().bind()
 GOOD = b'vllm_runbook_kv_cache_usage_peak_ratio{engine="0",model_name="m"} 0.5\n'
@@ -412,7 +412,7 @@ def test_sequential_mode_is_concurrency_one(fleet: Fleet) -> None:
 
 
 def test_the_leader_exports_cycle_time_and_per_target_scrape_durations(
-    tmp_path: Path, fleet: Fleet, incident_store: Store
+    tmp_path: Path, fleet: Fleet, incident_store: Journal
 ) -> None:
     live = fleet.target("live", ok)
     dead = dead_url()

@@ -20,7 +20,7 @@ from vllm_runbook.rules.incidents import IncidentEvent, MemoryIncidentSink
 from vllm_runbook.rules.remediation import Dispatcher, Handoff
 from vllm_runbook.runbooks.config import load_config
 from vllm_runbook.runbooks.service.rules_service import RulesService
-from vllm_runbook.runbooks.store import Store
+from vllm_runbook.runbooks.store import Journal
 
 LABELS = {"model_name": "tiny", "engine": "0"}
 
@@ -98,7 +98,7 @@ def agent() -> Iterator[tuple[Routes, CollectorRegistry]]:
 
 
 def test_cycle_records_and_hands_off_in_auto_mode(
-    tmp_path: Path, agent: tuple[Routes, CollectorRegistry], incident_store: Store
+    tmp_path: Path, agent: tuple[Routes, CollectorRegistry], incident_store: Journal
 ) -> None:
     routes, registry = agent
     usage = cast(Gauge, M.build(M.KV_CACHE_USAGE_PEAK, registry))

@@ -11,7 +11,7 @@ from vllm_runbook.rules.incidents import engine_name
 from vllm_runbook.rules.model import Rule
 from vllm_runbook.rules.signals import SIGNALS
 from vllm_runbook.runbooks.service.sql_sink import SqlIncidentSink
-from vllm_runbook.runbooks.store import Store, StoreUnavailable
+from vllm_runbook.runbooks.store import Journal, StoreUnavailable
 
 WAITING = SIGNALS["requests_waiting"].metric
 T0 = 1_700_000_000.0
@@ -40,7 +40,7 @@ def rule(severity: str = "warning", threshold: float = 10.0, for_seconds: float 
 
 
 class Harness:
-    def __init__(self, store: Store, rules: list[Rule], rank: str = "0", **sink: Any) -> None:
+    def __init__(self, store: Journal, rules: list[Rule], rank: str = "0", **sink: Any) -> None:
         self.windows = store_for_rules(rules)
         self.sink = SqlIncidentSink(store, **sink)
         self.evaluator = Evaluator(rules, self.windows, self.sink)
@@ -58,7 +58,7 @@ class Harness:
         ]
 
 
-def test_pending_firing_resolved_in_the_store(incident_store: Store) -> None:
+def test_pending_firing_resolved_in_the_store(incident_store: Journal) -> None:
     h = Harness(incident_store, [rule()])
     assert h.step(0, 0) == []
     assert h.step(10, 20) == ["pending"]
@@ -81,7 +81,7 @@ def test_pending_firing_resolved_in_the_store(incident_store: Store) -> None:
     }
 
 
-def test_pending_that_clears_leaves_no_incident(incident_store: Store) -> None:
+def test_pending_that_clears_leaves_no_incident(incident_store: Journal) -> None:
     h = Harness(incident_store, [rule()])
     h.step(0, 20)
     assert [r[0] for r in h.rows()] == ["pending"]
@@ -89,7 +89,7 @@ def test_pending_that_clears_leaves_no_incident(incident_store: Store) -> None:
     assert h.rows() == []
 
 
-def test_two_severities_are_one_incident(incident_store: Store) -> None:
+def test_two_severities_are_one_incident(incident_store: Journal) -> None:
     h = Harness(incident_store, [rule("warning", 10, 0), rule("critical", 50, 0)])
     assert h.step(0, 20) == ["firing"]
     assert h.step(10, 60) == ["firing"]  # the critical one
@@ -104,7 +104,7 @@ def test_two_severities_are_one_incident(incident_store: Store) -> None:
     assert h.rows() == [("resolved", "warning", 30.0, dt(0), dt(20), dt(30))]
 
 
-def test_engine_name_carries_the_dp_rank(incident_store: Store) -> None:
+def test_engine_name_carries_the_dp_rank(incident_store: Journal) -> None:
     assert engine_name(("llama-0", "m", "0")) == "llama-0"
     assert engine_name(("llama-0", "m", "3")) == "llama-0/dp3"
     h = Harness(incident_store, [rule(for_seconds=0)], rank="3")
@@ -112,7 +112,7 @@ def test_engine_name_carries_the_dp_rank(incident_store: Store) -> None:
     assert [r.engine for r in incident_store.list_incidents()] == ["llama-0/dp3"]
 
 
-def test_refresh_touches_open_incidents_and_resolves_stale_ones(incident_store: Store) -> None:
+def test_refresh_touches_open_incidents_and_resolves_stale_ones(incident_store: Journal) -> None:
     # An incident a previous run left open, last seen at t=0.
     incident_store.record_incident(
         "VllmOOMPressure",
@@ -140,7 +140,7 @@ def test_refresh_touches_open_incidents_and_resolves_stale_ones(incident_store: 
     ]
 
 
-class FlakyStore(Store):
+class FlakyStore(Journal):
     """The real store, with an outage switch."""
 
     down = False
@@ -151,7 +151,7 @@ class FlakyStore(Store):
         return super().record_incident(*args, **kwargs)
 
 
-def test_writes_queue_while_the_store_is_down(incident_store: Store) -> None:
+def test_writes_queue_while_the_store_is_down(incident_store: Journal) -> None:
     flaky = FlakyStore(incident_store.url)
     try:
         h = Harness(flaky, [rule()])

@@ -24,7 +24,7 @@ from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
 from vllm_runbook.runbooks.service.webhooks import Router
 from vllm_runbook.runbooks.service.worker import Worker
 from vllm_runbook.runbooks.spec import load_catalog as load_runbook_catalog
-from vllm_runbook.runbooks.store import Store
+from vllm_runbook.runbooks.store import Journal
 from vllm_runbook.runbooks.store.approvals import RESOLVED_BEFORE_APPROVAL
 from vllm_runbook.runbooks.store.models import ExecutionStatus
 
@@ -69,7 +69,7 @@ class Replica:
             {r.alert: r.runbook for r in config.load_rules()},
             frozenset(load_runbook_catalog()),
         )
-        self.store = Store(url)
+        self.store = Journal(url)
         self.clock = Clock()
         executor = Executor(
             self.store,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from vllm_runbook.runbooks.notify import Notifier, Receiver
-from vllm_runbook.runbooks.store import Store
+from vllm_runbook.runbooks.store import Journal
 from vllm_runbook.runbooks.store.models import (
     NOTIFY_DELIVERED,
     NOTIFY_QUEUED,
@@ -36,8 +36,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def store(db_url: str) -> Iterator[Store]:
-    s = Store(db_url)
+def store(db_url: str) -> Iterator[Journal]:
+    s = Journal(db_url)
     yield s
     s.close()
 
@@ -49,7 +49,7 @@ def hooks() -> Iterator[Hooks]:
     h.close()
 
 
-def awaiting(store: Store, n: int = 1) -> list[int]:
+def awaiting(store: Journal, n: int = 1) -> list[int]:
     """`n` alert executions awaiting approval (one event each)."""
     return [
         store.create_execution(
@@ -79,16 +79,16 @@ def wait_until(condition: Callable[[], bool], limit: float) -> bool:
 REPLICA = """
 import sys, time
 from vllm_runbook.runbooks.notify import Notifier, Receiver
-from vllm_runbook.runbooks.store import Store
+from vllm_runbook.runbooks.store import Journal
 url, hook = sys.argv[1], sys.argv[2]
-Notifier(Store(url), [Receiver("ops", "webhook", hook)], retries=0, timeout_s=1.0,
+Notifier(Journal(url), [Receiver("ops", "webhook", hook)], retries=0, timeout_s=1.0,
          claim_lease_s=4.0, interval_s=0.05).start()
 time.sleep(600)
 """
 
 
 def test_a_claim_held_by_a_killed_replica_is_sent_by_another_with_its_key(
-    store: Store, db_url: str, hooks: Hooks, tmp_path: Path
+    store: Journal, db_url: str, hooks: Hooks, tmp_path: Path
 ) -> None:
     [execution_id] = awaiting(store)
     log = tmp_path / "replica.log"
@@ -144,7 +144,7 @@ def test_a_claim_held_by_a_killed_replica_is_sent_by_another_with_its_key(
     )
 
 
-def test_a_replica_that_stops_hands_its_claims_over_at_once(store: Store, hooks: Hooks) -> None:
+def test_a_replica_that_stops_hands_its_claims_over_at_once(store: Journal, hooks: Hooks) -> None:
     """Stopped while it waits to retry an unreachable receiver: its claims go
     back to the queue now, not when the lease lapses."""
     ids = awaiting(store, 3)
@@ -173,7 +173,7 @@ def test_a_replica_that_stops_hands_its_claims_over_at_once(store: Store, hooks:
 
 
 def test_an_event_commits_with_its_change_and_ids_become_visible_in_order(
-    store: Store,
+    store: Journal,
 ) -> None:
     from vllm_runbook.runbooks.store.events import append_events
 

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 from sqlalchemy import create_engine, text
-from vllm_runbook.runbooks.store import Store, upgrade
+from vllm_runbook.runbooks.store import Journal, upgrade
 
 from tests.journal.conftest import PG_SERVER
 from tests.service.processes import RunbookServe
@@ -42,7 +42,7 @@ def deliver(url: str, fingerprint: str) -> httpx.Response:
 
 
 def fingerprints(db_url: str) -> list[str]:
-    store = Store(db_url)
+    store = Journal(db_url)
     try:
         return sorted(str(e.alert_fingerprint) for e in store.list_executions())
     finally:
@@ -63,7 +63,7 @@ def test_a_sqlite_file_removed_or_replaced_under_the_service_answers_503(
     url = f"sqlite:///{path}"
     other = tmp_path / "other.db"  # what an operator moves over it (a restore, say)
     upgrade(f"sqlite:///{other}")
-    with contextlib.closing(Store(f"sqlite:///{other}")) as restored:
+    with contextlib.closing(Journal(f"sqlite:///{other}")) as restored:
         restored.create_execution("warmup", "http://elsewhere:1", trigger="cli", who="restore")
     with serve(tmp_path, url, "first") as served:
         r = deliver(served.url, "before")  # in the file that is about to go

@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from vllm_runbook.runbooks.processes import free_port, start_logged, stop_group, wait_http
-from vllm_runbook.runbooks.store import Store, upgrade
+from vllm_runbook.runbooks.servers import free_port, start_logged, stop_group, wait_http
+from vllm_runbook.runbooks.store import Journal, upgrade
 
 from tests.engines import runbook_cli_command, runbook_cli_env
 
@@ -134,7 +134,7 @@ def test_one_replica_evaluates_and_the_other_takes_over(
         )
     # Not before the killed leader's lease lapsed: at least TTL after its last renewal.
     assert takeover >= TTL - INTERVAL - 0.5
-    store = Store(fresh_pg_database)
+    store = Journal(fresh_pg_database)
     try:
         assert store.lease_holder("rules-leader") is not None
     finally:

@@ -20,7 +20,7 @@ import pytest
 from fastapi.testclient import TestClient
 from vllm_runbook.runbooks.service.app import Credentials
 from vllm_runbook.runbooks.service.browser import SESSION_COOKIE, BrowserPolicy
-from vllm_runbook.runbooks.store import Store
+from vllm_runbook.runbooks.store import Journal
 from vllm_runbook.runbooks.store.approvals import MAX_NOTE_CHARS
 
 from tests.engines import runbook_cli
@@ -261,7 +261,7 @@ def test_a_note_over_the_limit_is_refused_everywhere(db_url: str, tmp_path: Path
         2,
         "runbook: error: the note has 4097 characters; at most 4096 are kept\n",
     )
-    store = Store(db_url)
+    store = Journal(db_url)
     assert store.get_execution(execution).awaiting_approval  # nothing decided
     # At the limit, in the longest form a person can send: taken whole.
     note = "\U0001f600" * MAX_NOTE_CHARS
@@ -317,6 +317,6 @@ def test_deeply_nested_json_on_the_approve_routes_is_400(db_url: str, tmp_path: 
     for body in (nested, note_nested):
         r = client.post(f"/api/executions/{execution}/approve", content=body, headers=AUTH)
         assert (r.status_code, r.json()) == (400, {"error": "body is not JSON: nested too deeply"})
-    store = Store(db_url)
+    store = Journal(db_url)
     assert store.get_execution(execution).awaiting_approval
     store.close()

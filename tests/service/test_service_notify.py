@@ -24,7 +24,7 @@ from vllm_runbook.runbooks.notify import (
 )
 from vllm_runbook.runbooks.service.app import Credentials
 from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
-from vllm_runbook.runbooks.store import Store
+from vllm_runbook.runbooks.store import Journal
 from vllm_runbook.runbooks.store.models import ExecutionStatus
 
 from tests.fake_agent import FakeAgent
@@ -250,7 +250,7 @@ def test_a_receiver_that_hangs_never_holds_up_the_executor(replica: Replica, hoo
 
 
 def test_the_events_of_each_outcome(sqlite_url: str) -> None:
-    store = Store(sqlite_url)
+    store = Journal(sqlite_url)
 
     def run(*statuses: str, **finish: Any) -> list[str]:
         record, _ = store.create_execution("oom-pressure", "http://e", trigger="cli", who="me")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 from sqlalchemy import select
-from vllm_runbook.runbooks.store import Store
+from vllm_runbook.runbooks.store import Journal
 from vllm_runbook.runbooks.store.models import WebhookEvent
 
 from tests.service.processes import RunbookServe
@@ -20,7 +20,7 @@ from tests.service.test_service_webhooks import AUTH, CONFIG, TOKEN, payload
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 
 
-def add_events(store: Store, rows: list[tuple[datetime, int]]) -> list[int]:
+def add_events(store: Journal, rows: list[tuple[datetime, int]]) -> list[int]:
     """Deliveries received at each time, of each size (bytes); their ids."""
     with store.session(write=True) as s:
         events = [
@@ -39,13 +39,13 @@ def add_events(store: Store, rows: list[tuple[datetime, int]]) -> list[int]:
         return [e.id for e in events]
 
 
-def kept(store: Store) -> list[int]:
+def kept(store: Journal) -> list[int]:
     with store.session() as s:
         return list(s.scalars(select(WebhookEvent.id).order_by(WebhookEvent.id)))
 
 
 def test_prune_by_age_then_by_size(db_url: str) -> None:
-    store = Store(db_url)
+    store = Journal(db_url)
     minutes = [-120, -90, -61, -59, -30, -10, 0]
     ids = add_events(store, [(T0 + timedelta(minutes=m), 100) for m in minutes])
     assert store.webhook_events_size() == (7, 700)
@@ -65,7 +65,7 @@ def test_prune_by_age_then_by_size(db_url: str) -> None:
 
 
 def test_prune_by_size_counts_newest_first_and_breaks_ties_by_id(db_url: str) -> None:
-    store = Store(db_url)
+    store = Journal(db_url)
     # Three received in the same microsecond: the later id is the newer one.
     same = T0 - timedelta(seconds=5)
     ids = add_events(store, [(same, 40), (same, 30), (same, 20), (T0, 50)])
@@ -96,7 +96,7 @@ def pruned_metric(url: str, limit: str) -> float:
 
 
 def test_the_service_prunes_stored_deliveries_on_its_schedule(db_url: str, tmp_path: Path) -> None:
-    store = Store(db_url)
+    store = Journal(db_url)
     # Left from a week ago (default max_age 7d): pruned by the run at start.
     add_events(store, [(datetime.now(UTC) - timedelta(days=8), 500)] * 2)
     cfg = tmp_path / "runbook.yaml"

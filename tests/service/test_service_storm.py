@@ -34,8 +34,8 @@ import httpx
 import pytest
 from sqlalchemy import create_engine, text
 from vllm_runbook.runbooks.notify import events_of
-from vllm_runbook.runbooks.processes import free_port, start_logged, stop_group, wait_http
-from vllm_runbook.runbooks.store import Store, upgrade
+from vllm_runbook.runbooks.servers import free_port, start_logged, stop_group, wait_http
+from vllm_runbook.runbooks.store import Journal, upgrade
 from vllm_runbook.runbooks.store.models import ExecutionStatus
 
 from tests.engines import runbook_cli_command, runbook_cli_env
@@ -240,7 +240,7 @@ def test_a_storm_over_two_replicas_one_killed_loses_nothing(
     db_url = fresh_pg_database
     upgrade(db_url)
     cfg = config(tmp_path / "runbook.yaml", agents, receivers)
-    store = Store(db_url)
+    store = Journal(db_url)
     sql = create_engine(db_url.replace("postgresql://", "postgresql+psycopg://"))
 
     def scalar(query: str, **params: Any) -> Any:

@@ -20,11 +20,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import func, select
 from vllm_runbook.runbooks.config import load_config
-from vllm_runbook.runbooks.processes import free_port
+from vllm_runbook.runbooks.servers import free_port
 from vllm_runbook.runbooks.service.app import Credentials, create_app
 from vllm_runbook.runbooks.service.webhooks import Router
 from vllm_runbook.runbooks.spec import load_catalog as load_runbook_catalog
-from vllm_runbook.runbooks.store import Store, upgrade
+from vllm_runbook.runbooks.store import Journal, upgrade
 from vllm_runbook.runbooks.store.models import Execution, WebhookEvent
 
 from tests.service.processes import RunbookServe
@@ -83,7 +83,7 @@ def payload(
 
 
 def counts(url: str) -> tuple[int, int]:
-    store = Store(url)
+    store = Journal(url)
     try:
         with store.session() as s:
             events = s.scalar(select(func.count()).select_from(WebhookEvent)) or 0
@@ -104,7 +104,7 @@ def make_client(url: str, tmp_path: Path) -> TestClient:
         frozenset(load_runbook_catalog()),
     )
     return TestClient(
-        create_app(Store(url), router, Credentials(token=TOKEN)), base_url="http://127.0.0.1"
+        create_app(Journal(url), router, Credentials(token=TOKEN)), base_url="http://127.0.0.1"
     )
 
 
@@ -232,7 +232,7 @@ def test_an_alert_whose_time_the_journal_cannot_hold_is_rejected_alone(
     assert [e["created"] for e in answer["executions"]] == [True, True]
     assert answer["skipped"] == []
     assert counts(db_url) == (1, 2)  # the delivery and its two good alerts
-    store = Store(db_url)
+    store = Journal(db_url)
     fingerprints = sorted(str(e.alert_fingerprint) for e in store.list_executions())
     store.close()
     assert fingerprints == ["good-1", "good-2"]

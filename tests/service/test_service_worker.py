@@ -21,7 +21,7 @@ from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
 from vllm_runbook.runbooks.service.webhooks import Router
 from vllm_runbook.runbooks.service.worker import Worker
 from vllm_runbook.runbooks.spec import load_catalog as load_runbook_catalog
-from vllm_runbook.runbooks.store import Store
+from vllm_runbook.runbooks.store import Journal
 from vllm_runbook.runbooks.store.models import STEP_APPLIED, ExecutionStatus
 
 from tests.fake_agent import STARTUP, URL, Clock, FakeAgent
@@ -41,7 +41,7 @@ class Service:
             {r.alert: r.runbook for r in config.load_rules()},
             frozenset(load_runbook_catalog()),
         )
-        self.store = Store(url)
+        self.store = Journal(url)
         self.agent = FakeAgent.kv_bound()
         self.clock = Clock()
         executor = Executor(

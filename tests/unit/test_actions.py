@@ -14,8 +14,8 @@ from typing import Annotated, Any
 import pytest
 from pydantic import BaseModel, Field
 from vllm_runbook.dashboards import docs as D
-from vllm_runbook.runbooks import actions as A
-from vllm_runbook.runbooks.actions import (
+from vllm_runbook.runbooks.engine import actions as A
+from vllm_runbook.runbooks.engine.actions import (
     ActionDefinitionError,
     ActionParams,
     ActionRegistry,
@@ -172,7 +172,7 @@ def test_a_duplicate_name_is_refused(scratch_registry: ActionRegistry) -> None:
 
     assert str(info.value) == (
         "action 'set_policy' is already registered (by "
-        "vllm_runbook.runbooks.engine_actions.set_policy); "
+        "vllm_runbook.runbooks.engine.operations.set_policy); "
         f"{__name__}.test_a_duplicate_name_is_refused.<locals>.set_policy needs another name"
     )
     assert scratch_registry.get("set_policy").params_model.__name__ == "SetPolicy"

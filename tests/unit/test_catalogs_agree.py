@@ -169,6 +169,6 @@ def test_every_exported_rule_names_a_runbook_and_its_url() -> None:
 
 def test_every_signal_has_one_named_source() -> None:
     from vllm_runbook.rules.signals import READABLE
-    from vllm_runbook.runbooks.sources import SOURCES
+    from vllm_runbook.runbooks.engine.sources import SOURCES
 
     assert list(SOURCES) == list(READABLE)

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from vllm_runbook.runbooks.cli import main
-from vllm_runbook.runbooks.client import CommandRefused, EngineClient, normalize_url
+from vllm_runbook.runbooks.engine.client import CommandRefused, EngineClient, normalize_url
 from vllm_runbook.runbooks.exit_codes import ExitCode
 from vllm_runbook.runbooks.store import upgrade
 

@@ -11,7 +11,7 @@ import pytest
 from vllm_runbook.collector.auth import TokenError
 from vllm_runbook.rules.errors import RUNBOOK_CATALOG, CatalogError, Problem
 from vllm_runbook.runbooks.cli.errors import UsageError, exit_code, message
-from vllm_runbook.runbooks.client import (
+from vllm_runbook.runbooks.engine.client import (
     AuthFailed,
     CommandRefused,
     EngineClientError,

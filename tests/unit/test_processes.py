@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from vllm_runbook.runbooks.processes import (
+from vllm_runbook.runbooks.servers import (
     NotReady,
     ProcessExited,
     free_port,

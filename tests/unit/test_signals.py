@@ -29,7 +29,7 @@ from vllm_runbook.rules.signals import (
     RENAMED,
     SIGNALS,
 )
-from vllm_runbook.runbooks import sources
+from vllm_runbook.runbooks.engine import sources
 from vllm_runbook.runbooks.spec import load_catalog as load_runbooks
 from vllm_runbook.runbooks.verification import HIGHER_IS_WORSE
 

@@ -40,8 +40,8 @@ F = TypeVar("F", bound=ActionFn)
 
 # The modules whose `@action` functions make up the catalog's actions.
 ACTION_MODULES: Final = (
-    "vllm_runbook.runbooks.engine_actions",
-    "vllm_runbook.runbooks.warmup",
+    "vllm_runbook.runbooks.engine.operations",
+    "vllm_runbook.runbooks.engine.warmup",
 )
 
 # What a runbook step's `action:` may be (vllm_runbook.runbooks.spec `Identifier`).

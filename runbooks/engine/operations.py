@@ -1,9 +1,9 @@
 """The catalog's actions, implemented against the engine agent, and the signals they read.
 
 Each action is a parameters model and a function registered with `@action`
-(`vllm_runbook.runbooks.actions`); `engine_registry()` returns the registry
+(`vllm_runbook.runbooks.engine.actions`); `engine_registry()` returns the registry
 they fill: actions through the agent, and warm-up through the engine's vLLM
-API server (`vllm_runbook.runbooks.warmup`). An action is a plain
+API server (`vllm_runbook.runbooks.engine.warmup`). An action is a plain
 function `fn(params, ctx) -> ActionOutcome`: `ctx` carries the agent client,
 a fresh `/v1/state`, the dry-run flag and `ctx.begin(before, details)`, which
 the executor turns into a journal row *committed before the action touches
@@ -12,7 +12,7 @@ restore). Mutating actions call `begin` exactly once, right before the
 write; an action that finds nothing to change returns `skipped` instead.
 
 `SignalReader` turns `/v1/state` into the signals a runbook may read
-(`vllm_runbook.rules.signals`, sources in `vllm_runbook.runbooks.sources`). A
+(`vllm_runbook.rules.signals`, sources in `vllm_runbook.runbooks.engine.sources`). A
 signal that cannot be read on this engine (no GPU, no finished request yet)
 reads None and `SignalReader.unavailable` says why: the executor reports it
 rather than guessing.
@@ -34,9 +34,14 @@ from vllm_runbook.collector.agent_api import (
     DrainingSince,
     SettledSince,
 )
-from vllm_runbook.runbooks.actions import ActionParams, ActionRegistry, action, catalog_registry
-from vllm_runbook.runbooks.client import EngineClient
-from vllm_runbook.runbooks.sources import (
+from vllm_runbook.runbooks.engine.actions import (
+    ActionParams,
+    ActionRegistry,
+    action,
+    catalog_registry,
+)
+from vllm_runbook.runbooks.engine.client import EngineClient
+from vllm_runbook.runbooks.engine.sources import (
     WINDOWED,
     api_signals,
     kv_capacity_seqs,
@@ -200,8 +205,8 @@ def _clamped(result: ChangeResult) -> tuple[dict[str, Any], ...]:
 
 # --- the actions -------------------------------------------------------------------
 # Each is its parameters model and an `@action` function taking it
-# (vllm_runbook.runbooks.actions); send_warmup_requests is in
-# vllm_runbook.runbooks.warmup.
+# (vllm_runbook.runbooks.engine.actions); send_warmup_requests is in
+# vllm_runbook.runbooks.engine.warmup.
 
 
 class ScaleMaxNumBatchedTokens(ActionParams):
