@@ -270,7 +270,7 @@ def _script_header(script: Path) -> str:
     assert prints_it, f"{script.name} does not print(HEADER)"
     for node in tree.body:
         if isinstance(node, ast.Assign) and [ast.dump(t) for t in node.targets] == [
-            ast.dump(ast.Name("HEADER", ast.Journal()))
+            ast.dump(ast.Name("HEADER", ast.Store()))
         ]:
             value = ast.literal_eval(node.value)
             assert isinstance(value, str)
