@@ -46,7 +46,7 @@ RUNBOOK_TIMINGS: dict[str, dict[str, Any]] = {
 
 # Phase lengths (seconds): each phase runs until its event happened (and a
 # little after); these are the bounds past which the story fails and says
-# what the phase measured. On an idle 2-core machine the story takes ~4 min.
+# what the phase measured. On a 2-core machine the story takes 4-6 min.
 STEADY_S = 20
 BURST_AFTER_FIX_S, BURST_MAX_S = 8, 150
 # After the burst, steady traffic until oom-pressure's changes are restored

@@ -15,6 +15,7 @@ start a second instance, so it is remembered and run once the first ends).
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -23,6 +24,28 @@ from apscheduler.events import EVENT_JOB_ERROR, EVENT_JOB_EXECUTED, JobExecution
 from apscheduler.job import Job
 from apscheduler.jobstores.base import JobLookupError
 from apscheduler.schedulers.base import BaseScheduler
+
+
+class _ExpectedSkips(logging.Filter):
+    """APScheduler warns at every interval a pass outlasts ("skipped: maximum
+    number of running instances reached"): for these jobs that is how they work
+    (one pass at a time, a wake remembered), and a worker running a 60-second
+    execution would log it 60 times. Other jobs' warnings pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not (
+            "maximum number of running instances reached" in text
+            and any(f'job "{name} (' in text for name in self.names)
+        )
+
+
+_SKIPS = _ExpectedSkips()
+logging.getLogger("apscheduler.scheduler").addFilter(_SKIPS)
 
 
 class WakeableJob:
@@ -37,6 +60,7 @@ class WakeableJob:
         self._idle = threading.Event()
         self._idle.set()
         self._job: Job | None = None
+        _SKIPS.names.add(name)
 
     def schedule(self, scheduler: BaseScheduler, interval_s: float) -> Job:
         """Run now, then every `interval_s`; one at a time, missed runs coalesced."""

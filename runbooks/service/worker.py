@@ -131,6 +131,9 @@ class Worker:
                 expired.engine,
                 expired.reason,
             )
+        # Resolutions first: an execution whose alert resolved while it was
+        # queued (the worker busy with another) is refused, not run.
+        self._drain_resolved()
         # Every runnable execution, however old and however large the journal:
         # an indexed query of what is runnable, a page at a time.
         after = 0
@@ -141,13 +144,16 @@ class Worker:
             if len(page) < RUNNABLE_PAGE:
                 break
             after = page[-1].id
+        self._drain_resolved()
+        return ran
+
+    def _drain_resolved(self) -> None:
         while True:
             try:
                 item = self.resolved.get_nowait()
             except queue.Empty:
-                break
+                return
             self._revert(item)
-        return ran
 
     def _run_one(self, record: ExecutionRecord) -> int:
         if not self.store.acquire_lease(f"execution:{record.id}", self.holder, self.lease_seconds):
@@ -173,7 +179,7 @@ class Worker:
 
     def _revert(self, item: dict[str, Any]) -> None:
         starts_at = datetime.fromisoformat(item["startsAt"])
-        waiting = self.store.resolve_before_approval(
+        waiting = self.store.resolve_before_start(
             item["runbook"], item["engine"], item["fingerprint"], starts_at
         )
         if waiting is not None:

@@ -36,6 +36,9 @@ from vllm_runbook.runbooks.store.models import (
 
 DEFAULT_APPROVAL_TIMEOUT_S: Final = 15 * 60.0
 RESOLVED_BEFORE_APPROVAL: Final = "alert resolved before approval"
+# An automatic execution still pending when its alert resolved: acting on a
+# resolved alert would change an engine nothing reverts.
+RESOLVED_BEFORE_RUN: Final = "alert resolved before it ran"
 EXPIRED_PREFIX: Final = "approval expired"
 # A decision's note is a sentence or a paragraph, kept in the journal and shown
 # on the page and in notifications: longer text is refused, not truncated.
@@ -191,11 +194,14 @@ class ApprovalStore(StoreBase):
                 expired.append(ExecutionRecord.from_row(row))
         return expired
 
-    def resolve_before_approval(
+    def resolve_before_start(
         self, runbook: str, engine: str, fingerprint: str, starts_at: datetime
     ) -> ExecutionRecord | None:
-        """The alert episode resolved: an execution still waiting for a person
-        (or approved but not started) is refused, so a late approval runs nothing."""
+        """The alert episode resolved: an execution that has not started is
+        refused. One waiting for a person (or approved, not started) so that a
+        late approval runs nothing; an automatic one still queued (the worker
+        was busy) so that nothing changes an engine after the reason went away:
+        its revert on resolve has already been and gone."""
         key = episode_key(runbook, engine, fingerprint, starts_at)
         with self.session(write=True) as s:
             row = s.scalars(
@@ -203,9 +209,8 @@ class ApprovalStore(StoreBase):
             ).first()
             if row is None or row.status != ExecutionStatus.PENDING:
                 return None
-            if not (_is_awaiting(row) or row.decision == ApprovalState.APPROVED):
-                return None
-            self._refuse(row, RESOLVED_BEFORE_APPROVAL, utcnow())
+            person = _is_awaiting(row) or row.decision == ApprovalState.APPROVED
+            self._refuse(row, RESOLVED_BEFORE_APPROVAL if person else RESOLVED_BEFORE_RUN, utcnow())
             s.flush()
             return ExecutionRecord.from_row(row)
 

@@ -4,10 +4,12 @@ errors answered by one handler."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from pathlib import Path
 
+import pytest
 from apscheduler.schedulers.background import BackgroundScheduler
 from fastapi.testclient import TestClient
 from vllm_runbook.runbooks.notify import FEED_JOB_ID
@@ -148,3 +150,24 @@ def test_the_store_s_errors_are_answered_by_one_handler(tmp_path: Path) -> None:
         assert (missing.status_code, missing.json()) == (404, {"error": "no execution with id 999"})
     finally:
         store.close()
+
+
+def test_a_pass_outlasting_its_interval_is_not_logged_every_interval(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """APScheduler's "skipped: maximum number of running instances reached" is
+    how a wakeable job works (one pass at a time): not a warning per interval.
+    Another job's skip still is."""
+    release = threading.Event()
+    job = WakeableJob(lambda: bool(release.wait(5)) and False, job_id="slow", name="slow")
+    scheduler = BackgroundScheduler()
+    scheduler.add_job(lambda: release.wait(5), "interval", seconds=0.1, id="other", name="other")
+    job.schedule(scheduler, interval_s=0.1)
+    with caplog.at_level(logging.WARNING, logger="apscheduler"):
+        scheduler.start()
+        time.sleep(1.0)
+        release.set()
+        job.stop(timeout_s=5)
+        scheduler.shutdown(wait=True)
+    skips = [r.getMessage() for r in caplog.records if "maximum number" in r.getMessage()]
+    assert skips and all('job "other (' in m for m in skips)

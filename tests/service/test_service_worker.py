@@ -22,6 +22,7 @@ from vllm_runbook.runbooks.service.webhooks import Router
 from vllm_runbook.runbooks.service.worker import Worker
 from vllm_runbook.runbooks.spec import load_catalog as load_runbook_catalog
 from vllm_runbook.runbooks.store import Journal
+from vllm_runbook.runbooks.store.approvals import RESOLVED_BEFORE_RUN
 from vllm_runbook.runbooks.store.models import STEP_APPLIED, ExecutionStatus
 
 from tests.fake_agent import STARTUP, URL, Clock, FakeAgent
@@ -178,6 +179,26 @@ def test_firing_runs_once_repeat_in_cooldown_is_refused_resolve_reverts(service:
     assert v(delay + "_count", runbook="oom-pressure") == 1  # the refusal changed nothing
     assert v(delay + "_sum", runbook="oom-pressure") == pytest.approx(expected, abs=1e-6)
     assert 30 <= expected < 40
+
+
+def test_an_automatic_execution_whose_alert_resolved_before_it_ran_is_refused(
+    service: Service,
+) -> None:
+    """The worker was busy (another execution) while an alert fired and
+    resolved: its queued execution must not change the engine afterwards, when
+    the revert on resolve has already been and gone (seen in the demo: a policy
+    switched to FCFS after its alert resolved, never switched back)."""
+    starts = datetime.now(UTC) - timedelta(seconds=5)
+    assert service.deliver(firing(starts)).status_code == 200
+    assert service.deliver(firing(starts, "resolved")).status_code == 200
+    assert service.worker.tick() == 0
+    [refused] = service.store.list_executions()
+    assert (refused.status, refused.reason) == (
+        ExecutionStatus.REFUSED,
+        RESOLVED_BEFORE_RUN,
+    )
+    assert service.agent.writes == [] and service.agent.knobs == STARTUP
+    assert service.worker.tick() == 0
 
 
 def test_awaiting_approval_is_left_for_a_person(service: Service) -> None:
