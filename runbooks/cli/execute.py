@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
+from vllm_runbook.runbooks.cli.journal import add_catalog_option
 from vllm_runbook.runbooks.engine.client import CommandRefused, normalize_url
 from vllm_runbook.runbooks.executor import ExecutionResult, Executor
 from vllm_runbook.runbooks.exit_codes import ExitCode
@@ -107,13 +107,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--who", help="who is acting (default: the login name)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--db", metavar="URL", help="database URL (default: $RUNBOOK_DB_URL or SQLite)")
-    p.add_argument(
-        "--catalog",
-        metavar="DIR",
-        type=Path,
-        action="append",
-        help="load runbooks from DIR instead of the shipped catalog (repeatable)",
-    )
+    add_catalog_option(p)
 
 
 def _executor(args: argparse.Namespace, store: Journal) -> Executor:

@@ -7,9 +7,9 @@ vllm_runbook.runbooks.service.serve_cli.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
+from vllm_runbook.runbooks.cli.journal import add_catalog_option
 from vllm_runbook.runbooks.service.serve_cli import cmd_serve
 
 
@@ -24,13 +24,7 @@ def add_subcommands(subparsers: Any) -> None:
         help="database URL (default: config, RUNBOOK_DB_URL, "
         "then SQLite in the user's data directory)",
     )
-    p.add_argument(
-        "--catalog",
-        metavar="DIR",
-        type=Path,
-        action="append",
-        help="load runbooks from DIR instead of the shipped catalog (repeatable)",
-    )
+    add_catalog_option(p)
     p.add_argument("--no-rules", action="store_true", help="do not run the embedded evaluator")
     p.add_argument(
         "--no-worker",
