@@ -104,6 +104,12 @@ class Fetcher:
             self._ssl = ssl.create_default_context()
         return self._ssl
 
+    def forget(self, url: str) -> None:
+        """Close the idle connection to `url` (a target that went away)."""
+        conn = self._idle.pop(url, None)
+        if conn is not None:
+            conn.close()
+
     def close(self) -> None:
         for conn in self._idle.values():
             conn.close()

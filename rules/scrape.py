@@ -165,6 +165,30 @@ class Scraper:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
+    def set_targets(self, targets: Sequence[Target]) -> list[Target]:
+        """Scrape `targets` from the next cycle on (the inventory changed). A target
+        no longer there is forgotten: its backoff, its connection, its series (its
+        engine's alerts resolve). Returns the targets removed. Call between cycles."""
+        new = list(targets)
+        urls = {t.url for t in new}
+        removed = [t for t in self.targets if t.url not in urls]
+        self.targets = new
+        for target in new:
+            self.state.setdefault(target.url, _TargetState())
+        instances = {t.instance for t in new}
+        for target in removed:
+            self.state.pop(target.url, None)
+            self.up.pop(target.url, None)
+            self._failing.pop(target.url, None)
+            self._known.pop(target.url, None)
+            if self._loop is not None:  # the connection belongs to the loop's thread
+                self._loop.call_soon_threadsafe(self.client.forget, target.url)
+            else:
+                self.client.forget(target.url)
+            if target.instance not in instances:
+                self.store.forget(target.instance, [t.url for t in removed])
+        return removed
+
     # -- the cycle ---------------------------------------------------------------
     def scrape_once(self, now: float | None = None) -> list[ScrapeResult]:
         """Scrape every due target (concurrently); one result per target, in order."""

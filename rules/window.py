@@ -157,6 +157,13 @@ class WindowStore:
         for series in self._by_source.pop(source, set()):
             series.stale_at = ts
 
+    def forget(self, instance: str, sources: Iterable[str] = ()) -> None:
+        """An engine that left the inventory: drop its series (its alerts then resolve)."""
+        for key in [k for k in self.engines if k[0] == instance]:
+            del self.engines[key]
+        for source in sources:
+            self._by_source.pop(source, None)
+
     def trim(self, now: float) -> None:
         """Drop samples past retention, then empty series and engines."""
         for key in list(self.engines):

@@ -2,6 +2,19 @@
 
     database: sqlite:///runbook.db            # default: the store's own default
     engines: [...]                            # the rules layer's sections:
+    discovery:                                # engines found, not listed (service/discovery.py)
+      refresh_interval: 30s
+      prometheus:                             # its active targets of these jobs / labels
+        url: http://prometheus.monitoring:9090
+        jobs: [vllm-runbook-agents]
+        match: {namespace: "llm-.*"}          # label: regex (anchored, like =~)
+        bearer_token_file: secrets/prom-token # or username + password_file; ca_file
+      file_sd: [engines/*.json]               # Prometheus' file_sd format (JSON or YAML)
+      vllm_port: 8000                         # vLLM's API server beside each agent
+      agent_tokens:                           # the agents' bearer tokens (files)
+        file: secrets/agent-token             # the fleet's token
+        by_label:                             # first match wins, before `file`
+          - {match: {namespace: team-a}, file: secrets/team-a-token}
     rules: {...}                              #   vllm_runbook.rules.config
     automation: {...}
     webhook:
@@ -233,12 +246,88 @@ class RetentionConfig(Section):
     interval_seconds: PositiveDuration = Field(default=600.0, validation_alias="interval")
 
 
+def _label_regex(value: object) -> dict[str, re.Pattern[str]]:
+    if not isinstance(value, dict):
+        raise phrase("must be a mapping of label name to regular expression")
+    out: dict[str, re.Pattern[str]] = {}
+    for key, pattern in value.items():
+        if not isinstance(key, str) or not isinstance(pattern, str):
+            raise detail(f"label {key!r}: name and regular expression must be strings")
+        try:
+            out[key] = re.compile(f"(?:{pattern})")
+        except re.error as exc:
+            raise detail(f"label {key!r}: bad regular expression {pattern!r} ({exc})") from None
+    return out
+
+
+LabelMatch = Annotated[dict[str, re.Pattern[str]], BeforeValidator(_label_regex)]
+
+
+def label_matches(match: dict[str, re.Pattern[str]], labels: dict[str, str]) -> bool:
+    """Every matcher holds on the whole value (Prometheus' `=~`; absent = "")."""
+    return all(p.fullmatch(labels.get(k, "")) is not None for k, p in match.items())
+
+
+class PrometheusDiscovery(Section):
+    """Engines = a Prometheus' active scrape targets of `jobs` (any, if empty)
+    whose labels match `match`; at least one of the two is given."""
+
+    url: Url
+    jobs: tuple[Text, ...] = ()
+    match: LabelMatch = Field(default_factory=dict)
+    bearer_token_file: RelativePath | None = None
+    username: Text | None = None
+    password_file: RelativePath | None = None
+    ca_file: RelativePath | None = None
+    timeout_seconds: PositiveDuration = Field(default=10.0, validation_alias="timeout")
+
+    @model_validator(mode="after")
+    def _selects(self) -> PrometheusDiscovery:
+        if not self.jobs and not self.match:
+            raise detail("name the agents' scrape jobs (jobs) or label matchers (match)")
+        if self.bearer_token_file is not None and (self.username or self.password_file):
+            raise detail("give bearer_token_file or username + password_file, not both")
+        if (self.username is None) != (self.password_file is None):
+            raise detail("basic auth needs both username and password_file")
+        return self
+
+
+class TokenByLabel(Section):
+    match: LabelMatch
+    file: RelativePath
+
+
+class AgentTokens(Section):
+    """The agents' bearer tokens, from files (Kubernetes Secrets mounted as files):
+    the first `by_label` entry whose matchers hold on the engine's labels, else `file`."""
+
+    file: RelativePath | None = None
+    by_label: tuple[TokenByLabel, ...] = ()
+
+
+class DiscoveryConfig(Section):
+    refresh_interval_seconds: PositiveDuration = Field(
+        default=30.0, validation_alias="refresh_interval"
+    )
+    prometheus: PrometheusDiscovery | None = None
+    file_sd: tuple[RelativePath, ...] = ()
+    """Files (glob patterns) in Prometheus' file_sd format."""
+    vllm_port: Annotated[int, Field(ge=1, le=65535, strict=True)] | None = None
+    """vLLM's API server: this port on the agent's host (None: not known)."""
+    agent_tokens: AgentTokens = Field(default_factory=AgentTokens)
+
+    @property
+    def enabled(self) -> bool:
+        return self.prometheus is not None or bool(self.file_sd)
+
+
 class Config(Section):
     """The whole file: the rules layer's sections and the service's."""
 
     database: Text | None = None
     """None: the store decides ($RUNBOOK_DB_URL, then SQLite)."""
     engines: Engines = ()
+    discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     rules: RulesSection = Field(default_factory=RulesSection)
     automation: Automation = Field(default_factory=Automation)
     webhook: WebhookConfig = Field(default_factory=WebhookConfig)

@@ -68,6 +68,7 @@ from vllm_runbook.runbooks.guardrails import (
 from vllm_runbook.runbooks.outcome import (
     Abort,
     EngineBusy,
+    EngineGone,
     ExecutionResult,
     UnknownRunbook,
     one_line,
@@ -134,6 +135,9 @@ class Executor:
     client_factory: Callable[[str], EngineClient] = EngineClient
     # Agent URL (normalized) -> the engine's vLLM API server, for warm-up requests.
     api_urls: Mapping[str, str] = field(default_factory=dict)
+    # Agent URL -> why the engine is gone (it left the inventory), None while it
+    # is there (service/discovery.py); None: engines never go (the CLI).
+    gone: Callable[[str], str | None] | None = None
     # Seconds between signal reads while waiting (conditions, verification).
     poll_seconds: float = 1.0
     sleep: Callable[[float], None] = time.sleep
@@ -339,26 +343,56 @@ class Run:
             self.store.transition(self.id, status, error, reason=reason)
         return self.result(exit_code, None if status == ExecutionStatus.SUCCEEDED else message)
 
+    def gone(self) -> str | None:
+        return self.x.gone(self.client.url) if self.x.gone is not None else None
+
+    def _still_there(self) -> None:
+        why = self.gone()
+        if why is not None:
+            raise EngineGone(why)
+
     def execute(self) -> ExecutionResult:
+        why = self.gone()
+        if why is not None:  # left the inventory before this execution started
+            return self.finish(ExecutionStatus.REFUSED, ExitCode.ENGINE, why)
         if self.dry_run:
             return self._guard(self._dry_run)
         try:
             with engine_lock(self.store, self.client.url, self.id) as renew:
-                self.renew = renew
+
+                def renew_if_there() -> None:
+                    # Called before every action and at every wait's slice: an
+                    # engine that left the inventory ends the execution there.
+                    self._still_there()
+                    renew()
+
+                self.renew = renew_if_there
                 return self._guard(self._real_run)
         except EngineBusy as busy:
             return self.finish(ExecutionStatus.REFUSED, ExitCode.USAGE, str(busy))
+
+    def _ended_gone(self, why: str) -> ExecutionResult:
+        """The engine left the inventory (a pod scaled away): nothing is reverted on
+        it, nothing retried; the steps applied stay as the journal recorded them."""
+        if self.applied:
+            why += f"; not reverted ({len(self.applied)} step(s) applied on it)"
+        return self.finish(ExecutionStatus.FAILED, ExitCode.ENGINE, why)
 
     def _guard(self, body: Callable[[], ExecutionResult]) -> ExecutionResult:
         """Turn errors into a final status; roll back whatever was applied."""
         try:
             return body()
+        except EngineGone as gone:
+            return self._ended_gone(gone.message)
         except Abort as abort:
             if self.applied:
                 return self._roll_back(abort.message, abort.exit_code)
             return self.finish(abort.status, abort.exit_code, abort.message)
         except EngineClientError as error:
             message = one_line(error)
+            why = self.gone()
+            if why is not None:  # it failed because the engine went away
+                return self._ended_gone(f"{why} ({message})")
             if self.applied:
                 # Rolled back = exit 1, unless the engine itself is gone (3).
                 code = ExitCode.ENGINE if error.exit_code == ExitCode.ENGINE else ExitCode.FAILED

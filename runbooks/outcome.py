@@ -61,3 +61,11 @@ def one_line(error: BaseException) -> str:
     """An error as one line for the journal and the terminal."""
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+class EngineGone(Abort):
+    """The engine left the inventory while its execution ran: it ends there,
+    failed, and nothing is reverted on an engine that no longer exists."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("failed", ExitCode.ENGINE, message)

@@ -7,6 +7,7 @@ GET  /openapi.json            the API's schema (no Swagger UI: it would load a C
 GET  /api/executions          the journal (JSON)
 GET  /api/incidents           incidents recorded by the rule evaluator (JSON)
 GET  /api/pending             executions awaiting approval (JSON)
+GET  /api/engines             the inventory: each engine, its source and when it was last seen
 POST /api/executions/{id}/approve|reject   a person's answer (the webhook's
                               credentials, which name who answered; JSON body {"note": ...})
 GET  /                        the on-call page (service/page.py)
@@ -40,6 +41,7 @@ from vllm_runbook.runbooks.service import telemetry as T
 from vllm_runbook.runbooks.service.alertmanager import WebhookPayload, unstorable_text
 from vllm_runbook.runbooks.service.auth import Access, Credentials, Refusal, send_refusal
 from vllm_runbook.runbooks.service.browser import BrowserGuard, BrowserPolicy
+from vllm_runbook.runbooks.service.discovery import Inventory
 from vllm_runbook.runbooks.service.limits import BODY_TOO_LARGE, WEBHOOK_PATH, RequestLimits
 from vllm_runbook.runbooks.service.page import is_page, mount_page
 from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
@@ -101,6 +103,7 @@ def create_app(
     browser: BrowserPolicy | None = None,
     limits: LimitsConfig | None = None,
     lifespan: Lifespan | None = None,
+    inventory: Inventory | None = None,
 ) -> FastAPI:
     """The app; `status` adds to /healthz (e.g. whether this replica leads the rules).
     `protect_reads`: the reads and the page need `credentials` or
@@ -233,6 +236,11 @@ def create_app(
     def incidents(open_only: bool = False) -> Response:
         rows = store.list_incidents(open_only=open_only)
         return JSONResponse([r.to_dict() for r in rows])
+
+    @app.get("/api/engines", dependencies=read)
+    def engines() -> Response:
+        entries = (inventory or router.inventory or Inventory()).entries()
+        return JSONResponse([e.as_dict() for e in entries])
 
     @app.get("/api/pending", dependencies=read)
     def pending() -> Response:

@@ -10,7 +10,8 @@ never overlapping itself, missed runs coalesced:
 - the worker (service/worker.py), when this replica runs executions; woken
   by a webhook delivery or an answer taken here;
 - the notifications' feed and one delivery per receiver (notify.py);
-- the retention of stored deliveries (service/retention.py).
+- the retention of stored deliveries (service/retention.py);
+- discovery's refresh of the inventory (service/discovery.py), when configured.
 
 On shutdown (SIGTERM, SIGINT) the webhook's writer commits what it queued,
 then `stop`: no job starts again; the rules' cycle in flight ends and
@@ -45,6 +46,7 @@ from vllm_runbook.runbooks.store import Journal
 if TYPE_CHECKING:
     from vllm_runbook.runbooks.catalogs import RunbookCatalog
     from vllm_runbook.runbooks.notify import Notifier
+    from vllm_runbook.runbooks.service.discovery import Discovery
 
 log = logging.getLogger("vllm_runbook.service")
 
@@ -64,6 +66,7 @@ class Service:
     worker: Worker | None = None
     leader: RulesLeader | None = None
     notifier: Notifier | None = None
+    discovery: Discovery | None = None
     app: FastAPI = field(init=False)
     scheduler: BackgroundScheduler = field(init=False)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
@@ -74,6 +77,7 @@ class Service:
         # A pool thread per job: a slow job (an execution, a receiver's
         # retries) never holds another back.
         jobs = 1 + (self.worker is not None) + (self.leader is not None)
+        jobs += self.discovery is not None
         jobs += self.notifier.job_count if self.notifier is not None else 0
         self.scheduler = BackgroundScheduler(
             executors={"default": ThreadPoolExecutor(max_workers=jobs)}
@@ -85,6 +89,8 @@ class Service:
             if self._started:
                 return
             self._started = True
+        if self.discovery is not None:
+            self.discovery.schedule(self.scheduler, self.config.discovery.refresh_interval_seconds)
         if self.leader is not None:
             self.leader.schedule(self.scheduler, self.config.evaluation_interval)
         if self.worker is not None:

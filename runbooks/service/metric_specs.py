@@ -144,6 +144,20 @@ WEBHOOK_EVENTS_PRUNED = _spec(
     "limit",
 )
 
+ENGINES = _spec(
+    "engines",
+    "gauge",
+    "Engines in the service's inventory, by where they came from "
+    "(static: the configured list; prometheus, file_sd: discovery).",
+    "source",
+)
+DISCOVERY_REFRESH_FAILURES = _spec(
+    "discovery_refresh_failures",
+    "counter",
+    "Discovery refreshes of a source that failed (its last good engines are kept), by source.",
+    "source",
+)
+
 SERVICE_METRICS: tuple[MetricSpec, ...] = (
     WEBHOOKS_RECEIVED,
     WEBHOOKS_REJECTED,
@@ -161,6 +175,8 @@ SERVICE_METRICS: tuple[MetricSpec, ...] = (
     ALERTS_REJECTED,
     REQUESTS_REFUSED,
     WEBHOOK_EVENTS_PRUNED,
+    ENGINES,
+    DISCOVERY_REFRESH_FAILURES,
 )
 
 ServiceMetric = Counter | Gauge | Histogram

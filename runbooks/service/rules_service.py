@@ -35,6 +35,7 @@ from vllm_runbook.rules.scrape import Scraper
 from vllm_runbook.rules.window import WindowStore
 from vllm_runbook.runbooks.catalogs import load_rules, runbook_names
 from vllm_runbook.runbooks.config import Config
+from vllm_runbook.runbooks.service.discovery import Inventory
 from vllm_runbook.runbooks.service.sql_sink import SqlIncidentSink
 from vllm_runbook.runbooks.store import Journal
 
@@ -53,6 +54,8 @@ class RulesService:
     recorder: SqlIncidentSink | MemoryIncidentSink
     clock: Callable[[], float] = time.time
     metrics: ServiceMetrics | None = None
+    inventory: Inventory | None = None
+    _inventory_version: int = -1
 
     @classmethod
     def from_config(
@@ -65,15 +68,20 @@ class RulesService:
         scrape_timeout: float = 5.0,
         metrics: ServiceMetrics | None = None,
         runbooks: Collection[str] | None = None,
+        inventory: Inventory | None = None,
     ) -> RulesService:
         """Build everything; CatalogError (nothing built) when the catalog is broken.
 
         With a `store` incidents go to its incidents table; without one they
-        stay in memory (tests, a dry look at a fleet).
+        stay in memory (tests, a dry look at a fleet). With an `inventory`
+        (service/discovery.py) the engines are its own, re-read at every cycle:
+        an engine discovered is scraped from the next cycle on, one that left is
+        forgotten (its alerts resolve).
         """
         rules = load_rules(config, runbook_names() if runbooks is None else runbooks)
         windows = store_for_rules(rules)
-        targets = [t for engine in config.engines for t in engine.targets()]
+        engines_now = inventory.engines() if inventory is not None else config.engines
+        targets = [t for engine in engines_now for t in engine.targets()]
         scraper = Scraper(
             windows,
             targets,
@@ -85,10 +93,16 @@ class RulesService:
         recorder: SqlIncidentSink | MemoryIncidentSink = (
             SqlIncidentSink(store, clock=clock) if store is not None else MemoryIncidentSink()
         )
-        engines = {e.name: e for e in config.engines}
+        engines = {e.name: e for e in engines_now}
         dispatcher = Dispatcher([recorder], config.automation, hook, engines)
         evaluator = Evaluator(rules, windows, dispatcher, clock=clock)
-        return cls(config, rules, windows, scraper, evaluator, dispatcher, recorder, clock, metrics)
+        service = cls(
+            config, rules, windows, scraper, evaluator, dispatcher, recorder, clock, metrics
+        )
+        service.inventory = inventory
+        if inventory is not None:
+            service._inventory_version = inventory.version
+        return service
 
     @property
     def sink(self) -> IncidentSink:
@@ -100,7 +114,18 @@ class RulesService:
         self.scrape(now)
         return self.evaluate(now)
 
+    def follow_inventory(self) -> None:
+        """Scrape what the inventory holds now (between cycles, on the cycle's thread)."""
+        inventory = self.inventory
+        if inventory is None or inventory.version == self._inventory_version:
+            return
+        self._inventory_version = inventory.version
+        engines = inventory.engines()
+        self.scraper.set_targets([t for engine in engines for t in engine.targets()])
+        self.dispatcher.engines = {e.name: e for e in engines}
+
     def scrape(self, now: float) -> None:
+        self.follow_inventory()
         self.scraper.scrape_once(now)  # never raises for a target's fault
 
     def evaluate(self, now: float) -> list[IncidentEvent]:

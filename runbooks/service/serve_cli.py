@@ -83,6 +83,12 @@ def build(
     from vllm_runbook.runbooks.engine.operations import engine_registry
     from vllm_runbook.runbooks.service.app import create_app
     from vllm_runbook.runbooks.service.browser import BrowserPolicy
+    from vllm_runbook.runbooks.service.discovery import (
+        ApiUrls,
+        Discovery,
+        Inventory,
+        sources_from,
+    )
     from vllm_runbook.runbooks.service.lifecycle import Service
     from vllm_runbook.runbooks.service.retention import Retention
     from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
@@ -97,11 +103,14 @@ def build(
     url = db or config.database
     upgrade(url)
     store = Journal(url)
+    # The engines: the static list, and what discovery finds (service/discovery.py).
+    inventory = Inventory(config.engines, config.discovery)
     router = Router(
         engines=config.engines,
         automation=config.automation,
         alert_runbooks=deployment.alert_runbooks,
         known_runbooks=frozenset(runbooks),
+        inventory=inventory,
     )
     metrics = ServiceMetrics(
         engine_names={normalize_url(e.agent): e.name for e in config.engines},
@@ -109,8 +118,18 @@ def build(
         scrape_targets=[t.url for e in config.engines for t in e.targets()] if rules else (),
         receivers=[r.name for r in config.notifications.receivers],
     )
+
+    def named(added: list[Any], _removed: list[Any]) -> None:
+        for entry in added:  # executions are keyed by the agent URL
+            metrics.engine_names[normalize_url(entry.engine.agent)] = entry.engine.name
+
+    inventory.on_change(named)
+    discovery = None
+    if config.discovery.enabled:
+        discovery = Discovery(inventory, sources_from(config.discovery), observer=metrics)
     runner = None
     if worker:
+        from vllm_runbook.runbooks.engine.client import EngineClient
         from vllm_runbook.runbooks.executor import Executor
         from vllm_runbook.runbooks.service.worker import Worker
 
@@ -120,14 +139,16 @@ def build(
                 store,
                 runbooks,
                 registry,
-                api_urls={normalize_url(e.agent): e.vllm for e in config.engines if e.vllm},
+                client_factory=lambda url: EngineClient(url, token=inventory.token(url)),
+                api_urls=ApiUrls(inventory),
+                gone=inventory.gone_reason,
             ),
             waits=config.executor,
             metrics=metrics,
             approval_timeout_s=config.approvals.timeout_seconds,
         )
     leader = None
-    if rules and config.engines:
+    if rules and (config.engines or discovery is not None):
         from vllm_runbook.runbooks.service.leader import RulesLeader
         from vllm_runbook.runbooks.service.rules_service import RulesService
         from vllm_runbook.runbooks.service.worker import ExecutorHook
@@ -140,7 +161,12 @@ def build(
         leader = RulesLeader(
             store,
             lambda: RulesService.from_config(
-                config, store=store, hook=hook, metrics=metrics, runbooks=names
+                config,
+                store=store,
+                hook=hook,
+                metrics=metrics,
+                runbooks=names,
+                inventory=inventory,
             ),
             config.leader_lease,
             metrics=metrics,
@@ -163,6 +189,7 @@ def build(
         worker=runner,
         leader=leader,
         notifier=notifier,
+        discovery=discovery,
     )
     status = (lambda: {"rules_leader": leader.is_leader}) if leader is not None else None
     service.app = create_app(
@@ -185,6 +212,7 @@ def build(
         ),
         limits=config.limits,
         lifespan=service.lifespan,
+        inventory=inventory,
     )
     return service
 

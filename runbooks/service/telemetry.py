@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, cast
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm_runbook.runbooks.engine.operations import KNOBS
 from vllm_runbook.runbooks.service import metric_specs as S
+from vllm_runbook.runbooks.service.discovery import SOURCES
 from vllm_runbook.runbooks.service.limits import REFUSAL_REASONS as REQUEST_REFUSAL_REASONS
 from vllm_runbook.runbooks.store import ExecutionRecord, StepRecord
 from vllm_runbook.runbooks.store.models import (
@@ -98,6 +99,13 @@ class ServiceMetrics:
         self.alerts_rejected = cast(Counter, built[S.ALERTS_REJECTED])
         self.requests_refused = cast(Counter, built[S.REQUESTS_REFUSED])
         self.webhook_events_pruned = cast(Counter, built[S.WEBHOOK_EVENTS_PRUNED])
+        self.engines = cast(Gauge, built[S.ENGINES])
+        self.discovery_refresh_failures = cast(Counter, built[S.DISCOVERY_REFRESH_FAILURES])
+        static = len(self.engine_names)
+        for source in SOURCES:
+            self.engines.labels(source).set(static if source == "static" else 0)
+            if source != "static":
+                self.discovery_refresh_failures.labels(source)
         self.alerts_rejected.labels(ALERT_STARTS_AT_OUT_OF_RANGE)
         for reason in REQUEST_REFUSAL_REASONS:
             self.requests_refused.labels(reason)
@@ -129,6 +137,13 @@ class ServiceMetrics:
     def scrape_failed(self, target_url: str, reason: str) -> None:
         """The rules engine's scraper reports each failed scrape here (its `on_error`)."""
         self.scrape_errors.labels(target_url, reason).inc()
+
+    def discovery_refreshed(self, counts: Mapping[str, int]) -> None:
+        for source, count in counts.items():
+            self.engines.labels(source).set(count)
+
+    def discovery_failed(self, source: str) -> None:
+        self.discovery_refresh_failures.labels(source).inc()
 
     def engine_name(self, engine_url: str) -> str:
         return self.engine_names.get(engine_url, engine_url)

@@ -28,37 +28,53 @@ from sqlalchemy.orm import Session
 from vllm_runbook.rules.config import Automation, EngineConfig
 from vllm_runbook.runbooks.engine.client import normalize_url
 from vllm_runbook.runbooks.service.alertmanager import Alert, WebhookPayload
+from vllm_runbook.runbooks.service.discovery import Inventory, Resolution
 from vllm_runbook.runbooks.store import Journal, StoreUnavailable
 from vllm_runbook.runbooks.store.executions import NewExecution
-from vllm_runbook.runbooks.store.models import ApprovalState, WebhookEvent, utcnow
+from vllm_runbook.runbooks.store.models import (
+    ApprovalState,
+    ExecutionStatus,
+    WebhookEvent,
+    utcnow,
+)
 
 log = logging.getLogger("vllm_runbook.service")
 
 WHO_MAX = 256  # executions.who
+REASON_MAX = 1000
+# The journal's engine of an alert that names no one engine (nothing ran on any).
+UNRESOLVED = "unresolved"
 MAX_BATCH = 128  # deliveries per group commit
 
 
 @dataclass(frozen=True)
 class Router:
     """Alert → runbook (its `runbook` label, else the rule catalog's) and
-    alert → engine (the inventory entry whose labels the alert carries, or
-    whose name is the alert's `instance`)."""
+    alert → exactly one engine of the inventory (service/discovery.py,
+    `Inventory.resolve`: the static entry whose labels the alert carries, or
+    whose name is the alert's `instance`; else the discovered engine its
+    identity labels name). `inventory` None: the static `engines` alone."""
 
     engines: tuple[EngineConfig, ...]
     automation: Automation
     alert_runbooks: Mapping[str, str | None] = field(default_factory=dict)
     known_runbooks: frozenset[str] = frozenset()
+    inventory: Inventory | None = None
+
+    def __post_init__(self) -> None:
+        if self.inventory is None:
+            object.__setattr__(self, "inventory", Inventory(self.engines))
 
     def runbook(self, alert: Alert) -> str | None:
         name = alert.labels.get("runbook") or self.alert_runbooks.get(alert.alertname)
         return name if name in self.known_runbooks else None
 
+    def resolve(self, alert: Alert) -> Resolution:
+        assert self.inventory is not None
+        return self.inventory.resolve(alert.labels)
+
     def engine(self, alert: Alert) -> EngineConfig | None:
-        for engine in self.engines:
-            if engine.labels and all(alert.labels.get(k) == v for k, v in engine.labels.items()):
-                return engine
-        instance = alert.labels.get("instance")
-        return next((e for e in self.engines if e.name == instance), None)
+        return self.resolve(alert).engine
 
 
 @dataclass
@@ -82,7 +98,7 @@ class Outcome:
     @property
     def created(self) -> list[str]:
         """Runbooks of the executions this delivery created (not redeliveries)."""
-        return [e["runbook"] for e in self.executions if e["created"]]
+        return [e["runbook"] for e in self.executions if e["created"] and e["mode"] != "refused"]
 
 
 @dataclass
@@ -120,9 +136,28 @@ def plan(router: Router, payload: WebhookPayload, raw: dict[str, Any], size: int
         if runbook is None:
             skip("no runbook for this alert")
             continue
-        engine = router.engine(alert)
+        resolution = router.resolve(alert)
+        engine = resolution.engine
         if engine is None:
-            skip("no engine in the inventory matches the alert's labels")
+            reason = resolution.reason or "no engine in the inventory matches the alert's labels"
+            skip(reason)
+            if alert.status == "firing":
+                log.warning("alert %s (%s): %s", alert.alertname, alert.fingerprint, reason)
+                # The journal says why nothing ran: a refused execution of the
+                # episode, on no engine (one row per episode, like any other).
+                planned.executions.append(
+                    NewExecution(
+                        runbook,
+                        UNRESOLVED,
+                        trigger="alert",
+                        who=f"alertmanager:{alert.alertname}"[:WHO_MAX],
+                        alert_fingerprint=alert.fingerprint,
+                        alert_starts_at=alert.startsAt,
+                        reason=reason[:REASON_MAX],
+                        status=ExecutionStatus.REFUSED,
+                    )
+                )
+                planned.modes.append("refused")
             continue
         # Executions are keyed by the agent URL, as `runbook exec` keys them.
         engine_url = normalize_url(engine.agent)

@@ -178,6 +178,11 @@ class Worker:
         return 1
 
     def _revert(self, item: dict[str, Any]) -> None:
+        gone = self.executor.gone(item["engine"]) if self.executor.gone is not None else None
+        if gone is not None:
+            # Its findings resolved because it left: nothing to restore on it.
+            log.warning("alert %s resolved: %s; nothing reverted", item["fingerprint"], gone)
+            return
         starts_at = datetime.fromisoformat(item["startsAt"])
         waiting = self.store.resolve_before_start(
             item["runbook"], item["engine"], item["fingerprint"], starts_at

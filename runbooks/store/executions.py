@@ -265,6 +265,8 @@ class NewExecution:
     # ApprovalState.AWAITING for an execution that waits for a person.
     reason: str | None = None
     reverts_id: int | None = None
+    # REFUSED: recorded final at once (an alert that names no one engine).
+    status: ExecutionStatus = ExecutionStatus.PENDING
     episode_key: str | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
@@ -291,7 +293,7 @@ class NewExecution:
             "alert_fingerprint": self.alert_fingerprint,
             "alert_starts_at": self.alert_starts_at,
             "episode_key": self.episode_key,
-            "status": ExecutionStatus.PENDING,
+            "status": self.status,
             "reason": self.reason,
             "reverts_id": self.reverts_id,
         }

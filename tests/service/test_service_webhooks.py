@@ -139,7 +139,13 @@ def test_routing_notify_approve_and_unknown(sqlite_url: str, tmp_path: Path) -> 
     body = payload()
     body["alerts"][0]["labels"]["instance"] = "elsewhere:1"
     r = client.post("/webhooks/alertmanager", json=body, headers=AUTH).json()
-    assert "no engine" in r["skipped"][0]["reason"]
+    reason = "no engine in the inventory matches the alert's labels (instance=elsewhere:1, engine=0)"
+    assert r["skipped"][0]["reason"] == reason
+    # Nothing runs; the journal says why (a refused execution on no engine).
+    [refused] = r["executions"]
+    assert (refused["engine"], refused["mode"], refused["created"]) == ("unresolved", "refused", True)
+    row = client.get("/api/executions").json()[0]
+    assert (row["id"], row["status"], row["reason"]) == (refused["id"], "refused", reason)
     body = payload(status="resolved")
     assert (
         client.post("/webhooks/alertmanager", json=body, headers=AUTH).json()["skipped"][0][
@@ -147,7 +153,7 @@ def test_routing_notify_approve_and_unknown(sqlite_url: str, tmp_path: Path) -> 
         ]
         == "resolved"
     )
-    assert counts(sqlite_url) == (4, 1)
+    assert counts(sqlite_url) == (4, 2)
 
 
 def test_unauthenticated_requests_store_nothing(sqlite_url: str, tmp_path: Path) -> None:
