@@ -65,6 +65,46 @@ def engine_urls(args: argparse.Namespace) -> list[str]:
     return urls
 
 
+# -- the service's inventory ---------------------------------------------------
+
+
+def cmd_engines(args: argparse.Namespace) -> int:
+    """GET /api/engines of a running service: the static and the discovered engines."""
+    import os
+    import time
+
+    import httpx
+
+    token = args.token or os.environ.get("RUNBOOK_READ_TOKEN", "").strip() or None
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    url = args.service.rstrip("/") + "/api/engines"
+    try:
+        response = httpx.get(url, headers=headers, timeout=10)
+    except httpx.HTTPError as exc:
+        raise UsageError(f"service {args.service} unreachable: {exc}") from None
+    if response.status_code != 200:
+        raise UsageError(f"service {args.service}: HTTP {response.status_code} for /api/engines")
+    try:
+        rows = response.json()
+    except ValueError:
+        raise UsageError(f"service {args.service}: /api/engines is not JSON") from None
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return ExitCode.OK
+    now = time.time()
+    table = [("NAME", "SOURCE", "AGENT", "VLLM", "LAST SEEN", "LABELS")]
+    for row in rows:
+        labels = ",".join(f"{k}={v}" for k, v in sorted(row["labels"].items()))
+        seen = f"{max(0.0, now - row['last_seen']):.0f} s ago"
+        table.append(
+            (row["name"], row["source"], row["agent"], row["vllm"] or "-", seen, labels or "-")
+        )
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]) - 1)]
+    for r in table:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1])
+    return ExitCode.OK
+
+
 # -- formatting ----------------------------------------------------------------
 
 
@@ -275,6 +315,23 @@ def add_subcommands(sub: Any) -> None:
             help=f"seconds to wait for each engine's answer (default {DEFAULT_TIMEOUT:g})",
         )
         p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = sub.add_parser(
+        "engines",
+        help="the inventory of a running `runbook serve`: each engine, its source, last seen",
+    )
+    p.add_argument(
+        "--service",
+        default="http://127.0.0.1:8080",
+        metavar="URL",
+        help="the service's URL (default http://127.0.0.1:8080)",
+    )
+    p.add_argument(
+        "--token",
+        help="read token or webhook token (default: RUNBOOK_READ_TOKEN; loopback needs none)",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_engines)
 
     p = sub.add_parser("status", help="knobs and key signals of engines")
     engine_args(p)

@@ -22,8 +22,9 @@ gone" (runbooks/executor.py) and nothing is reverted on it.
 Alert -> engine (`resolve`): the static list first, as it always did (an
 entry whose labels the alert carries, else whose name is the alert's
 `instance`), then the discovered engines by their identity labels
-(`IDENTITY`: namespace, pod, instance, and the DP rank `engine` where both
-carry it; an alert's `instance` may also name the agent's or vLLM's address).
+(`IDENTITY`: namespace, pod, instance; and the alert's DP rank `engine` against
+the target's `dp_rank` where both carry one; an alert's `instance` may also
+name the agent's or vLLM's address).
 Exactly one engine, or nothing runs and the reason is said.
 """
 
@@ -51,7 +52,10 @@ STATIC, PROMETHEUS, FILE_SD = "static", "prometheus", "file_sd"
 SOURCES: Final = (STATIC, PROMETHEUS, FILE_SD)
 # Labels that name where an engine runs: an alert is matched on these.
 IDENTITY: Final = ("namespace", "pod", "instance")
-DP_RANK: Final = "engine"  # the collector's and vLLM's label for the DP rank
+DP_RANK: Final = "engine"  # the collector's and vLLM's label for the DP rank (alerts carry it)
+# A discovered target's DP rank (not `engine`: a target label of that name would
+# rename the agent's own `engine` label to exported_engine). The PodMonitor sets it.
+DP_RANK_TARGET: Final = "dp_rank"
 _NAME_BAD = re.compile(r"[^A-Za-z0-9_.:-]")
 
 
@@ -319,8 +323,8 @@ def _matches(entry: Entry, labels: Mapping[str, str]) -> bool:
         else:
             continue
         compared += 1
-    if compared and DP_RANK in labels and DP_RANK in engine.labels:
-        return bool(labels[DP_RANK] == engine.labels[DP_RANK])
+    if compared and DP_RANK in labels and DP_RANK_TARGET in engine.labels:
+        return bool(labels[DP_RANK] == engine.labels[DP_RANK_TARGET])
     return compared > 0
 
 
@@ -333,8 +337,11 @@ def _iso(ts: float) -> str:
 
 def engine_name(labels: Mapping[str, str], address: str) -> str:
     """The inventory name of a discovered engine: its `instance` label (Prometheus
-    sets it to the target's address unless relabelled), made a valid name."""
+    sets it to the target's address unless relabelled), with `-dp<N>` where the
+    target names its DP rank (`dp_rank`), made a valid name."""
     raw = labels.get("instance") or address
+    if DP_RANK_TARGET in labels:
+        raw += f"-dp{labels[DP_RANK_TARGET]}"
     name = _NAME_BAD.sub("_", raw).lstrip("_.:-")
     return name or "engine"
 

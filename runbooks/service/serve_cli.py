@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import secrets
@@ -119,9 +120,13 @@ def build(
         receivers=[r.name for r in config.notifications.receivers],
     )
 
-    def named(added: list[Any], _removed: list[Any]) -> None:
+    def named(added: list[Any], removed: list[Any]) -> None:
         for entry in added:  # executions are keyed by the agent URL
             metrics.engine_names[normalize_url(entry.engine.agent)] = entry.engine.name
+        for entry in removed:  # no longer scraped: no duration series left behind
+            for target in entry.engine.targets():
+                with contextlib.suppress(KeyError):
+                    metrics.scrape_duration.remove(target.url)
 
     inventory.on_change(named)
     discovery = None

@@ -156,13 +156,56 @@ def test_monitors_select_the_service_and_the_agents(overlay: str) -> None:
     assert env["RUNBOOK_READ_TOKEN"] == {**read_token, "optional": True}
     pods = one(objects, "PodMonitor")
     (endpoint,) = pods["spec"]["podMetricsEndpoints"]
-    keep, instance = endpoint["relabelings"]
+    keep, instance, namespace, rank = endpoint["relabelings"]
     assert keep["regex"] == "runbook-dp[0-9]+"
     assert instance["targetLabel"] == "instance"
+    assert (namespace["sourceLabels"], namespace["targetLabel"]) == (
+        ["__meta_kubernetes_namespace"],
+        "namespace",
+    )
+    assert (rank["regex"], rank["targetLabel"], rank["replacement"]) == (
+        "runbook-dp([0-9]+)",
+        "dp_rank",
+        "$1",
+    )
     # Prometheus selects what carries its release label.
     for obj in objects:
         if is_operator_kind(obj):
             assert matches(RELEASE_LABEL, obj["metadata"]["labels"]), obj["kind"]
+
+
+@pytest.mark.parametrize("overlay", ["default", "ha"])
+def test_the_default_overlays_discover_the_podmonitors_targets(
+    overlay: str, tmp_path: Path
+) -> None:
+    """runbook.yaml asks Prometheus for the PodMonitor's targets (the Operator names
+    their job <namespace>/<PodMonitor>); no engine is listed."""
+    from vllm_runbook.runbooks.config import load_config
+    from vllm_runbook.runbooks.service.discovery import targets_to_engines
+
+    objects = render(overlay)
+    [config_map] = [
+        o for o in objects if o["kind"] == "ConfigMap" and "runbook.yaml" in o.get("data", {})
+    ]
+    path = tmp_path / "runbook.yaml"
+    path.write_text(config_map["data"]["runbook.yaml"])
+    config = load_config(path)
+    assert config.engines == () and config.discovery.prometheus is not None
+    monitor = one(objects, "PodMonitor")["metadata"]
+    job = f"{one(objects, 'Service')['metadata']['namespace']}/{monitor['name']}"
+    target = {
+        "scrapeUrl": "http://10.1.0.5:9361/metrics",
+        "labels": {"job": job, "instance": "llama-7d9f", "namespace": "llm", "dp_rank": "1"},
+    }
+    [engine] = targets_to_engines([target], config.discovery.prometheus, config.discovery.vllm_port)
+    assert (engine.name, engine.agent, engine.vllm) == (
+        "llama-7d9f-dp1",
+        "http://10.1.0.5:9361",
+        "http://10.1.0.5:8000",
+    )
+    # The service needs no Kubernetes API: no Role, no token mounted.
+    assert not [o for o in objects if o["kind"] in ("Role", "ClusterRole", "RoleBinding")]
+    assert one(objects, "ServiceAccount")["automountServiceAccountToken"] is False
 
 
 def test_with_the_prometheusrule_prometheus_detects_without_it_the_service_does() -> None:
@@ -196,11 +239,14 @@ def test_the_example_engine_is_valid_and_what_the_podmonitor_scrapes() -> None:
 
     text = (DEPLOY / "examples" / "vllm-engine.yaml").read_text(encoding="utf-8")
     engine = [doc for doc in yaml.safe_load_all(text) if doc]
-    assert [o["kind"] for o in engine] == ["Service", "StatefulSet"]
+    assert [o["kind"] for o in engine] == ["Service", "Deployment", "HorizontalPodAutoscaler"]
     for version in KUBERNETES_VERSIONS:
         assert [p for o in engine for p in kubernetes_problems(o, version)] == []
     pods = one(render("default"), "PodMonitor")
-    template = one(engine, "StatefulSet")["spec"]["template"]
+    deployment = one(engine, "Deployment")
+    template = deployment["spec"]["template"]
+    hpa = one(engine, "HorizontalPodAutoscaler")["spec"]["scaleTargetRef"]
+    assert (hpa["kind"], hpa["name"]) == ("Deployment", deployment["metadata"]["name"])
     assert matches(pods["spec"]["selector"]["matchLabels"], template["metadata"]["labels"])
     keep = re.compile(pods["spec"]["podMetricsEndpoints"][0]["relabelings"][0]["regex"])
     (vllm,) = template["spec"]["containers"]
@@ -246,6 +292,7 @@ def test_each_optional_piece_switches_off_alone(dropped: str, tmp_path: Path) ->
     default["resources"] = [moved(p) for p in default["resources"]]
     default["components"] = [moved(p) for p in kept]
     (overlay / "kustomization.yaml").write_text(yaml.safe_dump(default))
+    (overlay / "runbook.yaml").write_text((DEPLOY / "default" / "runbook.yaml").read_text())
     objects = render_dir(overlay)
     expected = EXPECTED_KINDS["default"] - Counter({COMPONENT_KINDS[dropped]: 1})
     if dropped == "../../dashboards":

@@ -218,3 +218,18 @@ def test_agent_tokens_by_label_then_fleet(tmp_path: Path) -> None:
         ],
     )
     assert (inv.token("http://a:1"), inv.token("http://b:1")) == ("a-token", "fleet-token")
+
+
+def test_dp_ranks_of_one_pod_told_apart_by_the_alerts_engine_label(tmp_path: Path) -> None:
+    sd = tmp_path / "pods.json"
+    rank = {"namespace": "llm", "instance": "llama-7d9f"}
+    write_sd(
+        sd,
+        [group("10.1.0.5:9360", **rank, dp_rank="0"), group("10.1.0.5:9361", **rank, dp_rank="1")],
+    )
+    inv = Inventory()
+    inv.update(FILE_SD, FileSD([sd], vllm_port=8000).read())
+    assert [e.engine.name for e in inv.entries()] == ["llama-7d9f-dp0", "llama-7d9f-dp1"]
+    one = inv.resolve({"namespace": "llm", "instance": "llama-7d9f", "engine": "1"}).engine
+    assert one is not None and one.agent == "http://10.1.0.5:9361"
+    assert inv.resolve({"instance": "llama-7d9f"}).reason.startswith("2 engines match")  # type: ignore[union-attr]
