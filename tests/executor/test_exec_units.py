@@ -471,3 +471,39 @@ def test_http_error_rate_from_the_api_servers_metrics_text() -> None:
         {"http_error_rate": None},
         {"http_error_rate": "the API server's /metrics has no http_requests_total"},
     )
+
+
+def test_an_engine_that_leaves_the_inventory_ends_its_execution_engine_gone(make: Any) -> None:
+    """Mid-verification the engine leaves (a pod scaled away, the agent down): the
+    execution ends failed "engine gone" at its next wait, nothing is restored, and
+    an execution not started yet on it is refused with the same reason."""
+    executor, agent = make(FakeAgent([PRESSURE]))  # no improvement: verification waits
+    gone: dict[str, str] = {}
+    executor.gone = gone.get
+    reads = 0
+    real_state = agent.state
+
+    def state(since_step: int | None = None) -> Any:
+        nonlocal reads
+        reads += 1
+        if since_step is not None and reads >= 4:  # verifying: the pod goes away
+            gone[URL] = "engine gone: cpu-0 left the inventory (prometheus) at T"
+            agent.down = True
+        return real_state(since_step)
+
+    agent.state = state
+    result = executor.execute(runbook(), URL, approved=True)
+    assert (result.exit_code, result.record.status) == (3, "failed")
+    assert result.record.error == (
+        "engine gone: cpu-0 left the inventory (prometheus) at T "
+        f"(engine {URL} unreachable: connection refused); not reverted (1 step(s) applied on it)"
+    )
+    assert statuses(result) == [("scale_max_num_batched_tokens", "applied")]
+    assert agent.writes == [{"max_num_batched_tokens": 256}]  # no rollback was tried
+    assert agent.knobs["max_num_batched_tokens"] == 256  # nothing restored on it
+    later = executor.execute(runbook(), URL, approved=True)
+    assert (later.exit_code, later.record.status, later.record.reason) == (
+        3,
+        "refused",
+        "engine gone: cpu-0 left the inventory (prometheus) at T",
+    )

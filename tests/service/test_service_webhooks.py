@@ -139,11 +139,14 @@ def test_routing_notify_approve_and_unknown(sqlite_url: str, tmp_path: Path) -> 
     body = payload()
     body["alerts"][0]["labels"]["instance"] = "elsewhere:1"
     r = client.post("/webhooks/alertmanager", json=body, headers=AUTH).json()
-    reason = "no engine in the inventory matches the alert's labels (instance=elsewhere:1, engine=0)"
+    reason = (
+        "no engine in the inventory matches the alert's labels (instance=elsewhere:1, engine=0)"
+    )
     assert r["skipped"][0]["reason"] == reason
     # Nothing runs; the journal says why (a refused execution on no engine).
     [refused] = r["executions"]
-    assert (refused["engine"], refused["mode"], refused["created"]) == ("unresolved", "refused", True)
+    assert (refused["engine"], refused["mode"]) == ("unresolved", "refused")
+    assert refused["created"] is True
     row = client.get("/api/executions").json()[0]
     assert (row["id"], row["status"], row["reason"]) == (refused["id"], "refused", reason)
     body = payload(status="resolved")
@@ -154,6 +157,60 @@ def test_routing_notify_approve_and_unknown(sqlite_url: str, tmp_path: Path) -> 
         == "resolved"
     )
     assert counts(sqlite_url) == (4, 2)
+
+
+def test_discovered_engines_one_match_runs_several_refused(sqlite_url: str, tmp_path: Path) -> None:
+    """Two discovered DP ranks of one pod: the alert's `engine` label picks one;
+    without it the alert names two engines: refused, the answer and the journal say so."""
+    from vllm_runbook.rules.config import EngineConfig
+    from vllm_runbook.runbooks.service.discovery import FILE_SD, Inventory
+
+    config = load_config(None)
+    inventory = Inventory()
+    pod = {"namespace": "llm", "instance": "10.1.2.3:8000"}
+    inventory.update(
+        FILE_SD,
+        [
+            EngineConfig(
+                name="p-dp0", agent="http://10.1.2.3:9360", labels={**pod, "dp_rank": "0"}
+            ),
+            EngineConfig(
+                name="p-dp1", agent="http://10.1.2.3:9361", labels={**pod, "dp_rank": "1"}
+            ),
+        ],
+    )
+    router = Router(
+        config.engines,
+        load_config_text(tmp_path).automation,
+        {},
+        frozenset(load_runbook_catalog()),
+        inventory=inventory,
+    )
+    client = TestClient(
+        create_app(Journal(sqlite_url), router, Credentials(token=TOKEN)),
+        base_url="http://127.0.0.1",
+    )
+    [ran] = client.post("/webhooks/alertmanager", json=payload(), headers=AUTH).json()["executions"]
+    assert (ran["engine"], ran["mode"]) == ("http://10.1.2.3:9360", "auto")  # engine="0"
+    body = payload(fingerprint="77aa")
+    del body["alerts"][0]["labels"]["engine"]
+    answer = client.post("/webhooks/alertmanager", json=body, headers=AUTH).json()
+    reason = "2 engines match the alert's labels (p-dp0, p-dp1): ambiguous, nothing runs"
+    assert answer["skipped"] == [
+        {"alert": "VllmOOMPressure", "fingerprint": "77aa", "reason": reason}
+    ]
+    [refused] = answer["executions"]
+    assert (refused["engine"], refused["mode"]) == ("unresolved", "refused")
+    rows = {r["id"]: r for r in client.get("/api/executions").json()}
+    assert (rows[refused["id"]]["status"], rows[refused["id"]]["reason"]) == ("refused", reason)
+    assert rows[ran["id"]]["status"] == "pending"
+    assert [e["name"] for e in client.get("/api/engines").json()] == ["p-dp0", "p-dp1"]
+
+
+def load_config_text(tmp_path: Path) -> Any:
+    cfg = tmp_path / "runbook.yaml"
+    cfg.write_text(CONFIG)
+    return load_config(cfg)
 
 
 def test_unauthenticated_requests_store_nothing(sqlite_url: str, tmp_path: Path) -> None:
