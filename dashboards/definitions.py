@@ -1200,6 +1200,29 @@ def runbook_activity(notes: Q.RuleNotes) -> dict[str, Any]:
                     .stepped(),
                 ],
             ),
+            (
+                "Which engines does the service know?",
+                [
+                    Graph(
+                        "Engines in the inventory, by source",
+                        f"{S.ENGINES.help} Every replica holds the same inventory: the "
+                        "largest is shown. A fleet that scales shows here without a "
+                        "configuration change.",
+                        12,
+                    )
+                    .with_target(prom(f"max by (source) ({S.ENGINES.name})", "{{source}}"))
+                    .decimals(0)
+                    .stepped(),
+                    Graph(
+                        "Discovery refresh failures",
+                        f"{S.DISCOVERY_REFRESH_FAILURES.help} Per second. While a source "
+                        "fails the service acts on the engines it found last.",
+                        12,
+                    ).with_target(
+                        prom(service_rate(S.DISCOVERY_REFRESH_FAILURES, "source"), "{{source}}")
+                    ),
+                ],
+            ),
         ],
     )
 
