@@ -75,6 +75,8 @@ bench: setup
 	$(PY) benchmarks/collector_overhead.py --rounds 9
 	$(PY) benchmarks/agent_state.py
 	$(PY) benchmarks/rules_eval.py
+	$(PY) benchmarks/rules_eval.py --engines 1000 --modes concurrent streams --rounds 3
+	$(PY) benchmarks/rules_eval.py --engines 1000 --churn 100
 	$(PY) benchmarks/webhook_ingest.py --seconds 6 --alerts 10
 	$(PY) benchmarks/webhook_ingest.py --seconds 6 --alerts 1
 	$(PY) benchmarks/tiered.py

@@ -21,36 +21,52 @@ timeout); cpu = the scraping process' CPU seconds per cycle (median: on a
 machine others load, the wall times grow, this does not); peak MB = the
 scraping process' peak RSS.
 
-Two scrapers side by side: `sequential` is the former one (one target after
+Scrapers side by side: `sequential` is the former one (one target after
 another, every target every cycle, samples parsed by prometheus_client's
-parser into metric families); `concurrent` is vllm_runbook.rules.scrape.
+parser into metric families); `concurrent` is vllm_runbook.rules.scrape with
+aiohttp's client (vllm_runbook.rules.fetch); `streams` is the same scraper
+with the hand-written HTTP/1.1 client over asyncio streams that rules.fetch
+held before aiohttp replaced it. `--rounds N` runs the modes N times in alternation (ABAB...: a
+machine that others load drifts; each mode sees the same drift) and prints
+one row per mode, the medians over all its cycles, plus `ms/req`: the
+scraping process' CPU per attempted request (median over the rounds).
 
     python benchmarks/rules_eval.py [--engines 10 100 1000] [--cycles 9]
-        [--timeout 2] [--slow 1] [--modes concurrent sequential]
+        [--timeout 2] [--slow 1] [--modes concurrent sequential streams] [--rounds 1]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import multiprocessing as mp
 import os
 import random
+import ssl
 import statistics
 import tempfile
 import time
 from array import array
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 HEADER = (
     "engines targets    scraper cycles  series scrape s parse s eval s total s worst s"
     "  cpu s failed skipped peak MB"
 )
 
+CHURN_HEADER = (
+    "engines replaced/min refreshes refresh ms refresh cpu ms parse ms cycles to eval"
+    " found->evaluated s cycle s worst s  cpu s"
+)
+
 INTERVAL = 5.0  # the default rules.evaluation_interval
+REFRESH = 30.0  # the default discovery.refresh_interval
 HISTORY = 3600.0
 MODEL = "llama-3-8b"
 
@@ -178,6 +194,161 @@ def serve_targets(folder: str, kinds: list[str], slow: float, conn: Connection) 
 # -- one measurement (its own process: peak RSS is its own) --------------------------------
 
 
+# -- the former HTTP client, kept to measure against (mode `streams`) ---------------------
+
+MAX_BODY = 64 * 2**20
+MAX_HEAD = 64 * 2**10
+
+
+class _FetchError(Exception):
+    pass
+
+
+@dataclass
+class _Conn:
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.writer.close()
+
+
+class StreamsFetcher:
+    """The former rules.fetch.Fetcher (until aiohttp replaced it): a hand-written
+    HTTP/1.1 GET over asyncio streams, one kept-alive connection per target."""
+
+    def __init__(self, user_agent: str = "vllm-runbook-rules") -> None:
+        self.user_agent = user_agent
+        self._idle: dict[str, _Conn] = {}
+        self._ssl: ssl.SSLContext | None = None
+
+    async def get(self, url: str) -> tuple[int, bytes]:
+        """(status, body). OSError / FetchError / IncompleteReadError when it fails;
+        cancelling it (a timeout) closes the connection."""
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise _FetchError(f"not an http(s) URL: {url}")
+        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        host = parts.netloc.rsplit("@", 1)[-1]
+        request = (
+            f"GET {path} HTTP/1.1\r\nHost: {host}\r\nUser-Agent: {self.user_agent}\r\n"
+            "Accept: text/plain;version=0.0.4\r\nConnection: keep-alive\r\n\r\n"
+        ).encode("latin-1")
+        conn = self._idle.pop(url, None)
+        if conn is not None:
+            try:
+                return await self._exchange(url, conn, request)
+            except asyncio.CancelledError:
+                conn.close()
+                raise
+            except (OSError, EOFError, asyncio.IncompleteReadError):
+                conn.close()  # the server closed the idle connection: one fresh try
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        context = self._context() if parts.scheme == "https" else None
+        reader, writer = await asyncio.open_connection(
+            parts.hostname, port, ssl=context, limit=MAX_HEAD
+        )
+        return await self._exchange(url, _Conn(reader, writer), request)
+
+    async def _exchange(self, url: str, conn: _Conn, request: bytes) -> tuple[int, bytes]:
+        keep = False
+        try:
+            conn.writer.write(request)
+            status, headers = _head(await _read_head(conn.reader))
+            length = headers.get("content-length")
+            if headers.get("transfer-encoding", "").lower() == "chunked":
+                body = await _read_chunked(conn.reader)
+            elif length is not None:
+                try:
+                    size = int(length)
+                except ValueError:
+                    raise _FetchError(f"bad Content-Length {length!r}") from None
+                if not 0 <= size <= MAX_BODY:
+                    raise _FetchError(f"body of {size} bytes (at most {MAX_BODY})")
+                body = await conn.reader.readexactly(size)
+            else:
+                body = await _read_to_eof(conn.reader)
+                return status, body
+            keep = headers.get("connection", "").lower() != "close"
+            return status, body
+        finally:
+            if keep:
+                self._idle[url] = conn
+            else:
+                conn.close()
+
+    def _context(self) -> ssl.SSLContext:
+        if self._ssl is None:
+            self._ssl = ssl.create_default_context()
+        return self._ssl
+
+    def forget(self, url: str) -> None:
+        """Close the idle connection to `url` (a target that went away)."""
+        conn = self._idle.pop(url, None)
+        if conn is not None:
+            conn.close()
+
+    async def aclose(self) -> None:
+        for conn in self._idle.values():
+            conn.close()
+        self._idle.clear()
+
+
+async def _read_head(reader: asyncio.StreamReader) -> bytes:
+    try:
+        return await reader.readuntil(b"\r\n\r\n")
+    except asyncio.LimitOverrunError:
+        raise _FetchError(f"response headers over {MAX_HEAD} bytes") from None
+
+
+def _head(raw: bytes) -> tuple[int, dict[str, str]]:
+    lines = raw.decode("latin-1").split("\r\n")
+    status_line = lines[0].split(" ", 2)
+    if len(status_line) < 2 or not status_line[0].startswith("HTTP/1."):
+        raise _FetchError(f"not an HTTP/1.x response: {lines[0][:80]!r}")
+    try:
+        status = int(status_line[1])
+    except ValueError:
+        raise _FetchError(f"bad status line: {lines[0][:80]!r}") from None
+    headers = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if sep:
+            headers[name.strip().lower()] = value.strip()
+    return status, headers
+
+
+async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
+    chunks: list[bytes] = []
+    total = 0
+    while True:
+        line = await reader.readuntil(b"\r\n")
+        try:
+            size = int(line.split(b";", 1)[0].strip(), 16)
+        except ValueError:
+            raise _FetchError(f"bad chunk size {line[:40]!r}") from None
+        if size == 0:
+            while await reader.readuntil(b"\r\n") != b"\r\n":
+                pass  # trailers
+            return b"".join(chunks)
+        total += size
+        if total > MAX_BODY:
+            raise _FetchError(f"body over {MAX_BODY} bytes")
+        chunks.append((await reader.readexactly(size + 2))[:-2])
+
+
+async def _read_to_eof(reader: asyncio.StreamReader) -> bytes:
+    chunks: list[bytes] = []
+    total = 0
+    while chunk := await reader.read(2**16):
+        total += len(chunk)
+        if total > MAX_BODY:
+            raise _FetchError(f"body over {MAX_BODY} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def old_scraper_class() -> type:
     """The former scraper's parse: wanted lines through prometheus_client's parser."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -231,6 +402,8 @@ def measure(
         )
     else:
         scraper = Scraper(store, targets, timeout=timeout)
+        if mode == "streams":
+            scraper.client = StreamsFetcher()  # type: ignore[assignment]
     rows = []
     with scraper:
         for c in range(1, cycles + 1):
@@ -249,6 +422,7 @@ def measure(
                     "evaluate": evaluate,
                     "total": cycle.seconds + evaluate,
                     "cpu": time.process_time() - cycle_cpu,
+                    "attempted": cycle.attempted,
                     "ok": sum(r.ok for r in results),
                     "failed": cycle.failed,
                     "skipped": cycle.skipped,
@@ -261,6 +435,177 @@ def measure(
             "rss_mb": peak_rss_mb(),
         }
     )
+
+
+def measure_churn(
+    folder: str,
+    ports: list[int],
+    engines: int,
+    replaced_per_min: float,
+    minutes: float,
+    timeout: float,
+    conn: Connection,
+) -> None:
+    """`runbook serve`'s inventory and rules cycle under churn: every REFRESH seconds
+    the discovered fleet loses and gains replaced_per_min / 2 engines (the file_sd
+    file rewritten, read, the inventory updated, the scraper's targets changed)."""
+    import json
+
+    from vllm_runbook.rules.config import EngineConfig
+    from vllm_runbook.runbooks.config import Config
+    from vllm_runbook.runbooks.service.discovery import (
+        FILE_SD,
+        FileSD,
+        Inventory,
+        PrometheusDiscovery,
+        targets_to_engines,
+    )
+    from vllm_runbook.runbooks.service.rules_service import RulesService
+
+    logging.getLogger("vllm_runbook").setLevel(logging.ERROR)  # dead targets, incidents
+    pool = len(ports) // 2
+
+    def engine(i: int) -> EngineConfig:
+        return EngineConfig(
+            name=f"10.0.{i // 250}.{i % 250}:9360",
+            agent=f"http://127.0.0.1:{ports[2 * i]}",
+            vllm=f"http://127.0.0.1:{ports[2 * i + 1]}",
+            labels={"namespace": "llm", "pod": f"llama-{i}"},
+        )
+
+    sd = Path(folder, "agents.json")
+    source = FileSD([sd])
+
+    def write_sd(active: list[int]) -> None:
+        groups = [
+            {"targets": [engine(i).agent.removeprefix("http://")], "labels": engine(i).labels}
+            for i in active
+        ]
+        sd.write_text(json.dumps(groups))
+
+    # The discovered engines as the service gets them; the file_sd read and a
+    # Prometheus /api/v1/targets answer of the same fleet are timed as parse cost.
+    inventory = Inventory()
+    active = list(range(engines))
+    write_sd(active)
+    source.read()
+    inventory.update(FILE_SD, [engine(i) for i in active])
+    service = RulesService.from_config(Config(), inventory=inventory, scrape_timeout=timeout)
+    now = 1_700_000_000.0
+    targets = [t for i in active for t in engine(i).targets()]
+    fill_targets(service.windows, folder, targets, [(2 * i, 2 * i + 1) for i in active], now)
+    service.evaluate(now)
+    api = {
+        "status": "success",
+        "data": {
+            "activeTargets": [
+                {
+                    "discoveredLabels": {
+                        "__address__": engine(i).agent.removeprefix("http://"),
+                        "__meta_kubernetes_pod_name": f"llama-{i}",
+                        "__meta_kubernetes_namespace": "llm",
+                        "__scheme__": "http",
+                        "__metrics_path__": "/metrics",
+                    },
+                    "labels": {"job": "llm/vllm-runbook-agents", "instance": f"llama-{i}"},
+                    "scrapePool": "podMonitor/llm/vllm-runbook-agents/0",
+                    "scrapeUrl": engine(i).agent + "/metrics",
+                    "health": "up",
+                    "lastError": "",
+                }
+                for i in active
+            ]
+        },
+    }
+    api_body = json.dumps(api).encode()
+    prom = PrometheusDiscovery.model_validate(
+        {"url": "http://prometheus:9090", "match": {"job": ".+/vllm-runbook-agents"}}
+    )
+    started = time.process_time()
+    for _ in range(5):
+        targets_to_engines(json.loads(api_body)["data"]["activeTargets"], prom, 8000)
+    api_parse = (time.process_time() - started) / 5
+
+    per_refresh = round(replaced_per_min * REFRESH / 60)
+    next_new = engines
+    cycles = int(minutes * 60 / INTERVAL)
+    every = int(REFRESH / INTERVAL)
+    refreshes: list[dict[str, float]] = []
+    waiting: dict[str, tuple[float, int]] = {}  # new engine -> (refresh time, cycle)
+    found: list[tuple[int, float]] = []  # (cycles, seconds from the refresh to evaluated)
+    rows = []
+    rng = random.Random(3)
+    with service.scraper:
+        for c in range(1, cycles + 1):
+            t = now + c * INTERVAL
+            if c % every == 0:
+                gone = set(rng.sample(active, per_refresh))
+                new = []
+                while len(new) < per_refresh:
+                    i = next_new % pool
+                    next_new += 1
+                    if i not in active and i not in gone:
+                        new.append(i)
+                active = [i for i in active if i not in gone] + new
+                write_sd(active)
+                wall, cpu = time.perf_counter(), time.process_time()
+                read = source.read()  # the file changed: re-read
+                parse = time.perf_counter() - wall
+                inventory.update(FILE_SD, [engine(i) for i in active] if read else [])
+                service.follow_inventory()
+                refreshes.append(
+                    {
+                        "wall": time.perf_counter() - wall,
+                        "cpu": time.process_time() - cpu,
+                        "parse": parse,
+                    }
+                )
+                # Found by this refresh, somewhere in the interval before this cycle.
+                refreshed_at = t - rng.uniform(0, INTERVAL)
+                for i in new:
+                    waiting[engine(i).name] = (refreshed_at, c)
+            cycle_cpu = time.process_time()
+            started = time.perf_counter()
+            service.run_cycle(t)
+            wall = time.perf_counter() - started
+            rows.append({"total": wall, "cpu": time.process_time() - cycle_cpu})
+            evaluated = {key[0] for key, eng in service.windows.engines.items() if eng.last_ts == t}
+            for name in [n for n in waiting if n in evaluated]:
+                refreshed_at, cycle = waiting.pop(name)
+                found.append((c - cycle + 1, t - refreshed_at + wall))
+    conn.send(
+        {
+            "rows": rows,
+            "refreshes": refreshes,
+            "found": found,
+            "never": len(waiting),
+            "api_parse": api_parse,
+            "per_refresh": per_refresh,
+        }
+    )
+
+
+def fill_targets(
+    store: Any, folder: str, targets: list[Any], files: list[tuple[int, int]], now: float
+) -> None:
+    from vllm_runbook.rules.scrape import _line_finder, parse_wanted
+
+    lines = _line_finder(store)
+    pairs = [(targets[2 * k], a) for k, (a, _) in enumerate(files)]
+    pairs += [(targets[2 * k + 1], b) for k, (_, b) in enumerate(files)]
+    steps = int(HISTORY / INTERVAL)
+    for target, index in pairs:
+        for name, labels, value in parse_wanted(Path(folder, f"{index}.prom").read_text(), lines):
+            n = min(steps, int(store.retention[name] / INTERVAL) + 1)
+            t0 = now - (n - 1) * INTERVAL
+            series = store.add(target.instance, name, labels, t0, 0.0)
+            if series is None:
+                continue
+            series.ts.extend(array("d", (t0 + k * INTERVAL for k in range(1, n))))
+            values = array("d", [value] * (n - 1))
+            series.values.extend(values)
+            if series.adjusted is not None:
+                series.adjusted.extend(values)
 
 
 def peak_rss_mb() -> float:
@@ -314,7 +659,20 @@ def main() -> None:
     parser.add_argument(
         "--sequential-cycles", type=int, default=2, help="cycles of the sequential scraper"
     )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="measure the modes this many times, alternated"
+    )
+    parser.add_argument(
+        "--churn",
+        type=float,
+        metavar="PER_MIN",
+        help="churn mode: discovered engines, this many replaced per minute",
+    )
+    parser.add_argument("--minutes", type=float, default=3.0, help="churn mode: simulated time")
     args = parser.parse_args()
+    if args.churn is not None:
+        churn(args)
+        return
     most = max(args.engines)
     folder = tempfile.mkdtemp(prefix="rules-eval-")
     agent, vllm = collector_bodies(most), vllm_bodies(most)
@@ -342,21 +700,43 @@ def main() -> None:
         server.start()
         ports = parent.recv()
         try:
+            runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in args.modes}
+            for _round in range(args.rounds):
+                for mode in args.modes:  # alternated: each mode sees the machine's drift
+                    cycles = args.cycles if mode != "sequential" else args.sequential_cycles
+                    runs[mode].append(run_child(measure, folder, ports, mode, cycles, args.timeout))
+            per_request: dict[str, float] = {}
             for mode in args.modes:
-                cycles = args.cycles if mode == "concurrent" else args.sequential_cycles
-                r = run_child(measure, folder, ports, mode, cycles, args.timeout)
-                rows = r["rows"]
+                rows = [row for r in runs[mode] for row in r["rows"]]
+                r = runs[mode][0]
 
                 def med(key: str, rows: list[dict[str, float]] = rows) -> float:
                     return statistics.median(row[key] for row in rows)
 
+                per_request[mode] = statistics.median(
+                    statistics.median(row["cpu"] / max(1, row["attempted"]) for row in run["rows"])
+                    for run in runs[mode]
+                )
                 print(
                     f"{engines:>7} {n:>7} {mode:>10} {len(rows):>6} {r['series']:>7} "
                     f"{med('scrape'):>8.2f} {med('parse'):>7.2f} {med('evaluate'):>6.2f} "
                     f"{med('total'):>7.2f} {max(row['total'] for row in rows):>7.2f} "
                     f"{med('cpu'):>6.2f} "
                     f"{sum(row['failed'] for row in rows):>6} "
-                    f"{sum(row['skipped'] for row in rows):>7} {r['rss_mb']:>7.0f}",
+                    f"{sum(row['skipped'] for row in rows):>7} "
+                    f"{max(run['rss_mb'] for run in runs[mode]):>7.0f}",
+                    flush=True,
+                )
+            if args.rounds > 1 or len(args.modes) > 1:
+                first = args.modes[0]
+                base = per_request[first]
+                print(
+                    "        cpu per request (median of rounds): "
+                    + ", ".join(
+                        f"{mode} {1000 * v:.3f} ms"
+                        + (f" ({v / base:.2f}x {first})" if base and mode != first else "")
+                        for mode, v in per_request.items()
+                    ),
                     flush=True,
                 )
         finally:
@@ -364,6 +744,63 @@ def main() -> None:
             server.join(10)
             if server.is_alive():
                 server.kill()
+
+
+def churn(args: argparse.Namespace) -> None:
+    engines = args.engines[0]
+    pool = engines + int(args.churn * args.minutes) + 10
+    folder = tempfile.mkdtemp(prefix="rules-churn-")
+    agent, vllm = collector_bodies(pool), vllm_bodies(pool)
+    for e in range(pool):
+        Path(folder, f"{2 * e}.prom").write_bytes(agent[e])
+        Path(folder, f"{2 * e + 1}.prom").write_bytes(vllm[e])
+    n = 2 * pool
+    bad = max(1, round(0.01 * n))
+    kinds = ["ok"] * n
+    for k in range(bad):
+        dead = int((k + 0.5) * n / bad)
+        kinds[dead], kinds[(dead + 1) % n] = "dead", "slow"
+    print(
+        f"churn: {engines} discovered engines (file_sd), {args.churn:g} replaced per minute, "
+        f"refresh every {REFRESH:g} s, cycle every {INTERVAL:g} s, {args.minutes:g} min "
+        f"simulated; {args.timeout:g} s timeout, 1 % dead, 1 % slow ({args.slow:g} s); "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    server = ctx.Process(target=serve_targets, args=(folder, kinds, args.slow, child))
+    server.start()
+    ports = parent.recv()
+    try:
+        r = run_child(measure_churn, folder, ports, engines, args.churn, args.minutes, args.timeout)
+    finally:
+        parent.send("stop")
+        server.join(10)
+        if server.is_alive():
+            server.kill()
+    refreshes, found, rows = r["refreshes"], r["found"], r["rows"]
+
+    def med(values: list[float]) -> float:
+        return statistics.median(values) if values else float("nan")
+
+    cycles_to_eval = max(c for c, _ in found) if found else 0
+    seconds = [s for _, s in found]
+    print(CHURN_HEADER)
+    print(
+        f"{engines:>7} {args.churn:>12g} {len(refreshes):>9} "
+        f"{1000 * med([x['wall'] for x in refreshes]):>10.1f} "
+        f"{1000 * med([x['cpu'] for x in refreshes]):>14.1f} "
+        f"{1000 * med([x['parse'] for x in refreshes]):>8.1f} "
+        f"{cycles_to_eval:>14} "
+        f"{med(seconds):>8.2f}/{max(seconds) if seconds else float('nan'):<8.2f} "
+        f"{med([x['total'] for x in rows]):>7.2f} {max(x['total'] for x in rows):>7.2f} "
+        f"{med([x['cpu'] for x in rows]):>6.2f}"
+    )
+    print(
+        f"        new engines evaluated: {len(found)} of {len(found) + r['never']} "
+        f"({r['per_refresh']} per refresh); a Prometheus /api/v1/targets answer of "
+        f"{engines} targets parsed and selected in {1000 * r['api_parse']:.0f} ms of CPU"
+    )
 
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ target's latest attempt worked is kept in `up` (not exported: Prometheus has
 its own `up` for the targets it scrapes). An optional `observer` hears of
 every attempt (its duration) and of every cycle.
 
-HTTP is vllm_runbook.rules.fetch (asyncio streams, one kept-alive connection
-per target): httpx cost 10-100 times more CPU per response (measured there).
+HTTP is vllm_runbook.rules.fetch (aiohttp's client, one pooled session, one
+kept-alive connection per target; the choice is measured there).
 
 The parse never splits the text into metric families: one regular expression
 (the wanted names as a trie, anchored after a newline) finds the lines whose
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import math
 import re
@@ -354,7 +355,8 @@ class Scraper:
         loop, self._loop = self._loop, None
         if loop is None:
             return
-        loop.call_soon_threadsafe(self.client.close)
+        with contextlib.suppress(Exception):  # its connections; the loop stops anyway
+            asyncio.run_coroutine_threadsafe(self.client.aclose(), loop).result(timeout=5)
         loop.call_soon_threadsafe(loop.stop)
         if self._thread is not None:
             self._thread.join()

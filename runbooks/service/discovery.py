@@ -456,25 +456,45 @@ class PrometheusSD:
     ) -> None:
         self.config = config
         self.vllm_port = vllm_port
-        self._get = get or self._httpx_get
-        self._client: Any = None
+        self._get = get or self._fetch
 
-    def _httpx_get(self, url: str, headers: dict[str, str]) -> tuple[int, bytes]:
-        import httpx
+    def _fetch(self, url: str, headers: dict[str, str]) -> tuple[int, bytes]:
+        """The scraper's HTTP client (rules/fetch.py), on a loop of its own per refresh."""
+        import asyncio
+        import ssl
+
+        from vllm_runbook.rules.fetch import Fetcher
 
         c = self.config
-        if self._client is None:
-            auth = None
-            if c.username is not None and c.password_file is not None:
-                auth = (c.username, _secret(c.password_file, "password_file"))
-            verify: Any = str(c.ca_file) if c.ca_file is not None else True
-            self._client = httpx.Client(auth=auth, verify=verify, timeout=c.timeout_seconds)
-        response = self._client.get(url, headers=headers)
-        return response.status_code, response.content
+        auth = None
+        if c.username is not None and c.password_file is not None:
+            auth = (c.username, _secret(c.password_file, "password_file"))
+        context = None
+        if c.ca_file is not None:
+            try:
+                context = ssl.create_default_context(cafile=str(c.ca_file))
+            except (OSError, ssl.SSLError) as exc:
+                raise DiscoveryError(f"prometheus: ca_file {c.ca_file}: {exc}") from None
+        fetcher = Fetcher(
+            "vllm-runbook-discovery", ssl_context=context, auth=auth, accept="application/json"
+        )
+
+        async def get() -> tuple[int, bytes]:
+            try:
+                async with asyncio.timeout(c.timeout_seconds):
+                    return await fetcher.get(url, headers)
+            except TimeoutError:
+                raise DiscoveryError(
+                    f"prometheus {c.url}: no answer within {c.timeout_seconds:g} s"
+                ) from None
+            finally:
+                await fetcher.aclose()
+
+        return asyncio.run(get())
 
     def read(self) -> list[EngineConfig]:
         c = self.config
-        headers = {"Accept": "application/json"}
+        headers: dict[str, str] = {}
         if c.bearer_token_file is not None:
             headers["Authorization"] = f"Bearer {_secret(c.bearer_token_file, 'bearer_token_file')}"
         url = c.url.rstrip("/") + "/api/v1/targets?state=active"

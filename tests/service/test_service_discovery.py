@@ -189,6 +189,14 @@ def test_fleet_followed_through_prometheus_and_file_sd(tiny_model: Path, tmp_pat
                 ),
                 30,
             )
+            # ... and its expositions parse (no failed attempt on it).
+            errors = [
+                v
+                for (name, labels), v in samples(svc).items()
+                if name == "vllm_runbook_service_scrape_errors_total"
+                and dict(labels)["target"] == served.agent_url + "/metrics"
+            ]
+            assert sum(errors) == 0, errors
             assert metric(svc, "vllm_runbook_service_engines", source=source) == 3
         listed = runbook_cli("engines", "--service", a.url, "--json")
         assert listed.returncode == 0, listed.stderr
