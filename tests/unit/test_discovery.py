@@ -233,3 +233,28 @@ def test_dp_ranks_of_one_pod_told_apart_by_the_alerts_engine_label(tmp_path: Pat
     one = inv.resolve({"namespace": "llm", "instance": "llama-7d9f", "engine": "1"}).engine
     assert one is not None and one.agent == "http://10.1.0.5:9361"
     assert inv.resolve({"instance": "llama-7d9f"}).reason.startswith("2 engines match")  # type: ignore[union-attr]
+
+
+def test_discovery_section_of_the_configuration_file(tmp_path: Path) -> None:
+    from vllm_runbook.rules.errors import CatalogError
+    from vllm_runbook.runbooks.config import load_config
+
+    path = tmp_path / "runbook.yaml"
+    path.write_text(
+        "discovery:\n"
+        "  refresh_interval: 10s\n"
+        "  prometheus:\n"
+        "    url: http://prom:9090\n"
+        "    jobs: [agents]\n"
+        "    bearer_token_file: secrets/prom\n"
+        "  file_sd: [engines/*.json]\n"
+        "  vllm_port: 8000\n"
+    )
+    d = load_config(path).discovery
+    assert (d.refresh_interval_seconds, d.vllm_port, d.enabled) == (10.0, 8000, True)
+    assert d.file_sd == (tmp_path / "engines/*.json",)
+    assert d.prometheus is not None and d.prometheus.bearer_token_file == tmp_path / "secrets/prom"
+    assert load_config(None).discovery.enabled is False
+    path.write_text("discovery:\n  prometheus:\n    url: http://prom:9090\n    match: {pod: '('}\n")
+    with pytest.raises(CatalogError, match=r"runbook.yaml:\d+: .*bad regular expression '\('"):
+        load_config(path)
