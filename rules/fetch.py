@@ -1,13 +1,13 @@
 """HTTP GETs for the embedded evaluator's scrapes and discovery's calls: aiohttp's client.
 
 Why aiohttp: `python benchmarks/rules_eval.py --engines 1000 --modes concurrent
-aiohttp --rounds 3` compared it, side by side in alternated rounds, with the
-hand-written HTTP/1.1 client over asyncio streams this module held before:
-aiohttp spent 1.34x its CPU per request (0.76 ms against 0.57 ms, 1,000
-engines, loaded machine; docs/benchmarks.md). The rule was: the library
-unless it costs more than 1.5x; a widely used client (C-accelerated parser,
-already in every vLLM environment) beats one we maintain. httpx was ruled out
-before (10-100x the CPU per response).
+streams --rounds 3` compares it, side by side in alternated rounds, with the
+hand-written HTTP/1.1 client over asyncio streams this module held before
+(kept in that script): aiohttp spent 1.25x, 1.34x and 1.57x its CPU per
+request in three runs on a loaded machine (docs/benchmarks.md). The rule was:
+the library unless it costs more than 1.5x (the median run: 1.34x); a widely
+used client (C-accelerated parser, already in every vLLM environment) beats
+one we maintain. httpx was ruled out before (10-100x the CPU per response).
 
 One session per Fetcher, created on the loop that first uses it, keeps one
 pooled, kept-alive connection per target (as Prometheus does). No redirects,
