@@ -17,14 +17,17 @@ from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm_runbook.collector.adapters import adapters_for
 from vllm_runbook.collector.hook import RunbookSchedulerMixin
 
 
-class RunbookScheduler(RunbookSchedulerMixin, Scheduler):
+class RunbookScheduler(RunbookSchedulerMixin, *adapters_for(Scheduler), Scheduler):  # type: ignore[misc]
     pass
 
 
-class RunbookAsyncScheduler(RunbookSchedulerMixin, AsyncScheduler):
+class RunbookAsyncScheduler(  # type: ignore[misc]
+    RunbookSchedulerMixin, *adapters_for(AsyncScheduler), AsyncScheduler
+):
     pass
 
 
