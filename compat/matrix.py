@@ -282,7 +282,11 @@ def scheduler_test_files(tests_root: Path) -> list[str]:
 
 
 def check_version(
-    version: str, cache: Path, suites: set[str], vllm_files: list[str] | None = None
+    version: str,
+    cache: Path,
+    suites: set[str],
+    vllm_files: list[str] | None = None,
+    engine_files: list[str] | None = None,
 ) -> VersionResult:
     out = cache / "reports" / version
     out.mkdir(parents=True, exist_ok=True)
@@ -326,7 +330,11 @@ def check_version(
             deselect = [arg for path in ENGINE_DESELECT for arg in ("--deselect", path)]
             result.engine = pytest_counts(
                 cpu_python,
-                [ENGINE_TESTS, *deselect, "-m", "engine and not served"],
+                [
+                    *([f"{ENGINE_TESTS}/{f}" for f in engine_files or []] or [ENGINE_TESTS]),
+                    *deselect,
+                    *("-m", "engine and not served"),
+                ],
                 ROOT,
                 out / "engine.xml",
                 _env(VLLM_RUNBOOK_PORT="0", VLLM_ENABLE_V1_MULTIPROCESSING="0"),
@@ -423,6 +431,12 @@ def main(argv: list[str] | None = None) -> int:
         help="only these files of vLLM's tests/v1/core/ (e.g. test_scheduler.py)",
     )
     parser.add_argument(
+        "--engine-files",
+        nargs="+",
+        metavar="NAME",
+        help="only these files of tests/engine/ (e.g. test_fail_open.py)",
+    )
+    parser.add_argument(
         "--from-reports",
         action="store_true",
         help="run nothing: the counts of the reports the last runs left in the cache",
@@ -438,7 +452,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.from_reports:
             result = from_reports(version, args.cache.resolve(), suites)
         else:
-            result = check_version(version, args.cache.resolve(), suites, args.vllm_files)
+            result = check_version(
+                version, args.cache.resolve(), suites, args.vllm_files, args.engine_files or []
+            )
         results.append(result)
         for counts in (result.project, result.vllm_tests, result.engine):
             for name in counts.failures[:20]:

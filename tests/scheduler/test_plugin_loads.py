@@ -28,7 +28,7 @@ print(json.dumps({
     "version": vllm.__version__,
     "registered": plugin._registered,
     "hooked": issubclass(cls, RunbookSchedulerMixin),
-    "base": cls.__mro__[2].__name__,
+    "base": cls.__bases__[-1].__name__,
     "messages": [r.getMessage() for r in records],
 }))
 """
