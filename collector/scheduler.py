@@ -25,9 +25,10 @@ class RunbookScheduler(RunbookSchedulerMixin, *adapters_for(Scheduler), Schedule
     pass
 
 
-class RunbookAsyncScheduler(  # type: ignore[misc]
-    RunbookSchedulerMixin, *adapters_for(AsyncScheduler), AsyncScheduler
-):
+_ASYNC_ADAPTERS = adapters_for(AsyncScheduler)
+
+
+class RunbookAsyncScheduler(RunbookSchedulerMixin, *_ASYNC_ADAPTERS, AsyncScheduler):  # type: ignore[misc]
     pass
 
 

@@ -308,16 +308,27 @@ def _compat_cell(counts: object) -> str:
     if note and not passed and not failed:
         return note
     offline = int(counts.get("offline", 0))
+    refused = int(counts.get("cpu_refused", 0))
     parts = [f"{passed} passed"]
     if failed:
         parts.append(f"**{failed} failed**")
-    if int(counts.get("skipped", 0)) - offline:
-        parts.append(f"{int(counts['skipped']) - offline} skipped")
+    if int(counts.get("skipped", 0)) - offline - refused:
+        parts.append(f"{int(counts['skipped']) - offline - refused} skipped")
     if offline:
         parts.append(f"{offline} offline")
+    if refused:
+        parts.append(f"{refused} refused on CPU")
     if int(counts.get("deselected", 0)):
         parts.append(f"{counts['deselected']} GPU-only")
     return ", ".join(parts)
+
+
+def _files_note(counts: object) -> str:
+    files = counts.get("files", []) if isinstance(counts, dict) else []
+    if not files:
+        return ""
+    left_out = "" if "test_scheduler.py" in files else "; test_scheduler.py not run"
+    return f" ({len(files)} files{left_out})"
 
 
 def compat_table(matrix: dict[str, typing.Any]) -> str:
@@ -330,7 +341,8 @@ def compat_table(matrix: dict[str, typing.Any]) -> str:
     for v in matrix.get("versions", []):
         rows.append(
             f"| {v.get('vllm')} | {'yes' if v.get('green') else '**no**'} "
-            f"| {_compat_cell(v.get('project'))} | {_compat_cell(v.get('vllm_tests'))} "
+            f"| {_compat_cell(v.get('project'))} | {_compat_cell(v.get('vllm_tests'))}"
+            f"{_files_note(v.get('vllm_tests'))} "
             f"| {_compat_cell(v.get('engine'))} |"
         )
     return "\n".join(rows) + "\n"
