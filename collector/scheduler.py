@@ -17,14 +17,18 @@ from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm_runbook.collector.adapters import adapters_for
 from vllm_runbook.collector.hook import RunbookSchedulerMixin
 
 
-class RunbookScheduler(RunbookSchedulerMixin, Scheduler):
+class RunbookScheduler(RunbookSchedulerMixin, *adapters_for(Scheduler), Scheduler):  # type: ignore[misc]
     pass
 
 
-class RunbookAsyncScheduler(RunbookSchedulerMixin, AsyncScheduler):
+_ASYNC_ADAPTERS = adapters_for(AsyncScheduler)
+
+
+class RunbookAsyncScheduler(RunbookSchedulerMixin, *_ASYNC_ADAPTERS, AsyncScheduler):  # type: ignore[misc]
     pass
 
 

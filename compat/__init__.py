@@ -1,0 +1,1 @@
+"""The vLLM compatibility matrix (`make compat`, docs/install.md). Not shipped."""
