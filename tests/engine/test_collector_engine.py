@@ -315,3 +315,104 @@ def test_oldest_waiting_request_shows_starvation_exactly(
     finally:
         collector.wall_clock = time.time
         eng.run_until_done()
+
+
+# -- the engine's configuration and workload --
+
+
+def test_the_configuration_vllm_resolved_is_in_the_state_and_on_metrics(
+    engine: InProcessEngine,
+) -> None:
+    status, body = http_get(engine.collector.server.url + "/v1/state")
+    assert status == 200
+    config = json.loads(body)["config"]
+    # tests/engines.py ENGINE_DEFAULTS, as vLLM resolved them.
+    assert {k: config[k] for k in ENGINE_CONFIG_ORACLE} == ENGINE_CONFIG_ORACLE
+    # On CPU the device fields are null, with the reason.
+    assert config["device_name"] is None and config["sm_count"] is None
+    assert config["device_reason"] == "CPU engine: no GPU"
+    from vllm_runbook.collector.settings import vllm_version
+
+    assert config["vllm_version"] == vllm_version()
+    # The same as one info series: every label is the state's value as text.
+    labels = {
+        label: ""
+        if config[label] is None
+        else str(config[label]).lower()
+        if isinstance(config[label], bool)
+        else str(config[label])
+        for label in M.CONFIG_INFO_LABELS
+    }
+    assert engine.value(M.ENGINE_CONFIG_INFO.name, **labels) == 1
+    assert engine.value(M.CONFIG_BLOCK_SIZE.name) == 32
+    assert engine.value(M.CONFIG_NUM_GPU_BLOCKS.name) == 255
+    assert engine.value(M.CONFIG_GPU_MEMORY_UTILIZATION.name) == 0.2
+    assert engine.value(M.CONFIG_MAX_MODEL_LEN.name) == 1024
+    assert engine.value(M.CONFIG_CHUNKED_PREFILL.name) == 1
+    assert engine.value(M.CONFIG_GPU_SM_COUNT.name) is None  # GPU only
+
+
+ENGINE_CONFIG_ORACLE = {
+    "block_size": 32,
+    "num_gpu_blocks": 255,  # num_gpu_blocks_override 256, less vLLM's null block
+    "gpu_memory_utilization": 0.2,
+    "max_model_len": 1024,
+    "max_num_seqs": 64,
+    "max_num_batched_tokens": 512,
+    "enable_chunked_prefill": True,
+    "long_prefill_token_threshold": 0,
+    "enable_prefix_caching": True,
+    "enforce_eager": True,
+    "cudagraph_mode": "NONE",
+    "cudagraph_capture_sizes": [],
+    "kv_cache_dtype": "auto",
+    "dtype": "bfloat16",
+    "quantization": None,
+    "tensor_parallel_size": 1,
+    "pipeline_parallel_size": 1,
+    "data_parallel_size": 1,
+    "speculative_method": None,
+    "num_speculative_tokens": None,
+    "scheduling_policy": "fcfs",
+    "platform": "cpu",
+}
+
+
+def test_workload_lengths_over_the_window(engine: InProcessEngine) -> None:
+    """Prompt spread P90/P10 and the share above 8k over the window's arrivals;
+    output lengths of the requests that finished in it. Exact (nearest rank)."""
+    collector = engine.collector
+    later = time.time() + 100_000  # earlier tests' requests fall out of the window
+    collector.wall_clock = lambda: later
+    try:
+        prompts = [20 * (i + 1) for i in range(10)]  # 20, 40, ..., 200
+        for i, n in enumerate(prompts):
+            engine.add(f"len-{i}", n, max_tokens=3 + i % 2, offset=5000 + 250 * i)
+        engine.run_until_done()
+        # P10 = 20 (rank 1), P90 = 180 (rank 9): a spread of 9.
+        assert engine.value(M.PROMPT_LENGTH_SPREAD.name) == 9.0
+        assert engine.value(M.LONG_PROMPT_RATIO.name) == 0.0
+        workload = json.loads(http_get(collector.server.url + "/v1/state")[1])["workload"]
+        assert workload["requests_arrived"] == 10
+        assert workload["prompt_tokens"] == {
+            "count": 10,
+            "p10": 20,
+            "p50": 100,
+            "p90": 180,
+            "p99": 200,
+            "max": 200,
+        }
+        assert workload["output_tokens"] == {
+            "count": 10,
+            "p10": 3,
+            "p50": 3,
+            "p90": 4,
+            "p99": 4,
+            "max": 4,
+        }
+        assert workload["prompt_length_spread_ratio"] == 9.0
+        assert workload["long_prompt_ratio"] == 0.0
+        later += 1_000  # nothing arrived in the window: undefined, not 0
+        assert math.isnan(engine.value(M.PROMPT_LENGTH_SPREAD.name))  # type: ignore[arg-type]
+    finally:
+        collector.wall_clock = time.time
