@@ -345,6 +345,8 @@ class Stats(_Answer):
     """Queue time (arrival in the engine → first schedule), P99 over the window."""
     requests_finished_by_reason_total: dict[str, int]
     """Requests finished since the engine started, by reason."""
+    block_fragmentation_at_block_size: dict[str, float] = {}
+    """After the latest step: the fragmentation at block size 8, 16, 32, 64, 128 (what-if)."""
     prompt_length_spread_ratio: float | None = None
     """P90 / P10 of the prompt lengths that arrived in the window (null: none arrived)."""
     long_prompt_ratio: float | None = None

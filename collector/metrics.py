@@ -103,6 +103,17 @@ BLOCK_FRAGMENTATION = _spec(
     "gauge",
     "After the latest step: 1 - sum(num_computed_tokens) / sum(blocks held x block_size) over running requests; 0 when none run.",
 )
+# The block sizes the what-if fragmentation is computed for (vLLM's usual choices).
+WHAT_IF_BLOCK_SIZES = (8, 16, 32, 64, 128)
+BLOCK_FRAGMENTATION_AT = _spec(
+    "block_fragmentation_at_block_size",
+    "gauge",
+    "After the latest step, what the fragmentation would be at another block size: "
+    "1 - sum(num_computed_tokens) / sum(ceil(num_computed_tokens / block_size) x block_size) "
+    "over running requests (equal to block_fragmentation_ratio at the engine's own size); "
+    "0 when none run. The block-size sweep without a restart.",
+    extra_labels=("block_size",),
+)
 PADDING_RATIO = _spec(
     "padding_ratio",
     "gauge",

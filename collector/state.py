@@ -79,6 +79,9 @@ def build_state(c: EngineCollector, since_step: int | None = None) -> AgentState
     stats.update(c.requests.window_summary(window))
     stats["window_seconds"] = window
     stats["requests_finished_by_reason_total"] = dict(c.requests.log.by_reason)
+    stats["block_fragmentation_at_block_size"] = {
+        str(size): ratio for size, ratio in c.stats.fragmentation_at_block_sizes()
+    }
     control = c.control
     bounds = control.bounds()
     identity = c.identity

@@ -478,6 +478,27 @@ class Panels:
             .rule_lines(n.threshold("VllmBlockFragmentationHigh", color="orange"))
         )
 
+    def fragmentation_what_if(self, width: int = 12) -> Graph:
+        return (
+            Graph(
+                "Fragmentation at other block sizes (what-if)",
+                M.BLOCK_FRAGMENTATION_AT.help
+                + " The field reports sweep block_size until fragmentation is below 15 %; "
+                "this is that sweep without a restart (block_size itself needs one).",
+                width,
+            )
+            .with_target(
+                prom(
+                    f"max by ({', '.join((*ENGINE_LABELS, 'block_size'))}) "
+                    f"({selector(M.BLOCK_FRAGMENTATION_AT)})",
+                    "block {{block_size}} " + ENGINE_LEGEND,
+                )
+            )
+            .unit("percentunit")
+            .min(0)
+            .max(1)
+        )
+
     def kv_blocks(self) -> Graph:
         return (
             Graph(
@@ -894,6 +915,7 @@ def engine_overview(notes: Q.RuleNotes) -> dict[str, Any]:
                     p.preemptions(),
                     p.hit_ratio(),
                     p.fragmentation(),
+                    p.fragmentation_what_if(),
                     p.kv_blocks(),
                     p.oom_rate(),
                     p.longest_sequence(),

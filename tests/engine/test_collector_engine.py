@@ -47,12 +47,39 @@ def test_fragmentation_and_length_padding_after_the_prefill_step(engine: InProce
     assert engine.value(M.REQUESTS_RUNNING.name) == 3
     assert engine.value(M.KV_BLOCKS_USED.name) == 9
     assert engine.value(M.KV_BLOCKS_FREE.name) == 255 - 9
+    # What-if: ceil(n / b) blocks per request. At 8: 5+9+13 = 27 blocks, 216 slots;
+    # at 16: 3+5+7, 240; at 32 (the engine's own): the real 288; 64: 320; 128: 384.
+    assert what_if(engine) == {
+        "8": 1 - 210 / 216,
+        "16": 1 - 210 / 240,
+        "32": 1 - 210 / 288,
+        "64": 1 - 210 / 320,
+        "128": 1 - 210 / 384,
+    }
+    assert what_if(engine)["32"] == engine.value(M.BLOCK_FRAGMENTATION.name)
+    engine.step()  # one decoded token each: 41, 71, 101; 41 opens a 6th block of 8
+    assert what_if(engine) == {
+        "8": 1 - 213 / 224,
+        "16": 1 - 213 / 240,
+        "32": 1 - 213 / 288,
+        "64": 1 - 213 / 320,
+        "128": 1 - 213 / 384,
+    }
+    assert engine.value(M.BLOCK_FRAGMENTATION.name) == 1 - 213 / 288
     engine.run_until_done()
+    assert set(what_if(engine).values()) == {0.0}
     # Nothing runs any more: fragmentation is defined as 0, and the queue
     # gauges follow the finished requests even though no step comes after.
     assert engine.value(M.BLOCK_FRAGMENTATION.name) == 0
     assert engine.value(M.REQUESTS_RUNNING.name) == 0
     assert engine.value(M.KV_BLOCKS_USED.name) == 0
+
+
+def what_if(engine: InProcessEngine) -> dict[str, float | None]:
+    return {
+        str(b): engine.value(M.BLOCK_FRAGMENTATION_AT.name, block_size=str(b))
+        for b in M.WHAT_IF_BLOCK_SIZES
+    }
 
 
 def test_decode_steps_track_the_growing_context(engine: InProcessEngine) -> None:
@@ -189,6 +216,14 @@ def test_prefix_cache_hit_ratio_without_stats_logging(fresh_engine: InProcessEng
 # -- preemption under a small KV cache --
 
 
+def recount(scheduler: Any, sizes: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
+    """(Σ tokens, Σ ceil(tokens / b) per size) over the running requests, from scratch."""
+    if not scheduler.running:
+        return 0, (0,) * len(sizes)
+    tokens = [r.num_computed_tokens for r in scheduler.running]
+    return sum(tokens), tuple(sum(-(-t // b) for t in tokens) for b in sizes)
+
+
 @pytest.fixture(scope="module")
 def small_kv_engine(tiny_model: Path) -> Iterator[InProcessEngine]:
     # 32 blocks (31 usable) of 32 tokens: 992 tokens of KV for 16 requests
@@ -213,7 +248,27 @@ def test_preemptions_equal_the_schedulers_own_count(small_kv_engine: InProcessEn
     try:
         for i in range(16):
             small_kv_engine.add(f"long-{i}", 200, max_tokens=100, offset=20 * i)
-        finished = small_kv_engine.run_until_done()
+        collector = small_kv_engine.collector
+        stats, on_schedule = collector.stats, collector.on_schedule
+        checked = []
+
+        def checking_on_schedule(*args: Any) -> None:
+            # Right after each schedule(): the incremental sums equal a recount of
+            # the running requests, through prefills, decodes, preemptions,
+            # resumptions and finishes, and the real fragmentation the block tables'.
+            on_schedule(*args)
+            assert stats.fragmentation_sums == recount(scheduler, stats.running_sums.sizes)
+            held = sum(len(stats._req_to_blocks[r.request_id]) for r in scheduler.running)
+            tokens = sum(r.num_computed_tokens for r in scheduler.running)
+            assert stats.fragmentation == (1 - tokens / (held * 32) if held else 0.0)
+            checked.append(len(scheduler.running))
+
+        collector.on_schedule = checking_on_schedule
+        try:
+            finished = small_kv_engine.run_until_done()
+        finally:
+            del collector.on_schedule
+        assert len(checked) > 100 and max(checked) > 1
     finally:
         del scheduler._preempt_request
     assert len(finished) == 16
