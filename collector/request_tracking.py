@@ -144,7 +144,8 @@ def summarize(entries: list[Finished]) -> dict[str, Any]:
 
 def length_spread(lengths: list[int]) -> float | None:
     """P90 / P10 (nearest rank); None without lengths."""
-    p10, p90 = percentile(lengths, 0.10), percentile(lengths, 0.90)
+    ordered = sorted(lengths)  # once: this runs at every scrape over the window's arrivals
+    p10, p90 = percentile(ordered, 0.10), percentile(ordered, 0.90)
     return None if p10 is None or p90 is None else p90 / max(p10, 1)
 
 
