@@ -6,12 +6,21 @@ with vLLM's plain Scheduler, one with `vllm_runbook.collector.scheduler.RunbookS
 hook). Rounds alternate between them, so drift on a shared machine hits both.
 
 Prints output tokens/s of both and their ratio, then what the whole hook costs
-per step at 16 and at 256 running requests: every wrapper (the scheduler lock,
+per step at 16, 64 and 256 running requests (each request 192 tokens out, so
+every workload has the same decode steps): every wrapper (the scheduler lock,
 schedule/update_from_output/add_request/finish_requests with their callbacks,
 the prefix-cache wrapper), measured as time in the mixin's methods minus time
 in vLLM's methods they call, per step and as a share of the engine step.
 
-    .venv/bin/python benchmarks/collector_overhead.py [--rounds 5]
+Then the end-to-end cost, as a new user meets it (`--e2e-rounds`, 0 skips
+it): three resident engines, each EngineCore in its own process (spawned, so
+each reads its own VLLM_PLUGINS): one with the plugin as installed, two with
+VLLM_PLUGINS="" (the A/A control). Rounds of 128 prompts of 16-300 tokens,
+128 tokens out, max_num_seqs 64, the engines' order rotated each round;
+output tokens/s with ÷ without the plugin (the mean of the two), and the two
+without against each other, medians of the per-round ratios.
+
+    .venv/bin/python benchmarks/collector_overhead.py [--rounds 5] [--e2e-rounds 9]
 """
 
 from __future__ import annotations
@@ -19,12 +28,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-os.environ["VLLM_PLUGINS"] = ""
+if "--e2e-child" in sys.argv:  # its engines' cores in their own (spawned) processes
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+else:  # in-process cores: the hook's methods are timed in this process
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_PLUGINS"] = ""
 os.environ.setdefault("VLLM_RUNBOOK_PORT", "0")
 
 # The table's header row, as docs/benchmarks.md shows it (a test compares them).
@@ -40,7 +54,21 @@ ENGINE_ARGS = dict(
     enforce_eager=True,
     seed=0,
 )
-WORKLOADS = {16: (16, 48, 192), 256: (256, 48, 64)}  # running: (requests, prompt, output)
+# running: (requests, prompt, output); the same output length, so the same decode steps.
+WORKLOADS = {16: (16, 48, 192), 64: (64, 48, 192), 256: (256, 48, 192)}
+
+E2E_HEADER = " rounds | tok/s plugin | tok/s without (A, B) | plugin ÷ without | A/A (A ÷ B)"
+E2E_ENGINE_ARGS = dict(
+    block_size=32,
+    gpu_memory_utilization=0.2,
+    max_model_len=1024,
+    max_num_seqs=64,
+    max_num_batched_tokens=2048,
+    num_gpu_blocks_override=2048,
+    enforce_eager=True,
+    seed=0,
+)
+E2E_PROMPTS, E2E_OUTPUT = 128, 128
 
 
 def run_workload(llm, running: int, round_no: int) -> tuple[int, float]:  # type: ignore[no-untyped-def]
@@ -120,10 +148,85 @@ def hook_costs(llm, running: int) -> tuple[float, float, int]:  # type: ignore[n
     return hook / steps[0] * 1e6, hook / spent["step"], steps[0]
 
 
+def e2e_prompt_lengths(round_no: int) -> list[int]:
+    """128 prompt lengths spread over 16-300 tokens, shuffled per round."""
+    import random
+
+    lengths = [16 + (284 * i) // (E2E_PROMPTS - 1) for i in range(E2E_PROMPTS)]
+    random.Random(round_no).shuffle(lengths)
+    return lengths
+
+
+def e2e_main(rounds: int) -> None:
+    """Runs in its own process (see main): engines with their EngineCore in
+    processes of their own. Prints one JSON line of per-round tok/s."""
+    import json
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm_runbook.collector.tiny_model import create_tiny_model, prompt_token_ids
+
+    model = create_tiny_model(Path(tempfile.gettempdir()) / "vllm-runbook-bench-model")
+    engines = {}
+    for name, plugins in (("plugin", None), ("without A", ""), ("without B", "")):
+        if plugins is None:
+            os.environ.pop("VLLM_PLUGINS", None)
+        else:
+            os.environ["VLLM_PLUGINS"] = plugins
+        engines[name] = LLM(model=str(model), **E2E_ENGINE_ARGS)
+    params = SamplingParams(max_tokens=E2E_OUTPUT, ignore_eos=True, temperature=0.0)
+    names = list(engines)
+    tps: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds + 1):  # round 0 warms up
+        prompts = [
+            TokensPrompt(prompt_token_ids=prompt_token_ids(n, 1009 * r + 7 * i))
+            for i, n in enumerate(e2e_prompt_lengths(r))
+        ]
+        order = names[r % 3 :] + names[: r % 3]
+        for name in order:
+            start = time.perf_counter()
+            outs = engines[name].generate(prompts, params, use_tqdm=False)
+            elapsed = time.perf_counter() - start
+            if r:
+                tps[name].append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
+    print("E2E " + json.dumps(tps))
+
+
+def e2e_table(rounds: int) -> list[str]:
+    """Runs e2e_main in a fresh interpreter (this one runs its engines in-process)."""
+    import json
+    import subprocess
+
+    env = dict(os.environ)
+    env.pop("VLLM_PLUGINS", None)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--e2e-child", str(rounds)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("E2E "))
+    tps = json.loads(line[4:])
+    plugin, a, b = tps["plugin"], tps["without A"], tps["without B"]
+    ratio = statistics.median(p / ((x + y) / 2) for p, x, y in zip(plugin, a, b, strict=True))
+    control = statistics.median(x / y for x, y in zip(a, b, strict=True))
+    return [
+        f"{rounds:>7} | {statistics.median(plugin):>12.0f} | "
+        f"{statistics.median(a):>9.0f}, {statistics.median(b):>9.0f} | "
+        f"{ratio:>16.3f} | {control:>12.3f}"
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--e2e-rounds", type=int, default=9)
+    parser.add_argument("--e2e-child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.e2e_child is not None:
+        e2e_main(args.e2e_child)
+        return
 
     from vllm import LLM
     from vllm_runbook.collector.tiny_model import create_tiny_model
@@ -160,6 +263,16 @@ def main() -> None:
             f"{running:>8} | {without:>13.0f} | {with_:>10.0f} | {ratio:>6.3f} | "
             f"{cost:>12.1f} | {100 * share:>12.2f}% | {n:>5}"
         )
+    if args.e2e_rounds:
+        del engines
+        rows_e2e = e2e_table(args.e2e_rounds)
+        print(
+            "\nend to end, three engines (EngineCore processes), "
+            f"{args.e2e_rounds} rotated rounds (medians of per-round ratios)"
+        )
+        print(E2E_HEADER)
+        print("-" * len(E2E_HEADER))
+        print(*rows_e2e, sep="\n")
 
 
 if __name__ == "__main__":

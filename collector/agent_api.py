@@ -345,6 +345,12 @@ class Stats(_Answer):
     """Queue time (arrival in the engine → first schedule), P99 over the window."""
     requests_finished_by_reason_total: dict[str, int]
     """Requests finished since the engine started, by reason."""
+    block_fragmentation_at_block_size: dict[str, float] = {}
+    """After the latest step: the fragmentation at block size 8, 16, 32, 64, 128 (what-if)."""
+    prompt_length_spread_ratio: float | None = None
+    """P90 / P10 of the prompt lengths that arrived in the window (null: none arrived)."""
+    long_prompt_ratio: float | None = None
+    """Share of the window's arrivals with a prompt above 8192 tokens (null: none arrived)."""
 
 
 class GpuReading(_Answer):
@@ -449,6 +455,77 @@ class Queues(_Answer):
     """The requests waiting longest for their first schedule."""
 
 
+class EngineConfig(_Answer):
+    """The engine's configuration as vLLM resolved it at start (the same as the
+    `vllm_runbook_engine_config_info` series). null: not set, or not applicable
+    here (the device fields on CPU; `device_reason` says why)."""
+
+    block_size: int
+    """KV cache block size, tokens."""
+    num_gpu_blocks: int
+    """KV cache blocks allocated (usable; on CPU: in RAM)."""
+    num_cpu_blocks: int | None
+    gpu_memory_utilization: float
+    max_model_len: int
+    max_num_seqs: int
+    """At start (the live value is in `knobs`)."""
+    max_num_active_seqs: int | None
+    """vLLM's own admission limit below max_num_seqs, if set."""
+    max_num_batched_tokens: int
+    """At start (the live value is in `knobs`)."""
+    enable_chunked_prefill: bool
+    long_prefill_token_threshold: int
+    """0: no per-step chunk cap for long prompts."""
+    enable_prefix_caching: bool
+    enforce_eager: bool
+    cudagraph_mode: str
+    cudagraph_capture_sizes: list[int]
+    kv_cache_dtype: str
+    dtype: str
+    quantization: str | None
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    data_parallel_size: int
+    speculative_method: str | None
+    num_speculative_tokens: int | None
+    scheduling_policy: str
+    """The policy vLLM started with (the live one is in `knobs`)."""
+    vllm_version: str
+    platform: str
+    """vLLM's platform device type: cuda, rocm, cpu, ..."""
+    device_name: str | None
+    sm_count: int | None
+    """Streaming multiprocessors of the first GPU."""
+    device_reason: str | None
+    """Why device_name or sm_count is null."""
+
+
+class LengthSummary(_Answer):
+    count: int
+    p10: int | None
+    p50: int | None
+    p90: int | None
+    p99: int | None
+    max: int | None
+
+
+class Workload(_Answer):
+    """The workload as the engine sees it over the window (nearest-rank percentiles).
+    vLLM's own vllm:request_prompt_tokens / vllm:request_generation_tokens
+    histograms hold the same lengths since start, on the API server's /metrics."""
+
+    window_seconds: float
+    requests_arrived: int
+    prompt_tokens: LengthSummary
+    """Of the requests that reached the engine in the window."""
+    output_tokens: LengthSummary
+    """Of the requests that finished in the window."""
+    prompt_length_spread_ratio: float | None
+    """P90 / P10 of the prompt lengths (4 or more hurts batching)."""
+    long_prompt_ratio: float | None
+    """Share of prompts above 8192 tokens."""
+
+
 class AgentState(_Answer):
     """GET /v1/state: the engine, its knobs and their bounds, and its statistics."""
 
@@ -469,6 +546,10 @@ class AgentState(_Answer):
     tiers: Tiers
     queues: Queues | None
     """null when the scheduler lock was busy for 1 s."""
+    config: EngineConfig | None = None
+    """null from an agent older than this field."""
+    workload: Workload | None = None
+    """null from an agent older than this field."""
 
 
 # -- the schema ------------------------------------------------------------------

@@ -4,6 +4,7 @@
     StepStats            step_stats.py      per-step tokens, budget, preemptions, KV, padding
     RequestTracker       request_tracking.py arrivals, first schedules, finished requests
     ChangeTracker        request_tracking.py counters when a change took effect, and since
+    EngineConfig         engine_config.py   the configuration vLLM resolved (read once)
     EngineControl        control.py         knobs changed between steps, within bounds
     AutopilotDriver      autopilot_driver.py the controller fed after each step
     QueueInspector       queues.py          the queues per tier, the oldest waiting requests
@@ -32,6 +33,7 @@ from vllm_runbook.collector.agent_api import AgentState, DrainingSince, SettledS
 from vllm_runbook.collector.autopilot import Autopilot
 from vllm_runbook.collector.autopilot_driver import AutopilotDriver
 from vllm_runbook.collector.control import EngineControl
+from vllm_runbook.collector.engine_config import EngineConfig
 from vllm_runbook.collector.exporter import MultiprocessMirror, Sample, StatsExporter, close_quietly
 from vllm_runbook.collector.nvml import NvmlPoller, load_pynvml
 from vllm_runbook.collector.queues import QueueInspector
@@ -99,16 +101,21 @@ class EngineCollector:
             labels,
             settings.nvml_interval,
         )
+        self.nvml.start()
         self.mirror: MultiprocessMirror | None = None
-        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-            self.mirror = MultiprocessMirror(self.samples, labels).start()
         self.server: AgentServer | None = None
         self.token_path: str | None = None
-        if settings.port is not None:
-            self.server, self.token_path = start_agent(
-                settings, self.identity.dp_rank, self.registry, self
-            )
-        self.nvml.start()
+        try:
+            self.config = EngineConfig.of(scheduler, self.nvml.device())
+            if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+                self.mirror = MultiprocessMirror(self.samples, labels).start()
+            if settings.port is not None:
+                self.server, self.token_path = start_agent(
+                    settings, self.identity.dp_rank, self.registry, self
+                )
+        except BaseException:
+            close_quietly(self.nvml, self.mirror)
+            raise
 
     @property
     def model_name(self) -> str:
@@ -169,6 +176,7 @@ class EngineCollector:
         return [
             Sample(M.COLLECTOR_UP, 1.0 if self.enabled else 0.0),
             Sample(M.ENGINE_START_TIME, self.identity.start_time),
+            *self.config.samples(),
             *self.stats.samples(),
             *self.requests.samples(),
             *self.control.samples(),

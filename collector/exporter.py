@@ -87,7 +87,9 @@ class MultiprocessMirror:
         # mmap files whatever registry holds them.
         registry = CollectorRegistry()
         self.metrics: dict[str, Counter | Gauge | Histogram] = {
-            spec.name: M.build(spec, registry) for spec in M.ALL_METRICS if not spec.gpu_only
+            spec.name: M.build(spec, registry)
+            for spec in M.ALL_METRICS
+            if spec not in M.NVML_METRICS
         }
         self._last: dict[tuple[str, tuple[str, ...]], tuple[float, ...]] = {}
         self._stop = threading.Event()

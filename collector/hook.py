@@ -148,6 +148,7 @@ class RunbookSchedulerMixin:
                 except Exception as exc:
                     collector.autopilot_driver.failed(exc)
             try:
+                collector.stats.on_request_freed(request.request_id)
                 collector.requests.on_request_finished(request)
             except Exception as exc:
                 collector.disable(exc)

@@ -103,6 +103,17 @@ BLOCK_FRAGMENTATION = _spec(
     "gauge",
     "After the latest step: 1 - sum(num_computed_tokens) / sum(blocks held x block_size) over running requests; 0 when none run.",
 )
+# The block sizes the what-if fragmentation is computed for (vLLM's usual choices).
+WHAT_IF_BLOCK_SIZES = (8, 16, 32, 64, 128)
+BLOCK_FRAGMENTATION_AT = _spec(
+    "block_fragmentation_at_block_size",
+    "gauge",
+    "After the latest step, what the fragmentation would be at another block size: "
+    "1 - sum(num_computed_tokens) / sum(ceil(num_computed_tokens / block_size) x block_size) "
+    "over running requests (equal to block_fragmentation_ratio at the engine's own size); "
+    "0 when none run. The block-size sweep without a restart.",
+    extra_labels=("block_size",),
+)
 PADDING_RATIO = _spec(
     "padding_ratio",
     "gauge",
@@ -263,6 +274,74 @@ AUTOPILOT_CHANGES = _spec(
     "max_num_seqs changes the autopilot made, by direction (up, down).",
     extra_labels=("direction",),
 )
+# The engine's configuration (collector/engine_config.py): one info series
+# with the string fields as labels, and numeric gauges for what rules compare.
+CONFIG_INFO_LABELS = (
+    "block_size",
+    "num_gpu_blocks",
+    "gpu_memory_utilization",
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "enable_chunked_prefill",
+    "long_prefill_token_threshold",
+    "enable_prefix_caching",
+    "enforce_eager",
+    "cudagraph_mode",
+    "kv_cache_dtype",
+    "dtype",
+    "quantization",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "data_parallel_size",
+    "speculative_method",
+    "num_speculative_tokens",
+    "scheduling_policy",
+    "vllm_version",
+    "platform",
+    "device_name",
+    "sm_count",
+)
+ENGINE_CONFIG_INFO = _spec(
+    "engine_config_info",
+    "gauge",
+    "Always 1; the labels are the engine's configuration as vLLM resolved it at start "
+    "(empty where not set or not applicable, e.g. device_name and sm_count on CPU).",
+    extra_labels=CONFIG_INFO_LABELS,
+)
+CONFIG_BLOCK_SIZE = _spec("config_block_size", "gauge", "KV cache block size (tokens per block).")
+CONFIG_NUM_GPU_BLOCKS = _spec(
+    "config_num_gpu_blocks", "gauge", "KV cache blocks the engine allocated (usable ones)."
+)
+CONFIG_GPU_MEMORY_UTILIZATION = _spec(
+    "config_gpu_memory_utilization",
+    "gauge",
+    "--gpu-memory-utilization: the share of device memory vLLM may use (on CPU: of RAM for KV).",
+)
+CONFIG_MAX_MODEL_LEN = _spec("config_max_model_len", "gauge", "Longest context the engine accepts.")
+CONFIG_CHUNKED_PREFILL = _spec(
+    "config_chunked_prefill", "gauge", "1 when chunked prefill is on, 0 when off."
+)
+CONFIG_GPU_SM_COUNT = _spec(
+    "config_gpu_sm_count",
+    "gauge",
+    "Streaming multiprocessors of the engine's first GPU (NVML cores / cores per SM).",
+    gpu_only=True,
+)
+# The workload as the engine sees it, over the window: what vLLM's own
+# vllm:request_prompt_tokens / vllm:request_generation_tokens histograms do not give.
+PROMPT_LENGTH_SPREAD = _spec(
+    "prompt_length_spread_ratio",
+    "gauge",
+    "P90 / P10 of the prompt lengths (tokens) of requests that reached the engine in the "
+    "window (nearest rank; NaN when none arrived). 4 or more is the spread that hurts batching.",
+)
+LONG_PROMPT_RATIO = _spec(
+    "long_prompt_ratio",
+    "gauge",
+    "Share of requests that reached the engine in the window with a prompt above 8192 tokens "
+    "(NaN when none arrived).",
+)
 NVML_UP = _spec(
     "nvml_up",
     "gauge",
@@ -296,6 +375,17 @@ ALL_METRICS: tuple[MetricSpec, ...] = tuple(
 # Written by the NVML poller thread into real gauges; everything else is
 # produced at scrape time from the hook's plain counters.
 NVML_METRICS = (NVML_UP, GPU_MEMORY_USED, GPU_MEMORY_TOTAL, GPU_UTILIZATION)
+# The configuration series: in /v1/state's `config`, not in its `stats`.
+CONFIG_METRICS = (
+    ENGINE_CONFIG_INFO,
+    CONFIG_BLOCK_SIZE,
+    CONFIG_NUM_GPU_BLOCKS,
+    CONFIG_GPU_MEMORY_UTILIZATION,
+    CONFIG_MAX_MODEL_LEN,
+    CONFIG_CHUNKED_PREFILL,
+    CONFIG_GPU_SM_COUNT,
+)
+LONG_PROMPT_TOKENS = 8192
 METRICS_BY_NAME = {m.name: m for m in ALL_METRICS}
 
 POLICIES = ("fcfs", "priority", "tiered")

@@ -156,3 +156,35 @@ class NvmlPoller:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def device(self) -> tuple[str | None, int | None, str | None]:
+        """(name, SM count, why missing) of this engine's first GPU (after init)."""
+        if self.nvml is None:
+            return None, None, "no NVIDIA driver (pynvml not importable)"
+        if not self.handles:
+            return None, None, "NVML sees no GPU for this process"
+        return gpu_device(self.nvml, self.handles[0][1])
+
+
+# CUDA cores per SM by compute capability (NVIDIA's CUDA C Programming Guide,
+# "Arithmetic Instructions"): NVML reports cores, not SMs.
+_CORES_PER_SM = {(6, 0): 64, (7, 0): 64, (7, 2): 64, (7, 5): 64, (8, 0): 64}
+_CORES_PER_SM_BY_MAJOR = {6: 128, 8: 128, 9: 128, 10: 128, 12: 128}
+
+
+def gpu_device(nvml: Any, handle: Any) -> tuple[str | None, int | None, str | None]:
+    """(device name, SM count, why a part is missing) of one NVML device."""
+    try:
+        name = nvml.nvmlDeviceGetName(handle)
+        name = name.decode() if isinstance(name, bytes) else str(name)
+    except Exception as exc:
+        return None, None, f"NVML gave no device name ({exc})"
+    try:
+        cores = int(nvml.nvmlDeviceGetNumGpuCores(handle))
+        major, minor = nvml.nvmlDeviceGetCudaComputeCapability(handle)
+    except Exception as exc:
+        return name, None, f"NVML gave no core count ({exc})"
+    per_sm = _CORES_PER_SM.get((major, minor), _CORES_PER_SM_BY_MAJOR.get(major))
+    if per_sm is None:
+        return name, None, f"cores per SM unknown for compute capability {major}.{minor}"
+    return name, cores // per_sm, None

@@ -48,6 +48,8 @@ class Finished:
     reason: str  # vLLM's finish reason (stop | length | abort | error | repetition)
     e2e_seconds: float  # arrival in the engine → finish
     queue_seconds: float  # arrival in the engine → first schedule (→ finish if never)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +142,29 @@ def summarize(entries: list[Finished]) -> dict[str, Any]:
     }
 
 
+def length_spread(lengths: list[int]) -> float | None:
+    """P90 / P10 (nearest rank); None without lengths."""
+    ordered = sorted(lengths)  # once: this runs at every scrape over the window's arrivals
+    p10, p90 = percentile(ordered, 0.10), percentile(ordered, 0.90)
+    return None if p10 is None or p90 is None else p90 / max(p10, 1)
+
+
+def long_share(lengths: list[int]) -> float | None:
+    """Share above metrics.LONG_PROMPT_TOKENS; None without lengths."""
+    if not lengths:
+        return None
+    return sum(1 for n in lengths if n > M.LONG_PROMPT_TOKENS) / len(lengths)
+
+
+def length_summary(lengths: list[int]) -> dict[str, float | None]:
+    ordered = sorted(lengths)
+    return {
+        "count": len(ordered),
+        **{f"p{q}": percentile(ordered, q / 100) for q in (10, 50, 90, 99)},
+        "max": ordered[-1] if ordered else None,
+    }
+
+
 class ChangeMarks:
     """The counters at the latest applied changes, by first step with the change."""
 
@@ -199,6 +224,8 @@ class RequestTracker:
         # once per step; entries behind it that were scheduled or aborted
         # meanwhile are dropped when they reach it.
         self._never_scheduled: deque[tuple[str, float]] = deque()
+        # (wall time, prompt tokens) of the latest arrivals: the workload's lengths.
+        self.arrivals: deque[tuple[float, int]] = deque(maxlen=LOG_LENGTH)
         self.first_wait = first_wait_statuses()
         self.oldest_waiting_since: float | None = None  # when the head reached the engine
         self._horizon_lock = threading.Lock()
@@ -213,6 +240,7 @@ class RequestTracker:
         since = self.clock()
         self._never_scheduled.append((request.request_id, since))
         self.arrived[request.request_id] = since
+        self.arrivals.append((since, request.num_prompt_tokens))
         if self.oldest_waiting_since is None:
             self.oldest_waiting_since = since
 
@@ -271,6 +299,8 @@ class RequestTracker:
                 reason=str(reason) if reason is not None else "abort",
                 e2e_seconds=max(0.0, now - arrived) if arrived is not None else 0.0,
                 queue_seconds=queued,
+                prompt_tokens=request.num_prompt_tokens,
+                output_tokens=request.num_output_tokens,
             )
         )
 
@@ -297,10 +327,33 @@ class RequestTracker:
         """Request outcomes over the trailing window (see `summarize`)."""
         return summarize(self.log.since_time(self.clock() - window_seconds))
 
+    def arrived_prompt_tokens(self, window_seconds: float) -> list[int]:
+        """Prompt lengths of the requests that reached the engine in the window."""
+        since = self.clock() - window_seconds
+        return [n for t, n in list(self.arrivals) if t >= since]
+
+    def workload(self, window_seconds: float) -> dict[str, Any]:
+        """Prompt and output lengths over the window (nearest-rank percentiles):
+        prompts of the requests that arrived, outputs of those that finished."""
+        prompts = self.arrived_prompt_tokens(window_seconds)
+        outputs = [e.output_tokens for e in self.log.since_time(self.clock() - window_seconds)]
+        return {
+            "window_seconds": window_seconds,
+            "requests_arrived": len(prompts),
+            "prompt_tokens": length_summary(prompts),
+            "output_tokens": length_summary(outputs),
+            "prompt_length_spread_ratio": length_spread(prompts),
+            "long_prompt_ratio": long_share(prompts),
+        }
+
     def samples(self) -> list[Sample]:
         log = self.log
+        prompts = self.arrived_prompt_tokens(self.stats.window_seconds)
+        spread, long_ratio = length_spread(prompts), long_share(prompts)
         return [
             Sample(M.OLDEST_WAITING, self.waiting_horizon()[0]),
+            Sample(M.PROMPT_LENGTH_SPREAD, math.nan if spread is None else spread),
+            Sample(M.LONG_PROMPT_RATIO, math.nan if long_ratio is None else long_ratio),
             *(
                 Sample(M.REQUESTS_FINISHED, count, (reason,))
                 for reason, count in log.by_reason.items()

@@ -125,6 +125,7 @@ class _BoundedHTTPServer(HTTPServer):
         # Sockets of handlers still reading a request → when to cut them off.
         self._deadlines: dict[socket.socket, float] = {}
         self._deadlines_lock = threading.Lock()
+        self._deadlines_changed = threading.Condition(self._deadlines_lock)
         self._closing = threading.Event()
         super().__init__(address, handler)
 
@@ -172,8 +173,9 @@ class _BoundedHTTPServer(HTTPServer):
     # -- request deadlines ------------------------------------------------------
 
     def arm(self, sock: socket.socket) -> None:
-        with self._deadlines_lock:
+        with self._deadlines_changed:
             self._deadlines[sock] = time.monotonic() + self.limits.request_timeout
+            self._deadlines_changed.notify()
 
     def disarm(self, sock: socket.socket) -> None:
         with self._deadlines_lock:
@@ -181,11 +183,22 @@ class _BoundedHTTPServer(HTTPServer):
 
     def reap_forever(self) -> None:
         """Shut down sockets whose request did not arrive in time: their
-        handler's blocked read returns at once."""
-        interval = min(0.25, self.limits.request_timeout / 4)
-        while not self._closing.wait(interval):
-            now = time.monotonic()
-            with self._deadlines_lock:
+        handler's blocked read returns at once. Sleeps until the earliest
+        deadline, and without a timeout while none is armed: a thread that
+        wakes on a timer takes the GIL from the engine's step each time (on a
+        busy machine a forced GIL switch can cost the step a time slice)."""
+        while True:
+            with self._deadlines_changed:
+                if self._closing.is_set():
+                    return
+                if not self._deadlines:
+                    self._deadlines_changed.wait()
+                    continue
+                now = time.monotonic()
+                earliest = min(self._deadlines.values())
+                if earliest > now:
+                    self._deadlines_changed.wait(earliest - now)
+                    continue
                 late = [s for s, deadline in self._deadlines.items() if deadline <= now]
                 for sock in late:
                     del self._deadlines[sock]
@@ -194,7 +207,9 @@ class _BoundedHTTPServer(HTTPServer):
                     sock.shutdown(socket.SHUT_RDWR)
 
     def server_close(self) -> None:
-        self._closing.set()
+        with self._deadlines_changed:
+            self._closing.set()
+            self._deadlines_changed.notify_all()
         super().server_close()
 
 
@@ -219,7 +234,12 @@ class AgentServer:
         address = self._httpd.server_address
         self.host, self.port = str(address[0]), int(address[1])
         self._thread = threading.Thread(
-            target=self._httpd.serve_forever, name="vllm-runbook-agent", daemon=True
+            # No poll timer (see reap_forever): select() sleeps until a client
+            # connects; close() wakes it with a connection of its own.
+            target=self._httpd.serve_forever,
+            kwargs={"poll_interval": None},
+            name="vllm-runbook-agent",
+            daemon=True,
         )
         self._reaper = threading.Thread(
             target=self._httpd.reap_forever, name="vllm-runbook-agent-reaper", daemon=True
@@ -241,7 +261,15 @@ class AgentServer:
         return self
 
     def close(self) -> None:
-        self._httpd.shutdown()
+        if self._thread.is_alive():
+            # shutdown() waits for serve_forever's loop, asleep in select() until
+            # a connection comes: knock until it has seen the request to stop.
+            stopper = threading.Thread(target=self._httpd.shutdown, daemon=True)
+            stopper.start()
+            while stopper.is_alive():
+                with contextlib.suppress(OSError):
+                    socket.create_connection((self.host, self.port), timeout=0.5).close()
+                stopper.join(0.05)
         self._httpd.server_close()
 
     def _metrics(self, request: Request) -> Response:

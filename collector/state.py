@@ -18,6 +18,7 @@ from vllm_runbook.collector.agent_api import (
     AutopilotState,
     Bound,
     Bounds,
+    EngineConfig,
     EngineInfo,
     Gpus,
     Knobs,
@@ -27,6 +28,7 @@ from vllm_runbook.collector.agent_api import (
     TierNow,
     Tiers,
     TierSettings,
+    Workload,
 )
 from vllm_runbook.collector.exporter import Sample
 from vllm_runbook.collector.settings import vllm_version
@@ -41,7 +43,10 @@ if TYPE_CHECKING:
 STAT_KEYS: Final[dict[str, str]] = {
     spec.name: spec.name.removeprefix(M.PREFIX) + ("_total" if spec.type == "counter" else "")
     for spec in M.ALL_METRICS
-    if spec.type != "histogram" and not spec.extra_labels and spec not in M.NVML_METRICS
+    if spec.type != "histogram"
+    and not spec.extra_labels
+    and spec not in M.NVML_METRICS
+    and spec not in M.CONFIG_METRICS
 }
 
 
@@ -74,6 +79,9 @@ def build_state(c: EngineCollector, since_step: int | None = None) -> AgentState
     stats.update(c.requests.window_summary(window))
     stats["window_seconds"] = window
     stats["requests_finished_by_reason_total"] = dict(c.requests.log.by_reason)
+    stats["block_fragmentation_at_block_size"] = {
+        str(size): ratio for size, ratio in c.stats.fragmentation_at_block_sizes()
+    }
     control = c.control
     bounds = control.bounds()
     identity = c.identity
@@ -123,4 +131,6 @@ def build_state(c: EngineCollector, since_step: int | None = None) -> AgentState
             },
         ),
         queues=c.queues.snapshot(),
+        config=EngineConfig(**c.config.as_dict()),
+        workload=Workload.model_validate(c.requests.workload(window)),
     )

@@ -18,9 +18,9 @@ from typing import Any
 
 from vllm_runbook.collector import metrics as M
 from vllm_runbook.collector.exporter import Sample
+from vllm_runbook.collector.token_sums import RunningTokenSums
 from vllm_runbook.collector.window import SlidingWindowMax, SlidingWindowRatio
 
-_num_computed_tokens = attrgetter("num_computed_tokens")
 _request_id = attrgetter("request_id")
 
 
@@ -73,6 +73,23 @@ class StepStats:
         self.unpadded_tokens = 0
         self.fragmentation = 0.0
         self.length_padding = 0.0
+        # The what-if sizes, then the engine's own if it is not one of them.
+        self.what_if_sizes = M.WHAT_IF_BLOCK_SIZES
+        sizes = self.what_if_sizes + (
+            () if self.block_size in self.what_if_sizes else (self.block_size,)
+        )
+        self._own_size_index = sizes.index(self.block_size)
+        self.running_sums = RunningTokenSums(sizes)
+        self._no_sums: tuple[int, tuple[int, ...]] = (0, (0,) * len(sizes))
+        # (Σ tokens, Σ blocks per size) after the latest step, as one tuple.
+        self.fragmentation_sums = self._no_sums
+        # Full attention without lookahead slots holds exactly ceil(tokens / block
+        # size) blocks per request after schedule(): the real fragmentation is the
+        # sums' at the own size. Otherwise (sliding window, speculative decoding)
+        # the block tables are read.
+        self._blocks_are_ceil = (
+            not self._blocks_have_nulls and int(getattr(scheduler, "num_lookahead_tokens", 0)) == 0
+        )
         # Longest context (computed tokens, prompt + generated) in the running batch.
         self.max_sequence_tokens = 0
         # (steps, preemptions, scheduled tokens) after the latest step, as one tuple.
@@ -128,26 +145,69 @@ class StepStats:
         self.progress = (self.steps, self.preemptions, self.scheduled_tokens)
 
         running = scheduler.running
+        sums = self.running_sums
         if not running:
+            if len(sums):
+                sums.clear()
             self.fragmentation = self.length_padding = 0.0
             self.max_sequence_tokens = 0
+            self.fragmentation_sums = self._no_sums
             return
-        # C-level map/sum instead of a Python loop: this runs every step over
-        # every running request (see benchmarks/collector_overhead.py).
-        lengths = list(map(_num_computed_tokens, running))
-        ids = list(map(_request_id, running))
-        blocks: Iterator[list[Any]] = map(self._req_to_blocks.get, ids, repeat([], len(ids)))
-        count: Callable[[list[Any]], int] = _count_real_blocks if self._blocks_have_nulls else len
-        held = sum(map(count, blocks))
-        computed = sum(lengths)
-        self.max_sequence_tokens = max(lengths)
-        self.fragmentation = 1.0 - computed / (held * self.block_size) if held else 0.0
+        # Incremental: only the requests whose token count changed other than by
+        # one decoded token are read (token_sums.py); a pure decode step is O(1).
+        for request_id in output.preempted_req_ids:
+            sums.discard(request_id)
+        requests = scheduler.requests
         scheduled = output.num_scheduled_tokens
-        if len(scheduled) != len(running):  # scheduled ⊆ running after schedule()
-            lengths = [n for n, i in zip(lengths, ids, strict=True) if i in scheduled]
-            computed = sum(lengths)
-        max_len = max(lengths, default=0)
-        self.length_padding = 1.0 - computed / (len(lengths) * max_len) if max_len else 0.0
+        new_reqs = output.scheduled_new_reqs
+        cached = output.scheduled_cached_reqs
+        cached_ids = cached.req_ids
+        new_tokens = sum(scheduled[r.req_id] for r in new_reqs) if new_reqs else 0
+        if (
+            not cached.resumed_req_ids
+            and len(cached_ids) == len(sums)
+            and tokens - new_tokens == len(cached_ids)
+        ):
+            sums.advance_all()  # every running request decoded exactly one token
+        else:
+            for request_id in cached_ids:
+                sums.set(request_id, requests[request_id].num_computed_tokens)
+        for r in new_reqs:
+            sums.set(r.req_id, requests[r.req_id].num_computed_tokens)
+        if len(sums) != len(running):  # a request left or came unseen: recount
+            sums.reset((r.request_id, r.num_computed_tokens) for r in running)
+        computed = sums.tokens()
+        self.max_sequence_tokens = sums.max_tokens()
+        self.fragmentation_sums = (computed, tuple(sums.blocks))
+        if self._blocks_are_ceil:
+            held = sums.blocks[self._own_size_index]
+        else:
+            ids = list(map(_request_id, running))
+            blocks: Iterator[list[Any]] = map(self._req_to_blocks.get, ids, repeat([], len(ids)))
+            count: Callable[[list[Any]], int] = (
+                _count_real_blocks if self._blocks_have_nulls else len
+            )
+            held = sum(map(count, blocks))
+        self.fragmentation = 1.0 - computed / (held * self.block_size) if held else 0.0
+        if len(scheduled) == len(running):  # scheduled ⊆ running after schedule()
+            max_len = self.max_sequence_tokens
+            count_scheduled = len(running)
+        else:
+            lengths = [requests[i].num_computed_tokens for i in scheduled]
+            computed, max_len, count_scheduled = sum(lengths), max(lengths, default=0), len(lengths)
+        self.length_padding = 1.0 - computed / (count_scheduled * max_len) if max_len else 0.0
+
+    def on_request_freed(self, request_id: str) -> None:
+        """A request finished or was aborted: it leaves the running sums."""
+        self.running_sums.discard(request_id)
+
+    def fragmentation_at_block_sizes(self) -> list[tuple[int, float]]:
+        """(block size, what-if fragmentation) after the latest step (any thread)."""
+        computed, blocks = self.fragmentation_sums
+        return [
+            (b, 1.0 - computed / (n * b) if n else 0.0)
+            for b, n in zip(self.what_if_sizes, blocks, strict=False)
+        ]
 
     def on_update(self, scheduler: Any, scheduler_output: Any, runner_output: Any) -> None:
         """After update_from_output(): padding of the batch just executed."""
@@ -161,9 +221,17 @@ class StepStats:
             self.padded_tokens += padded
             self.unpadded_tokens += unpadded
             self.padding_window.add(padded - unpadded, padded)
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        if spec_tokens:  # rejected draft tokens were taken back from num_computed_tokens
+            requests, sums = scheduler.requests, self.running_sums
+            for request_id in spec_tokens:
+                request = requests.get(request_id)
+                if request is not None and request_id in sums.keys:
+                    sums.set(request_id, request.num_computed_tokens)
         if not scheduler.running:
             self.fragmentation = 0.0
             self.max_sequence_tokens = 0
+            self.fragmentation_sums = self._no_sums
 
     # -- at scrape time (any thread) -------------------------------------------
 
@@ -180,6 +248,10 @@ class StepStats:
             # No lookups in the window: undefined (NaN), not "0 % hits".
             Sample(M.KV_HIT_RATIO, self.hit_window.ratio(math.nan)),
             Sample(M.BLOCK_FRAGMENTATION, self.fragmentation),
+            *(
+                Sample(M.BLOCK_FRAGMENTATION_AT, ratio, (str(size),))
+                for size, ratio in self.fragmentation_at_block_sizes()
+            ),
             Sample(M.PADDING_RATIO, self.padding_window.ratio()),
             Sample(M.LENGTH_PADDING_RATIO, self.length_padding),
             Sample(M.SCHEDULE_SECONDS, self.schedule_seconds_sum, buckets=tuple(cumulative)),

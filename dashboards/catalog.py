@@ -38,6 +38,12 @@ TIME_TO_FIRST_TOKEN = _vllm(
 INTER_TOKEN_LATENCY = _vllm(
     "inter_token_latency_seconds", "histogram", "Time between two output tokens of a request."
 )
+REQUEST_PROMPT_TOKENS = _vllm(
+    "request_prompt_tokens", "histogram", "Prompt length of each finished request, tokens."
+)
+REQUEST_GENERATION_TOKENS = _vllm(
+    "request_generation_tokens", "histogram", "Output length of each finished request, tokens."
+)
 E2E_REQUEST_LATENCY = _vllm(
     "e2e_request_latency_seconds", "histogram", "Time from arrival to the request's end."
 )
@@ -49,6 +55,8 @@ VLLM_METRICS: tuple[MetricSpec, ...] = (
     TIME_TO_FIRST_TOKEN,
     INTER_TOKEN_LATENCY,
     E2E_REQUEST_LATENCY,
+    REQUEST_PROMPT_TOKENS,
+    REQUEST_GENERATION_TOKENS,
 )
 
 # vLLM's metrics carry model_name and engine like the collector's; the

@@ -478,6 +478,27 @@ class Panels:
             .rule_lines(n.threshold("VllmBlockFragmentationHigh", color="orange"))
         )
 
+    def fragmentation_what_if(self, width: int = 12) -> Graph:
+        return (
+            Graph(
+                "Fragmentation at other block sizes (what-if)",
+                M.BLOCK_FRAGMENTATION_AT.help
+                + " The field reports sweep block_size until fragmentation is below 15 %; "
+                "this is that sweep without a restart (block_size itself needs one).",
+                width,
+            )
+            .with_target(
+                prom(
+                    f"max by ({', '.join((*ENGINE_LABELS, 'block_size'))}) "
+                    f"({selector(M.BLOCK_FRAGMENTATION_AT)})",
+                    "block {{block_size}} " + ENGINE_LEGEND,
+                )
+            )
+            .unit("percentunit")
+            .min(0)
+            .max(1)
+        )
+
     def kv_blocks(self) -> Graph:
         return (
             Graph(
@@ -750,6 +771,85 @@ class Panels:
             )
         )
 
+    def engine_config(self) -> Any:
+        labels = M.CONFIG_INFO_LABELS
+        legend = " · ".join(f"{label} {{{{{label}}}}}" for label in labels)
+        return table_panel(
+            "Engine configuration",
+            f"{M.ENGINE_CONFIG_INFO.help} One row per engine; what `runbook check` judges.",
+            24,
+            6,
+        ).with_target(
+            prom(
+                f"max by ({', '.join((*ENGINE_LABELS, *labels))}) "
+                f"({selector(M.ENGINE_CONFIG_INFO)})",
+                "{{instance}} {{model_name}}/{{engine}}: " + legend,
+                instant=True,
+            )
+        )
+
+    def config_numbers(self) -> stat.Panel:
+        return (
+            stat_panel(
+                "Configuration: KV cache and limits",
+                f"Block size: {M.CONFIG_BLOCK_SIZE.help} KV blocks: {M.CONFIG_NUM_GPU_BLOCKS.help} "
+                f"Memory: {M.CONFIG_GPU_MEMORY_UTILIZATION.help} Context: "
+                f"{M.CONFIG_MAX_MODEL_LEN.help} Chunked prefill: {M.CONFIG_CHUNKED_PREFILL.help} "
+                f"SMs: {M.CONFIG_GPU_SM_COUNT.help} (GPU only)",
+                12,
+            )
+            .with_target(prom(Q.gauge(M.CONFIG_BLOCK_SIZE), "block size " + ENGINE_LEGEND))
+            .with_target(prom(Q.gauge(M.CONFIG_NUM_GPU_BLOCKS), "KV blocks " + ENGINE_LEGEND))
+            .with_target(
+                prom(Q.gauge(M.CONFIG_GPU_MEMORY_UTILIZATION), "memory util " + ENGINE_LEGEND)
+            )
+            .with_target(prom(Q.gauge(M.CONFIG_MAX_MODEL_LEN), "max_model_len " + ENGINE_LEGEND))
+            .with_target(
+                prom(Q.gauge(M.CONFIG_CHUNKED_PREFILL), "chunked prefill " + ENGINE_LEGEND)
+            )
+            .with_target(prom(Q.gauge(M.CONFIG_GPU_SM_COUNT), "SMs " + ENGINE_LEGEND))
+        )
+
+    def request_lengths(self) -> Graph:
+        return (
+            Graph(
+                "Prompt and output lengths P10 / P50 / P90",
+                "vLLM's own per-request histograms (vllm:request_prompt_tokens, "
+                "vllm:request_generation_tokens) over the rate interval, in tokens; "
+                "interpolated inside vLLM's 1-2-5 buckets.",
+                12,
+            )
+            .with_target(
+                prom(quantile(0.1, V.REQUEST_PROMPT_TOKENS), "prompt P10 " + ENGINE_LEGEND)
+            )
+            .with_target(
+                prom(quantile(0.5, V.REQUEST_PROMPT_TOKENS), "prompt P50 " + ENGINE_LEGEND)
+            )
+            .with_target(
+                prom(quantile(0.9, V.REQUEST_PROMPT_TOKENS), "prompt P90 " + ENGINE_LEGEND)
+            )
+            .with_target(
+                prom(quantile(0.5, V.REQUEST_GENERATION_TOKENS), "output P50 " + ENGINE_LEGEND)
+            )
+            .with_target(
+                prom(quantile(0.9, V.REQUEST_GENERATION_TOKENS), "output P90 " + ENGINE_LEGEND)
+            )
+            .unit("none")
+        )
+
+    def length_spread(self) -> Graph:
+        return (
+            Graph(
+                "Prompt length spread and long prompts",
+                f"Spread: {M.PROMPT_LENGTH_SPREAD.help} Long: {M.LONG_PROMPT_RATIO.help} "
+                "Exact from the engine's arrivals (vLLM's buckets are too coarse for a ratio).",
+                12,
+            )
+            .with_target(prom(Q.gauge(M.PROMPT_LENGTH_SPREAD), "P90/P10 " + ENGINE_LEGEND))
+            .with_target(prom(Q.gauge(M.LONG_PROMPT_RATIO), "share > 8k " + ENGINE_LEGEND))
+            .min(0)
+        )
+
     def agent_health(self) -> Graph:
         return (
             Graph(
@@ -815,6 +915,7 @@ def engine_overview(notes: Q.RuleNotes) -> dict[str, Any]:
                     p.preemptions(),
                     p.hit_ratio(),
                     p.fragmentation(),
+                    p.fragmentation_what_if(),
                     p.kv_blocks(),
                     p.oom_rate(),
                     p.longest_sequence(),
@@ -837,6 +938,10 @@ def engine_overview(notes: Q.RuleNotes) -> dict[str, Any]:
             (
                 "GPUs (GPU-only: empty without an NVIDIA GPU)",
                 [p.gpu_memory(), p.gpu_memory_bytes(), p.gpu_utilization()],
+            ),
+            (
+                "Configuration and workload (as the engine resolved and sees them)",
+                [p.engine_config(), p.config_numbers(), p.request_lengths(), p.length_spread()],
             ),
             ("Agent", [p.agent_health(), p.uptime()]),
         ],

@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from vllm_runbook.collector import metrics as M
 from vllm_runbook.rules.promfuncs import bucket_quantile
 
-Status = Literal["pass", "fail", "n/a"]
+Status = Literal["pass", "warn", "fail", "n/a"]
 
 E2E_LATENCY = "vllm:e2e_request_latency_seconds"
 REQUEST_SUCCESS = "vllm:request_success_total"
@@ -299,6 +299,9 @@ def as_json(
     counts: Mapping[str, int] = {
         s: sum(r.status == s for r in results) for s in ("pass", "fail", "n/a")
     }
+    warned = sum(r.status == "warn" for r in results)
+    if warned:
+        counts = {**counts, "warn": warned}
     return {
         "engine": agent,
         "vllm": vllm,
@@ -325,6 +328,7 @@ def format_results(
         lines.append(
             f"  {r.status.upper():<6} {r.name:<22} {r.limit:<9} {r.shown:<20} {r.note}".rstrip()
         )
-    counts = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "n/a")}
-    lines.append(f"{counts['fail']} failed, {counts['pass']} passed, {counts['n/a']} n/a")
+    counts = {s: sum(r.status == s for r in results) for s in ("pass", "warn", "fail", "n/a")}
+    warned = f", {counts['warn']} warned" if counts["warn"] else ""
+    lines.append(f"{counts['fail']} failed, {counts['pass']} passed{warned}, {counts['n/a']} n/a")
     return "\n".join(lines)

@@ -27,6 +27,7 @@ from vllm_runbook.rules.checklist import (
     run_checklist,
     with_note,
 )
+from vllm_runbook.rules.config_checks import run_config_checks
 from vllm_runbook.runbooks.cli.errors import UsageError
 from vllm_runbook.runbooks.engine.client import normalize_url
 from vllm_runbook.runbooks.exit_codes import ExitCode, RunbookError
@@ -127,6 +128,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     )
     model, engine = state.engine.model_name, state.engine.engine
     results = run_checklist(scrapes, model, engine, args.sla_seconds)
+    results += run_config_checks(state)
     if not state.collector_up:
         note = "collector disabled on the engine: its gauges are stale"
         results = [r if r.status == "n/a" else with_note(r, note) for r in results]

@@ -47,12 +47,39 @@ def test_fragmentation_and_length_padding_after_the_prefill_step(engine: InProce
     assert engine.value(M.REQUESTS_RUNNING.name) == 3
     assert engine.value(M.KV_BLOCKS_USED.name) == 9
     assert engine.value(M.KV_BLOCKS_FREE.name) == 255 - 9
+    # What-if: ceil(n / b) blocks per request. At 8: 5+9+13 = 27 blocks, 216 slots;
+    # at 16: 3+5+7, 240; at 32 (the engine's own): the real 288; 64: 320; 128: 384.
+    assert what_if(engine) == {
+        "8": 1 - 210 / 216,
+        "16": 1 - 210 / 240,
+        "32": 1 - 210 / 288,
+        "64": 1 - 210 / 320,
+        "128": 1 - 210 / 384,
+    }
+    assert what_if(engine)["32"] == engine.value(M.BLOCK_FRAGMENTATION.name)
+    engine.step()  # one decoded token each: 41, 71, 101; 41 opens a 6th block of 8
+    assert what_if(engine) == {
+        "8": 1 - 213 / 224,
+        "16": 1 - 213 / 240,
+        "32": 1 - 213 / 288,
+        "64": 1 - 213 / 320,
+        "128": 1 - 213 / 384,
+    }
+    assert engine.value(M.BLOCK_FRAGMENTATION.name) == 1 - 213 / 288
     engine.run_until_done()
+    assert set(what_if(engine).values()) == {0.0}
     # Nothing runs any more: fragmentation is defined as 0, and the queue
     # gauges follow the finished requests even though no step comes after.
     assert engine.value(M.BLOCK_FRAGMENTATION.name) == 0
     assert engine.value(M.REQUESTS_RUNNING.name) == 0
     assert engine.value(M.KV_BLOCKS_USED.name) == 0
+
+
+def what_if(engine: InProcessEngine) -> dict[str, float | None]:
+    return {
+        str(b): engine.value(M.BLOCK_FRAGMENTATION_AT.name, block_size=str(b))
+        for b in M.WHAT_IF_BLOCK_SIZES
+    }
 
 
 def test_decode_steps_track_the_growing_context(engine: InProcessEngine) -> None:
@@ -189,6 +216,14 @@ def test_prefix_cache_hit_ratio_without_stats_logging(fresh_engine: InProcessEng
 # -- preemption under a small KV cache --
 
 
+def recount(scheduler: Any, sizes: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
+    """(Σ tokens, Σ ceil(tokens / b) per size) over the running requests, from scratch."""
+    if not scheduler.running:
+        return 0, (0,) * len(sizes)
+    tokens = [r.num_computed_tokens for r in scheduler.running]
+    return sum(tokens), tuple(sum(-(-t // b) for t in tokens) for b in sizes)
+
+
 @pytest.fixture(scope="module")
 def small_kv_engine(tiny_model: Path) -> Iterator[InProcessEngine]:
     # 32 blocks (31 usable) of 32 tokens: 992 tokens of KV for 16 requests
@@ -213,7 +248,27 @@ def test_preemptions_equal_the_schedulers_own_count(small_kv_engine: InProcessEn
     try:
         for i in range(16):
             small_kv_engine.add(f"long-{i}", 200, max_tokens=100, offset=20 * i)
-        finished = small_kv_engine.run_until_done()
+        collector = small_kv_engine.collector
+        stats, on_schedule = collector.stats, collector.on_schedule
+        checked = []
+
+        def checking_on_schedule(*args: Any) -> None:
+            # Right after each schedule(): the incremental sums equal a recount of
+            # the running requests, through prefills, decodes, preemptions,
+            # resumptions and finishes, and the real fragmentation the block tables'.
+            on_schedule(*args)
+            assert stats.fragmentation_sums == recount(scheduler, stats.running_sums.sizes)
+            held = sum(len(stats._req_to_blocks[r.request_id]) for r in scheduler.running)
+            tokens = sum(r.num_computed_tokens for r in scheduler.running)
+            assert stats.fragmentation == (1 - tokens / (held * 32) if held else 0.0)
+            checked.append(len(scheduler.running))
+
+        collector.on_schedule = checking_on_schedule
+        try:
+            finished = small_kv_engine.run_until_done()
+        finally:
+            del collector.on_schedule
+        assert len(checked) > 100 and max(checked) > 1
     finally:
         del scheduler._preempt_request
     assert len(finished) == 16
@@ -315,3 +370,104 @@ def test_oldest_waiting_request_shows_starvation_exactly(
     finally:
         collector.wall_clock = time.time
         eng.run_until_done()
+
+
+# -- the engine's configuration and workload --
+
+
+def test_the_configuration_vllm_resolved_is_in_the_state_and_on_metrics(
+    engine: InProcessEngine,
+) -> None:
+    status, body = http_get(engine.collector.server.url + "/v1/state")
+    assert status == 200
+    config = json.loads(body)["config"]
+    # tests/engines.py ENGINE_DEFAULTS, as vLLM resolved them.
+    assert {k: config[k] for k in ENGINE_CONFIG_ORACLE} == ENGINE_CONFIG_ORACLE
+    # On CPU the device fields are null, with the reason.
+    assert config["device_name"] is None and config["sm_count"] is None
+    assert config["device_reason"] == "CPU engine: no GPU"
+    from vllm_runbook.collector.settings import vllm_version
+
+    assert config["vllm_version"] == vllm_version()
+    # The same as one info series: every label is the state's value as text.
+    labels = {
+        label: ""
+        if config[label] is None
+        else str(config[label]).lower()
+        if isinstance(config[label], bool)
+        else str(config[label])
+        for label in M.CONFIG_INFO_LABELS
+    }
+    assert engine.value(M.ENGINE_CONFIG_INFO.name, **labels) == 1
+    assert engine.value(M.CONFIG_BLOCK_SIZE.name) == 32
+    assert engine.value(M.CONFIG_NUM_GPU_BLOCKS.name) == 255
+    assert engine.value(M.CONFIG_GPU_MEMORY_UTILIZATION.name) == 0.2
+    assert engine.value(M.CONFIG_MAX_MODEL_LEN.name) == 1024
+    assert engine.value(M.CONFIG_CHUNKED_PREFILL.name) == 1
+    assert engine.value(M.CONFIG_GPU_SM_COUNT.name) is None  # GPU only
+
+
+ENGINE_CONFIG_ORACLE = {
+    "block_size": 32,
+    "num_gpu_blocks": 255,  # num_gpu_blocks_override 256, less vLLM's null block
+    "gpu_memory_utilization": 0.2,
+    "max_model_len": 1024,
+    "max_num_seqs": 64,
+    "max_num_batched_tokens": 512,
+    "enable_chunked_prefill": True,
+    "long_prefill_token_threshold": 0,
+    "enable_prefix_caching": True,
+    "enforce_eager": True,
+    "cudagraph_mode": "NONE",
+    "cudagraph_capture_sizes": [],
+    "kv_cache_dtype": "auto",
+    "dtype": "bfloat16",
+    "quantization": None,
+    "tensor_parallel_size": 1,
+    "pipeline_parallel_size": 1,
+    "data_parallel_size": 1,
+    "speculative_method": None,
+    "num_speculative_tokens": None,
+    "scheduling_policy": "fcfs",
+    "platform": "cpu",
+}
+
+
+def test_workload_lengths_over_the_window(engine: InProcessEngine) -> None:
+    """Prompt spread P90/P10 and the share above 8k over the window's arrivals;
+    output lengths of the requests that finished in it. Exact (nearest rank)."""
+    collector = engine.collector
+    later = time.time() + 100_000  # earlier tests' requests fall out of the window
+    collector.wall_clock = lambda: later
+    try:
+        prompts = [20 * (i + 1) for i in range(10)]  # 20, 40, ..., 200
+        for i, n in enumerate(prompts):
+            engine.add(f"len-{i}", n, max_tokens=3 + i % 2, offset=5000 + 250 * i)
+        engine.run_until_done()
+        # P10 = 20 (rank 1), P90 = 180 (rank 9): a spread of 9.
+        assert engine.value(M.PROMPT_LENGTH_SPREAD.name) == 9.0
+        assert engine.value(M.LONG_PROMPT_RATIO.name) == 0.0
+        workload = json.loads(http_get(collector.server.url + "/v1/state")[1])["workload"]
+        assert workload["requests_arrived"] == 10
+        assert workload["prompt_tokens"] == {
+            "count": 10,
+            "p10": 20,
+            "p50": 100,
+            "p90": 180,
+            "p99": 200,
+            "max": 200,
+        }
+        assert workload["output_tokens"] == {
+            "count": 10,
+            "p10": 3,
+            "p50": 3,
+            "p90": 4,
+            "p99": 4,
+            "max": 4,
+        }
+        assert workload["prompt_length_spread_ratio"] == 9.0
+        assert workload["long_prompt_ratio"] == 0.0
+        later += 1_000  # nothing arrived in the window: undefined, not 0
+        assert math.isnan(engine.value(M.PROMPT_LENGTH_SPREAD.name))  # type: ignore[arg-type]
+    finally:
+        collector.wall_clock = time.time

@@ -212,7 +212,17 @@ def test_all_n_a_exits_0_with_the_table(agent: Routes, capsys: pytest.CaptureFix
     assert lines[1].split() == ["result", "check", "limit", "measured", "note"]
     assert lines[2].split()[:4] == ["N/A", "GPU", "utilisation", "70-90%"]
     assert [line.split()[0] for line in lines[2:9]] == ["N/A"] * 7
-    assert lines[9] == "0 failed, 0 passed, 7 n/a"
+    # Then the configuration checks (rules/config_checks.py; tested there): an agent
+    # without `config` and no traffic leaves only the token budget to judge.
+    assert [line.split()[:2] for line in lines[9:15]] == [
+        ["PASS", "token"],
+        ["N/A", "block"],
+        ["N/A", "chunked"],
+        ["N/A", "memory"],
+        ["N/A", "max_num_seqs"],
+        ["N/A", "scheduling"],
+    ]
+    assert lines[15] == "0 failed, 1 passed, 12 n/a"
     assert agent.hits["/metrics"] == 3
 
 
@@ -223,7 +233,7 @@ def test_failing_check_exits_1_and_json(agent: Routes, capsys: pytest.CaptureFix
     doc = json.loads(out)
     assert (doc["ok"], doc["summary"], doc["scrapes"]) == (
         False,
-        {"pass": 1, "fail": 1, "n/a": 5},
+        {"pass": 2, "fail": 1, "n/a": 10},
         2,
     )
     by_name = {c["name"]: c for c in doc["checks"]}

@@ -36,6 +36,7 @@ def test_stats_declare_every_collector_series_and_the_windowed_outcomes() -> Non
         "p99_latency_seconds",
         "waiting_seconds_p99",
         "requests_finished_by_reason_total",
+        "block_fragmentation_at_block_size",
     }
     assert set(STAT_KEYS.values()) | windowed == set(api.Stats.model_fields)
     assert not set(STAT_KEYS.values()) & windowed
