@@ -65,6 +65,7 @@ from vllm_runbook.rules.config import (
     phrase,
 )
 from vllm_runbook.rules.model import Catalog, Rule
+from vllm_runbook.rules.slo import Slos
 
 ReceiverType = Literal["webhook", "slack"]
 RECEIVER_TYPES: tuple[str, ...] = get_args(ReceiverType)
@@ -248,6 +249,7 @@ class Config(Section):
     page: PageConfig = Field(default_factory=PageConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     retention: RetentionConfig = Field(default_factory=RetentionConfig)
+    slos: Slos = ()
 
     # The rules section, as the service reads it.
     @property
