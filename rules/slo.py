@@ -63,6 +63,7 @@ DEFAULT_WINDOW = 30 * 86400.0
 RECORD_PREFIX = "vllm_runbook:slo_error_ratio:rate"
 ALERT_PREFIX = "VllmSloBurn"
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+_DECIMAL = re.compile(r"^(\d+\.\d+|\.\d+)(ms|s)$")
 
 # vLLM 0.32's default bucket bounds (vllm/v1/metrics/buckets.py:
 # TIME_TO_FIRST_TOKEN_BUCKETS, REQUEST_LATENCY_BUCKETS); a test compares them
@@ -131,8 +132,11 @@ def _name(value: object) -> str:
 
 def _seconds(value: object) -> float:
     """A threshold: a number (seconds) or a duration (``250ms``, ``1s``)."""
+    decimal = _DECIMAL.match(value.strip()) if isinstance(value, str) else None
     if isinstance(value, int | float) and not isinstance(value, bool):
         seconds = float(value)
+    elif decimal:  # 0.25s, 2.5s: a bucket bound is rarely a whole number of seconds
+        seconds = float(decimal.group(1)) * (0.001 if decimal.group(2) == "ms" else 1.0)
     else:
         try:
             seconds = parse_duration(value)
