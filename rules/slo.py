@@ -46,10 +46,12 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    ValidationError,
     ValidationInfo,
+    WrapValidator,
     field_validator,
 )
-from pydantic_core import PydanticCustomError
+from pydantic_core import InitErrorDetails, PydanticCustomError
 from vllm_runbook.rules import condition as C
 from vllm_runbook.rules.durations import format_duration, parse_duration
 from vllm_runbook.rules.errors import Problem
@@ -276,16 +278,30 @@ class SloSpec(BaseModel):
         return f"{pct} {what} over {span(self.window)}{scope}"
 
 
-def _unique(slos: tuple[SloSpec, ...]) -> tuple[SloSpec, ...]:
+def _unique(value: Any, handler: Any) -> tuple[SloSpec, ...]:
+    """SLO names are unique (they name the alerts): the second use is the error."""
+    errors: list[InitErrorDetails] = []
     seen: set[str] = set()
-    for slo in slos:
-        if slo.name in seen:
-            raise PydanticCustomError("detail", f"SLO name {slo.name!r} used twice")
-        seen.add(slo.name)
+    for i, item in enumerate(value if isinstance(value, list | tuple) else ()):
+        name = item.get("name") if isinstance(item, Mapping) else None
+        if isinstance(name, str) and name in seen:
+            dup = PydanticCustomError("phrase", f"{name!r}: an SLO of that name comes first")
+            errors.append({"type": dup, "loc": (i, "name"), "input": name})
+        if isinstance(name, str):
+            seen.add(name)
+    try:
+        slos: tuple[SloSpec, ...] = handler(value)
+    except ValidationError as exc:
+        errors += [
+            {"type": PydanticCustomError(e["type"], e["msg"]), "loc": e["loc"], "input": e["input"]}
+            for e in exc.errors()
+        ]
+    if errors:
+        raise ValidationError.from_exception_data("slos", errors)
     return slos
 
 
-Slos = Annotated[tuple[SloSpec, ...], AfterValidator(_unique)]
+Slos = Annotated[tuple[SloSpec, ...], WrapValidator(_unique)]
 
 
 # -- the error ratio, one tree for both backends ----------------------------------------
