@@ -186,7 +186,9 @@ def _late_burn() -> list[tuple[str, str]]:
     good_total = CLEAN * PER_SCRAPE
     return [
         series(name + "_count", f"0+{PER_SCRAPE}x{CLEAN + BURN_MINUTES}"),
-        series(name + "_bucket", f"0+{PER_SCRAPE}x{CLEAN} {good_total}x{BURN_MINUTES - 1}", le="1.0"),
+        series(
+            name + "_bucket", f"0+{PER_SCRAPE}x{CLEAN} {good_total}x{BURN_MINUTES - 1}", le="1.0"
+        ),
     ]
 
 

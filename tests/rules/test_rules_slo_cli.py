@@ -14,9 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.engines import PrometheusServer, require_tool
 from vllm_runbook.rules.slo import BURN_PAIRS, WINDOWS
 from vllm_runbook.runbooks.cli.entry import main
+
+from tests.engines import PrometheusServer, require_tool
 
 STEP = 60
 SAMPLES = 40
@@ -90,7 +91,15 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
 def test_json_gives_the_known_burn_rates_and_budget(prometheus, capsys) -> None:
     prom, end, config = prometheus
     code, out, err = _run(
-        capsys, "slo", "--config", str(config), "--prometheus", prom.url, "--time", str(end), "--json"
+        capsys,
+        "slo",
+        "--config",
+        str(config),
+        "--prometheus",
+        prom.url,
+        "--time",
+        str(end),
+        "--json",
     )
     assert code == 0, err
     rows = {(r["slo"], r["engine"]["instance"]): r for r in json.loads(out)}
@@ -104,8 +113,11 @@ def test_json_gives_the_known_burn_rates_and_budget(prometheus, capsys) -> None:
             assert value == pytest.approx(burn, rel=1e-9), (slo, instance, window)
         assert row["budget_left"] == pytest.approx(1 - burn, rel=1e-9)
         firing = {f["alert"] for f in row["firing"]}
-        assert firing == {f"VllmSloBurn_{slo}_{w}" for w, p in
-                          zip(("1h", "6h", "1d", "3d"), BURN_PAIRS, strict=True) if p.factor < burn}
+        assert firing == {
+            f"VllmSloBurn_{slo}_{w}"
+            for w, p in zip(("1h", "6h", "1d", "3d"), BURN_PAIRS, strict=True)
+            if p.factor < burn
+        }
 
 
 def test_table(prometheus, capsys) -> None:
@@ -135,7 +147,9 @@ def test_table(prometheus, capsys) -> None:
 def test_errors_are_one_line_with_their_exit_codes(prometheus, tmp_path: Path) -> None:
     prom, _end, config = prometheus
     bad = tmp_path / "bad.yaml"
-    bad.write_text("slos:\n  - name: ttft\n    objective: ttft\n    threshold: 0.3s\n    target: 0.99\n")
+    bad.write_text(
+        "slos:\n  - name: ttft\n    objective: ttft\n    threshold: 0.3s\n    target: 0.99\n"
+    )
     cases = [
         (["--config", str(config), "--prometheus", "http://127.0.0.1:1"], 1, "did not answer"),
         (["--prometheus", prom.url], 2, "no slos:"),

@@ -11,7 +11,8 @@ import pytest
 import yaml
 from vllm.v1.metrics import buckets as vllm_buckets
 from vllm_runbook.rules import condition as C
-from vllm_runbook.rules.config import Automation, load_config as load_rules_config
+from vllm_runbook.rules.config import Automation
+from vllm_runbook.rules.config import load_config as load_rules_config
 from vllm_runbook.rules.errors import CatalogError
 from vllm_runbook.rules.slo import (
     BURN_PAIRS,
@@ -107,8 +108,7 @@ def test_errors_name_the_file_the_line_and_the_nearest_bounds(tmp_path: Path) ->
         f"{f}:12: slos[2].threshold is not used by an availability objective (it counts errors)",
         f"{f}:13: slos[3].name 'Bad-Name': use lower-case letters, digits and _, starting with "
         "a letter",
-        f"{f}:14: slos[3].objective: "
-        + problems_text_of_literal(),
+        f"{f}:14: slos[3].objective: " + problems_text_of_literal(),
         f"{f}:21: slos[4].runbook: unknown runbook 'no-such-runbook' (known: hot-path-backlog, "
         "latency-spike)",
         f"{f}:22: slos[5].name 'ttft': an SLO of that name comes first",
@@ -140,7 +140,9 @@ def test_custom_buckets_accept_their_bounds() -> None:
 
 
 def test_four_pairs_per_slo_and_the_page_pairs_hand_off_to_its_runbook() -> None:
-    slo = SloSpec(name="ttft", objective="ttft", threshold=1.0, target=0.99, runbook="latency-spike")
+    slo = SloSpec(
+        name="ttft", objective="ttft", threshold=1.0, target=0.99, runbook="latency-spike"
+    )
     rules = slo_rules([slo])
     assert [(r.alert, r.severity, r.runbook) for r in rules] == [
         ("VllmSloBurn_ttft_1h", "critical", "latency-spike"),
@@ -194,7 +196,7 @@ def test_export_holds_the_slo_groups_and_passes_promtool(tmp_path: Path, capsys)
         for w in ("5m", "30m", "1h", "2h", "6h", "1d", "3d", "30d")
     ]
     assert ok[0]["expr"] == (
-        'sum by (instance, model_name, engine) (rate(vllm:request_success_total'
+        "sum by (instance, model_name, engine) (rate(vllm:request_success_total"
         '{finished_reason="error",model_name="llama"}[5m])) / sum by (instance, model_name, '
         'engine) (rate(vllm:request_success_total{model_name="llama"}[5m]))'
     ).join("()")
