@@ -242,6 +242,7 @@ class Config(Section):
     engines: Engines = ()
     rules: RulesSection = Field(default_factory=RulesSection)
     automation: Automation = Field(default_factory=Automation)
+    slos: Slos = ()
     webhook: WebhookConfig = Field(default_factory=WebhookConfig)
     executor: ExecutorConfig = Field(default_factory=ExecutorConfig)
     approvals: ApprovalsConfig = Field(default_factory=ApprovalsConfig)
@@ -249,7 +250,6 @@ class Config(Section):
     page: PageConfig = Field(default_factory=PageConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     retention: RetentionConfig = Field(default_factory=RetentionConfig)
-    slos: Slos = ()
 
     # The rules section, as the service reads it.
     @property

@@ -224,3 +224,38 @@ def test_prometheus_agrees_on_a_late_burn(tmp_path: Path) -> None:
         checked[fired - SCRAPE] = timeline[fired - SCRAPE]
     result = run_promtool(TTFT, data, checked, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# -- one model's engines ----------------------------------------------------------------
+
+SCOPED = [
+    SloSpec(name="mine", objective="ttft", threshold=1.0, target=0.99, model="m"),
+    SloSpec(name="theirs", objective="ttft", threshold=1.0, target=0.99, model="other"),
+    SloSpec(name="mine_ok", objective="availability", target=0.99, model="m"),
+]
+
+
+@pytest.mark.parametrize("slo", SCOPED, ids=lambda s: s.name)
+def test_a_model_scoped_slo_reads_only_that_models_engines(slo: SloSpec, tmp_path: Path) -> None:
+    data = burning(slo, 20.0, 20)  # the engine serves model "m"
+    expected = _expected(slo, 20.0) if slo.model == "m" else set()
+    timeline = run_evaluator(slo, data, [300.0, 600.0])
+    assert timeline[600.0] == expected
+    if PROMTOOL is not None:
+        result = run_promtool(slo, data, timeline, tmp_path)
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_evaluator_keeps_only_the_bucket_the_slo_reads() -> None:
+    """3 days of one bucket and the count, not of all 23 buckets of the histogram."""
+    store = store_for_rules(slo_rules([TTFT]))
+    for selector, _values in burning(TTFT, 1.0, 1):
+        name, labels = parse_selector(selector)
+        store.add(labels["instance"], name, labels, 0.0, 1.0)
+    (engine,) = list(store)
+    kept = {(name, s.labels.get("le")) for name, ss in engine.by_name.items() for s in ss}
+    assert kept == {
+        ("vllm:time_to_first_token_seconds_count", None),
+        ("vllm:time_to_first_token_seconds_bucket", "1.0"),
+    }
+    assert store.retention["vllm:time_to_first_token_seconds_bucket"] == 3 * 86400 + 60
