@@ -63,6 +63,10 @@ Objective = Literal["ttft", "e2e_latency", "availability"]
 OBJECTIVES: tuple[str, ...] = ("ttft", "e2e_latency", "availability")
 DEFAULT_WINDOW = 30 * 86400.0
 RECORD_PREFIX = "vllm_runbook:slo_error_ratio:rate"
+# For dashboards: the share of the window's budget left, and the burn rate over
+# each pair's long window (label `window`), per engine and SLO.
+BUDGET_LEFT = "vllm_runbook:slo_budget_left:ratio"
+BURN_RATE = "vllm_runbook:slo_burn_rate:ratio"
 ALERT_PREFIX = "VllmSloBurn"
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 _DECIMAL = re.compile(r"^(\d+\.\d+|\.\d+)(ms|s)$")
@@ -423,9 +427,25 @@ def slo_rule_groups(
                     "labels": {"slo": slo.name},
                 }
             )
+        selector = f'{{slo="{slo.name}"}}'
+        budget = number(slo.budget)
+        rules.append(
+            {
+                "record": BUDGET_LEFT,
+                "expr": f"1 - {record_name(slo.window)}{selector} / {budget}",
+                "labels": {"slo": slo.name},
+            }
+        )
+        for pair in BURN_PAIRS:
+            rules.append(
+                {
+                    "record": BURN_RATE,
+                    "expr": f"{record_name(pair.long)}{selector} / {budget}",
+                    "labels": {"slo": slo.name, "window": span(pair.long)},
+                }
+            )
         for rule, pair in zip(slo_rules([slo]), BURN_PAIRS, strict=True):
             threshold = number(burn_threshold(slo, pair))
-            selector = f'{{slo="{slo.name}"}}'
             expr = (
                 f"{record_name(pair.long)}{selector} > {threshold}"
                 f" and {record_name(pair.short)}{selector} > {threshold}"

@@ -13,6 +13,7 @@ checked.
 
 from __future__ import annotations
 
+import math
 import subprocess
 from pathlib import Path
 
@@ -26,16 +27,22 @@ from rule_harness import (
     promtool_version,
     series,
 )
+from vllm_runbook.rules.compiler import Compiler
 from vllm_runbook.rules.durations import format_duration
 from vllm_runbook.rules.evaluator import Evaluator, store_for_rules
 from vllm_runbook.rules.incidents import MemoryIncidentSink
 from vllm_runbook.rules.promql import GENERATED_HEADER, dump_yaml
 from vllm_runbook.rules.slo import (
+    BUDGET_LEFT,
     BURN_PAIRS,
+    BURN_RATE,
+    WINDOWS,
     SloSpec,
     alert_name,
+    error_ratio,
     slo_rule_groups,
     slo_rules,
+    span,
 )
 
 PROMTOOL = promtool_version()
@@ -66,11 +73,15 @@ def burning(slo: SloSpec, burn: float, samples: int) -> list[tuple[str, str]]:
     ]
 
 
-def run_evaluator(slo: SloSpec, data: list[tuple[str, str]], times: list[float]) -> dict:
-    """{time: set of firing alerts} as the embedded evaluator decides at each time."""
+def run_evaluator(
+    slo: SloSpec, data: list[tuple[str, str]], times: list[float], ratios: dict | None = None
+) -> dict:
+    """{time: set of firing alerts} as the embedded evaluator decides at each time;
+    `ratios` gets its error ratio per window at the last time."""
     rules = slo_rules([slo])
     store = store_for_rules(rules, left_open=(PROMTOOL or 2) >= 3)
     evaluator = Evaluator(rules, store, MemoryIncidentSink())
+    compiler = Compiler(store)
     samples = sorted(
         (
             (i * SCRAPE, *parse_selector(sel), v)
@@ -88,13 +99,23 @@ def run_evaluator(slo: SloSpec, data: list[tuple[str, str]], times: list[float])
             pos += 1
         evaluator.evaluate(t)
         out[t] = {rule.alert for rule, _engine, _value in evaluator.firing()}
+    if ratios is not None:
+        (engine,) = list(store)
+        for window in (*WINDOWS, slo.window):
+            ratios[window] = compiler.expr(error_ratio(slo, window))(engine, max(times), {})
     return out
 
 
 def run_promtool(
-    slo: SloSpec, data: list[tuple[str, str]], expected: dict, workdir: Path
+    slo: SloSpec,
+    data: list[tuple[str, str]],
+    expected: dict,
+    workdir: Path,
+    ratios: dict | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """`promtool test rules`: at each time, exactly the `expected` alerts fire."""
+    """`promtool test rules`: at each time, exactly the `expected` alerts fire; with
+    the evaluator's error `ratios`, the recorded burn rates and budget left at the last
+    time are exactly those the same arithmetic gives."""
     groups = slo_rule_groups([slo], annotations=False)
     (workdir / "slo.yml").write_text(GENERATED_HEADER + dump_yaml({"groups": groups}))
     checks = []
@@ -104,6 +125,34 @@ def run_promtool(
             checks.append(
                 {"eval_time": format_duration(t), "alertname": rule.alert, "exp_alerts": exp}
             )
+    records = []
+    if ratios is not None:
+        labels = {**ENGINE, "slo": slo.name}
+        at = format_duration(max(expected))
+
+        # The two backends' extrapolated rates may differ in the last bits (Go and
+        # Python order the float operations differently): compared to the
+        # billionth, rounded as PromQL's round() does.
+        def rounded(value: float) -> float:
+            inverse = 1.0 / 1e-9
+            return math.floor(value * inverse + 0.5) / inverse
+
+        burns = [
+            {
+                "labels": _labels("", {**labels, "window": span(p.long)}),
+                "value": rounded(ratios[p.long] / slo.budget),
+            }
+            for p in BURN_PAIRS
+        ]
+        left = rounded(1 - ratios[slo.window] / slo.budget)
+        records = [
+            {"expr": f"round({BURN_RATE}, 1e-9)", "eval_time": at, "exp_samples": burns},
+            {
+                "expr": f"round({BUDGET_LEFT}, 1e-9)",
+                "eval_time": at,
+                "exp_samples": [{"labels": _labels("", labels), "value": left}],
+            },
+        ]
     doc = {
         "rule_files": ["slo.yml"],
         "evaluation_interval": format_duration(SCRAPE),
@@ -112,6 +161,7 @@ def run_promtool(
                 "interval": format_duration(SCRAPE),
                 "input_series": [{"series": s, "values": v} for s, v in data],
                 "alert_rule_test": checks,
+                "promql_expr_test": records,
             }
         ],
     }
@@ -124,6 +174,10 @@ def run_promtool(
         check=False,
         timeout=600,
     )
+
+
+def _labels(name: str, labels: dict[str, str]) -> str:
+    return name + "{" + ", ".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
 
 
 def need_promtool() -> None:
@@ -168,9 +222,12 @@ def test_prometheus_agrees_on_a_constant_burn(case, tmp_path: Path) -> None:
     need_promtool()
     slo, burn = case
     data = burning(slo, burn, 20)
-    expected = run_evaluator(slo, data, [300.0, 600.0])
+    ratios: dict = {}
+    expected = run_evaluator(slo, data, [300.0, 600.0], ratios)
     assert expected[600.0] == _expected(slo, burn)
-    result = run_promtool(slo, data, expected, tmp_path)
+    for ratio in ratios.values():
+        assert ratio / slo.budget == pytest.approx(burn, rel=1e-12)
+    result = run_promtool(slo, data, expected, tmp_path, ratios)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
