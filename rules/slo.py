@@ -57,10 +57,9 @@ from vllm_runbook.rules.durations import format_duration, parse_duration
 from vllm_runbook.rules.errors import Problem
 from vllm_runbook.rules.model import Rule
 from vllm_runbook.rules.promql import PromQLRenderer, number
-from vllm_runbook.rules.signals import ENGINE_LABELS, Signal
+from vllm_runbook.rules.signals import ENGINE_LABELS, SIGNALS, Signal
 
 Objective = Literal["ttft", "e2e_latency", "availability"]
-OBJECTIVES: tuple[str, ...] = ("ttft", "e2e_latency", "availability")
 DEFAULT_WINDOW = 30 * 86400.0
 RECORD_PREFIX = "vllm_runbook:slo_error_ratio:rate"
 # For dashboards: the share of the window's budget left, and the burn rate over
@@ -84,13 +83,20 @@ VLLM_BUCKETS: dict[str, tuple[float, ...]] = {
         50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
     ),
 }  # fmt: skip
-# vLLM's series each objective reads.
-HISTOGRAMS: dict[str, str] = {
-    "ttft": "vllm:time_to_first_token_seconds",
-    "e2e_latency": "vllm:e2e_request_latency_seconds",
+# The signal each objective reads (the one registry of series names).
+SOURCE_SIGNALS: dict[str, str] = {
+    "ttft": "time_to_first_token",
+    "e2e_latency": "e2e_latency",
+    "availability": "requests_finished",
 }
-FINISHED = "vllm:request_success_total"
 ERROR_REASON = "error"
+
+
+def series_of(objective: str) -> str:
+    """The vLLM series (a histogram's base name, or the counter) an objective reads."""
+    metric = SIGNALS[SOURCE_SIGNALS[objective]].metric
+    assert metric is not None
+    return metric
 
 
 @dataclass(frozen=True)
@@ -229,7 +235,7 @@ class SloSpec(BaseModel):
             source = "the buckets given" if given else "vLLM's default buckets"
             raise PydanticCustomError(
                 "detail",
-                f"{threshold:g} s is not a bucket boundary of {HISTOGRAMS[objective]} "
+                f"{threshold:g} s is not a bucket boundary of {series_of(objective)} "
                 f"({source}); the nearest are {near} (an engine started with "
                 "--custom-histogram-buckets: give its bounds under buckets:)",
             )
@@ -319,10 +325,10 @@ def error_ratio(slo: SloSpec, window: float) -> C.Expr:
     """Bad requests / all requests over `window`, per engine."""
     scope: tuple[tuple[str, str], ...] = (("model_name", slo.model),) if slo.model else ()
     if slo.objective == "availability":
-        finished = _counter(FINISHED)
+        finished = _counter(series_of("availability"))
         bad = C.Rate(C.Selector(finished, (("finished_reason", ERROR_REASON), *scope)), window)
         return C.Ratio(bad, C.Rate(C.Selector(finished, scope), window))
-    histogram = HISTOGRAMS[slo.objective]
+    histogram = series_of(slo.objective)
     total = C.Rate(C.Selector(_counter(histogram + "_count"), scope), window)
     good = C.Rate(C.Selector(_counter(histogram + "_bucket"), (("le", slo.le), *scope)), window)
     return C.Ratio(C.Difference(total, good), total)
