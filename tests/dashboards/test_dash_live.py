@@ -191,8 +191,8 @@ def test_every_dashboard_query_returns_data(live: LiveRun) -> None:
             expr = substitute(q.expr)
             if q.kind == "variable":
                 ok = bool(live.series[expr])
-            elif is_finding(q):
-                ok = expr in live.ranges  # ran without an error; empty while healthy
+            elif is_finding(q):  # ran without an error; empty while healthy
+                ok = expr in (live.ranges if q.kind == "annotation" else live.instant)
             elif q.kind == "annotation":
                 ok = finite(live.ranges[expr])
             else:
