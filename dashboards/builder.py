@@ -54,6 +54,12 @@ def thresholds(*lines: Threshold) -> dash.ThresholdsConfig:
     return dash.ThresholdsConfig().mode(d.ThresholdsMode.ABSOLUTE).steps(steps)
 
 
+def bands(base: str, *steps: tuple[float, str]) -> dash.ThresholdsConfig:
+    """Colours by value: `base` below the first step, then each step's colour from its value."""
+    levels = [d.Threshold(None, base)] + [d.Threshold(value, color) for value, color in steps]
+    return dash.ThresholdsConfig().mode(d.ThresholdsMode.ABSOLUTE).steps(levels)
+
+
 Chart = TypeVar("Chart", timeseries.Panel, bargauge.Panel, stat.Panel, table.Panel)
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from vllm_runbook.collector import metrics as M
 from vllm_runbook.collector.metrics import MetricSpec
+from vllm_runbook.rules import slo as SLO
 from vllm_runbook.runbooks.service.metric_specs import SERVICE_METRICS
 
 
@@ -48,6 +49,31 @@ E2E_REQUEST_LATENCY = _vllm(
     "e2e_request_latency_seconds", "histogram", "Time from arrival to the request's end."
 )
 
+# What Prometheus makes of the configuration's SLOs (vllm_runbook.rules.slo's
+# recording rules) and its own ALERTS series: present where those rules are loaded.
+SLO_BUDGET_LEFT = MetricSpec(
+    SLO.BUDGET_LEFT,
+    "gauge",
+    "Share of the SLO window's error budget left (negative: overspent).",
+    extra_labels=("slo",),
+)
+SLO_BURN_RATE = MetricSpec(
+    SLO.BURN_RATE,
+    "gauge",
+    "Error ratio over a burn-rate pair's long window / the error budget.",
+    extra_labels=("slo", "window"),
+)
+ALERTS = MetricSpec(
+    "ALERTS",
+    "gauge",
+    "Prometheus' pending and firing alerts (the SLO burn-rate alerts' labels).",
+    extra_labels=(
+        "alertname", "alertstate", "severity", "slo", "long_window", "short_window",
+        "burn_rate", "notify", "runbook",
+    ),
+)  # fmt: skip
+SLO_SERIES: tuple[MetricSpec, ...] = (SLO_BUDGET_LEFT, SLO_BURN_RATE, ALERTS)
+
 VLLM_METRICS: tuple[MetricSpec, ...] = (
     GENERATION_TOKENS,
     PROMPT_TOKENS,
@@ -65,6 +91,7 @@ BASE_LABELS: dict[str, tuple[str, ...]] = {
     "collector": M.BASE_LABELS,
     "vllm": M.BASE_LABELS,
     "service": (),
+    "slo rules": M.BASE_LABELS,
 }
 
 # Which exporter a series comes from: the live test starts each of them.
@@ -72,6 +99,7 @@ SOURCES: dict[str, tuple[MetricSpec, ...]] = {
     "collector": M.ALL_METRICS,
     "vllm": VLLM_METRICS,
     "service": SERVICE_METRICS,
+    "slo rules": SLO_SERIES,
 }
 
 _VLLM_METRIC = re.compile(r"_(counter|gauge|histogram)_cls\(\s*name=\"(vllm:[A-Za-z0-9_:]+)\"")

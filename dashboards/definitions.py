@@ -23,6 +23,7 @@ from vllm_runbook.dashboards import queries as Q
 from vllm_runbook.dashboards.builder import (
     Graph,
     PromAnnotation,
+    bands,
     bar_gauge,
     dashboard,
     prom,
@@ -40,6 +41,8 @@ from vllm_runbook.dashboards.queries import (
     selector,
 )
 from vllm_runbook.rules.promql import to_promql
+from vllm_runbook.rules.slo import ALERT_PREFIX as SLO_ALERT_PREFIX
+from vllm_runbook.rules.slo import BURN_PAIRS as SLO_PAIRS
 from vllm_runbook.runbooks.service import metric_specs as S
 from vllm_runbook.runbooks.store.models import ExecutionStatus
 
@@ -48,6 +51,7 @@ FLEET_UID = "vllm-runbook-fleet"
 ACTIVITY_UID = "vllm-runbook-activity"
 
 TOP_N = 5
+ENGINE_LABELS_TEXT = ", ".join(ENGINE_LABELS)
 
 
 def variables() -> list[QueryVariable]:
@@ -1052,6 +1056,7 @@ def fleet(notes: Q.RuleNotes) -> dict[str, Any]:
                 ],
             ),
             ("Worst engines", [top_fragmentation, lowest_hit, top_latency, top_kv]),
+            ("SLOs", slo_row()),
             (
                 "Across engines",
                 [
@@ -1072,6 +1077,52 @@ def fleet(notes: Q.RuleNotes) -> dict[str, Any]:
             ),
         ],
     )
+
+
+def slo_row() -> list[Builder[Any]]:
+    """The configuration's SLOs (rules/slo.py's records and alerts, where Prometheus
+    loads `runbook rules export --config` with `slos:`): budget left, burn rates,
+    the burn-rate alerts firing."""
+    legend = "{{slo}} {{instance}}"
+    colors = ("red", "orange", "yellow", "blue")
+    pairs = [Threshold(p.factor, color) for p, color in zip(SLO_PAIRS, colors, strict=True)]
+    firing = [("alertname", f"{SLO_ALERT_PREFIX}_.*"), ("alertstate", "firing")]
+    alerts = selector(V.ALERTS, matchers=firing)
+    budget_left = f"min by (slo, {ENGINE_LABELS_TEXT}) ({selector(V.SLO_BUDGET_LEFT)})"
+    burn_rate = f"max by (slo, window, {ENGINE_LABELS_TEXT}) ({selector(V.SLO_BURN_RATE)})"
+    return [
+        bar_gauge(
+            "SLO error budget left",
+            "Per SLO and engine: the share of the error budget of the SLO's window (30 days by "
+            "default) not yet spent; red below 0 (overspent), orange below 0.25. From "
+            "the recording rules of the configuration's slos: (runbook rules export --config).",
+            8,
+        )
+        .with_target(prom(budget_left, legend, instant=True))
+        .unit("percentunit")
+        .max(1)
+        .thresholds(bands("red", (0, "orange"), (0.25, "green"))),
+        Graph(
+            "SLO burn rates",
+            "Per SLO and engine: the error ratio over each burn-rate pair's long window (1h, "
+            "6h, 1d, 3d) divided by the error budget; 1 spends the budget exactly over the "
+            "window. The lines: the pairs' factors (14.4 and 6 page, 3 and 1 open a ticket), "
+            "each firing when its short window burns as fast too.",
+            10,
+        )
+        .with_target(prom(burn_rate, "{{slo}} {{window}} {{instance}}"))
+        .rule_lines(*pairs),
+        bar_gauge(
+            "SLO burn-rate alerts firing",
+            "The SLO burn-rate alerts firing now, by alert (VllmSloBurn_<slo>_<long window>), "
+            "from Prometheus' ALERTS; red from 1, empty while every SLO burns slower than its "
+            "pairs.",
+            6,
+        )
+        .with_target(prom(f"count by (alertname) ({alerts})", "{{alertname}}", instant=True))
+        .decimals(0)
+        .thresholds(thresholds(Threshold(1, "red"))),
+    ]
 
 
 def runbook_activity(notes: Q.RuleNotes) -> dict[str, Any]:

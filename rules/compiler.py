@@ -182,6 +182,21 @@ class Compiler:
                     return div(a, b)  # type: ignore[arg-type]
 
                 return ratio
+            case C.Difference(left, right):
+                lf, rf = self.expr(left), self.expr(right)
+
+                def difference(eng: EngineSeries, t: float, cache: Cache) -> Value:
+                    a = lf(eng, t, cache)
+                    if a is None:
+                        return None
+                    b = rf(eng, t, cache)
+                    if b is None:
+                        return None
+                    if isinstance(a, dict) and isinstance(b, dict):
+                        return {k: a[k] - b[k] for k in a if k in b} or None
+                    return a - b  # type: ignore[operator]
+
+                return difference
             case C.Reduce(fn_name, _, of):
                 of_fn = self.expr(of)
                 fold = _REDUCE[fn_name]

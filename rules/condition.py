@@ -82,6 +82,14 @@ class Ratio:
 
 
 @dataclass(frozen=True)
+class Difference:
+    """`left - right`, engine by engine (an SLO's bad events: all minus good)."""
+
+    left: Expr
+    right: Expr
+
+
+@dataclass(frozen=True)
 class Reduce:
     """Fold the per-GPU series of one engine: max, min, sum or spread (max - min)."""
 
@@ -98,7 +106,7 @@ class Offset:
     by: float
 
 
-Expr = Instant | Rate | OverTime | Quantile | TimeSince | Ratio | Reduce | Offset
+Expr = Instant | Rate | OverTime | Quantile | TimeSince | Ratio | Difference | Reduce | Offset
 
 
 @dataclass(frozen=True)
@@ -130,7 +138,7 @@ def per_label(expr: Expr) -> str | None:
             return sel.signal.per
         case Quantile():
             return expr.sel.signal.per
-        case Ratio(num, den):
+        case Ratio(num, den) | Difference(num, den):
             return per_label(num) or per_label(den)
         case Reduce():
             return None
@@ -147,7 +155,7 @@ def leaves(node: Expr | Condition, offset: float = 0.0) -> Iterator[tuple[Leaf, 
         case AllOf(terms) | AnyOf(terms):
             for t in terms:
                 yield from leaves(t, offset)
-        case Ratio(num, den):
+        case Ratio(num, den) | Difference(num, den):
             yield from leaves(num, offset)
             yield from leaves(den, offset)
         case Reduce(_, _, of):
@@ -183,6 +191,8 @@ def with_window(expr: Expr, window: float) -> Expr:
             return Quantile(q, sel, window)
         case Ratio(num, den):
             return Ratio(with_window(num, window), with_window(den, window))
+        case Difference(left, right):
+            return Difference(with_window(left, window), with_window(right, window))
         case Reduce(fn, over, of):
             return Reduce(fn, over, with_window(of, window))
         case Offset(of, by):

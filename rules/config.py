@@ -66,6 +66,7 @@ from vllm_runbook.rules.errors import (
 )
 from vllm_runbook.rules.model import Catalog, Rule, load_catalog
 from vllm_runbook.rules.scrape import Target
+from vllm_runbook.rules.slo import Slos
 from vllm_runbook.rules.yamlmarks import (
     MarkedDict,
     MarkedList,
@@ -370,6 +371,7 @@ class RulesConfig(Section):
     engines: Engines = ()
     rules: RulesSection = Field(default_factory=RulesSection)
     automation: Automation = Field(default_factory=Automation)
+    slos: Slos = ()
 
 
 # -- the loader ------------------------------------------------------------------------

@@ -32,6 +32,8 @@ def store_for_rules(
     """A WindowStore keeping each series the rules read for its longest window."""
     retention: dict[str, float] = {}
     counters: set[str] = set()
+    # the matchers each series is read with; None once a reader takes them all
+    only: dict[str, set[tuple[tuple[str, str], ...]] | None] = {}
     for rule in rules:
         for leaf, offset in C.leaves(rule.condition):
             name = leaf.sel.metric
@@ -45,7 +47,17 @@ def store_for_rules(
             if isinstance(leaf, C.Rate | C.Quantile):
                 counters.add(name)
             retention[name] = max(retention.get(name, 0.0), span + offset + slack)
-    return WindowStore(retention, counters=counters, lookback=lookback, left_open=left_open)
+            readers = only.get(name, set())
+            if readers is not None and leaf.sel.matchers:
+                readers.add(leaf.sel.matchers)
+            only[name] = readers if readers is not None and leaf.sel.matchers else None
+    return WindowStore(
+        retention,
+        counters=counters,
+        lookback=lookback,
+        left_open=left_open,
+        only={name: m for name, m in only.items() if m is not None},
+    )
 
 
 @dataclass

@@ -60,6 +60,8 @@ class PromQLRenderer:
                 return f"(time() - max {self.by(sel.signal.per)} ({self.selector(sel)}))"
             case C.Ratio(num, den):
                 return f"({self.expr(num, off)} / {self.expr(den, off)})"
+            case C.Difference(left, right):
+                return f"({self.expr(left, off)} - {self.expr(right, off)})"
             case C.Reduce("spread", _, of):
                 inner = self.expr(of, off)
                 return f"(max {self.by(None)} ({inner}) - min {self.by(None)} ({inner}))"

@@ -82,8 +82,11 @@ class EngineSeries:
         hit = self.resolved.get(cache_key)
         if hit is not None and hit[0] == self.version:
             return hit[1]
+        own = self.labels  # a series stores its labels without the engine's
         found = [
-            s for s in self.by_name.get(name, ()) if all(s.labels.get(k) == v for k, v in matchers)
+            s
+            for s in self.by_name.get(name, ())
+            if all(own.get(k, s.labels.get(k)) == v for k, v in matchers)
         ]
         self.resolved[cache_key] = (self.version, found)
         return found
@@ -99,8 +102,12 @@ class WindowStore:
         counters: Iterable[str] = (),
         lookback: float = LOOKBACK_SECONDS,
         left_open: bool = True,
+        only: Mapping[str, Iterable[tuple[tuple[str, str], ...]]] | None = None,
     ) -> None:
         self.retention = dict(retention)  # sample name -> seconds of history to keep
+        # sample name -> the label matchers its readers use: a series matching none of
+        # them is not stored (an SLO reads one bucket of a histogram for days)
+        self.only = {name: tuple(m) for name, m in (only or {}).items()}
         self.counters = set(counters)
         self.lookback = lookback
         self.left_open = left_open
@@ -127,6 +134,9 @@ class WindowStore:
     ) -> Series | None:
         """Append one sample; ignored unless a rule reads `name` and it names an engine."""
         if name not in self.retention:
+            return None
+        only = self.only.get(name)
+        if only is not None and not any(all(labels.get(k) == v for k, v in m) for m in only):
             return None
         model, engine = labels.get("model_name"), labels.get("engine")
         if model is None or engine is None:

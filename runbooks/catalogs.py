@@ -25,6 +25,7 @@ from pathlib import Path
 from vllm_runbook.rules.model import Catalog as RuleCatalog
 from vllm_runbook.rules.model import Rule
 from vllm_runbook.rules.model import load_catalog as load_rule_catalog
+from vllm_runbook.rules.slo import slo_rules
 from vllm_runbook.runbooks import config as runbook_config
 from vllm_runbook.runbooks.config import Config
 from vllm_runbook.runbooks.engine.actions import ActionRegistry
@@ -66,7 +67,8 @@ def load_rules(
 ) -> list[Rule]:
     """The rule catalog (`path`, else the configuration's), bound with its overrides,
     every `runbook` label checked against `runbooks`; CatalogError if broken."""
-    return config.bind(load_rule_catalog(path or config.catalog, runbooks=list(runbooks)))
+    rules = config.bind(load_rule_catalog(path or config.catalog, runbooks=list(runbooks)))
+    return rules + slo_rules(config.slos)
 
 
 def load_deployment(
@@ -81,6 +83,6 @@ def load_deployment(
     names = runbook_names(dirs, registry)
     config = load_config(config_path, names)
     rule_catalog = load_rule_catalog(config.catalog, runbooks=names)
-    rules = config.bind(rule_catalog)
+    rules = config.bind(rule_catalog) + slo_rules(config.slos)
     runbooks = load_runbook_catalog(dirs, registry, alerts=rule_catalog.alerts)
     return Deployment(config, rule_catalog, rules, runbooks)

@@ -78,6 +78,7 @@ from vllm_runbook.rules.config import (
     phrase,
 )
 from vllm_runbook.rules.model import Catalog, Rule
+from vllm_runbook.rules.slo import Slos
 
 ReceiverType = Literal["webhook", "slack"]
 RECEIVER_TYPES: tuple[str, ...] = get_args(ReceiverType)
@@ -330,6 +331,7 @@ class Config(Section):
     discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     rules: RulesSection = Field(default_factory=RulesSection)
     automation: Automation = Field(default_factory=Automation)
+    slos: Slos = ()
     webhook: WebhookConfig = Field(default_factory=WebhookConfig)
     executor: ExecutorConfig = Field(default_factory=ExecutorConfig)
     approvals: ApprovalsConfig = Field(default_factory=ApprovalsConfig)

@@ -22,6 +22,7 @@ from vllm_runbook.runbooks.cli import (
     report,
     rules,
     serve,
+    slo,
 )
 from vllm_runbook.runbooks.cli.errors import UsageError, exit_code, message
 from vllm_runbook.runbooks.exit_codes import ExitCode
@@ -33,6 +34,7 @@ COMMAND_GROUPS: tuple[Any, ...] = (
     execute,
     approvals,
     rules,
+    slo,
     check,
     serve,
     report,

@@ -18,10 +18,16 @@ from typing import Any
 from vllm_runbook.rules.model import load_catalog
 from vllm_runbook.rules.prometheus_operator import (
     DEFAULT_NAME,
-    export_prometheus_rule,
     parse_label,
+    prometheus_rule,
 )
-from vllm_runbook.rules.promql import DEFAULT_RUNBOOK_URL_BASE, export
+from vllm_runbook.rules.promql import (
+    DEFAULT_RUNBOOK_URL_BASE,
+    GENERATED_HEADER,
+    dump_yaml,
+    rule_groups,
+)
+from vllm_runbook.rules.slo import slo_rule_groups
 from vllm_runbook.runbooks.catalogs import load_config, runbook_names
 from vllm_runbook.runbooks.cli.errors import UsageError
 from vllm_runbook.runbooks.exit_codes import ExitCode
@@ -117,16 +123,20 @@ def cmd_export(args: argparse.Namespace) -> int:
     runbooks = _runbooks(args)
     config = load_config(args.config, runbooks)
     rules = config.bind(load_catalog(args.rules_dir or config.catalog, runbooks=runbooks))
+    # The configuration's SLOs: a group each, recording rules and burn-rate alerts.
+    groups = rule_groups(rules, runbook_url_base=args.runbook_url_base) + slo_rule_groups(
+        config.slos, runbook_url_base=args.runbook_url_base
+    )
     if args.format == "prometheus-operator":
-        text = export_prometheus_rule(
-            rules,
+        resource = prometheus_rule(
+            groups,
             name=args.name or DEFAULT_NAME,
             namespace=args.namespace,
             labels=dict(parse_label(text) for text in args.labels),
-            runbook_url_base=args.runbook_url_base,
         )
+        text = GENERATED_HEADER + dump_yaml(resource)
     else:
-        text = export(rules, runbook_url_base=args.runbook_url_base)
+        text = GENERATED_HEADER + dump_yaml({"groups": groups})
     if args.output is None:
         sys.stdout.write(text)
     else:

@@ -63,10 +63,20 @@ def gpu_only(panel: Mapping[str, Any] | None) -> bool:
     return bool(panel) and str(panel.get("description", "")).startswith("GPU-only")  # type: ignore[union-attr]
 
 
+SLO_SERIES = frozenset(catalog.known_series(catalog.SLO_SERIES))
+
+
+def uses_slo_rules(expr: str) -> bool:
+    """The query reads what an SLO rule file records (test_dash_live loads one)."""
+    return bool(lint.metric_names(expr) & SLO_SERIES)
+
+
 def is_finding(q: lint.Query) -> bool:
     """A finding annotation: it marks where a queue-health rule's condition
     holds, so a healthy run has no data for it (Prometheus still parses and
-    runs the query)."""
+    runs the query); so are the firing alerts (ALERTS)."""
+    if catalog.ALERTS.name in lint.metric_names(q.expr):
+        return True
     return q.kind == "annotation" and q.where.startswith("annotation 'Finding ")
 
 

@@ -36,6 +36,8 @@ from vllm_runbook.collector import metrics as M
 from vllm_runbook.dashboards import lint
 from vllm_runbook.dashboards.definitions import DASHBOARDS
 from vllm_runbook.dashboards.generate import DASHBOARDS_DIR
+from vllm_runbook.rules.promql import dump_yaml
+from vllm_runbook.rules.slo import SloSpec, slo_rule_groups
 
 from tests.dashboards.live import MODEL, finite, gpu_only, is_finding, substitute, uses_service
 from tests.dashboards.live import load as lint_load
@@ -61,12 +63,22 @@ class LiveRun:
     instances: dict[str, set[str]] = field(default_factory=dict)  # job -> instance labels
 
 
-def prometheus_config(addresses: dict[str, str]) -> str:
+# The SLO row reads the records of a configuration's slos: the live Prometheus
+# loads them beside the checked-in rule file.
+SLOS = [
+    SloSpec(name="ttft", objective="ttft", threshold=1.0, target=0.99),
+    SloSpec(name="available", objective="availability", target=0.999),
+]
+
+
+def prometheus_config(addresses: dict[str, str], slo_rules: Path | None = None) -> str:
     """The checked-in prometheus.yml with the test's targets and 1 s intervals,
-    without the service's job (see the docstring)."""
+    without the service's job (see the docstring); `slo_rules` loaded too."""
     doc = yaml.safe_load((DASHBOARDS_DIR / "prometheus.yml").read_text())
     doc["global"] = {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"}
     doc["rule_files"] = [str(DASHBOARDS_DIR / f) for f in doc["rule_files"]]
+    if slo_rules is not None:
+        doc["rule_files"].append(str(slo_rules))
     doc.pop("alerting")
     assert {job["job_name"] for job in doc["scrape_configs"]} == {*addresses, SERVICE_JOB}
     doc["scrape_configs"] = [j for j in doc["scrape_configs"] if j["job_name"] != SERVICE_JOB]
@@ -105,7 +117,9 @@ def live(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
                 "vllm": served.api_url.removeprefix("http://"),
                 "vllm-runbook-agent": served.agent_url.removeprefix("http://"),
             }
-            config = prometheus_config(addresses)
+            slo_file = tmp / "slo-rules.yml"
+            slo_file.write_text(dump_yaml({"groups": slo_rule_groups(SLOS)}))
+            config = prometheus_config(addresses, slo_file)
             with PrometheusServer.run(config, tmp / "prometheus", prometheus) as prom:
                 run = _drive_and_collect(served, prom, stop)
     finally:
@@ -177,8 +191,8 @@ def test_every_dashboard_query_returns_data(live: LiveRun) -> None:
             expr = substitute(q.expr)
             if q.kind == "variable":
                 ok = bool(live.series[expr])
-            elif is_finding(q):
-                ok = expr in live.ranges  # ran without an error; empty while healthy
+            elif is_finding(q):  # ran without an error; empty while healthy
+                ok = expr in (live.ranges if q.kind == "annotation" else live.instant)
             elif q.kind == "annotation":
                 ok = finite(live.ranges[expr])
             else:

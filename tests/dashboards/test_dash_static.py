@@ -94,7 +94,7 @@ def test_every_query_names_only_series_from_the_catalogs(
             assert names and names <= set(known), (q.where, names - set(known))
             used |= names
     # Each source is really used, and every name resolves to its declaring catalog.
-    assert {catalog.source_of(n) for n in used} == {"collector", "vllm", "service"}
+    assert {catalog.source_of(n) for n in used} == {"collector", "vllm", "service", "slo rules"}
     collector_series = {n for spec in M.ALL_METRICS for n in catalog.series_names(spec)}
     service_series = {n for spec in S.SERVICE_METRICS for n in catalog.series_names(spec)}
     for name in used:
