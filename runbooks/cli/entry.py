@@ -22,6 +22,7 @@ from vllm_runbook.runbooks.cli import (
     report,
     rules,
     serve,
+    top,
 )
 from vllm_runbook.runbooks.cli.errors import UsageError, exit_code, message
 from vllm_runbook.runbooks.exit_codes import ExitCode
@@ -32,6 +33,7 @@ COMMAND_GROUPS: tuple[Any, ...] = (
     journal,
     execute,
     approvals,
+    top,
     rules,
     check,
     serve,

@@ -185,6 +185,7 @@ def build(
         ),
         limits=config.limits,
         lifespan=service.lifespan,
+        engines=config.engines,
     )
     return service
 
