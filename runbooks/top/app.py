@@ -31,6 +31,9 @@ from vllm_runbook.runbooks.top.model import (
 from vllm_runbook.runbooks.top.sources import APPROVE, REJECT, Source
 
 
+DONE = {APPROVE: "approved", REJECT: "rejected"}
+
+
 class Confirm(ModalScreen[bool]):
     """Asks once: `y` does it, `n` or escape does not."""
 
@@ -186,7 +189,7 @@ class TopApp(App[None]):
             if yes:
                 self.send(execution.id, verb)
             else:
-                self.message = f"#{execution.id}: not {verb}d"
+                self.message = f"#{execution.id}: not {DONE[verb]}"
                 self._status()
 
         self.push_screen(Confirm(question), answered)
@@ -196,7 +199,9 @@ class TopApp(App[None]):
         try:
             text = self.source.decide(execution_id, verb)
         except RunbookError as exc:
-            self.call_from_thread(self.decided, f"#{execution_id} not {verb}d: {exc}", False)
+            self.call_from_thread(
+                self.decided, f"#{execution_id} not {DONE[verb]}: {exc}", False
+            )
             return
         self.call_from_thread(self.decided, text, True)
 
