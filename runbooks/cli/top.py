@@ -30,11 +30,11 @@ DEFAULT_TIMEOUT = 5.0
 
 def add_subcommands(sub: Any) -> None:
     p = sub.add_parser("top", help="live view: engines, firing findings, executions; approve")
+    p.add_argument("--engine", action="append", metavar="URL", help="engine agent URL (repeatable)")
     p.add_argument(
-        "--engine", action="append", metavar="URL", help="engine agent URL (repeatable)"
-    )
-    p.add_argument(
-        "--engines-file", metavar="FILE", help="file of engine URLs (one per line) or the YAML config"
+        "--engines-file",
+        metavar="FILE",
+        help="file of engine URLs (one per line) or the YAML config",
     )
     p.add_argument(
         "--server", metavar="URL", help="read `runbook serve`'s API instead of the agents"

@@ -30,7 +30,6 @@ from vllm_runbook.runbooks.top.model import (
 )
 from vllm_runbook.runbooks.top.sources import APPROVE, REJECT, Source
 
-
 DONE = {APPROVE: "approved", REJECT: "rejected"}
 
 
@@ -165,7 +164,8 @@ class TopApp(App[None]):
 
     def action_decide(self, verb: str) -> None:
         table = self.query_one("#executions", DataTable)
-        executions = {str(e.id): e for e in (self.snapshot.executions or ())} if self.snapshot else {}
+        shown = self.snapshot.executions if self.snapshot is not None else None
+        executions = {str(e.id): e for e in shown or ()}
         if not executions or table.cursor_row < 0 or table.row_count == 0:
             self.notify("no execution selected", severity="warning")
             return
@@ -174,8 +174,10 @@ class TopApp(App[None]):
         if execution is None:
             return
         if not execution.awaiting:
-            self.notify(f"execution #{execution.id} is {execution.status}, not awaiting approval",
-                        severity="warning")
+            self.notify(
+                f"execution #{execution.id} is {execution.status}, not awaiting approval",
+                severity="warning",
+            )
             return
         if self.source.who is None:
             self.notify(self.source.cannot_decide, severity="error")
@@ -199,9 +201,7 @@ class TopApp(App[None]):
         try:
             text = self.source.decide(execution_id, verb)
         except RunbookError as exc:
-            self.call_from_thread(
-                self.decided, f"#{execution_id} not {DONE[verb]}: {exc}", False
-            )
+            self.call_from_thread(self.decided, f"#{execution_id} not {DONE[verb]}: {exc}", False)
             return
         self.call_from_thread(self.decided, text, True)
 
@@ -212,7 +212,9 @@ class TopApp(App[None]):
         self.load()
 
 
-def _fill(table: DataTable[str], rows: list[tuple[str, ...]], keys: list[str] | None = None) -> None:
+def _fill(
+    table: DataTable[str], rows: list[tuple[str, ...]], keys: list[str] | None = None
+) -> None:
     """Replace the rows, keeping the cursor on the same row where it still exists."""
     selected = None
     if table.row_count and table.cursor_row >= 0:
@@ -222,4 +224,3 @@ def _fill(table: DataTable[str], rows: list[tuple[str, ...]], keys: list[str] | 
         table.add_row(*row, key=keys[i] if keys else None)
     if selected is not None and keys and selected in keys:
         table.move_cursor(row=keys.index(selected))
-

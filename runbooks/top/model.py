@@ -135,8 +135,8 @@ def per_tier(state: AgentState) -> tuple[str, str]:
     now = state.tiers.now
     if now is None:
         stats = state.stats
-        oldest = stats.oldest_waiting_seconds if stats.num_requests_waiting else None
-        return f"{stats.num_requests_waiting} all", seconds(oldest)
+        longest = stats.oldest_waiting_seconds if stats.num_requests_waiting else None
+        return f"{stats.num_requests_waiting} all", seconds(longest)
     waiting = "/".join(str(now[t].waiting) if t in now else NONE for t in TIERS)
     oldest = "/".join(
         seconds(now[t].oldest_waiting_seconds) if t in now and now[t].waiting else NONE

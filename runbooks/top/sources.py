@@ -305,9 +305,7 @@ class ServerSource:
     def decide(self, execution_id: int, verb: str, note: str | None = None) -> str:
         if self.who is None:
             raise DecisionFailed(self.cannot_decide)
-        response = self._call(
-            "POST", f"/api/executions/{int(execution_id)}/{verb}", {"note": note}
-        )
+        response = self._call("POST", f"/api/executions/{int(execution_id)}/{verb}", {"note": note})
         try:
             payload = response.json()
         except ValueError:

@@ -143,8 +143,7 @@ def test_approve_and_reject_by_keyboard_through_the_service(
             code = main(["top", "--server", svc.url, "--token-file", str(bad)])
             assert code == ExitCode.SERVICE
             assert capsys.readouterr().err == (
-                f"runbook: error: service {svc.url} refused the credentials "
-                "(401 on /api/whoami)\n"
+                f"runbook: error: service {svc.url} refused the credentials (401 on /api/whoami)\n"
             )
     finally:
         agent.close()
