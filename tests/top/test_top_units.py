@@ -29,7 +29,7 @@ from vllm_runbook.runbooks.top.model import (
     pct,
     seconds,
 )
-from vllm_runbook.runbooks.top.sources import AgentSource, DecisionFailed
+from vllm_runbook.runbooks.top.sources import AgentSource, DecisionFailed, ServiceError
 
 from tests.fake_agent import STARTUP, AgentHTTP, FakeAgent, agent_state
 
@@ -339,3 +339,27 @@ def test_bad_usage_is_one_line_and_code_2(
     assert err.count("\n") == 1 and err.startswith("runbook: error: ")
     if error is not None:
         assert err == f"runbook: error: {error}\n"
+
+
+def test_a_refresh_that_fails_keeps_the_last_view_and_says_why() -> None:
+    source = Scripted(_snapshot())
+
+    def down() -> Snapshot:
+        raise ServiceError("service http://127.0.0.1:9 unreachable: [Errno 111] Connection refused")
+
+    async def drive() -> None:
+        app = TopApp(source, interval=60, snapshot=source.current)  # type: ignore[arg-type]
+        async with app.run_test(size=(160, 45)) as pilot:
+            before = _cells(app, "engines")
+            source.snapshot = down  # type: ignore[method-assign]
+            await pilot.press("g")
+            await app.workers.wait_for_complete()
+            await pilot.pause()
+            assert _cells(app, "engines") == before
+            assert app.message.startswith("refresh failed (")
+            assert app.message.endswith(
+                "), showing the last: service http://127.0.0.1:9 unreachable: "
+                "[Errno 111] Connection refused"
+            )
+
+    asyncio.run(drive())
