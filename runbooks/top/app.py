@@ -15,7 +15,7 @@ from typing import ClassVar
 from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
-from textual.containers import Vertical
+from textual.containers import Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Footer, Label, Static
 from vllm_runbook.runbooks.exit_codes import RunbookError
@@ -76,7 +76,8 @@ class TopApp(App[None]):
     #engines { height: auto; max-height: 50%; }
     #findings { height: auto; max-height: 12; }
     #executions { height: auto; max-height: 12; }
-    #status { dock: bottom; height: auto; padding: 0 1; color: $text-muted; }
+    #body { height: 1fr; }
+    #status { height: auto; max-height: 8; padding: 0 1; background: $panel; }
     """
 
     def __init__(self, source: Source, interval: float = 2.0, snapshot: Snapshot | None = None):
@@ -89,11 +90,13 @@ class TopApp(App[None]):
 
     def compose(self) -> ComposeResult:
         yield Static(id="header", classes="title")
-        yield DataTable(id="engines", cursor_type="row", zebra_stripes=True)
-        yield Static("Findings (firing)", classes="title", id="findings-title")
-        yield DataTable(id="findings", cursor_type="row")
-        yield Static("Executions in progress and awaiting approval", classes="title")
-        yield DataTable(id="executions", cursor_type="row")
+        with VerticalScroll(id="body"):
+            yield DataTable(id="engines", cursor_type="row", zebra_stripes=True)
+            yield Static("Findings (firing)", classes="title", id="findings-title")
+            yield DataTable(id="findings", cursor_type="row")
+            yield Static("Executions in progress and awaiting approval", classes="title")
+            yield DataTable(id="executions", cursor_type="row")
+        # Above the footer, never under it: what went wrong, and the last answer.
         yield Static(id="status")
         yield Footer()
 
@@ -158,7 +161,9 @@ class TopApp(App[None]):
             lines += list(self.snapshot.problems)
         if self.message:
             lines.append(self.message)
-        self.query_one("#status", Static).update("\n".join(lines))
+        status = self.query_one("#status", Static)
+        status.update("\n".join(lines))
+        status.display = bool(lines)
 
     # -- approve / reject ---------------------------------------------------------------
 
