@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 import pytest
-from textual.widgets import DataTable
+from textual.widgets import DataTable, Footer
 from vllm_runbook.collector.agent_api import TierNow
 from vllm_runbook.runbooks.cli import main
 from vllm_runbook.runbooks.exit_codes import ExitCode
@@ -236,6 +236,11 @@ def test_keys_approve_and_reject_after_a_confirmation() -> None:
             await pilot.press("n")
             await pilot.pause()
             assert source.decisions == [] and app.message == "#7: not approved"
+            # The status line is on screen, above the footer (not under it).
+            status, footer = app.query_one("#status"), app.query_one(Footer)
+            assert status.display and status.region.height >= 1
+            assert status.region.bottom <= footer.region.y
+            assert "#7: not approved" in str(status.render())
             # Again, yes: sent once, and the answer is shown.
             await pilot.press("a")
             await pilot.pause()
