@@ -368,3 +368,58 @@ def test_a_refresh_that_fails_keeps_the_last_view_and_says_why() -> None:
             )
 
     asyncio.run(drive())
+
+
+def test_with_engines_the_keys_answer_in_the_journal_as_runbook_approve_does(
+    tmp_path: Any,
+) -> None:
+    from datetime import UTC, datetime
+
+    from vllm_runbook.runbooks.store import Journal, upgrade
+    from vllm_runbook.runbooks.store.models import ApprovalState
+
+    db = f"sqlite:///{tmp_path / 'runbook.db'}"
+    upgrade(db)
+    journal = Journal(db)
+    now = datetime.now(UTC)
+    ids = [
+        journal.create_execution(
+            runbook, "cpu-0", trigger="alert", who="alertmanager", alert_fingerprint=fp,
+            alert_starts_at=now, reason=ApprovalState.AWAITING,
+        )[0].id
+        for runbook, fp in (("oom-pressure", "fp1"), ("latency-spike", "fp2"))
+    ]  # fmt: skip
+    http = AgentHTTP(FakeAgent())
+    source = AgentSource([http.url], timeout=2, journal=True, journal_url=db, who="ann")
+    try:
+
+        async def drive() -> None:
+            app = TopApp(source, interval=60)
+            async with app.run_test(size=(160, 45)) as pilot:
+                await app.workers.wait_for_complete()
+                await pilot.pause()
+                rows = _cells(app, "executions")
+                assert [r[:4] for r in rows] == [
+                    [str(ids[0]), "oom-pressure", "cpu-0", "awaiting approval"],
+                    [str(ids[1]), "latency-spike", "cpu-0", "awaiting approval"],
+                ]
+                for keys in (("a", "y"), ("down", "r", "y")):
+                    await pilot.press(*keys)
+                    await app.workers.wait_for_complete()
+                    await pilot.pause()
+                assert app.message == (
+                    f"execution #{ids[1]} (latency-spike on cpu-0) rejected by ann; nothing runs"
+                )
+
+        asyncio.run(drive())
+    finally:
+        source.close()
+        http.close()
+    approved, rejected = (journal.get_execution(i) for i in ids)
+    journal.close()
+    assert (approved.decision, approved.decided_by, approved.status) == (
+        "approved", "ann", "pending",
+    )  # fmt: skip
+    assert (rejected.decision, rejected.decided_by, rejected.status) == (
+        "rejected", "ann", "refused",
+    )  # fmt: skip
