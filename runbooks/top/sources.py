@@ -33,7 +33,12 @@ from vllm_runbook.collector.auth import TokenError, is_loopback, runtime_dir
 from vllm_runbook.rules.config import EngineConfig
 from vllm_runbook.rules.incidents import engine_name
 from vllm_runbook.runbooks.config import DEFAULT_APPROVAL_TIMEOUT, Config
-from vllm_runbook.runbooks.engine.client import EngineClient, EngineClientError, normalize_url
+from vllm_runbook.runbooks.engine.client import (
+    CommandRefused,
+    EngineClient,
+    EngineClientError,
+    normalize_url,
+)
 from vllm_runbook.runbooks.exit_codes import ExitCode, RunbookError
 from vllm_runbook.runbooks.top.model import (
     EngineView,
@@ -99,7 +104,7 @@ class AgentSource:
         self.clients = [EngineClient(url, timeout=timeout) for url in urls]
         self.names = [inventory_name(c.url) for c in self.clients]
         if len(set(self.names)) != len(self.names):
-            raise EngineClientError("an engine is given twice")
+            raise CommandRefused(f"an engine is given twice ({', '.join(self.names)})")
         engines = tuple(
             EngineConfig.model_validate({"name": n, "agent": c.url})
             for n, c in zip(self.names, self.clients, strict=True)
@@ -124,8 +129,7 @@ class AgentSource:
 
     def check(self) -> None:
         """Each agent answers now (raises the first one's error: the CLI's exit code)."""
-        for state in self._pool.map(lambda c: c.state(), self.clients):
-            assert isinstance(state, AgentState)
+        list(self._pool.map(lambda c: c.state(), self.clients))
 
     def _view(self, index: int) -> EngineView:
         try:

@@ -333,6 +333,10 @@ def test_an_unreachable_engine_or_service_is_one_line_and_its_code(
             "--token-file is the service's: give it with --server URL",
         ),
         (["top", "--engine", "ftp://x"], "not an engine agent URL: 'ftp://x'"),
+        (
+            ["top", "--engine", "http://127.0.0.1:9", "--engine", "127.0.0.1:9"],
+            "an engine is given twice (127.0.0.1:9, 127.0.0.1:9)",
+        ),
         (["top", "--interval", "0", "--engine", "x"], None),
     ],
 )
