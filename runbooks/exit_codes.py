@@ -57,6 +57,11 @@ class ExitCode(IntEnum):
         "the journal's database cannot be used: down, locked, not migrated (run `runbook db "
         "upgrade`), at an unknown revision, or a file that is not a database",
     )
+    SERVICE = (
+        5,
+        "the service (`runbook top --server URL`) cannot be used: unreachable, not a "
+        "`runbook serve`, or it refused the credentials",
+    )
     INTERRUPTED = (
         130,
         "interrupted (Ctrl-C, SIGTERM); every process the command started is stopped "

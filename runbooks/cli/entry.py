@@ -23,6 +23,7 @@ from vllm_runbook.runbooks.cli import (
     rules,
     serve,
     slo,
+    top,
 )
 from vllm_runbook.runbooks.cli.errors import UsageError, exit_code, message
 from vllm_runbook.runbooks.exit_codes import ExitCode
@@ -33,6 +34,7 @@ COMMAND_GROUPS: tuple[Any, ...] = (
     journal,
     execute,
     approvals,
+    top,
     rules,
     slo,
     check,

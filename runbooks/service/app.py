@@ -8,6 +8,8 @@ GET  /api/executions          the journal (JSON)
 GET  /api/incidents           incidents recorded by the rule evaluator (JSON)
 GET  /api/pending             executions awaiting approval (JSON)
 GET  /api/engines             the inventory: each engine, its source and when it was last seen
+GET  /api/engines/state       each engine's agent state now, or why not (JSON; `runbook top`)
+GET  /api/whoami              who the credentials answer as (the webhook's; 401 otherwise)
 POST /api/executions/{id}/approve|reject   a person's answer (the webhook's
                               credentials, which name who answered; JSON body {"note": ...})
 GET  /                        the on-call page (service/page.py)
@@ -28,7 +30,7 @@ import asyncio
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from typing import Any
 
@@ -36,7 +38,10 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
+from vllm_runbook.collector.auth import TokenError
+from vllm_runbook.rules.config import EngineConfig
 from vllm_runbook.runbooks.config import LimitsConfig
+from vllm_runbook.runbooks.engine.client import EngineClient, EngineClientError
 from vllm_runbook.runbooks.service import telemetry as T
 from vllm_runbook.runbooks.service.alertmanager import WebhookPayload, unstorable_text
 from vllm_runbook.runbooks.service.auth import Access, Credentials, Refusal, send_refusal
@@ -104,6 +109,8 @@ def create_app(
     limits: LimitsConfig | None = None,
     lifespan: Lifespan | None = None,
     inventory: Inventory | None = None,
+    engines: Sequence[EngineConfig] = (),
+    engine_timeout_s: float = 5.0,
 ) -> FastAPI:
     """The app; `status` adds to /healthz (e.g. whether this replica leads the rules).
     `protect_reads`: the reads and the page need `credentials` or
@@ -246,6 +253,29 @@ def create_app(
     def pending() -> Response:
         rows = store.pending_approvals()
         return JSONResponse([r.to_dict() for r in rows])
+
+    def engine_state(engine: EngineConfig) -> dict[str, Any]:
+        current = inventory or router.inventory
+        answer: dict[str, Any] = {"name": engine.name, "agent": engine.agent}
+        try:
+            token = current.token(engine.agent) if current is not None else None
+            state = EngineClient(engine.agent, token=token, timeout=engine_timeout_s).state()
+        except (EngineClientError, TokenError) as exc:  # down, not an agent: said, not raised
+            return {**answer, "up": False, "error": str(exc), "state": None}
+        return {**answer, "up": True, "error": None, "state": state.model_dump(mode="json")}
+
+    @app.get("/api/engines/state", dependencies=read)
+    async def engine_states() -> Response:
+        # The inventory's engines (static and discovered) where there is one, else
+        # `engines`. Every agent at once: the answer costs the slowest engine, not the sum.
+        current = inventory or router.inventory
+        listed = current.engines() if current is not None else tuple(engines)
+        rows = await asyncio.gather(*(asyncio.to_thread(engine_state, e) for e in listed))
+        return JSONResponse(list(rows))
+
+    @app.get("/api/whoami")
+    def whoami(who: str = Depends(access.decider)) -> Response:
+        return JSONResponse({"who": who})
 
     async def decide(request: Request, execution_id: int, decision: str, who: str) -> Response:
         body: dict[str, Any] = {}

@@ -218,6 +218,7 @@ def build(
         limits=config.limits,
         lifespan=service.lifespan,
         inventory=inventory,
+        engines=config.engines,
     )
     return service
 

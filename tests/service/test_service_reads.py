@@ -14,7 +14,14 @@ from tests.service.test_service_webhooks import payload
 
 WEBHOOK_TOKEN = "webhook-token-for-reads"
 READ_TOKEN = "read-only-token"
-READS = ("/api/executions", "/api/incidents", "/api/pending", "/metrics", "/openapi.json")
+READS = (
+    "/api/executions",
+    "/api/incidents",
+    "/api/pending",
+    "/api/engines",
+    "/metrics",
+    "/openapi.json",
+)
 
 CONFIG = """\
 engines:

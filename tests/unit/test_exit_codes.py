@@ -28,6 +28,7 @@ from vllm_runbook.runbooks.store import (
     StoreUnavailable,
 )
 from vllm_runbook.runbooks.store.errors import IllegalTransition, SchemaMissing
+from vllm_runbook.runbooks.top.sources import DecisionFailed, ServiceError
 
 ROOT = Path(__file__).resolve().parents[2]
 TABLE = ROOT / "runbooks" / "exit_codes.py"
@@ -109,6 +110,7 @@ def test_the_table_is_one_meaning_per_number() -> None:
         ("USAGE", 2),
         ("ENGINE", 3),
         ("STORE", 4),
+        ("SERVICE", 5),
         ("INTERRUPTED", 130),
     ]
     assert all(c.meaning for c in ExitCode)
@@ -131,6 +133,8 @@ def test_the_table_is_one_meaning_per_number() -> None:
         (UnknownRunbook("nope"), ExitCode.USAGE),
         (RevertRefused("already reverted"), ExitCode.USAGE),
         (UsageError("bad argument"), ExitCode.USAGE),
+        (ServiceError("unreachable"), ExitCode.SERVICE),
+        (DecisionFailed("too late"), ExitCode.FAILED),
         (CatalogError([Problem("broken", file="x.yaml", line=1)]), ExitCode.USAGE),
         (TokenError("unreadable token"), ExitCode.USAGE),
         (UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"), ExitCode.USAGE),
