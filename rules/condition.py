@@ -98,7 +98,16 @@ class Offset:
     by: float
 
 
-Expr = Instant | Rate | OverTime | Quantile | TimeSince | Ratio | Reduce | Offset
+@dataclass(frozen=True)
+class Fallback:
+    """`first` where the engine has it, else `second` (PromQL's `or`): a plugin
+    series, and vLLM's own series for the same quantity (rules.needs)."""
+
+    first: Expr
+    second: Expr
+
+
+Expr = Instant | Rate | OverTime | Quantile | TimeSince | Ratio | Reduce | Offset | Fallback
 
 
 @dataclass(frozen=True)
@@ -130,7 +139,7 @@ def per_label(expr: Expr) -> str | None:
             return sel.signal.per
         case Quantile():
             return expr.sel.signal.per
-        case Ratio(num, den):
+        case Ratio(num, den) | Fallback(num, den):
             return per_label(num) or per_label(den)
         case Reduce():
             return None
@@ -147,7 +156,7 @@ def leaves(node: Expr | Condition, offset: float = 0.0) -> Iterator[tuple[Leaf, 
         case AllOf(terms) | AnyOf(terms):
             for t in terms:
                 yield from leaves(t, offset)
-        case Ratio(num, den):
+        case Ratio(num, den) | Fallback(num, den):
             yield from leaves(num, offset)
             yield from leaves(den, offset)
         case Reduce(_, _, of):
@@ -183,6 +192,8 @@ def with_window(expr: Expr, window: float) -> Expr:
             return Quantile(q, sel, window)
         case Ratio(num, den):
             return Ratio(with_window(num, window), with_window(den, window))
+        case Fallback(first, second):
+            return Fallback(with_window(first, window), with_window(second, window))
         case Reduce(fn, over, of):
             return Reduce(fn, over, with_window(of, window))
         case Offset(of, by):
