@@ -146,7 +146,9 @@ class Evaluator:
 
     def _has_plugin(self, eng: EngineSeries, now: float) -> bool:
         for name, series in eng.by_name.items():
-            if name.startswith(PREFIX) and any(self.store.latest(s, now) is not None for s in series):
+            if name.startswith(PREFIX) and any(
+                self.store.latest(s, now) is not None for s in series
+            ):
                 return True
         return False
 

@@ -97,8 +97,8 @@ def _condition(cond: C.Condition) -> tuple[C.Condition | None, bool]:
     """The condition without the plugin (None: nothing is left), and whether terms were dropped."""
     match cond:
         case C.Compare(expr, op, value):
-            kept = _expr(expr)
-            return (C.Compare(kept, op, value) if kept is not None else None), False
+            measure = _expr(expr)
+            return (C.Compare(measure, op, value) if measure is not None else None), False
         case C.AllOf(terms):
             parts = [_condition(t) for t in terms]
             if any(p is None for p, _ in parts):
