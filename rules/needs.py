@@ -150,3 +150,31 @@ def _as_vllm(signal: Signal) -> Signal:
     """The signal read from its stand-in among vLLM's series."""
     assert signal.vllm is not None, signal.name
     return dataclasses.replace(signal, metric=signal.vllm, vllm=None)
+
+
+def vllm_series(cond: C.Condition) -> list[str]:
+    """The series a variant reads on an engine without the plugin (vLLM's), in order."""
+    out: list[str] = []
+    for leaf in _read_without_plugin(cond):
+        name = leaf.sel.metric + ("_bucket" if isinstance(leaf, C.Quantile) else "")
+        if name not in out:
+            out.append(name)
+    return out
+
+
+def _read_without_plugin(node: C.Expr | C.Condition) -> Iterable[C.Leaf]:
+    match node:
+        case C.Compare(expr, _, _):
+            yield from _read_without_plugin(expr)
+        case C.AllOf(terms) | C.AnyOf(terms):
+            for t in terms:
+                yield from _read_without_plugin(t)
+        case C.Fallback(_, second):  # the collector's side is absent there
+            yield from _read_without_plugin(second)
+        case C.Ratio(num, den):
+            yield from _read_without_plugin(num)
+            yield from _read_without_plugin(den)
+        case C.Reduce(_, _, of) | C.Offset(of, _):
+            yield from _read_without_plugin(of)
+        case _:
+            yield node  # type: ignore[misc]
