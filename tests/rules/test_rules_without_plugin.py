@@ -11,6 +11,7 @@ where the collector's are absent.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import subprocess
 from pathlib import Path
 
@@ -257,3 +258,58 @@ def test_export_without_plugin(tmp_path: Path, capsys: pytest.CaptureFixture[str
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"SUCCESS: {len(VARIANTS)} rules found" in result.stdout
+
+
+def test_service_evaluates_an_engine_without_the_plugin_from_its_vllm_metrics(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`runbook serve`'s rules service, an inventory engine whose agent is not there
+    (no plugin) and whose vLLM API server serves only vLLM's series: VllmOOMPressure
+    fires from vLLM's KV usage and preemptions, as it does from the collector's."""
+    from rule_server import serve as serve_routes
+    from vllm_runbook.runbooks.config import load_config
+    from vllm_runbook.runbooks.service.rules_service import RulesService
+
+    from tests.engines import free_port
+
+    state = {"usage": 0.97, "preemptions": 0.0}
+    labels = 'engine="0",model_name="tiny"'
+
+    def exposition() -> str:
+        return (
+            "# TYPE vllm:kv_cache_usage_perc gauge\n"
+            f"vllm:kv_cache_usage_perc{{{labels}}} {state['usage']}\n"
+            "# TYPE vllm:num_preemptions counter\n"
+            f"vllm:num_preemptions_total{{{labels}}} {state['preemptions']}\n"
+        )
+
+    with serve_routes() as routes:
+        routes.text("/metrics", exposition)
+        path = tmp_path / "runbook.yaml"
+        doc = {
+            "engines": [
+                {"name": "cpu-0", "agent": f"http://127.0.0.1:{free_port()}", "vllm": routes.url}
+            ],
+            "rules": {"overrides": {"VllmOOMPressure": {"for": "2s", "window": "10s"}}},
+        }
+        path.write_text(yaml.safe_dump(doc), encoding="utf-8")
+        service = RulesService.from_config(load_config(path))
+        try:
+            t0 = 1_700_000_000.0
+            with caplog.at_level(logging.WARNING, logger="vllm_runbook.rules.evaluator"):
+                assert service.run_cycle(t0) == []
+            state.update(preemptions=2.0, usage=0.5)  # max_over_time keeps 0.97
+            assert [(e.alert, e.state) for e in service.run_cycle(t0 + 1)] == [
+                ("VllmOOMPressure", "pending")
+            ]
+            assert service.run_cycle(t0 + 2) == []
+            [firing] = service.run_cycle(t0 + 3)
+            assert (firing.alert, firing.state, firing.value) == ("VllmOOMPressure", "firing", 0.97)
+            assert service.evaluator.without_plugin == {("cpu-0", "tiny", "0")}
+            [said] = [m for m in caplog.messages if "has no vllm-runbook plugin" in m]
+            assert said.startswith(
+                "engine cpu-0 (model tiny, engine 0) has no vllm-runbook plugin: 7 of 19 rules"
+            )
+            assert routes.hits["/metrics"] == 4
+        finally:
+            service.close()
