@@ -177,4 +177,4 @@ def _read_without_plugin(node: C.Expr | C.Condition) -> Iterable[C.Leaf]:
         case C.Reduce(_, _, of) | C.Offset(of, _):
             yield from _read_without_plugin(of)
         case _:
-            yield node  # type: ignore[misc]
+            yield node
