@@ -92,6 +92,7 @@ class Evaluator:
         ]
         # engines whose latest evaluation found no plugin (vLLM's own series only)
         self.without_plugin: set[EngineKey] = set()
+        self._said_skipped = False
         self.active: dict[tuple[int, EngineKey], _Active] = {}
         self._last_trim = float("-inf")
 
@@ -153,16 +154,22 @@ class Evaluator:
         return False
 
     def _say_without_plugin(self, engine: EngineKey) -> None:
+        """Log an engine found without the plugin; the rules left out, with what each
+        needs, on the first such engine only (the list is the same for all)."""
+        first = not self._said_skipped
+        self._said_skipped = True
         self.without_plugin.add(engine)
         skipped = self.skipped(engine)
+        names = ", ".join(
+            f"{r.alert} ({r.severity}: needs {NEEDS_TEXT[n.needs]})" for r, n in skipped
+        )
         log.warning(
             "engine %s (model %s, engine %s) has no vllm-runbook plugin: %d of %d rules "
             "evaluated on vLLM's own series; not evaluated: %s",
             *engine,
             len(self.rules) - len(skipped),
             len(self.rules),
-            ", ".join(f"{r.alert} ({r.severity}: needs {NEEDS_TEXT[n.needs]})" for r, n in skipped)
-            or "none",
+            (names or "none") if first else "as listed for the first such engine",
         )
 
     def firing(self) -> list[tuple[Rule, EngineKey, float]]:
