@@ -313,3 +313,38 @@ def test_service_evaluates_an_engine_without_the_plugin_from_its_vllm_metrics(
             assert routes.hits["/metrics"] == 4
         finally:
             service.close()
+
+
+def test_evaluator_tells_engines_with_and_without_the_plugin_apart(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from vllm_runbook.collector import metrics as M
+    from vllm_runbook.rules.evaluator import Evaluator, store_for_rules
+    from vllm_runbook.rules.incidents import MemoryIncidentSink
+
+    store = store_for_rules(RULES)
+    evaluator = Evaluator(RULES, store, MemoryIncidentSink())
+    for instance in ("stock-0", "stock-1"):
+        store.add(instance, "vllm:num_requests_waiting", {"model_name": "m", "engine": "0"}, 0, 1)
+    store.add("ours-0", M.COLLECTOR_UP.name, {"model_name": "m", "engine": "0"}, 0, 1)
+    with caplog.at_level(logging.WARNING, logger="vllm_runbook.rules.evaluator"):
+        evaluator.evaluate(10.0)
+        evaluator.evaluate(20.0)  # said once per engine
+    assert evaluator.without_plugin == {("stock-0", "m", "0"), ("stock-1", "m", "0")}
+    assert evaluator.skipped(("ours-0", "m", "0")) == []
+    assert len(evaluator.skipped(("stock-1", "m", "0"))) == len(RULES) - len(VARIANTS)
+    first, second = [m for m in caplog.messages if "has no vllm-runbook plugin" in m]
+    assert first.startswith("engine stock-0 (model m, engine 0) has no vllm-runbook plugin")
+    assert first.endswith("VllmGPUComputeSkew (warning: needs the plugin + NVML)")
+    assert second == (
+        "engine stock-1 (model m, engine 0) has no vllm-runbook plugin: 7 of 19 rules evaluated "
+        "on vLLM's own series; not evaluated: as listed for the first such engine"
+    )
+    # The collector's series stop (the engine restarted without the plugin) while
+    # vLLM's go on: past the 5 min look-back it is an engine without the plugin.
+    for t in (30.0, 330.0):
+        store.add("ours-0", "vllm:num_requests_waiting", {"model_name": "m", "engine": "0"}, t, 1)
+    evaluator.evaluate(290.0)
+    assert ("ours-0", "m", "0") not in evaluator.without_plugin
+    evaluator.evaluate(330.0)
+    assert ("ours-0", "m", "0") in evaluator.without_plugin
