@@ -34,7 +34,15 @@ from pathlib import Path
 from vllm_runbook.collector import agent_api, vllm_support
 from vllm_runbook.collector import metrics as collector_metrics
 from vllm_runbook.collector.metrics import MetricSpec
+from vllm_runbook.rules import condition as rule_condition
 from vllm_runbook.rules import load_catalog as load_rule_catalog
+from vllm_runbook.rules.needs import (
+    NEEDS_TEXT,
+    WITHOUT_PLUGIN_GROUP,
+    needs,
+    vllm_series,
+    without_plugin,
+)
 from vllm_runbook.rules.signals import RENAMED, SIGNALS
 from vllm_runbook.runbooks.engine.actions import ActionRegistry, catalog_registry
 from vllm_runbook.runbooks.exit_codes import ExitCode
@@ -100,10 +108,10 @@ def gen_service_metrics() -> str:
 def gen_alerts() -> str:
     catalog = load_rule_catalog()
     rows = [
-        "| alert | severity | default parameters | for | runbook | file |",
-        "|---|---|---|---|---|---|",
+        "| alert | severity | default parameters | for | runbook | file | needs |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for located in catalog.specs:
+    for located, rule in zip(catalog.specs, catalog.bind(), strict=True):
         spec = located.spec
         params = dict(spec.parameters)
         for_ = str(spec.for_)
@@ -114,8 +122,57 @@ def gen_alerts() -> str:
         runbook = f"`{spec.runbook}`" if spec.runbook else "(diagnose only)"
         rows.append(
             f"| {spec.alert} | {spec.severity} | {_cell(shown)} | {for_} | {runbook} "
-            f"| `{Path(located.file).name}` |"
+            f"| `{Path(located.file).name}` | {needs(rule).text} |"
         )
+    return "\n".join(rows) + "\n"
+
+
+def gen_without_plugin() -> str:
+    """The `without-plugin` group: each rule and the vLLM series it reads there."""
+    rules = load_rule_catalog().bind()
+    rows = [
+        f"| alert | severity | reads on an engine without the plugin | "
+        f"not in the `{WITHOUT_PLUGIN_GROUP}` variant |",
+        "|---|---|---|---|",
+    ]
+    kept_rules = [r for r in rules if needs(r).without_plugin is not None]
+    for rule, variant in zip(kept_rules, without_plugin(rules), strict=True):
+        kept = {leaf.sel.metric for leaf, _ in rule_condition.leaves(variant.condition)}
+        dropped = {
+            leaf.sel.metric: leaf.sel.signal.source
+            for leaf, _ in rule_condition.leaves(rule.condition)
+            if leaf.sel.metric not in kept
+        }
+        read = ", ".join(f"`{name}`" for name in vllm_series(variant.condition))
+        left_out = (
+            ", ".join(
+                f"`{name}` (needs {NEEDS_TEXT[source]})"
+                for name, source in sorted(dropped.items())
+                if source is not None
+            )
+            or "—"
+        )
+        rows.append(f"| {rule.alert} | {rule.severity} | {read} | {left_out} |")
+    return "\n".join(rows) + "\n"
+
+
+def gen_stand_ins() -> str:
+    """Collector signals that vLLM also measures, and the vLLM series that stand in."""
+    rows = [
+        "| signal | the plugin's series | vLLM's series (without the plugin) |",
+        "|---|---|---|",
+    ]
+    for signal in SIGNALS.values():
+        if signal.source != "plugin" or signal.of is not None:
+            continue
+        if signal.vllm is not None:
+            standin = f"`{signal.vllm}`"
+        elif signal.vllm_ratio is not None:
+            num, den = (SIGNALS[name].vllm for name in signal.vllm_ratio)
+            standin = f"`rate({num}[1m]) / rate({den}[1m])` (read as is only)"
+        else:
+            continue
+        rows.append(f"| `{signal.name}` | `{signal.metric}` | {standin} |")
     return "\n".join(rows) + "\n"
 
 
@@ -374,6 +431,8 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "metrics": gen_metrics,
     "service-metrics": gen_service_metrics,
     "alerts": gen_alerts,
+    "without-plugin": gen_without_plugin,
+    "stand-ins": gen_stand_ins,
     "runbooks": gen_runbooks,
     "actions": gen_actions,
     "signals": gen_signals,

@@ -215,6 +215,20 @@ class Compiler:
                     return of_fn(eng, t - by, cache)
 
                 return offset
+            case C.Fallback(first, second):
+                first_fn, second_fn = self.expr(first), self.expr(second)
+
+                def fallback(eng: EngineSeries, t: float, cache: Cache) -> Value:
+                    a = first_fn(eng, t, cache)
+                    if a is not None and not isinstance(a, dict):
+                        return a
+                    b = second_fn(eng, t, cache)
+                    if a is None:
+                        return b
+                    # per label: `or` adds the second side's label values the first lacks
+                    return {**b, **a} if isinstance(b, dict) else a
+
+                return fallback
         raise TypeError(node)
 
 

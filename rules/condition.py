@@ -106,7 +106,18 @@ class Offset:
     by: float
 
 
-Expr = Instant | Rate | OverTime | Quantile | TimeSince | Ratio | Difference | Reduce | Offset
+@dataclass(frozen=True)
+class Fallback:
+    """`first` where the engine has it, else `second` (PromQL's `or`): a plugin
+    series, and vLLM's own series for the same quantity (rules.needs)."""
+
+    first: Expr
+    second: Expr
+
+
+Expr = (
+    Instant | Rate | OverTime | Quantile | TimeSince | Ratio | Difference | Reduce | Offset | Fallback
+)
 
 
 @dataclass(frozen=True)
@@ -138,7 +149,7 @@ def per_label(expr: Expr) -> str | None:
             return sel.signal.per
         case Quantile():
             return expr.sel.signal.per
-        case Ratio(num, den) | Difference(num, den):
+        case Ratio(num, den) | Difference(num, den) | Fallback(num, den):
             return per_label(num) or per_label(den)
         case Reduce():
             return None
@@ -155,7 +166,7 @@ def leaves(node: Expr | Condition, offset: float = 0.0) -> Iterator[tuple[Leaf, 
         case AllOf(terms) | AnyOf(terms):
             for t in terms:
                 yield from leaves(t, offset)
-        case Ratio(num, den) | Difference(num, den):
+        case Ratio(num, den) | Difference(num, den) | Fallback(num, den):
             yield from leaves(num, offset)
             yield from leaves(den, offset)
         case Reduce(_, _, of):
@@ -193,6 +204,8 @@ def with_window(expr: Expr, window: float) -> Expr:
             return Ratio(with_window(num, window), with_window(den, window))
         case Difference(left, right):
             return Difference(with_window(left, window), with_window(right, window))
+        case Fallback(first, second):
+            return Fallback(with_window(first, window), with_window(second, window))
         case Reduce(fn, over, of):
             return Reduce(fn, over, with_window(of, window))
         case Offset(of, by):

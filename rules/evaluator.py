@@ -4,20 +4,30 @@ State follows Prometheus' alerting rules exactly: an alert becomes pending
 at the first evaluation where the condition holds (activeAt), firing at the
 first evaluation at least `for` later, resolved at the first evaluation
 where the condition no longer holds (a pending one just disappears).
+
+An engine without the plugin (no fresh series of the collector) is evaluated
+on each rule's variant for such engines (vllm_runbook.rules.needs: vLLM's own
+series stand in for the collector's); a rule without one is not evaluated
+there, and `skipped` says what it needs.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from vllm_runbook.collector.metrics import COLLECTOR_UP, PREFIX
 from vllm_runbook.rules import condition as C
 from vllm_runbook.rules import template
 from vllm_runbook.rules.compiler import Cache, Compiler, Fn
 from vllm_runbook.rules.incidents import IncidentEvent, IncidentSink, OpenAlert, State
 from vllm_runbook.rules.model import Rule
-from vllm_runbook.rules.window import LOOKBACK_SECONDS, EngineKey, WindowStore
+from vllm_runbook.rules.needs import NEEDS_TEXT, RuleNeeds, needs
+from vllm_runbook.rules.window import LOOKBACK_SECONDS, EngineKey, EngineSeries, WindowStore
+
+log = logging.getLogger(__name__)
 
 TRIM_EVERY_SECONDS = 60.0
 
@@ -29,13 +39,16 @@ def store_for_rules(
     slack: float = 60.0,
     lookback: float = LOOKBACK_SECONDS,
 ) -> WindowStore:
-    """A WindowStore keeping each series the rules read for its longest window."""
-    retention: dict[str, float] = {}
+    """A WindowStore keeping each series the rules read (with or without the plugin)
+    for its longest window, and the collector's `up` (whether an engine has the plugin)."""
+    retention: dict[str, float] = {COLLECTOR_UP.name: lookback + slack}
     counters: set[str] = set()
     # the matchers each series is read with; None once a reader takes them all
     only: dict[str, set[tuple[tuple[str, str], ...]] | None] = {}
-    for rule in rules:
-        for leaf, offset in C.leaves(rule.condition):
+    conditions = [rule.condition for rule in rules]
+    conditions += [n.without_plugin for n in map(needs, rules) if n.without_plugin is not None]
+    for condition in conditions:
+        for leaf, offset in C.leaves(condition):
             name = leaf.sel.metric
             match leaf:
                 case C.Rate(_, window) | C.OverTime(_, _, window):
@@ -84,6 +97,14 @@ class Evaluator:
         self.clock = clock
         compiler = Compiler(store)
         self._fns: list[Fn] = [compiler.condition(r.condition) for r in self.rules]
+        self.needs: list[RuleNeeds] = [needs(r) for r in self.rules]
+        self._vllm_fns: list[Fn | None] = [
+            compiler.condition(n.without_plugin) if n.without_plugin is not None else None
+            for n in self.needs
+        ]
+        # engines whose latest evaluation found no plugin (vLLM's own series only)
+        self.without_plugin: set[EngineKey] = set()
+        self._said_skipped = False
         self.active: dict[tuple[int, EngineKey], _Active] = {}
         self._last_trim = float("-inf")
 
@@ -98,7 +119,16 @@ class Evaluator:
         seen: set[tuple[int, EngineKey]] = set()
         for eng in self.store:
             cache: Cache = {}
-            for i, fn in enumerate(self._fns):
+            fns: Sequence[Fn | None] = self._fns
+            if not self._has_plugin(eng, now):
+                fns = self._vllm_fns
+                if eng.key not in self.without_plugin:
+                    self._say_without_plugin(eng.key)
+            else:
+                self.without_plugin.discard(eng.key)
+            for i, fn in enumerate(fns):
+                if fn is None:
+                    continue
                 value = fn(eng, now, cache)
                 if value is None:
                     continue
@@ -120,6 +150,39 @@ class Evaluator:
         for event in events:
             self.sink.record(event)
         return events
+
+    def skipped(self, engine: EngineKey) -> list[tuple[Rule, RuleNeeds]]:
+        """The rules not evaluated on `engine` (it has no plugin) and what each needs."""
+        if engine not in self.without_plugin:
+            return []
+        return [(r, n) for r, n in zip(self.rules, self.needs, strict=True) if n.needs != "vllm"]
+
+    def _has_plugin(self, eng: EngineSeries, now: float) -> bool:
+        for name, series in eng.by_name.items():
+            if name.startswith(PREFIX) and any(
+                self.store.latest(s, now) is not None for s in series
+            ):
+                return True
+        return False
+
+    def _say_without_plugin(self, engine: EngineKey) -> None:
+        """Log an engine found without the plugin; the rules left out, with what each
+        needs, on the first such engine only (the list is the same for all)."""
+        first = not self._said_skipped
+        self._said_skipped = True
+        self.without_plugin.add(engine)
+        skipped = self.skipped(engine)
+        names = ", ".join(
+            f"{r.alert} ({r.severity}: needs {NEEDS_TEXT[n.needs]})" for r, n in skipped
+        )
+        log.warning(
+            "engine %s (model %s, engine %s) has no vllm-runbook plugin: %d of %d rules "
+            "evaluated on vLLM's own series; not evaluated: %s",
+            *engine,
+            len(self.rules) - len(skipped),
+            len(self.rules),
+            (names or "none") if first else "as listed for the first such engine",
+        )
 
     def firing(self) -> list[tuple[Rule, EngineKey, float]]:
         return [

@@ -69,6 +69,9 @@ class PromQLRenderer:
                 return f"{fn} {self.by(None)} ({self.expr(of, off)})"
             case C.Offset(of, by):
                 return self.expr(of, off + by)
+            case C.Fallback(first, second):
+                # both sides are aggregated by the engine labels: `or` matches on them
+                return f"({self.expr(first, off)} or {self.expr(second, off)})"
         raise TypeError(e)
 
     def condition(self, c: C.Condition) -> str:

@@ -21,6 +21,13 @@ signal's name, then what was done to it (`of` + ``_`` + `how`):
     gpu_utilization_spread   highest minus lowest over it; _spread_ratio: that / highest
     tier_requests_waiting_hot  one value of the `per` label
 
+Where a signal comes from (`Signal.source`) says what a rule reading it needs
+on the engine: vLLM's own /metrics ("vllm"), the plugin's collector
+("plugin") or its NVML poller ("nvml": the plugin and an NVIDIA GPU). A
+collector signal that vLLM also measures names vLLM's series as its stand-in
+(`vllm`, or `vllm_ratio` for a ratio of two counters' rates): on an engine
+without the plugin the rules read that instead (vllm_runbook.rules.needs).
+
 A name not in SIGNALS is an UnknownSignalError (a rule) or a validation
 error (a runbook) at load time; a name in RENAMED says what it is called now.
 """
@@ -34,6 +41,13 @@ from typing import Final, Literal
 from vllm_runbook.collector import metrics as M
 
 SignalType = Literal["gauge", "counter", "histogram"]
+Source = Literal["vllm", "plugin", "nvml"]  # what an engine must run for the series to exist
+
+VLLM_PREFIX: Final = "vllm:"  # vLLM's own series
+_NVML_SERIES: Final = frozenset(m.series_name for m in M.NVML_METRICS)
+# The collector's sliding window (VLLM_RUNBOOK_WINDOW_SECONDS' default): a ratio
+# gauge's stand-in measures over the same span.
+COLLECTOR_WINDOW_SECONDS: Final = 60.0
 
 # Labels that identify one engine. Prometheus adds `instance` at scrape; our
 # scraper sets it to the inventory name. vLLM and the collector both set
@@ -80,6 +94,20 @@ class Signal:
     # ...and what was done to it: RATES, HISTOGRAM_PARTS, OVER_LABEL or a value of its label
     how: str | None = None
     higher_is_worse: bool = False  # the circuit breaker's direction for a guard
+    # vLLM's own series for the same quantity: what rules read without the plugin
+    vllm: str | None = None
+    # or: the ratio of two signals' rates over COLLECTOR_WINDOW_SECONDS (for a ratio gauge)
+    vllm_ratio: tuple[str, str] | None = None
+
+    @property
+    def source(self) -> Source | None:
+        """What an engine must run for `metric` to exist (None: not a series)."""
+        if self.metric is None:
+            return None
+        if self.metric.startswith(VLLM_PREFIX):
+            return "vllm"
+        # the histogram parts (_sum, _count) of an NVML series would be NVML too
+        return "nvml" if self.metric in _NVML_SERIES else "plugin"
 
 
 def _collector(
@@ -90,6 +118,8 @@ def _collector(
     reading: Reading | None = None,
     *,
     higher_is_worse: bool = False,
+    vllm: str | None = None,
+    vllm_ratio: tuple[str, str] | None = None,
 ) -> Signal:
     per = next((label for label in ("gpu", "tier", "policy") if label in spec.extra_labels), None)
     return Signal(
@@ -101,6 +131,8 @@ def _collector(
         per,
         reading,
         higher_is_worse=higher_is_worse,
+        vllm=vllm,
+        vllm_ratio=vllm_ratio,
     )
 
 
@@ -143,12 +175,15 @@ _BASE: tuple[Signal, ...] = (
         "KV blocks used / usable blocks",
         _LATEST,
         higher_is_worse=True,
+        vllm="vllm:kv_cache_usage_perc",
     ),
     _collector(
         "kv_cache_usage_peak",
         M.KV_CACHE_USAGE_PEAK,
         "ratio",
         "peak KV usage at step start over the window",
+        # vLLM samples after the step, at the scrape: at most the peak
+        vllm="vllm:kv_cache_usage_perc",
     ),
     _collector(
         "kv_blocks_free", M.KV_BLOCKS_FREE, "blocks", "free KV blocks in the block pool", _LATEST
@@ -166,15 +201,21 @@ _BASE: tuple[Signal, ...] = (
         "ratio",
         "prefix-cache hits / queries over the collector's window (NaN without lookups)",
         Reading(AGENT + ": prefix-cache counters", WINDOW, windowed=True),
+        vllm_ratio=("prefix_cache_hits", "prefix_cache_queries"),
     ),
     _collector(
         "prefix_cache_queries",
         M.PREFIX_CACHE_QUERIES,
         "tokens",
         "tokens looked up in the prefix cache",
+        vllm="vllm:prefix_cache_queries_total",
     ),
     _collector(
-        "prefix_cache_hits", M.PREFIX_CACHE_HITS, "tokens", "tokens found in the prefix cache"
+        "prefix_cache_hits",
+        M.PREFIX_CACHE_HITS,
+        "tokens",
+        "tokens found in the prefix cache",
+        vllm="vllm:prefix_cache_hits_total",
     ),
     _collector(
         "block_fragmentation",
@@ -185,7 +226,13 @@ _BASE: tuple[Signal, ...] = (
         _LATEST,
         higher_is_worse=True,
     ),
-    _collector("preemptions", M.PREEMPTIONS, "requests", "requests preempted"),
+    _collector(
+        "preemptions",
+        M.PREEMPTIONS,
+        "requests",
+        "requests preempted",
+        vllm="vllm:num_preemptions_total",
+    ),
     _derived(
         "preemptions",
         "per_minute",
@@ -203,7 +250,12 @@ _BASE: tuple[Signal, ...] = (
     ),
     # --- queues and admission -----------------------------------------------------------
     _collector(
-        "requests_running", M.REQUESTS_RUNNING, "requests", "requests in the running queue", _LATEST
+        "requests_running",
+        M.REQUESTS_RUNNING,
+        "requests",
+        "requests in the running queue",
+        _LATEST,
+        vllm="vllm:num_requests_running",
     ),
     _collector(
         "requests_waiting",
@@ -212,6 +264,7 @@ _BASE: tuple[Signal, ...] = (
         "requests waiting to be scheduled, preempted ones included (queue depth)",
         _LATEST,
         higher_is_worse=True,
+        vllm="vllm:num_requests_waiting",
     ),
     _collector(
         "oldest_waiting",
@@ -361,6 +414,7 @@ _BASE: tuple[Signal, ...] = (
         M.REQUEST_QUEUE_SECONDS,
         "seconds",
         "per finished request: from its arrival in the engine to its first schedule",
+        vllm="vllm:request_queue_time_seconds",
     ),
     _derived(
         "engine_queue_time",
@@ -478,6 +532,7 @@ def _with_histogram_parts(signals: tuple[Signal, ...]) -> dict[str, Signal]:
                     s.per,
                     of=s.name,
                     how=part,
+                    vllm=f"{s.vllm}_{part}" if s.vllm else None,
                 )
     return out
 

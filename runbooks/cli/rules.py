@@ -1,5 +1,9 @@
 """`runbook rules export` and `runbook rules check`: the alert rule catalog.
 
+`rules export --without-plugin` writes only the rules that work on engines
+without the plugin, each reading vLLM's own series where the collector's are
+absent (vllm_runbook.rules.needs).
+
 The rules' `runbook` labels (and the configuration's `automation:` keys) are
 checked against the runbook catalog the rules are deployed with: `--catalog DIR`
 (repeatable), by default the shipped one.
@@ -16,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_runbook.rules.model import load_catalog
+from vllm_runbook.rules.needs import without_plugin
 from vllm_runbook.rules.prometheus_operator import (
     DEFAULT_NAME,
     parse_label,
@@ -61,6 +66,12 @@ def add_subcommands(subparsers: Any) -> argparse.ArgumentParser:
         "--config", type=Path, default=None, help="configuration file whose rules.overrides apply"
     )
     exp.add_argument("--runbook-url-base", default=DEFAULT_RUNBOOK_URL_BASE)
+    exp.add_argument(
+        "--without-plugin",
+        action="store_true",
+        help="only the rules that work on engines without the plugin, reading vLLM's own "
+        "series where the collector's are absent (one group: vllm-runbook-without-plugin)",
+    )
     operator = exp.add_argument_group("prometheus-operator")
     operator.add_argument(
         "--name", default=None, help=f"the PrometheusRule's name (default {DEFAULT_NAME})"
@@ -123,6 +134,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     runbooks = _runbooks(args)
     config = load_config(args.config, runbooks)
     rules = config.bind(load_catalog(args.rules_dir or config.catalog, runbooks=runbooks))
+    if args.without_plugin:
+        rules = without_plugin(rules)
     # The configuration's SLOs: a group each, recording rules and burn-rate alerts.
     groups = rule_groups(rules, runbook_url_base=args.runbook_url_base) + slo_rule_groups(
         config.slos, runbook_url_base=args.runbook_url_base
