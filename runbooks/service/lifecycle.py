@@ -10,7 +10,9 @@ never overlapping itself, missed runs coalesced:
 - the worker (service/worker.py), when this replica runs executions; woken
   by a webhook delivery or an answer taken here;
 - the notifications' feed and one delivery per receiver (notify.py);
-- the retention of stored deliveries (service/retention.py).
+- the retention of stored deliveries (service/retention.py);
+- the circuit breaker (runbooks/breaker.py, service/breaker_job.py), where
+  this replica runs executions.
 
 On shutdown (SIGTERM, SIGINT) the webhook's writer commits what it queued,
 then `stop`: no job starts again; the rules' cycle in flight ends and
@@ -44,6 +46,7 @@ from vllm_runbook.runbooks.store import Journal
 
 if TYPE_CHECKING:
     from vllm_runbook.runbooks.catalogs import RunbookCatalog
+    from vllm_runbook.runbooks.service.breaker_job import BreakerJob
     from vllm_runbook.runbooks.notify import Notifier
 
 log = logging.getLogger("vllm_runbook.service")
@@ -64,6 +67,7 @@ class Service:
     worker: Worker | None = None
     leader: RulesLeader | None = None
     notifier: Notifier | None = None
+    breaker: BreakerJob | None = None
     app: FastAPI = field(init=False)
     scheduler: BackgroundScheduler = field(init=False)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
@@ -74,6 +78,7 @@ class Service:
         # A pool thread per job: a slow job (an execution, a receiver's
         # retries) never holds another back.
         jobs = 1 + (self.worker is not None) + (self.leader is not None)
+        jobs += self.breaker is not None
         jobs += self.notifier.job_count if self.notifier is not None else 0
         self.scheduler = BackgroundScheduler(
             executors={"default": ThreadPoolExecutor(max_workers=jobs)}
@@ -92,6 +97,8 @@ class Service:
         if self.notifier is not None:
             self.notifier.schedule(self.scheduler)
         self.retention.schedule(self.scheduler)
+        if self.breaker is not None:
+            self.breaker.schedule(self.scheduler)
         self.scheduler.start()
 
     def stop(self) -> None:
@@ -109,6 +116,8 @@ class Service:
         if self.notifier is not None:
             self.notifier.stop()
         self.retention.stop()
+        if self.breaker is not None:
+            self.breaker.stop()
         # Close the connections: SQLite folds its write-ahead log into the file.
         self.store.close()
 

@@ -110,18 +110,33 @@ def build(
         receivers=[r.name for r in config.notifications.receivers],
     )
     runner = None
+    breaker = None
     if worker:
+        from vllm_runbook.runbooks.breaker import Breaker
         from vllm_runbook.runbooks.executor import Executor
+        from vllm_runbook.runbooks.service.breaker_job import BreakerJob
         from vllm_runbook.runbooks.service.worker import Worker
 
+        executor = Executor(
+            store,
+            runbooks,
+            registry,
+            api_urls={normalize_url(e.agent): e.vllm for e in config.engines if e.vllm},
+            breaker_hold_seconds=config.breaker.cooldown_seconds if config.breaker.enabled else 0.0,
+        )
+        if config.breaker.enabled:
+            breaker = BreakerJob(
+                Breaker(
+                    store,
+                    executor,
+                    config.breaker,
+                    engines=[normalize_url(e.agent) for e in config.engines],
+                    on_trip=metrics.breaker_tripped,
+                )
+            )
         runner = Worker(
             store,
-            Executor(
-                store,
-                runbooks,
-                registry,
-                api_urls={normalize_url(e.agent): e.vllm for e in config.engines if e.vllm},
-            ),
+            executor,
             waits=config.executor,
             metrics=metrics,
             approval_timeout_s=config.approvals.timeout_seconds,
@@ -163,6 +178,7 @@ def build(
         worker=runner,
         leader=leader,
         notifier=notifier,
+        breaker=breaker,
     )
     status = (lambda: {"rules_leader": leader.is_leader}) if leader is not None else None
     service.app = create_app(
