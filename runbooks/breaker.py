@@ -1,4 +1,4 @@
-"""The reports' circuit breaker, service-wide: every automatic change watched against absolute limits.
+"""The reports' circuit breaker, service-wide: every change watched against absolute limits.
 
     breaker = Breaker(journal, executor, BreakerConfig(), engines=[agent_url, ...])
     breaker.tick()        # the service's job does this every `interval`

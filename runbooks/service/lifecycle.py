@@ -46,8 +46,8 @@ from vllm_runbook.runbooks.store import Journal
 
 if TYPE_CHECKING:
     from vllm_runbook.runbooks.catalogs import RunbookCatalog
-    from vllm_runbook.runbooks.service.breaker_job import BreakerJob
     from vllm_runbook.runbooks.notify import Notifier
+    from vllm_runbook.runbooks.service.breaker_job import BreakerJob
 
 log = logging.getLogger("vllm_runbook.service")
 

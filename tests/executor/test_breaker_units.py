@@ -190,7 +190,7 @@ def test_a_change_within_the_limits_leaves_it_silent_and_the_watch_ends(
 
 
 def test_only_the_newest_change_of_an_engine_is_judged(setup: Any, store: Journal) -> None:
-    agent, executor, breaker, trips = setup
+    agent, executor, breaker, _trips = setup
     first = restore_from_8(agent, executor)
     second = restore_from_8(agent, executor)
     assert [c.execution_id for c in breaker.newest_changes().values()] == [second]
