@@ -199,3 +199,69 @@ def test_only_the_newest_change_of_an_engine_is_judged(setup: Any, store: Journa
     assert change.execution_id == second
     assert store.get_execution(first).status == "succeeded"
     assert store.get_execution(second).status == "reverted"
+
+
+class PilotAgent(FakeAgent):
+    """The fake agent with an autopilot that moved max_num_seqs at `last_step`."""
+
+    last_step = 10
+
+    def state(self, since_step: int | None = None) -> Any:
+        from vllm_runbook.collector.agent_api import AutopilotChange
+
+        state = super().state(since_step)
+        change = AutopilotChange(
+            step=self.last_step, max_num_seqs=self.knobs["max_num_seqs"], reason="room"
+        )
+        pilot = state.autopilot.model_copy(update={"last_change": change})
+        return state.model_copy(update={"autopilot": pilot})
+
+
+def test_an_autopilot_change_over_the_limit_turns_it_off_and_puts_max_num_seqs_back(
+    store: Journal,
+) -> None:
+    def counts(preemptions: int, stopped: int) -> dict[str, Any]:
+        return {
+            "preemptions_total": preemptions,
+            "requests_finished_by_reason_total": {"stop": stopped},
+        }
+
+    agent = PilotAgent([counts(4, 100), counts(4, 100), counts(7, 150)])
+    agent.knobs.update(autopilot=True, max_num_seqs=16)
+    executor = Executor(
+        store,
+        load_catalog(registry=engine_registry()),
+        engine_registry(),
+        client_factory=lambda url: agent,  # type: ignore[arg-type,return-value]
+    )
+    trips: list[tuple[str, str]] = []
+    breaker = Breaker(
+        store,
+        executor,
+        BreakerConfig(min_finished=20),
+        engines=[URL],
+        on_trip=lambda e, r: trips.append((e, r)),
+    )
+    assert breaker.tick() == []  # first sight: where the autopilot is, not a change
+    agent.knobs["max_num_seqs"], agent.last_step = 24, 20  # its climb
+    [(change, trip)] = breaker.tick()  # seen at 4 preemptions / 100 finished; then 7 / 150
+    assert (change.source, change.before, change.after) == (
+        "autopilot",
+        {"autopilot": True, "max_num_seqs": 16},
+        {"autopilot": True, "max_num_seqs": 24},
+    )
+    assert (trip.reason, trip.value, trips) == (PREEMPTION_RATE, 3 / 50, [(URL, PREEMPTION_RATE)])
+    assert (agent.knobs["autopilot"], agent.knobs["max_num_seqs"]) == (False, 16)
+    [undo] = store.list_executions(who=BREAKER_WHO)
+    assert (undo.runbook, undo.status, undo.trigger) == ("circuit-breaker", "succeeded", "rule")
+    [step] = undo.steps
+    assert (step.action, step.status, step.before, step.after) == (
+        "set_knobs",
+        "applied",
+        {"autopilot": True, "max_num_seqs": 24},
+        {"autopilot": False, "max_num_seqs": 16},
+    )
+    assert undo.verification is not None
+    assert undo.verification["breaker"]["measurement"]["preemptions"] == 3
+    assert undo.verification["breaker"]["measurement"]["requests_finished"] == 50
+    assert breaker.tick() == []  # the undoing is the newest change: nothing watched
