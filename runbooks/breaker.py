@@ -18,7 +18,9 @@ it, for `watch` (default 10 min) after it took effect:
   what the engine runs with (a later change of the same engine supersedes
   it, and undoing the older one would undo the newer one too);
 - the limits are absolute (`judge`): preemptions per finished request above
-  `preemption_rate` (1 %), errors per finished request above `error_rate`
+  `preemption_rate` (1 %; not for a change that only lowered max_num_seqs or
+  the budget: a cut frees KV blocks, and undoing it would admit more into
+  the storm it answers), errors per finished request above `error_rate`
   (0.5 %), the P99 end-to-end latency above `p99_sla` where one is set. The
   rates' denominator is at least `min_finished`: a storm that finishes
   nothing still trips, one preemption among the first three requests does
@@ -101,11 +103,30 @@ class Trip:
     text: str  # one sentence with the numbers
 
 
-def judge(m: Measurement, config: BreakerConfig) -> Trip | None:
-    """The first absolute limit `m` is over, or None (see the module doc)."""
+# Knobs that admit work: lowering them frees KV blocks, it cannot cause a preemption.
+ADMISSION_KNOBS: Final = ("max_num_seqs", "max_num_batched_tokens")
+
+
+def only_lowers_admission(before: dict[str, Any], after: dict[str, Any]) -> bool:
+    """Whether a change only lowered max_num_seqs or the budget (a cut): it
+    cannot have caused a preemption, and undoing it would admit more into
+    the storm it answers."""
+    return bool(before) and all(
+        k in ADMISSION_KNOBS
+        and isinstance(after.get(k), int)
+        and isinstance(v, int)
+        and after[k] < v
+        for k, v in before.items()
+    )
+
+
+def judge(m: Measurement, config: BreakerConfig, *, preemptions: bool = True) -> Trip | None:
+    """The first absolute limit `m` is over, or None (see the module doc).
+    `preemptions` False: the change only lowered admission, its preemption
+    rate is not its doing (errors and latency are still judged)."""
     denominator = max(m.finished, config.min_finished)
     rate = m.preemptions / denominator
-    if rate > config.preemption_rate:
+    if preemptions and rate > config.preemption_rate:
         return Trip(
             PREEMPTION_RATE,
             rate,
@@ -343,7 +364,9 @@ class Breaker:
                 continue
             if m is None:
                 continue
-            trip = judge(m, self.config)
+            trip = judge(
+                m, self.config, preemptions=not only_lowers_admission(change.before, change.after)
+            )
             if trip is None:
                 continue
             if not self.store.acquire_lease(

@@ -265,3 +265,22 @@ def test_an_autopilot_change_over_the_limit_turns_it_off_and_puts_max_num_seqs_b
     assert undo.verification["breaker"]["measurement"]["preemptions"] == 3
     assert undo.verification["breaker"]["measurement"]["requests_finished"] == 50
     assert breaker.tick() == []  # the undoing is the newest change: nothing watched
+
+
+def test_a_cut_is_not_blamed_for_preemptions_but_for_errors_it_is() -> None:
+    from vllm_runbook.runbooks.breaker import only_lowers_admission
+
+    assert only_lowers_admission({"max_num_seqs": 32}, {"max_num_seqs": 8})
+    assert only_lowers_admission(
+        {"max_num_seqs": 32, "max_num_batched_tokens": 512},
+        {"max_num_seqs": 8, "max_num_batched_tokens": 256},
+    )
+    assert not only_lowers_admission({"max_num_seqs": 8}, {"max_num_seqs": 32})
+    assert not only_lowers_admission({"autopilot": False}, {"autopilot": True})
+    assert not only_lowers_admission(
+        {"max_num_seqs": 32, "policy": "priority"}, {"max_num_seqs": 8, "policy": "fcfs"}
+    )
+    storm = m(preemptions=50, finished=100, errors=0)
+    assert judge(storm, DEFAULTS, preemptions=False) is None
+    errors = judge(m(preemptions=50, finished=100, errors=5), DEFAULTS, preemptions=False)
+    assert errors is not None and errors.reason == ERROR_RATE
