@@ -384,8 +384,6 @@ class Breaker:
     def _trip(self, change: Change, m: Measurement, trip: Trip) -> None:
         why = f"circuit breaker: {trip.text} in {m.seconds:.0f} s after {change.describe()}"
         log.warning("breaker on %s: %s; rolling back", change.engine, why)
-        if self.on_trip is not None:
-            self.on_trip(change.engine, trip.reason)
         report = {
             "signal": trip.reason,
             "before": trip.limit,
@@ -406,9 +404,16 @@ class Breaker:
             except RevertRefused as refused:
                 log.warning("breaker: %s", refused)
                 return
+            if result.record.status == ExecutionStatus.REFUSED:
+                # The engine's lock is held (a run under way): try again next pass.
+                self._done.discard(change.key)
+                self.store.release_lease(f"breaker-trip:{change.key}", self.holder)
+                return
             self.store.record_verification(result.record.id, report)
-            return
-        self._undo(change, why, report)
+        else:
+            self._undo(change, why, report)
+        if self.on_trip is not None:
+            self.on_trip(change.engine, trip.reason)
 
     def _undo(self, change: Change, why: str, report: dict[str, Any]) -> None:
         """Roll back a change no execution made, journaled as the breaker's execution."""
