@@ -174,12 +174,14 @@ class Change:
     execution_id: int | None = None
     # Changes without a step mark (the autopilot's): the counters when it was seen.
     baseline: dict[str, float] | None = None
+    # What names the change alike on every replica (the autopilot's: its step).
+    ref: str | None = None
 
     @property
     def key(self) -> str:
         if self.execution_id is not None:
             return f"execution:{self.execution_id}"
-        return f"{self.source}:{self.engine}:{self.at.isoformat()}"
+        return f"{self.source}:{self.engine}:{self.ref or self.at.isoformat()}"
 
     def describe(self) -> str:
         knobs = ", ".join(f"{k} {v} → {self.after.get(k)}" for k, v in self.before.items())
@@ -320,6 +322,7 @@ class Breaker:
                 {"autopilot": True, "max_num_seqs": seqs},
                 self.now(),
                 baseline=base,
+                ref=f"step {step}",
             )
 
     # --- measuring and judging ---------------------------------------------------------
