@@ -218,6 +218,105 @@ def settle_seconds(trace: list[tuple[float, int, int]], shift: float) -> float |
     return settled_at - shift
 
 
+def best_static(rows: list[tuple[str, str, dict[str, Any]]], workload: str) -> int | None:
+    """The sweep's fastest static max_num_seqs without a preemption."""
+    free = [
+        (row["tok_s"], int(setting.split()[1]))
+        for w, setting, row in rows
+        if w == workload and setting.startswith("static") and row["preempt_per_1k"] == 0
+    ]
+    return max(free)[1] if free else None
+
+
+def spread(a: list[float], b: list[float]) -> float:
+    """The A/A spread: how far the medians of two runs of one setting differ,
+    relative to their mean (0.05 = 5 %)."""
+    ma, mb = statistics.median(a), statistics.median(b)
+    return abs(ma - mb) / ((ma + mb) / 2)
+
+
+def rounds(
+    bench: Bench,
+    workload: str,
+    static: int,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """Interleaved rounds: static best (A), the autopilot, static best again (A'),
+    until the A/A spread of the medians is below `args.target_spread` (at least
+    `args.min_rounds`, at most `args.max_rounds`)."""
+    total = run_seconds(workload, args.seconds, args.warmup)
+    setting = f"static {static}"
+    runs: dict[str, list[dict[str, Any]]] = {"A": [], "autopilot": [], "A'": []}
+    done = 0
+    while done < args.max_rounds:
+        for name in ("A", "autopilot", "A'"):
+            run = bench.run(workload, "autopilot" if name == "autopilot" else setting)
+            runs[name].append(summarize(run, args.warmup, total))
+        done += 1
+        a = [r["tok_s"] for r in runs["A"]]
+        a2 = [r["tok_s"] for r in runs["A'"]]
+        print(
+            f"  {workload} round {done}: static {static} {a[-1]:.0f}, "
+            f"autopilot {runs['autopilot'][-1]['tok_s']:.0f}, static {static} again {a2[-1]:.0f} "
+            f"tok/s (load average {os.getloadavg()[0]:.1f})",
+            flush=True,
+        )
+        if done >= args.min_rounds and spread(a, a2) < args.target_spread:
+            break
+    a = [r["tok_s"] for r in runs["A"]]
+    a2 = [r["tok_s"] for r in runs["A'"]]
+    pilot = [r["tok_s"] for r in runs["autopilot"]]
+    static_median = statistics.median(a + a2)
+    return {
+        "workload": workload,
+        "static": static,
+        "rounds": done,
+        "static_median": static_median,
+        "autopilot_median": statistics.median(pilot),
+        "ratio": statistics.median(pilot) / static_median,
+        "aa_spread": spread(a, a2),
+        "static_range": (min(a + a2), max(a + a2)),
+        "autopilot_range": (min(pilot), max(pilot)),
+        "autopilot_preempt_per_1k": statistics.median(
+            r["preempt_per_1k"] for r in runs["autopilot"]
+        ),
+        "static_preempt_per_1k": max(r["preempt_per_1k"] for r in runs["A"] + runs["A'"]),
+    }
+
+
+def print_rounds(results: list[dict[str, Any]], target: float) -> None:
+    print(
+        " workload | static best | rounds | static tok/s (median, range) "
+        "| autopilot tok/s (median, range) | ratio | A/A spread | autopilot preempt/1k req"
+    )
+    for r in results:
+        (slo, shi), (plo, phi) = r["static_range"], r["autopilot_range"]
+        print(
+            f" {r['workload']:<8} | static {r['static']:<4} | {r['rounds']:>6} "
+            f"| {r['static_median']:>6.0f} ({slo:.0f}-{shi:.0f}) "
+            f"| {r['autopilot_median']:>6.0f} ({plo:.0f}-{phi:.0f}) "
+            f"| {100 * r['ratio']:>4.0f} % | {100 * r['aa_spread']:>8.1f} % "
+            f"| {r['autopilot_preempt_per_1k']:.1f}"
+        )
+    for r in results:
+        ok = "below" if r["aa_spread"] < target else "NOT below"
+        print(
+            f"autopilot on {r['workload']}: {100 * r['ratio']:.0f} % of the best "
+            f"preemption-free static setting (static {r['static']}, median of "
+            f"{2 * r['rounds']} runs: {r['static_median']:.0f} tok/s); A/A spread "
+            f"{100 * r['aa_spread']:.1f} % ({ok} the {100 * target:.0f} % it needs)"
+        )
+
+
+def parse_static(text: str) -> dict[str, int]:
+    """'long=10,mix=12' -> {'long': 10, 'mix': 12}."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        workload, _, value = item.partition("=")
+        out[workload.strip()] = int(value)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=12.0, help="measured seconds per run")
@@ -229,6 +328,19 @@ def main() -> None:
         action="store_true",
         help="wall seconds instead of the engine thread's CPU time",
     )
+    parser.add_argument(
+        "--sweep-only",
+        action="store_true",
+        help="only the sweep table (no interleaved rounds)",
+    )
+    parser.add_argument(
+        "--static",
+        default="",
+        help="best static max_num_seqs per workload (long=10,mix=12): skips the sweep",
+    )
+    parser.add_argument("--min-rounds", type=int, default=3)
+    parser.add_argument("--max-rounds", type=int, default=9)
+    parser.add_argument("--target-spread", type=float, default=0.05)
     args = parser.parse_args()
 
     from vllm import LLM
@@ -238,8 +350,11 @@ def main() -> None:
     llm = LLM(model=str(model), **ENGINE_ARGS)
     bench = Bench(llm, args.seconds, args.warmup, args.condition_seconds, args.wall_clock)
     load = os.getloadavg()[0]
-    rows = []
+    rows: list[tuple[str, str, dict[str, Any]]] = []
+    given = parse_static(args.static)
     for workload in args.workloads.split(","):
+        if workload in given:
+            continue
         settings = [f"static {n}" for n in SWEEP[workload]] + ["oom-pressure cap", "autopilot"]
         total = run_seconds(workload, args.seconds, args.warmup)
         for setting in settings:
@@ -248,9 +363,29 @@ def main() -> None:
     clock = "wall" if args.wall_clock else "the engine thread's CPU"
     print(
         f"{os.cpu_count()} CPUs, load average {load:.1f} at the start, "
-        f"{os.getloadavg()[0]:.1f} at the end; {CLIENTS} closed-loop clients; "
+        f"{os.getloadavg()[0]:.1f} after the sweep; {CLIENTS} closed-loop clients; "
         f"seconds are {clock} seconds"
     )
+    if rows:
+        print_sweep(rows)
+    if args.sweep_only:
+        return
+    results = []
+    for workload in args.workloads.split(","):
+        static = given.get(workload) or best_static(rows, workload)
+        if static is None:
+            print(f"{workload}: no static setting ran without preemptions; no rounds")
+            continue
+        results.append(rounds(bench, workload, static, args))
+    print(
+        f"interleaved rounds (static best, autopilot, static best again), {CLIENTS} "
+        f"closed-loop clients, {clock} seconds; load average {load:.1f} at the start, "
+        f"{os.getloadavg()[0]:.1f} at the end"
+    )
+    print_rounds(results, args.target_spread)
+
+
+def print_sweep(rows: list[tuple[str, str, dict[str, Any]]]) -> None:
     print(HEADER)
     best: dict[str, float] = {}
     for workload, setting, row in rows:

@@ -3,7 +3,11 @@
 A fresh machine's on-call engineer runs the shipped oom-pressure runbook,
 with its shipped timings, against an engine in a preemption storm:
 
-    python benchmarks/oom_storm.py
+    python benchmarks/oom_storm.py [--rounds 3]
+
+Each round is a fresh engine and a fresh journal; the last lines give each
+figure's median and spread (lowest-highest round) and the load average at
+the start and the end, the conditions the figures were measured in.
 
 The engine is vLLM's OpenAI server with the plugin: the tiny random-weight
 model, 256 KV blocks of 32 tokens, a token budget of 512 and max_num_seqs 32,
@@ -28,6 +32,7 @@ import itertools
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -198,7 +203,47 @@ def main() -> int:
     parser.add_argument(
         "--storm-seconds", type=float, default=10, help="storm before exec (default 10)"
     )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="storms, each on a fresh engine (default 3)"
+    )
     args = parser.parse_args()
+    load_start = os.getloadavg()[0]
+    figures = []
+    for r in range(args.rounds):
+        print(f"## round {r + 1} of {args.rounds} (load average {os.getloadavg()[0]:.1f})")
+        row = storm(args.storm_seconds)
+        if row is None:
+            return 1
+        figures.append(row)
+        print()
+    summarize(figures, load_start)
+    return 0
+
+
+def summarize(figures: list[dict[str, float]], load_start: float) -> None:
+    """Median and spread (lowest-highest round) of each figure over the rounds."""
+    print(
+        f"over {len(figures)} rounds (load average {load_start:.1f} at the start, "
+        f"{os.getloadavg()[0]:.1f} at the end, {os.cpu_count()} CPUs): median (lowest-highest)"
+    )
+    for key, label in (
+        ("verify_before", "verification before"),
+        ("verify_after", "verification after"),
+        ("tok_s_before", "vLLM generated tokens/s before"),
+        ("tok_s_after", "vLLM generated tokens/s after"),
+        ("exec_seconds", "runbook exec seconds"),
+    ):
+        values = [f[key] for f in figures if f.get(key) is not None]
+        if values:
+            print(
+                f"- {label}: {statistics.median(values):.4g} ({min(values):.4g}-{max(values):.4g})"
+            )
+    improved = sum(1 for f in figures if f.get("improved"))
+    print(f"- verified improved in {improved} of {len(figures)} rounds")
+
+
+def storm(storm_seconds: float) -> dict[str, Any] | None:
+    """One storm on a fresh engine, the runbook run into it; its figures (None: exec failed)."""
     with tempfile.TemporaryDirectory(prefix="oom-storm-") as tmp:
         work = Path(tmp)
         model = create_tiny_model(work / "tiny-llama")
@@ -216,7 +261,7 @@ def main() -> int:
             recorder.thread.start()
             load.start()
             first = wait_for_preemption(agent, 180)
-            time.sleep(args.storm_seconds)
+            time.sleep(storm_seconds)
             # A fresh machine: no journal yet, the default location under XDG_DATA_HOME.
             cli_env = {k: v for k, v in env.items() if k != "RUNBOOK_DB_URL"}
             cli_env["XDG_DATA_HOME"] = str(work / "fresh-data-home")
@@ -233,9 +278,10 @@ def main() -> int:
             load.stop()
         if not proc.stdout.strip():
             print(f"runbook exec exited {proc.returncode}: {proc.stderr.strip()}")
-            return 1
-        report(json.loads(proc.stdout)["execution"], proc, recorder, first, started, ended, load)
-    return 0
+            return None
+        return report(
+            json.loads(proc.stdout)["execution"], proc, recorder, first, started, ended, load
+        )
 
 
 def report(
@@ -246,7 +292,7 @@ def report(
     started: float,
     ended: float,
     load: ClosedLoop,
-) -> None:
+) -> dict[str, Any]:
     v = execution["verification"]
     m = v.get("measurement") or {}
     print(
@@ -287,6 +333,14 @@ def report(
         f"{len(recorder.samples)} times (longest gap {recorder.longest_gap():.1f} s)"
         + (f" (first: {load.errors[0]})" if load.errors else "")
     )
+    return {
+        "verify_before": v.get("before"),
+        "verify_after": v.get("after"),
+        "tok_s_before": before,
+        "tok_s_after": after,
+        "exec_seconds": ended - started,
+        "improved": v.get("outcome") == "improved",
+    }
 
 
 if __name__ == "__main__":

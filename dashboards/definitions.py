@@ -1223,6 +1223,15 @@ def runbook_activity(notes: Q.RuleNotes) -> dict[str, Any]:
                     )
                     .decimals(0)
                     .bars(stacked=True),
+                    Graph("Circuit breaker trips by engine and reason", S.BREAKER_TRIPS.help, 12)
+                    .with_target(
+                        prom(
+                            events(S.BREAKER_TRIPS.series_name, "$__interval", "engine, reason"),
+                            "{{engine}} {{reason}}",
+                        )
+                    )
+                    .decimals(0)
+                    .bars(stacked=True),
                     p.policy_knob(12),
                     p.token_budget_knob(12),
                     p.max_num_seqs_knob(12),

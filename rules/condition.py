@@ -116,7 +116,16 @@ class Fallback:
 
 
 Expr = (
-    Instant | Rate | OverTime | Quantile | TimeSince | Ratio | Difference | Reduce | Offset | Fallback
+    Instant
+    | Rate
+    | OverTime
+    | Quantile
+    | TimeSince
+    | Ratio
+    | Difference
+    | Reduce
+    | Offset
+    | Fallback
 )
 
 

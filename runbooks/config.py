@@ -43,6 +43,14 @@
       body_timeout: 30s                       # and its body within this after the head
       keep_alive: 5s                          # an idle connection is closed after this
       max_connections: 100                    # beyond: 503 (Alertmanager retries)
+    breaker:                                  # the circuit breaker (runbooks/breaker.py)
+      watch: 10m                              # each change is watched this long after it
+      preemption_rate: 0.01                   # trip above 1 % preemptions per finished request
+      error_rate: 0.005                       # trip above 0.5 % errors per finished request
+      p99_sla: 2s                             # trip when the P99 end-to-end latency exceeds it
+      min_finished: 100                       # the rates' denominator is at least this
+      cooldown: 10m                           # no automatic change on a tripped engine meanwhile
+      interval: 5s                            # how often the watched changes are measured
     retention:                                # stored Alertmanager deliveries
       max_age: 7d                             # older ones are deleted
       max_size: 256MiB                        # and the oldest beyond this total
@@ -322,6 +330,30 @@ class DiscoveryConfig(Section):
         return self.prometheus is not None or bool(self.file_sd)
 
 
+class BreakerConfig(Section):
+    """The reports' circuit breaker (runbooks/breaker.py): every change a
+    runbook, the autopilot or another automatic tuner makes is watched for
+    `watch` after it took effect, against absolute limits."""
+
+    enabled: bool = True
+    watch_seconds: PositiveDuration = Field(default=600.0, validation_alias="watch")
+    """How long after a change it is watched."""
+    preemption_rate: Annotated[float, Field(gt=0, le=1)] = 0.01
+    """Preemptions (the engine's OOM answer) per finished request above which it trips."""
+    error_rate: Annotated[float, Field(gt=0, le=1)] = 0.005
+    """Requests finished with an error per finished request above which it trips."""
+    p99_sla_seconds: PositiveDuration | None = Field(default=None, validation_alias="p99_sla")
+    """The P99 end-to-end latency above which it trips (None: no SLA, not judged)."""
+    min_finished: Annotated[int, Field(ge=1, strict=True)] = 100
+    """The rates' denominator is at least this many requests (a storm that
+    finishes nothing still trips; one preemption among the first few
+    requests does not), and the P99 is judged only over this many."""
+    cooldown_seconds: Duration = Field(default=600.0, validation_alias="cooldown")
+    """After a trip, automatic executions on that engine are refused this long."""
+    interval_seconds: PositiveDuration = Field(default=5.0, validation_alias="interval")
+    """How often the watched changes are measured."""
+
+
 class Config(Section):
     """The whole file: the rules layer's sections and the service's."""
 
@@ -339,6 +371,7 @@ class Config(Section):
     page: PageConfig = Field(default_factory=PageConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     retention: RetentionConfig = Field(default_factory=RetentionConfig)
+    breaker: BreakerConfig = Field(default_factory=BreakerConfig)
 
     # The rules section, as the service reads it.
     @property

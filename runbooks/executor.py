@@ -61,6 +61,7 @@ from vllm_runbook.runbooks.engine.sources import (
 from vllm_runbook.runbooks.exit_codes import ExitCode
 from vllm_runbook.runbooks.guardrails import (
     admission,
+    breaker_hold,
     engine_lock,
     format_duration,
     guardrail_refusal,
@@ -142,6 +143,9 @@ class Executor:
     poll_seconds: float = 1.0
     sleep: Callable[[float], None] = time.sleep
     clock: Callable[[], float] = time.monotonic
+    # After the circuit breaker rolled a change back on an engine, automatic
+    # executions there are refused this long (the config's breaker.cooldown).
+    breaker_hold_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         if self.catalog is None:
@@ -435,6 +439,12 @@ class Run:
             return None
         return f"required guard cannot be read on this engine: {'; '.join(unread)}"
 
+    def _breaker_hold(self) -> str | None:
+        """Automatic executions (an alert's, a rule's) wait out the breaker's hold."""
+        if self.store.get_execution(self.id).trigger == "cli":
+            return None
+        return breaker_hold(self.store, self.client.url, self.x.breaker_hold_seconds)
+
     def _dry_run(self) -> ExecutionResult:
         self.store.transition(self.id, ExecutionStatus.RUNNING)
         self.checks()
@@ -474,8 +484,10 @@ class Run:
         self.store.recover_interrupted()
         self.checks()
         with admission(self.store, self.id, self.x.clock):
-            refusal = self._required_guards_refusal() or guardrail_refusal(
-                self.store, self.spec, self.client.url, self.approved
+            refusal = (
+                self._required_guards_refusal()
+                or self._breaker_hold()
+                or guardrail_refusal(self.store, self.spec, self.client.url, self.approved)
             )
             if refusal:
                 raise Abort(ExecutionStatus.REFUSED, ExitCode.USAGE, refusal)

@@ -128,6 +128,25 @@ def admission(store: Journal, execution_id: int, clock: Callable[[], float]) -> 
             store.release_lease(ADMISSION_LEASE, holder)
 
 
+def breaker_hold(store: Journal, engine: str, cooldown_seconds: float) -> str | None:
+    """The circuit breaker's hold (runbooks/breaker.py): after it rolled a
+    change back on `engine`, automatic changes there wait `cooldown_seconds`."""
+    from vllm_runbook.runbooks.breaker import BREAKER_WHO
+
+    if cooldown_seconds <= 0:
+        return None
+    tripped = store.last_started_by(BREAKER_WHO, engine)
+    if tripped is None:
+        return None
+    remaining = (tripped + timedelta(seconds=cooldown_seconds) - utcnow()).total_seconds()
+    if remaining <= 0:
+        return None
+    return (
+        f"circuit breaker hold: it rolled a change back on this engine at {tripped:%H:%M:%SZ}; "
+        f"automatic changes wait {format_duration(max(0, math.ceil(remaining)))} more"
+    )
+
+
 def guardrail_refusal(store: Journal, spec: Runbook, engine: str, approved: bool) -> str | None:
     """The first guardrail that refuses this run now, as one sentence; None if all pass."""
     g = spec.guardrails

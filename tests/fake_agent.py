@@ -221,6 +221,8 @@ class FakeAgent:
     def state(self, since_step: int | None = None) -> AgentState:
         self._check_up()
         values = self._next_stats()
+        # `since_<field>` values script the SettledSince's counters (the breaker's tests).
+        since_values = {k[6:]: values.pop(k) for k in list(values) if k.startswith("since_")}
         self.since_steps.append(since_step)
         since = None
         if since_step is not None:  # the scripted stats stand for what followed the change
@@ -241,7 +243,7 @@ class FakeAgent:
                 error_rate=values.get("error_rate"),
                 p99_latency_seconds=values.get("p99_latency_seconds"),
                 waiting_seconds_p99=None,
-            )
+            ).model_copy(update=since_values)
         return agent_state(self.knobs, values, since, self.step)
 
     def set_knobs(self, clamp: bool = False, dry_run: bool = False, **values: Any) -> ChangeResult:

@@ -45,6 +45,7 @@ from urllib.parse import urlsplit
 import yaml
 from vllm_runbook.rules.config import EngineConfig
 from vllm_runbook.runbooks.config import DiscoveryConfig, PrometheusDiscovery, label_matches
+from vllm_runbook.runbooks.engine.client import normalize_url
 
 log = logging.getLogger("vllm_runbook.service")
 
@@ -276,6 +277,16 @@ class Inventory:
             "no engine in the inventory matches the alert's labels"
             + (f" ({shown})" if shown else " (it carries none of instance, pod, namespace)"),
         )
+
+
+class AgentUrls(Iterable[str]):
+    """The inventory's agent URLs (normalized) each time it is iterated (the breaker's)."""
+
+    def __init__(self, inventory: Inventory) -> None:
+        self.inventory = inventory
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([normalize_url(e.engine.agent) for e in self.inventory.entries()])
 
 
 class ApiUrls(Mapping[str, str]):

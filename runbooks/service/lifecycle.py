@@ -12,6 +12,8 @@ never overlapping itself, missed runs coalesced:
 - the notifications' feed and one delivery per receiver (notify.py);
 - the retention of stored deliveries (service/retention.py);
 - discovery's refresh of the inventory (service/discovery.py), when configured.
+- the circuit breaker (runbooks/breaker.py, service/breaker_job.py), where
+  this replica runs executions.
 
 On shutdown (SIGTERM, SIGINT) the webhook's writer commits what it queued,
 then `stop`: no job starts again; the rules' cycle in flight ends and
@@ -46,6 +48,7 @@ from vllm_runbook.runbooks.store import Journal
 if TYPE_CHECKING:
     from vllm_runbook.runbooks.catalogs import RunbookCatalog
     from vllm_runbook.runbooks.notify import Notifier
+    from vllm_runbook.runbooks.service.breaker_job import BreakerJob
     from vllm_runbook.runbooks.service.discovery import Discovery
 
 log = logging.getLogger("vllm_runbook.service")
@@ -67,6 +70,7 @@ class Service:
     leader: RulesLeader | None = None
     notifier: Notifier | None = None
     discovery: Discovery | None = None
+    breaker: BreakerJob | None = None
     app: FastAPI = field(init=False)
     scheduler: BackgroundScheduler = field(init=False)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
@@ -78,6 +82,7 @@ class Service:
         # retries) never holds another back.
         jobs = 1 + (self.worker is not None) + (self.leader is not None)
         jobs += self.discovery is not None
+        jobs += self.breaker is not None
         jobs += self.notifier.job_count if self.notifier is not None else 0
         self.scheduler = BackgroundScheduler(
             executors={"default": ThreadPoolExecutor(max_workers=jobs)}
@@ -98,6 +103,8 @@ class Service:
         if self.notifier is not None:
             self.notifier.schedule(self.scheduler)
         self.retention.schedule(self.scheduler)
+        if self.breaker is not None:
+            self.breaker.schedule(self.scheduler)
         self.scheduler.start()
 
     def stop(self) -> None:
@@ -115,6 +122,8 @@ class Service:
         if self.notifier is not None:
             self.notifier.stop()
         self.retention.stop()
+        if self.breaker is not None:
+            self.breaker.stop()
         # Close the connections: SQLite folds its write-ahead log into the file.
         self.store.close()
 

@@ -113,6 +113,14 @@ KNOB_CHANGES = _spec(
     "engine",
     "knob",
 )
+BREAKER_TRIPS = _spec(
+    "breaker_trips",
+    "counter",
+    "Changes the circuit breaker rolled back, by engine (inventory name) and reason "
+    "(preemption_rate|error_rate|p99_over_sla).",
+    "engine",
+    "reason",
+)
 
 NOTIFICATIONS = _spec(
     "notifications",
@@ -171,6 +179,7 @@ SERVICE_METRICS: tuple[MetricSpec, ...] = (
     RULES_EVALUATION_INTERVAL,
     INCIDENTS_FIRING,
     KNOB_CHANGES,
+    BREAKER_TRIPS,
     NOTIFICATIONS,
     ALERTS_REJECTED,
     REQUESTS_REFUSED,

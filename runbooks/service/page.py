@@ -27,6 +27,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import FileSystemLoader, StrictUndefined, select_autoescape
 from jinja2.sandbox import SandboxedEnvironment
+from vllm_runbook.runbooks.breaker import BREAKER_WHO
 from vllm_runbook.runbooks.guardrails import format_duration
 from vllm_runbook.runbooks.notify import alert_name
 from vllm_runbook.runbooks.render import TEMPLATES_DIR, format_change, format_value
@@ -79,6 +80,7 @@ def _view(store: Journal, timeout_s: float) -> dict[str, Any]:
     incidents = store.list_incidents(open_only=True)
     pending = store.pending_approvals()
     recent = store.list_executions(limit=RECENT)
+    trips = store.list_executions(who=BREAKER_WHO, limit=RECENT)
     failures = store.notifications([r.id for r in recent], status="failed")
     reverted_by = {r.reverts_id: r.id for r in recent if r.reverts_id is not None}
     now = utcnow()
@@ -102,6 +104,7 @@ def _view(store: Journal, timeout_s: float) -> dict[str, Any]:
             for r in recent
         ],
         "open_alerts": {(i.alert, i.engine) for i in incidents},
+        "trips": trips,
     }
 
 

@@ -85,6 +85,7 @@ def build(
     from vllm_runbook.runbooks.service.app import create_app
     from vllm_runbook.runbooks.service.browser import BrowserPolicy
     from vllm_runbook.runbooks.service.discovery import (
+        AgentUrls,
         ApiUrls,
         Discovery,
         Inventory,
@@ -133,21 +134,36 @@ def build(
     if config.discovery.enabled:
         discovery = Discovery(inventory, sources_from(config.discovery), observer=metrics)
     runner = None
+    breaker = None
     if worker:
+        from vllm_runbook.runbooks.breaker import Breaker
         from vllm_runbook.runbooks.engine.client import EngineClient
         from vllm_runbook.runbooks.executor import Executor
+        from vllm_runbook.runbooks.service.breaker_job import BreakerJob
         from vllm_runbook.runbooks.service.worker import Worker
 
+        executor = Executor(
+            store,
+            runbooks,
+            registry,
+            client_factory=lambda url: EngineClient(url, token=inventory.token(url)),
+            api_urls=ApiUrls(inventory),
+            gone=inventory.gone_reason,
+            breaker_hold_seconds=config.breaker.cooldown_seconds if config.breaker.enabled else 0.0,
+        )
+        if config.breaker.enabled:
+            breaker = BreakerJob(
+                Breaker(
+                    store,
+                    executor,
+                    config.breaker,
+                    engines=AgentUrls(inventory),  # static and discovered, as they are now
+                    on_trip=metrics.breaker_tripped,
+                )
+            )
         runner = Worker(
             store,
-            Executor(
-                store,
-                runbooks,
-                registry,
-                client_factory=lambda url: EngineClient(url, token=inventory.token(url)),
-                api_urls=ApiUrls(inventory),
-                gone=inventory.gone_reason,
-            ),
+            executor,
             waits=config.executor,
             metrics=metrics,
             approval_timeout_s=config.approvals.timeout_seconds,
@@ -195,6 +211,7 @@ def build(
         leader=leader,
         notifier=notifier,
         discovery=discovery,
+        breaker=breaker,
     )
     status = (lambda: {"rules_leader": leader.is_leader}) if leader is not None else None
     service.app = create_app(

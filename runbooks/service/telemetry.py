@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from vllm_runbook.runbooks.breaker import REASONS as BREAKER_REASONS
 from vllm_runbook.runbooks.engine.operations import KNOBS
 from vllm_runbook.runbooks.service import metric_specs as S
 from vllm_runbook.runbooks.service.discovery import SOURCES
@@ -95,6 +96,7 @@ class ServiceMetrics:
         self.rules_evaluation_interval = cast(Gauge, built[S.RULES_EVALUATION_INTERVAL])
         self.incidents_firing = cast(Gauge, built[S.INCIDENTS_FIRING])
         self.knob_changes = cast(Counter, built[S.KNOB_CHANGES])
+        self.breaker_trips = cast(Counter, built[S.BREAKER_TRIPS])
         self.notifications = cast(Counter, built[S.NOTIFICATIONS])
         self.alerts_rejected = cast(Counter, built[S.ALERTS_REJECTED])
         self.requests_refused = cast(Counter, built[S.REQUESTS_REFUSED])
@@ -126,6 +128,8 @@ class ServiceMetrics:
         for name in sorted(set(self.engine_names.values())):
             for knob in KNOBS:
                 self.knob_changes.labels(name, knob)
+            for reason in BREAKER_REASONS:
+                self.breaker_trips.labels(name, reason)
         for url in scrape_targets:
             for reason in SCRAPE_ERROR_REASONS:
                 self.scrape_errors.labels(url, reason)
@@ -177,6 +181,10 @@ class ServiceMetrics:
         self.executions.labels(original.runbook, status).inc()
         knobs = (k for s in revert.steps for k in knob_changes(s))
         self._count_knobs(revert.engine, knobs, 1)
+
+    def breaker_tripped(self, engine_url: str, reason: str) -> None:
+        """The circuit breaker rolled a change back (runbooks/breaker.py)."""
+        self.breaker_trips.labels(self.engine_name(engine_url), reason).inc()
 
     def _count_knobs(self, engine_url: str, knobs: Iterable[str], times: int) -> None:
         name = self.engine_name(engine_url)

@@ -470,12 +470,19 @@ class ExecutionStore(StoreBase):
             return {r.id: ExecutionRecord.from_row(r) for r in s.scalars(query)}
 
     def list_executions(
-        self, engine: str | None = None, *, runbook: str | None = None, limit: int = 50
+        self,
+        engine: str | None = None,
+        *,
+        runbook: str | None = None,
+        who: str | None = None,
+        limit: int = 50,
     ) -> list[ExecutionRecord]:
         """Newest first, with their steps."""
         query = select(Execution).options(selectinload(Execution.steps))
         if engine is not None:
             query = query.where(Execution.engine == engine)
+        if who is not None:
+            query = query.where(Execution.who == who)
         if runbook is not None:
             query = query.where(Execution.runbook == runbook)
         query = query.order_by(Execution.id.desc()).limit(limit)
@@ -564,6 +571,37 @@ class ExecutionStore(StoreBase):
             query = query.where(Execution.engine != other_than)
         with self.session() as s:
             return set(s.scalars(query.distinct()))
+
+    def finished_since(self, since: datetime) -> list[ExecutionRecord]:
+        """Real executions (reverts included) that finished at or after
+        `since`, oldest first: what the circuit breaker may watch
+        (vllm_runbook.runbooks.breaker)."""
+        if since.tzinfo is None:
+            raise ValueError("since must be timezone-aware")
+        query = (
+            select(Execution)
+            .where(
+                Execution.finished_at >= since,
+                Execution.dry_run.is_(False),
+                Execution.started_at.is_not(None),
+            )
+            .options(selectinload(Execution.steps))
+            .order_by(Execution.finished_at, Execution.id)
+        )
+        with self.session() as s:
+            return [ExecutionRecord.from_row(r) for r in s.scalars(query)]
+
+    def last_started_by(self, who: str, engine: str) -> datetime | None:
+        """When the latest execution `who` started on `engine` began (the breaker's hold)."""
+        query = (
+            select(Execution.started_at)
+            .where(Execution.who == who, Execution.engine == engine)
+            .where(Execution.started_at.is_not(None))
+            .order_by(Execution.started_at.desc())
+            .limit(1)
+        )
+        with self.session() as s:
+            return s.scalar(query)
 
     def recover_interrupted(self) -> list[int]:
         """Mark active executions whose process died on this host as failed.

@@ -141,8 +141,9 @@ def test_every_problem_named_with_file_and_line(tmp_path: Path) -> None:
         """,
     )
     assert problems(path) == [
-        f"{path}:1: unknown key databse (allowed: database, engines, discovery, rules, automation, slos, "
-        "webhook, executor, approvals, notifications, page, limits, retention)",
+        f"{path}:1: unknown key databse (allowed: database, engines, discovery, rules, "
+        "automation, slos, webhook, executor, approvals, notifications, page, limits, retention, "
+        "breaker)",
         f"{path}:4: engines[0].agent must be an http(s) URL, got 'localhost:9360'",
         f"{path}:5: engines[1].name 'llama-0' already used at line 3",
         f"{path}:7: engines[1].labels: keys and values must be strings (['instance'])",
@@ -294,8 +295,9 @@ def test_null_values_are_the_defaults(tmp_path: Path) -> None:
     assert load_config(path) == Config()
     path = write(tmp_path, "databse:\nrules: {catalgo: null}\n")
     assert problems(path) == [  # a misspelt key is an error even with no value
-        f"{path}:1: unknown key databse (allowed: database, engines, discovery, rules, automation, slos, "
-        "webhook, executor, approvals, notifications, page, limits, retention)",
+        f"{path}:1: unknown key databse (allowed: database, engines, discovery, rules, "
+        "automation, slos, webhook, executor, approvals, notifications, page, limits, retention, "
+        "breaker)",
         f"{path}:2: unknown key rules.catalgo (allowed: evaluation_interval, leader_lease, "
         "catalog, overrides)",
     ]

@@ -4,6 +4,7 @@ errors answered by one handler."""
 
 from __future__ import annotations
 
+import html
 import logging
 import threading
 import time
@@ -13,7 +14,7 @@ import pytest
 from apscheduler.schedulers.background import BackgroundScheduler
 from fastapi.testclient import TestClient
 from vllm_runbook.runbooks.notify import FEED_JOB_ID
-from vllm_runbook.runbooks.service import retention, worker
+from vllm_runbook.runbooks.service import breaker_job, retention, worker
 from vllm_runbook.runbooks.service.jobs import WakeableJob
 from vllm_runbook.runbooks.service.serve_cli import build
 from vllm_runbook.runbooks.store import StoreUnavailable
@@ -120,6 +121,7 @@ def test_the_lifespan_runs_the_jobs_of_one_scheduler_and_stops_them(tmp_path: Pa
         assert {job.id for job in service.scheduler.get_jobs()} == {
             worker.JOB_ID,
             retention.JOB_ID,
+            breaker_job.JOB_ID,
             FEED_JOB_ID,
             "vllm-runbook-notify-ops",
         }
@@ -171,3 +173,33 @@ def test_a_pass_outlasting_its_interval_is_not_logged_every_interval(
         scheduler.shutdown(wait=True)
     skips = [r.getMessage() for r in caplog.records if "maximum number" in r.getMessage()]
     assert skips and all('job "other (' in m for m in skips)
+
+
+def test_a_breaker_trip_is_on_the_metrics_and_on_the_page(tmp_path: Path) -> None:
+    from vllm_runbook.runbooks.breaker import BREAKER_RUNBOOK, BREAKER_WHO
+
+    service = build(str(config(tmp_path)), None, "127.0.0.1", worker=True, rules=False)
+    assert service.breaker is not None
+    metric = 'vllm_runbook_service_breaker_trips_total{engine="engine-a",reason="%s"} %s'
+    client = TestClient(service.app, base_url="http://127.0.0.1")
+    text = client.get("/metrics", headers=AUTH).text
+    for reason in ("preemption_rate", "error_rate", "p99_over_sla"):
+        assert metric % (reason, "0.0") in text  # from 0: the first trip counts
+    page = client.get("/").text
+    assert "Circuit breaker trips (0)" in page
+    # A trip as the breaker journals one (runbooks/breaker.py) and counts it.
+    store = service.store
+    record, _ = store.create_execution(
+        BREAKER_RUNBOOK, "http://127.0.0.1:9", trigger="rule", who=BREAKER_WHO, reason="why"
+    )
+    why = "circuit breaker: 3 preemptions per 50 finished requests = 6.00% > 1.00%"
+    store.record_verification(
+        record.id,
+        {"signal": "preemption_rate", "before": 0.01, "after": 0.06, "breaker": {"why": why}},
+    )
+    service.metrics.breaker_tripped("http://127.0.0.1:9", "preemption_rate")
+    assert metric % ("preemption_rate", "1.0") in client.get("/metrics", headers=AUTH).text
+    page = client.get("/").text
+    assert "Circuit breaker trips (1)" in page
+    assert f'<tr id="trip-{record.id}">' in page and html.escape(why) in page
+    service.stop()
