@@ -555,9 +555,9 @@ class Run:
         last = self.reader.last_state
         window = None if last is None else last.stats.window_seconds
 
-        def change_time() -> float | None:
+        def change() -> dict[str, Any] | None:
             since = self.reader.last_since
-            return since.from_time if isinstance(since, SettledSince) else None
+            return since.model_dump() if isinstance(since, SettledSince) else None
 
         report = measure(
             lambda step: self.reader.read(since_step=step),
@@ -571,7 +571,7 @@ class Run:
             clock=self.x.clock,
             wait=lambda seconds: self.x.wait(seconds, self.renew),
             poll_s=self.x.poll_seconds,
-            change_time=change_time,
+            change=change,
             settled=lambda: from_step is None or self.reader.settled,
         )
         tripped = report.pop("tripped")

@@ -440,14 +440,23 @@ def test_judge_needs_the_named_effect() -> None:
     ]
     assert [decrease(7, 60), decrease(60, 66), decrease(60, 66.1)] == [WORSE, NO_CHANGE, WORSE]
     assert [decrease(0, 0), decrease(0, 1)] == [NO_CHANGE, WORSE]
-    # latency-spike: the horizon must pass the moment of the switch; standing
-    # still at a value before it is no change, whatever the values' equality.
-    at = 1_700_000_000.0
-    horizon = {"effect": "passes_change_time", "change_time": at}
-    kw: dict[str, Any] = {"improve_by": 0.2, "tolerance": 0.1, **horizon}
-    assert judge(at - 5, at - 5, "increase", **kw) == NO_CHANGE
-    assert judge(at - 5, at - 1, "increase", **kw) == NO_CHANGE
-    assert judge(at - 5, at, "increase", **kw) == IMPROVED
+    # latency-spike: every request starving at the switch scheduled (before: how
+    # many starved then, after: how many of them still wait); never worse.
+    kw: dict[str, Any] = {"improve_by": 0.2, "tolerance": 0.1, "effect": "starving_served"}
+    assert [judge(8, 0, "decrease", **kw), judge(8, 1, "decrease", **kw)] == [IMPROVED, NO_CHANGE]
+    assert [judge(8, 8, "decrease", **kw), judge(0, 0, "decrease", **kw)] == [NO_CHANGE, NO_CHANGE]
+
+
+def test_the_starvation_deadline_follows_the_drain_rate() -> None:
+    from vllm_runbook.runbooks.verification import drain_deadline
+
+    # 8 starving at 0.5 admitted/s: 3 x 16 s; capped by the runbook's deadline.
+    assert drain_deadline(120, 8, 0.5) == 48.0
+    assert drain_deadline(30, 8, 0.5) == 30
+    # A fast engine: at least 10 s; nothing admitted before: the runbook's deadline.
+    assert drain_deadline(120, 8, 100.0) == 10.0
+    assert drain_deadline(120, 8, 0.0) == 120
+    assert drain_deadline(120, 8, None) == 120
 
 
 def test_http_error_rate_from_the_api_servers_metrics_text() -> None:
