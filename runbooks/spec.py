@@ -168,6 +168,11 @@ class Runbook(_Strict):
     description: str
     triggers: tuple[str, ...] = ()
     checks: tuple[Check, ...] = ()
+    # The condition the runbook fixes, read with the checks: unless every one
+    # holds, the run is refused before any change with "nothing to improve"
+    # (no failure: the trigger fired, but what it reported is gone or below
+    # the threshold now). A run whose steps would change nothing is refused so too.
+    acts_only_if: tuple[Condition, ...] = ()
     steps: Annotated[tuple[StepSpec, ...], Field(min_length=1)]
     verification: Verification | None = None
     revert: RevertPolicy = RevertPolicy()
@@ -184,6 +189,13 @@ class Runbook(_Strict):
                 if alert not in alerts:
                     raise ValueError(f"unknown alert {alert!r}")
         return triggers
+
+    @field_validator("acts_only_if")
+    @classmethod
+    def _read_now(cls, conditions: tuple[Condition, ...]) -> tuple[Condition, ...]:
+        if any(c.after_seconds for c in conditions):
+            raise ValueError("acts_only_if is read with the checks: no after_seconds")
+        return conditions
 
     @field_validator("checks")
     @classmethod

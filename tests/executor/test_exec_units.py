@@ -480,3 +480,63 @@ def test_http_error_rate_from_the_api_servers_metrics_text() -> None:
         {"http_error_rate": None},
         {"http_error_rate": "the API server's /metrics has no http_requests_total"},
     )
+
+
+def test_nothing_to_improve_is_refused_before_any_change_and_is_no_failure(
+    make: Any, store: Journal
+) -> None:
+    from vllm_runbook.runbooks.notify import message
+
+    # oom-pressure on an engine that preempts nothing: the trigger fired, the
+    # condition is gone by the checks.
+    calm = {**PRESSURE, "preemptions_per_minute": 0.0}
+    executor, agent = make(FakeAgent([calm]))
+    result = executor.execute("oom-pressure", URL, approved=True, condition_seconds=0)
+    record = result.record
+    assert (result.exit_code, record.status, record.display_status) == (
+        0,
+        "refused",
+        "nothing to improve",
+    )
+    assert (
+        record.reason
+        == result.message
+        == (
+            "nothing to improve: preemptions_per_minute = 0, "
+            "the runbook acts only if preemptions_per_minute > 0"
+        )
+    )
+    assert (record.steps, record.error, record.verification, agent.writes) == ((), None, None, [])
+    assert record.checks["preemption_rate"]["value"] == 0.0
+    # Notified as such: its one event, and the text's first line.
+    assert [e.event for e in store.events_of_execution(record.id)] == ["nothing to improve"]
+    text = message(record, "nothing to improve")
+    assert (
+        text.splitlines()[0]
+        == f"[NOTHING TO IMPROVE] oom-pressure on {URL} (execution #{record.id})"
+    )
+    assert "Reason: nothing to improve: preemptions_per_minute = 0" in text
+    # It counts for no guardrail: a run right after it is not in a cooldown.
+    executor_2, agent_2 = make(FakeAgent([PRESSURE, PRESSURE, PRESSURE, calm]))
+    again = executor_2.execute("oom-pressure", URL, approved=True, condition_seconds=0)
+    assert again.record.status != "refused" and agent_2.writes
+
+
+def test_a_run_whose_steps_would_change_nothing_has_nothing_to_improve(make: Any) -> None:
+    executor, agent = make(FakeAgent([PRESSURE]))
+    result = executor.execute("restore", URL, approved=True)
+    assert (result.exit_code, result.record.display_status, agent.writes) == (
+        0,
+        "nothing to improve",
+        [],
+    )
+    assert result.record.reason == (
+        "nothing to improve: every step would change nothing "
+        "(restore_knobs: every knob is at its startup value)"
+    )
+    # A dry run says so too, and a knob away from its startup value is restored.
+    dry = executor.execute("restore", URL, dry_run=True)
+    assert "a real run would be refused now: nothing to improve" in dry.warnings[0]
+    agent.knobs["policy"] = "fcfs"
+    done = executor.execute("restore", URL, approved=True)
+    assert (done.record.status, agent.writes) == ("succeeded", [dict(STARTUP)]), done.record.reason
