@@ -81,7 +81,7 @@ def guard_worse(signal: str, before: Any, after: Any, tolerance: float) -> bool:
 def needed_text(signal: str, v: Any) -> str:
     """What "improved" means for this verification, in words."""
     if v.effect == "starving_served":
-        return "every request starving at the change scheduled (0 of them still waiting)"
+        return f"{signal} = 0 (every request starving at the change scheduled)"
     if v.direction == "decrease":
         return f"{signal} ≤ {1 - v.improve_by:.0%} of before"
     return f"{signal} ≥ {1 + v.improve_by:.0%} of before"
