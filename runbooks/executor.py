@@ -604,7 +604,7 @@ class Run:
         last = self.reader.last_state
         window = None if last is None else last.stats.window_seconds
 
-        def change() -> dict[str, Any] | None:
+        def change_facts() -> dict[str, Any] | None:
             since = self.reader.last_since
             return since.model_dump() if isinstance(since, SettledSince) else None
 
@@ -620,7 +620,7 @@ class Run:
             clock=self.x.clock,
             wait=lambda seconds: self.x.wait(seconds, self.renew),
             poll_s=self.x.poll_seconds,
-            change=change,
+            change=change_facts,
             settled=lambda: from_step is None or self.reader.settled,
         )
         tripped = report.pop("tripped")
