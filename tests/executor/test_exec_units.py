@@ -338,7 +338,8 @@ def test_dry_run_changes_nothing_and_plans_every_step(make: Any) -> None:
     assert [(s.action, s.status, s.after) for s in result.record.steps] == [
         ("scale_max_num_batched_tokens", "planned", {"max_num_batched_tokens": 256}),
         ("set_max_num_seqs", "planned", {"max_num_seqs": 12}),
-        ("set_autopilot", "planned", {"autopilot": True}),
+        # max_num_seqs journaled with the hand-over: a revert puts it back there.
+        ("set_autopilot", "planned", {"autopilot": True, "max_num_seqs": 32}),
     ]
 
 
