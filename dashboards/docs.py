@@ -256,8 +256,9 @@ def _verdict(runbook: Runbook) -> tuple[str, str, str, str]:
         f"within {_percent(v.tolerance)} of before or short of improved: failed, the change kept",
         f"beyond {_percent(v.tolerance)} of before the wrong way: rolled back" + guard_text,
         (
-            f"{v.deadline_seconds} s; a windowed reading over the collector's window after "
-            "the change took effect (at most the deadline)"
+            f"{v.deadline_seconds} s; measured over the collector's window from the step "
+            "the change took effect; while that reads no measurable change, on to the "
+            "deadline (a longer period of the same rate)"
             if windowed
             else f"{v.deadline_seconds} s; ends as soon as improved"
         ),

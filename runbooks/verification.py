@@ -87,6 +87,29 @@ def needed_text(signal: str, v: Any) -> str:
     return f"{signal} ≥ {1 + v.improve_by:.0%} of before"
 
 
+def _inconclusive(
+    v: Any,
+    before: Any,
+    signals: Mapping[str, Any],
+    baseline: Mapping[str, Any],
+) -> bool:
+    """No measurable change in the signal (both read) and no guard worse yet."""
+    after = signals.get(v.signal)
+    if before is None or after is None:
+        return False
+    outcome = judge(
+        before, after, v.direction, improve_by=v.improve_by, tolerance=v.tolerance, effect=v.effect
+    )
+    if outcome != NO_CHANGE:
+        return False
+    return not any(
+        baseline.get(g) is not None
+        and signals.get(g) is not None
+        and guard_worse(g, baseline[g], signals[g], v.tolerance)
+        for g in v.rollback_if_worse
+    )
+
+
 def measure(
     read: Callable[[int | None], dict[str, Any]],
     unavailable: Callable[[], Mapping[str, str]],
@@ -165,11 +188,27 @@ def measure(
             )
             == IMPROVED
         )
-        if early or (in_effect_at is not None and elapsed >= period):
+        if early:
             break
+        if in_effect_at is not None and elapsed >= period:
+            # A windowed rate that reads "no measurable change" after a window's
+            # length goes on being measured, to the deadline: a longer period of
+            # the same rate (a few events in one window are noise), ended as soon
+            # as it is improved or something got worse.
+            if not (
+                windowed
+                and now - start < deadline_s
+                and _inconclusive(v, before, signals, baseline)
+            ):
+                break
+            report["measured_past_the_window"] = True
         if now - start >= deadline_s:
             break
-        left = period - elapsed if in_effect_at is not None else deadline_s - (now - start)
+        left = (
+            max(period - elapsed, poll_s)
+            if in_effect_at is not None
+            else deadline_s - (now - start)
+        )
         wait(min(poll_s, max(0.0, left)))
     report["measured_seconds"] = clock() - (in_effect_at if in_effect_at is not None else start)
     after_unavailable = dict(unavailable())

@@ -541,3 +541,52 @@ def test_a_run_whose_steps_would_change_nothing_has_nothing_to_improve(make: Any
     agent.knobs["policy"] = "fcfs"
     done = executor.execute("restore", URL, approved=True)
     assert (done.record.status, agent.writes) == ("succeeded", [dict(STARTUP)]), done.record.reason
+
+
+def test_a_windowed_rate_with_no_measurable_change_is_measured_on_to_the_deadline() -> None:
+    from vllm_runbook.runbooks.verification import measure
+
+    v = runbook().verification
+    assert v is not None
+    v = v.model_copy(update={"rollback_if_worse": ()})
+    now = [0.0]
+
+    def run(afters: list[float], deadline_s: float) -> dict[str, Any]:
+        now[0] = 0.0
+        readings = iter(afters)
+        last = [afters[0]]
+
+        def read(step: int | None) -> dict[str, Any]:
+            last[0] = next(readings, last[0])
+            return {"preemptions_per_minute": last[0]}
+
+        return measure(
+            read,
+            dict,
+            v,
+            {"preemptions_per_minute": 4.0},
+            {},
+            7,
+            deadline_s=deadline_s,
+            window_s=3.0,
+            clock=lambda: now[0],
+            wait=lambda s: now.__setitem__(0, now[0] + s),
+            poll_s=1.0,
+            change=lambda: None,
+        )
+
+    # One window reads 4 → 3.9 (one event each side: noise); the rate over the
+    # longer period falls to 3 (≤ 80 % of before): improved before the deadline.
+    longer = run([3.9, 3.9, 3.9, 3.9, 3.0, 2.0], deadline_s=40)
+    assert (longer["outcome"], longer["after"], longer["measured_past_the_window"]) == (
+        "improved",
+        3.0,
+        True,
+    )
+    assert longer["polls"] == 5
+    # A rate that stays is no measurable change, at the deadline.
+    flat = run([3.9] * 100, deadline_s=10)
+    assert (flat["outcome"], flat["polls"]) == ("no measurable change", 11)
+    # Worse at the window's end is not measured on.
+    worse = run([9.0] * 100, deadline_s=40)
+    assert (worse["outcome"], worse["polls"]) == ("worse", 4)
