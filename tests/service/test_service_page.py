@@ -5,8 +5,9 @@ an Alertmanager delivery that leaves the execution awaiting approval. The page
 shows it; a click on Approve makes the service run it on the engine, which
 preempts nothing: the run is refused before any change with "nothing to
 improve" (no failure); the page then shows that as the journal has it, and
-the configured webhook receiver got every event of it (the service's notifier). Screenshots go to artifacts/oncall-page/ (the docs'
-images are copies of these)."""
+the configured webhook receiver got every event of it (the service's
+notifier). Screenshots go to artifacts/oncall-page/ (the docs' images are
+copies of these)."""
 
 from __future__ import annotations
 
