@@ -331,6 +331,11 @@ class Stats(_Answer):
     """Preemptions over the trailing window, per minute."""
     admitted_before_time: float
     """Unix time before which every request the engine received was scheduled at least once."""
+    starving_waiting: int = 0
+    """Requests waiting for their first schedule, the oldest 8 at most (what a change
+    marks as starving)."""
+    admitted_per_second: float | None = None
+    """Requests scheduled for the first time per second over the window."""
     window_seconds: float
     """The trailing window of the windowed values (VLLM_RUNBOOK_WINDOW_SECONDS)."""
     requests_finished: Count
@@ -409,6 +414,17 @@ class SettledSince(_Since):
     error_rate: float | None
     p99_latency_seconds: float | None
     waiting_seconds_p99: float | None
+    starving_at_change: int = 0
+    """The oldest requests (at most 8) waiting for their first schedule when the
+    change took effect: the starving ones a starvation fix is for."""
+    starving_oldest_seconds: float = 0.0
+    """How long the oldest of them had waited then."""
+    starving_waiting: int = 0
+    """How many of them still wait for their first schedule."""
+    admitted: int = 0
+    """Requests scheduled for the first time since."""
+    admitted_per_second_before: float | None = None
+    """Requests scheduled for the first time per second over the window before the change."""
 
 
 Since = SettledSince | DrainingSince

@@ -69,7 +69,9 @@ class EngineCollector:
         self.requests = RequestTracker(
             scheduler, self.stats, settings.tiers.tier_of, self._wall_clock
         )
-        self.changes = ChangeTracker(scheduler, self.stats, self.requests, self._wall_clock)
+        self.changes = ChangeTracker(
+            scheduler, self.stats, self.requests, self._wall_clock, settings.window_seconds
+        )
         self.autopilot = Autopilot(settings.autopilot_target)
         arrived = self.requests.arrived
         self.control = EngineControl(

@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 # Enough for minutes of a busy engine; the oldest entries fall off.
 LOG_LENGTH: Final = 65_536
 MARKS_KEPT: Final = 64
+# A change's "starving" requests: the oldest this many waiting for their first
+# schedule when it took effect (what a starvation fix is for).
+STARVING_WATCHED: Final = 8
 FINISH_REASONS: Final = ("stop", "length", "abort", "error", "repetition")
 
 
@@ -71,6 +74,13 @@ class Mark:
     prefix_hits: int
     applied_step: int = 0  # the first step scheduled with the change (the key)
     settled: bool = True
+    # The oldest requests waiting for their first schedule at that moment (ids),
+    # and how long the oldest of them had waited.
+    starving: tuple[str, ...] = ()
+    starving_oldest_seconds: float = 0.0
+    # Requests first scheduled until then, and per second over the window before.
+    first_schedules: int = 0
+    admitted_per_second: float | None = None
 
 
 def percentile(values: Iterable[float], q: float) -> float | None:
@@ -230,6 +240,9 @@ class RequestTracker:
         self.oldest_waiting_since: float | None = None  # when the head reached the engine
         self._horizon_lock = threading.Lock()
         self._horizon_floor = 0.0
+        # Requests scheduled for the first time, and when (the drain rate).
+        self.first_schedules = 0
+        self._first_schedule_times: deque[float] = deque(maxlen=LOG_LENGTH)
         # Per tier: seconds from arrival in the engine to the first schedule.
         self.tier_queue_histograms = tuple(Histogram(M.REQUEST_SECONDS_BUCKETS) for _ in M.TIERS)
 
@@ -276,6 +289,8 @@ class RequestTracker:
             for new in output.scheduled_new_reqs:
                 since = arrived.get(new.req_id)
                 if since is not None and new.req_id not in queued:
+                    self.first_schedules += 1
+                    self._first_schedule_times.append(now)
                     seconds = queued[new.req_id] = max(0.0, now - since)
                     request = requests.get(new.req_id)
                     if request is not None:
@@ -322,6 +337,36 @@ class RequestTracker:
             horizon = max(self._horizon_floor, now if since is None else since)
             self._horizon_floor = horizon
         return age, horizon
+
+    def oldest_waiting(self, n: int = STARVING_WATCHED) -> list[tuple[str, float]]:
+        """The `n` requests waiting longest for their first schedule: (id, arrival
+        in the engine), oldest first. Any thread (a copy of the queue is walked)."""
+        requests, first_wait = self.scheduler.requests, self.first_wait
+        oldest: list[tuple[str, float]] = []
+        for request_id, since in list(self._never_scheduled):
+            request = requests.get(request_id)
+            if request is not None and request.status in first_wait:
+                oldest.append((request_id, since))
+                if len(oldest) >= n:
+                    break
+        return oldest
+
+    def still_waiting(self, request_ids: Iterable[str]) -> int:
+        """How many of `request_ids` still wait for their first schedule."""
+        requests, first_wait = self.scheduler.requests, self.first_wait
+        return sum(
+            1
+            for rid in request_ids
+            if (r := requests.get(rid)) is not None and r.status in first_wait
+        )
+
+    def admitted_per_second(self, window_seconds: float) -> float | None:
+        """Requests scheduled for the first time per second over the trailing window."""
+        if window_seconds <= 0:
+            return None
+        times = list(self._first_schedule_times)
+        start = self.clock() - window_seconds
+        return (len(times) - bisect.bisect_left(times, start)) / window_seconds
 
     def window_summary(self, window_seconds: float) -> dict[str, Any]:
         """Request outcomes over the trailing window (see `summarize`)."""
@@ -386,11 +431,13 @@ class ChangeTracker:
         stats: StepStats,
         requests: RequestTracker,
         clock: Callable[[], float] = time.time,
+        window_seconds: float = 60.0,
     ) -> None:
         self.scheduler = scheduler
         self.stats = stats
         self.requests = requests
         self.clock = clock
+        self.window_seconds = window_seconds
         self.marks = ChangeMarks()
         # The applied step of a lower admission limit still draining, if any.
         self.settling: int | None = None
@@ -410,10 +457,12 @@ class ChangeTracker:
             self.settling = None
 
     def _mark(self, applied_step: int, settled: bool) -> Mark:
-        stats = self.stats
+        stats, requests = self.stats, self.requests
+        now = self.clock()
+        starving = requests.oldest_waiting()
         return Mark(
             step=stats.steps + 1,
-            time=self.clock(),
+            time=now,
             steps=stats.steps,
             preemptions=stats.preemptions,
             scheduled_tokens=stats.scheduled_tokens,
@@ -421,6 +470,10 @@ class ChangeTracker:
             prefix_hits=stats.prefix_hits,
             applied_step=applied_step,
             settled=settled,
+            starving=tuple(rid for rid, _ in starving),
+            starving_oldest_seconds=max(0.0, now - starving[0][1]) if starving else 0.0,
+            first_schedules=requests.first_schedules,
+            admitted_per_second=requests.admitted_per_second(self.window_seconds),
         )
 
     def since(self, step: int) -> SettledSince | DrainingSince | None:
@@ -455,5 +508,10 @@ class ChangeTracker:
             scheduled_tokens=scheduled,
             throughput_tokens_per_second=scheduled / seconds if seconds > 0 else None,
             kv_hit_ratio=hits / queries if queries else None,
+            starving_at_change=len(mark.starving),
+            starving_oldest_seconds=mark.starving_oldest_seconds,
+            starving_waiting=self.requests.still_waiting(mark.starving),
+            admitted=self.requests.first_schedules - mark.first_schedules,
+            admitted_per_second_before=mark.admitted_per_second,
             **summarize(self.requests.log.since_step(mark.step)),
         )

@@ -76,6 +76,8 @@ def build_state(c: EngineCollector, since_step: int | None = None) -> AgentState
     stats = stats_values(c.state_samples())
     stats["preemptions_per_minute"] = c.stats.preemptions_per_minute()
     stats["admitted_before_time"] = c.requests.waiting_horizon()[1]
+    stats["starving_waiting"] = len(c.requests.oldest_waiting())
+    stats["admitted_per_second"] = c.requests.admitted_per_second(window)
     stats.update(c.requests.window_summary(window))
     stats["window_seconds"] = window
     stats["requests_finished_by_reason_total"] = dict(c.requests.log.by_reason)

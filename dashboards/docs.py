@@ -47,7 +47,7 @@ from vllm_runbook.rules.signals import RENAMED, SIGNALS
 from vllm_runbook.runbooks.engine.actions import ActionRegistry, catalog_registry
 from vllm_runbook.runbooks.exit_codes import ExitCode
 from vllm_runbook.runbooks.service import metric_specs
-from vllm_runbook.runbooks.spec import Runbook
+from vllm_runbook.runbooks.spec import Runbook, StepSpec
 from vllm_runbook.runbooks.spec import load_catalog as load_runbook_catalog
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -262,6 +262,88 @@ def gen_runbooks() -> str:
     return "\n".join(rows) + "\n"
 
 
+def _mutating_steps(runbook: Runbook) -> list[StepSpec]:
+    registry = catalog_registry()
+    return [s for s in runbook.steps if s.action in registry and registry.get(s.action).mutating]
+
+
+def _nothing_to_improve(runbook: Runbook) -> str:
+    parts = [
+        f"`{c.signal}` {'≤' if c.above is not None else '≥'} "
+        f"{_number(c.above if c.above is not None else c.below)}"
+        for c in runbook.acts_only_if
+    ]
+    mutating = _mutating_steps(runbook)
+    if mutating and all(s.when is None for s in mutating):
+        parts.append("every step would change nothing")
+    return " or ".join(parts) if parts else "—"
+
+
+def _verdict(runbook: Runbook) -> tuple[str, str, str, str]:
+    """(improved, no measurable change, worse, deadline) in words."""
+    from vllm_runbook.runbooks.engine.sources import WINDOWED
+    from vllm_runbook.runbooks.verification import DRAIN_MIN_S, DRAIN_SLACK, needed_text
+
+    v = runbook.verification
+    mutating = bool(_mutating_steps(runbook))
+    if v is None:
+        return "no verification: succeeded once the steps applied", "—", "—", "—"
+    if not mutating:
+        return (
+            "not judged: the steps change no knob, so there is no change to verify "
+            "(succeeded once they ran)",
+            "—",
+            "—",
+            "—",
+        )
+    guards = ", ".join(f"`{g}`" for g in v.rollback_if_worse)
+    guard_text = f"; or a guard ({guards}) got worse: rolled back" if guards else ""
+    if v.effect == "starving_served":
+        return (
+            needed_text(f"`{v.signal}`", v),
+            "some of them still wait at the deadline: failed, the change kept",
+            "never (a request once scheduled stays scheduled)" + guard_text,
+            f"{DRAIN_SLACK:g}x the time the engine took before the change to admit as many "
+            f"requests as starved, at least {DRAIN_MIN_S:g} s, at most {v.deadline_seconds} s; "
+            "ends as soon as improved",
+        )
+    windowed = v.signal in WINDOWED or any(g in WINDOWED for g in v.rollback_if_worse)
+    return (
+        needed_text(f"`{v.signal}`", v),
+        f"within {_percent(v.tolerance)} of before or short of improved: failed, the change kept",
+        f"beyond {_percent(v.tolerance)} of before the wrong way: rolled back" + guard_text,
+        (
+            f"{v.deadline_seconds} s; measured over the collector's window from the step "
+            "the change took effect; while that reads no measurable change, on to the "
+            "deadline (a longer period of the same rate)"
+            if windowed
+            else f"{v.deadline_seconds} s; ends as soon as improved"
+        ),
+    )
+
+
+def gen_verdicts() -> str:
+    """Each runbook that changes an engine: when it refuses (nothing to improve) and
+    how its verification judges the change."""
+    catalog = load_runbook_catalog()
+    rows = [
+        "| runbook | nothing to improve (refused before any change) if | improved | "
+        "no measurable change | worse | deadline | then |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, runbook in catalog.items():
+        if not _mutating_steps(runbook) and runbook.verification is None:
+            continue  # diagnose only
+        improved, same, worse, deadline = _verdict(runbook)
+        then = _revert(runbook)
+        then = "reverted " + then if then != "—" else "kept"
+        rows.append(
+            f"| `{name}` | {_cell(_nothing_to_improve(runbook))} | {_cell(improved)} "
+            f"| {_cell(same)} | {_cell(worse)} | {_cell(deadline)} | {then} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
 @contextlib.contextmanager
 def _help_width() -> Iterator[None]:
     before = os.environ.get("COLUMNS")
@@ -434,6 +516,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "without-plugin": gen_without_plugin,
     "stand-ins": gen_stand_ins,
     "runbooks": gen_runbooks,
+    "verdicts": gen_verdicts,
     "actions": gen_actions,
     "signals": gen_signals,
     "signal-renames": gen_signal_renames,

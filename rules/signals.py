@@ -283,6 +283,14 @@ _BASE: tuple[Signal, ...] = (
         "never decreases, stands still while a request starves",
         _LATEST,
     ),
+    _runbooks_only(
+        "starving_waiting",
+        "requests",
+        "the requests starving: the oldest waiting for their first schedule (8 at most); "
+        "after a change, how many of those starving when it took effect still wait",
+        Reading(AGENT, "latest step before; the change's starving requests after"),
+        higher_is_worse=True,
+    ),
     _collector(
         "tier_requests_waiting",
         M.TIER_REQUESTS_WAITING,

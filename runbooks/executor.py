@@ -79,6 +79,7 @@ from vllm_runbook.runbooks.revert import Revert, RevertRefused, restore_targets,
 from vllm_runbook.runbooks.spec import Catalog, Condition, Runbook, StepSpec, load_catalog
 from vllm_runbook.runbooks.store import Journal, StepRecord
 from vllm_runbook.runbooks.store.models import (
+    NOTHING_TO_IMPROVE,
     STEP_APPLIED,
     STEP_APPLYING,
     STEP_FAILED,
@@ -445,9 +446,54 @@ class Run:
             return None
         return breaker_hold(self.store, self.client.url, self.x.breaker_hold_seconds)
 
+    def _nothing_to_improve(self) -> str | None:
+        """Why there is nothing to fix now (before any change), or None.
+
+        The runbook's `acts_only_if` conditions on the checks' reading (an
+        unreadable signal cannot show the condition either); then, for a
+        runbook whose mutating steps are all unconditional, whether every one
+        of them would change nothing (asked as a dry run)."""
+        for when in self.spec.acts_only_if:
+            value = self.baseline.get(when.signal)
+            if value is None:
+                why = self.baseline_unavailable.get(when.signal, "not read")
+                return f"{NOTHING_TO_IMPROVE}: {when.signal} cannot be read ({why})"
+            if not _holds(when, value):
+                return (
+                    f"{NOTHING_TO_IMPROVE}: {when.signal} = {format_signal(when.signal, value)}, "
+                    f"the runbook acts only if {describe_condition(when)}"
+                )
+        mutating = [
+            s
+            for s in self.spec.steps
+            if s.action in self.x.registry and self.x.registry.get(s.action).mutating
+        ]
+        if not mutating or any(s.when is not None for s in mutating):
+            return None
+        notes = []
+        probe = Run(self.x, self.spec, self.client, self.id, dry_run=True, approved=False)
+        for step in mutating:
+            # On the checks' reading: what each step would do to the engine as it was.
+            try:
+                outcome = probe._call(step, {}, state=self.reader.last_state)
+            except (EngineClientError, ActionError):
+                return None  # the run itself meets (and journals) what the probe met
+            if outcome.skipped is None and outcome.before != outcome.after:
+                return None
+            notes.append(f"{step.action}: {outcome.skipped or 'already so'}")
+        return f"{NOTHING_TO_IMPROVE}: every step would change nothing ({'; '.join(notes)})"
+
     def _dry_run(self) -> ExecutionResult:
         self.store.transition(self.id, ExecutionStatus.RUNNING)
         self.checks()
+        # The breaker's hold first: while it holds, automatic runs are refused
+        # whatever the engine shows (the on-call should see why nothing acts).
+        hold = self._breaker_hold()
+        if hold:
+            raise Abort(ExecutionStatus.REFUSED, ExitCode.USAGE, hold)
+        nothing = self._nothing_to_improve()
+        if nothing:
+            self.warnings.append(f"a real run would be refused now: {nothing}")
         refusal = guardrail_refusal(self.store, self.spec, self.client.url, approved=True)
         if refusal:
             self.warnings.append(f"a real run would be refused now: {refusal}")
@@ -483,11 +529,18 @@ class Run:
         # it neither blocks the blast radius nor looks alive in the journal.
         self.store.recover_interrupted()
         self.checks()
+        # The breaker's hold first: while it holds, automatic runs are refused
+        # whatever the engine shows (the on-call should see why nothing acts).
+        hold = self._breaker_hold()
+        if hold:
+            raise Abort(ExecutionStatus.REFUSED, ExitCode.USAGE, hold)
+        nothing = self._nothing_to_improve()
+        if nothing:
+            # Not a failure: refused before any change, counts for no guardrail.
+            raise Abort(ExecutionStatus.REFUSED, ExitCode.OK, nothing)
         with admission(self.store, self.id, self.x.clock):
-            refusal = (
-                self._required_guards_refusal()
-                or self._breaker_hold()
-                or guardrail_refusal(self.store, self.spec, self.client.url, self.approved)
+            refusal = self._required_guards_refusal() or guardrail_refusal(
+                self.store, self.spec, self.client.url, self.approved
             )
             if refusal:
                 raise Abort(ExecutionStatus.REFUSED, ExitCode.USAGE, refusal)
@@ -517,10 +570,14 @@ class Run:
         return True
 
     def _call(
-        self, step: StepSpec, details: dict[str, Any], started: list[StepRecord] | None = None
+        self,
+        step: StepSpec,
+        details: dict[str, Any],
+        started: list[StepRecord] | None = None,
+        state: AgentState | None = None,
     ) -> ActionOutcome:
-        """Run one action on a fresh state; `started` receives its journal row."""
-        state = self.client.state()
+        """Run one action on a fresh state (or `state`); `started` receives its journal row."""
+        state = state if state is not None else self.client.state()
         rows = started if started is not None else []
 
         def begin(before: dict[str, Any], resolved: dict[str, Any]) -> None:
@@ -601,9 +658,9 @@ class Run:
         last = self.reader.last_state
         window = None if last is None else last.stats.window_seconds
 
-        def change_time() -> float | None:
+        def change_facts() -> dict[str, Any] | None:
             since = self.reader.last_since
-            return since.from_time if isinstance(since, SettledSince) else None
+            return since.model_dump() if isinstance(since, SettledSince) else None
 
         report = measure(
             lambda step: self.reader.read(since_step=step),
@@ -617,7 +674,7 @@ class Run:
             clock=self.x.clock,
             wait=lambda seconds: self.x.wait(seconds, self.renew),
             poll_s=self.x.poll_seconds,
-            change_time=change_time,
+            change=change_facts,
             settled=lambda: from_step is None or self.reader.settled,
         )
         tripped = report.pop("tripped")

@@ -7,8 +7,8 @@
 Events are not pushed by the executor: every transaction that changes an
 execution appends the events it implies to the store's events table, in the
 same commit (store/events.py): awaiting approval, started, then succeeded |
-no measurable change | failed | rolled back | refused | interrupted, and
-reverted. So every path that writes the journal (the webhook, the worker,
+no measurable change | failed | rolled back | refused | nothing to improve |
+interrupted, and reverted. So every path that writes the journal (the webhook, the worker,
 `runbook exec`, `runbook approve` on another machine, a crashed run settled
 later) notifies, and the executor is never blocked or even aware of it.
 

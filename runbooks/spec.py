@@ -99,15 +99,20 @@ class Verification(_Strict):
     `improve_by` of its before-value the expected way (0.8 with `decrease`:
     after <= 20 % of before); a move within `tolerance` of before is "no
     measurable change"; beyond it the wrong way, "worse".
-    `effect: passes_change_time` (for `admitted_before_time`): "improved"
-    once the signal has passed the moment the change was applied (every
-    request waiting at the switch has been scheduled).
+    `effect: starving_served` (for `starving_waiting`): the requests that
+    were starving when the change took effect (the oldest waiting for their
+    first schedule, 8 at most) are what the fix is for: "improved" once every
+    one of them has been scheduled; "no measurable change" when some still
+    wait at the deadline, which is derived from the engine's drain rate
+    before the change (3x the time it takes to admit that many requests, at
+    least 10 s, at most `deadline_seconds`). Never "worse": a request once
+    scheduled stays scheduled.
     """
 
     signal: str
     direction: Literal["decrease", "increase"]
     deadline_seconds: Annotated[int, Field(gt=0)]
-    effect: Literal["relative", "passes_change_time"] = "relative"
+    effect: Literal["relative", "starving_served"] = "relative"
     improve_by: Annotated[float, Field(gt=0, le=1)] = 0.2
     tolerance: Annotated[float, Field(ge=0, lt=1)] = 0.1
     # Circuit breaker: if any of these got worse after acting, roll back.
@@ -128,8 +133,8 @@ class Verification(_Strict):
         extra = [g for g in self.required_guards if g not in self.rollback_if_worse]
         if extra:
             raise ValueError(f"required_guards not in rollback_if_worse: {', '.join(extra)}")
-        if self.effect == "passes_change_time" and self.direction != "increase":
-            raise ValueError("effect passes_change_time needs direction increase")
+        if self.effect == "starving_served" and self.direction != "decrease":
+            raise ValueError("effect starving_served needs direction decrease")
         return self
 
 
@@ -163,6 +168,11 @@ class Runbook(_Strict):
     description: str
     triggers: tuple[str, ...] = ()
     checks: tuple[Check, ...] = ()
+    # The condition the runbook fixes, read with the checks: unless every one
+    # holds, the run is refused before any change with "nothing to improve"
+    # (no failure: the trigger fired, but what it reported is gone or below
+    # the threshold now). A run whose steps would change nothing is refused so too.
+    acts_only_if: tuple[Condition, ...] = ()
     steps: Annotated[tuple[StepSpec, ...], Field(min_length=1)]
     verification: Verification | None = None
     revert: RevertPolicy = RevertPolicy()
@@ -179,6 +189,13 @@ class Runbook(_Strict):
                 if alert not in alerts:
                     raise ValueError(f"unknown alert {alert!r}")
         return triggers
+
+    @field_validator("acts_only_if")
+    @classmethod
+    def _read_now(cls, conditions: tuple[Condition, ...]) -> tuple[Condition, ...]:
+        if any(c.after_seconds for c in conditions):
+            raise ValueError("acts_only_if is read with the checks: no after_seconds")
+        return conditions
 
     @field_validator("checks")
     @classmethod

@@ -25,6 +25,12 @@ IMPROVED: Final = "improved"
 NO_CHANGE: Final = "no measurable change"
 WORSE: Final = "worse"
 
+# effect starving_served: the deadline is this many times the time the engine
+# took, before the change, to admit as many requests as were starving; at least
+# DRAIN_MIN_S, at most the runbook's deadline.
+DRAIN_SLACK: Final = 3.0
+DRAIN_MIN_S: Final = 10.0
+
 # Signals where a higher value is worse (the circuit breaker's direction): the registry says.
 HIGHER_IS_WORSE: Final = frozenset(n for n, s in READABLE.items() if s.higher_is_worse)
 
@@ -37,11 +43,11 @@ def judge(
     improve_by: float,
     tolerance: float,
     effect: str = "relative",
-    change_time: float | None = None,
 ) -> str:
     """improved / no measurable change / worse for one signal (both values read)."""
-    if effect == "passes_change_time":
-        return IMPROVED if change_time is not None and after >= change_time else NO_CHANGE
+    if effect == "starving_served":
+        # `before`: the requests starving at the change; `after`: those still waiting.
+        return IMPROVED if float(before) > 0 and float(after) == 0 else NO_CHANGE
     sign = -1.0 if direction == "decrease" else 1.0
     move = sign * (float(after) - float(before))  # > 0: the expected way
     scale = abs(float(before))
@@ -58,6 +64,14 @@ def judge(
     return NO_CHANGE
 
 
+def drain_deadline(deadline_s: float, starving: int, admitted_per_second: float | None) -> float:
+    """The starving_served deadline: DRAIN_SLACK x the time the engine took, before
+    the change, to admit `starving` requests; within [DRAIN_MIN_S, deadline_s]."""
+    if not starving or not admitted_per_second:
+        return deadline_s
+    return min(deadline_s, max(DRAIN_MIN_S, DRAIN_SLACK * starving / admitted_per_second))
+
+
 def guard_worse(signal: str, before: Any, after: Any, tolerance: float) -> bool:
     direction = "decrease" if signal in HIGHER_IS_WORSE else "increase"
     outcome = judge(before, after, direction, improve_by=1.0, tolerance=tolerance)
@@ -66,11 +80,34 @@ def guard_worse(signal: str, before: Any, after: Any, tolerance: float) -> bool:
 
 def needed_text(signal: str, v: Any) -> str:
     """What "improved" means for this verification, in words."""
-    if v.effect == "passes_change_time":
-        return f"{signal} passes the moment of the change"
+    if v.effect == "starving_served":
+        return f"{signal} = 0 (every request starving at the change scheduled)"
     if v.direction == "decrease":
         return f"{signal} ≤ {1 - v.improve_by:.0%} of before"
     return f"{signal} ≥ {1 + v.improve_by:.0%} of before"
+
+
+def _inconclusive(
+    v: Any,
+    before: Any,
+    signals: Mapping[str, Any],
+    baseline: Mapping[str, Any],
+) -> bool:
+    """No measurable change in the signal (both read) and no guard worse yet."""
+    after = signals.get(v.signal)
+    if before is None or after is None:
+        return False
+    outcome = judge(
+        before, after, v.direction, improve_by=v.improve_by, tolerance=v.tolerance, effect=v.effect
+    )
+    if outcome != NO_CHANGE:
+        return False
+    return not any(
+        baseline.get(g) is not None
+        and signals.get(g) is not None
+        and guard_worse(g, baseline[g], signals[g], v.tolerance)
+        for g in v.rollback_if_worse
+    )
 
 
 def measure(
@@ -86,7 +123,7 @@ def measure(
     clock: Callable[[], float],
     wait: Callable[[float], None],
     poll_s: float,
-    change_time: Callable[[], float | None],
+    change: Callable[[], Mapping[str, Any] | None],
     settled: Callable[[], bool] = lambda: True,
 ) -> dict[str, Any]:
     """Read after the change until the effect shows (instant signals) or the
@@ -94,6 +131,7 @@ def measure(
     the deadline); judge the signal and every guard on that last reading."""
     windowed = v.signal in WINDOWED or any(g in WINDOWED for g in v.rollback_if_worse)
     period = min(deadline_s, window_s) if windowed and window_s else deadline_s
+    starving = v.effect == "starving_served"
     start = clock()
     before = baseline.get(v.signal)
     report: dict[str, Any] = {
@@ -115,6 +153,21 @@ def measure(
         report["polls"] += 1
         after = signals.get(v.signal)
         now = clock()
+        facts = change() if starving else None
+        if facts is not None and "drain" not in report:
+            # Judged on the requests starving when the change took effect, within
+            # a deadline that follows how fast the engine admitted requests then.
+            before = report["before"] = facts["starving_at_change"]
+            rate = facts["admitted_per_second_before"]
+            period = deadline_s = drain_deadline(deadline_s, before, rate)
+            report["deadline_seconds"] = report["measure_seconds"] = deadline_s
+            report["drain"] = {
+                "starving_at_change": before,
+                "oldest_waited_seconds": facts["starving_oldest_seconds"],
+                "admitted_per_second_before": rate,
+            }
+        if facts is not None:
+            report["drain"]["admitted_since"] = facts["admitted"]
         if in_effect_at is None and settled():
             # A lower admission limit is in effect once the running requests
             # above it drained: the measurement period starts then.
@@ -132,15 +185,30 @@ def measure(
                 improve_by=v.improve_by,
                 tolerance=v.tolerance,
                 effect=v.effect,
-                change_time=change_time(),
             )
             == IMPROVED
         )
-        if early or (in_effect_at is not None and elapsed >= period):
+        if early:
             break
+        if in_effect_at is not None and elapsed >= period:
+            # A windowed rate that reads "no measurable change" after a window's
+            # length goes on being measured, to the deadline: a longer period of
+            # the same rate (a few events in one window are noise), ended as soon
+            # as it is improved or something got worse.
+            if not (
+                windowed
+                and now - start < deadline_s
+                and _inconclusive(v, before, signals, baseline)
+            ):
+                break
+            report["measured_past_the_window"] = True
         if now - start >= deadline_s:
             break
-        left = period - elapsed if in_effect_at is not None else deadline_s - (now - start)
+        left = (
+            max(period - elapsed, poll_s)
+            if in_effect_at is not None
+            else deadline_s - (now - start)
+        )
         wait(min(poll_s, max(0.0, left)))
     report["measured_seconds"] = clock() - (in_effect_at if in_effect_at is not None else start)
     after_unavailable = dict(unavailable())
@@ -167,10 +235,7 @@ def measure(
             improve_by=v.improve_by,
             tolerance=v.tolerance,
             effect=v.effect,
-            change_time=change_time(),
         )
-        if v.effect == "passes_change_time":
-            report["change_time"] = change_time()
     guards: dict[str, Any] = {}
     tripped = None
     for guard in v.rollback_if_worse:

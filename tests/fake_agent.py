@@ -56,6 +56,7 @@ PRESSURE: dict[str, Any] = {
     "num_requests_waiting": 40,
     "preemptions_per_minute": 60.0,
     "kv_cache_usage_ratio": 1.0,
+    "oldest_waiting_seconds": 30.0,
 }
 # What the scripted stats stand for after a change (`since` of /v1/state?since_step=N).
 SINCE_KEYS = ("preemptions_per_minute", "p99_latency_seconds", "error_rate", "kv_hit_ratio")
@@ -275,8 +276,8 @@ class FakeAgent:
                 applied = min(max(target[knob], low), STARTUP[knob])
                 clamped.append(Clamped(knob=knob, requested=target[knob], applied=applied))
                 target[knob] = applied
-        self.step += 1
-        if not dry_run:
+        if not dry_run:  # a dry run takes no step, like the agent's
+            self.step += 1
             self.knobs = target
             self.writes.append(values)
         return ChangeResult(

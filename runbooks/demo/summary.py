@@ -9,8 +9,10 @@ from vllm_runbook.collector.agent_api import AgentState
 from vllm_runbook.runbooks.demo.live import Demo, EventFeed, runs_of
 from vllm_runbook.runbooks.demo.traffic import Request, Traffic
 from vllm_runbook.runbooks.exit_codes import ExitCode
+from vllm_runbook.runbooks.render import format_verification
 from vllm_runbook.runbooks.report import (
     History,
+    effect,
     execution_lines,
     format_phase_table,
     phase_rows,
@@ -70,6 +72,7 @@ def conclude(
         )
 
     problems = story_problems(feed, traffic, low, final, picture, measured)
+    problems += verdict_disagreements(feed, history, starved, effect)
     if effect is not None and effect[1]:
         # Timing on a loaded machine decides whether the low-priority requests
         # were still stuck when the policy switched; the story (detection,
@@ -112,6 +115,50 @@ def starvation_effect(feed: EventFeed, low: list[Request]) -> tuple[str, str | N
     return line, None
 
 
+def verdict_disagreements(
+    feed: EventFeed,
+    history: History,
+    starved: list[Request],
+    starvation: tuple[str, str | None] | None,
+) -> list[str]:
+    """Where a runbook's verification disagrees with the effect this demo measured
+    and printed (the story fails on any): each fix must be judged improved by
+    its shipped signal, and the judgement must match what happened."""
+    problems = []
+    for runbook in ("oom-pressure", "latency-spike"):
+        judged = [e for e in runs_of(feed, runbook) if e.get("verification")]
+        for e in judged:
+            v = e["verification"]
+            if v.get("outcome") != "improved":
+                problems.append(
+                    f"{runbook} #{e['id']}: verification {format_verification(v)}, "
+                    "not improved"
+                    + (
+                        f", but the demo measured the fix work ({starvation[0]})"
+                        if runbook == "latency-spike" and starvation and not starvation[1]
+                        else ""
+                    )
+                )
+    spike = [e for e in runs_of(feed, "latency-spike") if e.get("verification")]
+    if spike and spike[0]["verification"].get("outcome") == "improved":
+        waiting = [r for r in starved if r.t1 is None or not r.ok]
+        if waiting:
+            problems.append(
+                f"latency-spike #{spike[0]['id']}: verification improved, but the demo "
+                f"measured {len(waiting)} of the {len(starved)} starved requests not served"
+            )
+    oom = [e for e in runs_of(feed, "oom-pressure") if e.get("verification")]
+    if oom and oom[0]["verification"].get("outcome") == "improved":
+        rows = {label: (b, a) for label, b, a in effect(history, oom[0])}
+        before, after = rows.get("preemptions/min", (None, None))
+        if before is not None and after is not None and after >= before > 0:
+            problems.append(
+                f"oom-pressure #{oom[0]['id']}: verification improved, but the demo measured "
+                f"preemptions/min {before:.1f} → {after:.1f}"
+            )
+    return problems
+
+
 def story_problems(
     feed: EventFeed,
     traffic: Traffic,
@@ -136,9 +183,6 @@ def story_problems(
         elif not all(e["status"] == ExecutionStatus.REVERTED for e in acted):
             states = ", ".join(f"#{e['id']} {e['status']}" for e in acted)
             problems.append(f"no recovery: {runbook} not reverted ({states})")
-    oom = [e for e in runs_of(feed, "oom-pressure") if e.get("verification")]
-    if oom and oom[0]["verification"].get("outcome") != "improved":
-        problems.append("oom-pressure: preemptions did not fall")
     if len(low) < 8 or not all(r.ok for r in low):
         problems.append("the starved low-priority requests did not all complete")
     failed = [r for r in traffic.requests if r.ok is False]

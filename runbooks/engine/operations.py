@@ -336,6 +336,10 @@ def set_autopilot(params: SetAutopilot, ctx: ActionContext) -> ActionOutcome:
             skipped=f"the autopilot is already {'on' if params.enabled else 'off'}"
         )
     details = {"max_num_seqs_at_hand_over": knobs.max_num_seqs} if params.enabled else {}
+    if params.enabled:
+        # The autopilot moves max_num_seqs while on: journal where it was at the
+        # hand-over, so a revert puts it back there, not where the autopilot left it.
+        touched += ("max_num_seqs",)
     return _set_knobs(ctx, request, touched, details)
 
 

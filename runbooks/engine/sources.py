@@ -88,6 +88,7 @@ _FROM_STATS: Final = {
     "kv_hit_ratio": "kv_hit_ratio",
     "oldest_waiting": "oldest_waiting_seconds",
     "admitted_before_time": "admitted_before_time",
+    "starving_waiting": "starving_waiting",
     "max_sequence_tokens": "max_sequence_tokens",
     "engine_e2e_latency_p99": "p99_latency_seconds",
     "engine_queue_time_p99": "waiting_seconds_p99",
@@ -146,6 +147,8 @@ def since_signals(since: SettledSince | None) -> dict[str, Any]:
         "engine_queue_time_p99": since.waiting_seconds_p99,
         "error_rate": since.error_rate,
         "oom_rate": _oom_rate(since.preemptions, since.requests_finished),
+        # Not windowed: of the requests starving at the change, those still waiting.
+        "starving_waiting": since.starving_waiting,
     }
 
 

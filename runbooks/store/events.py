@@ -2,7 +2,7 @@
 
 An execution's events follow from its row: awaiting approval, started, then
 one outcome (succeeded | no measurable change | failed | rolled back |
-refused | interrupted), and reverted (`derive_events`). Every transaction of
+refused | nothing to improve | interrupted), and reverted (`derive_events`). Every transaction of
 the store that touched an execution appends the events its rows now imply
 and that are not recorded yet, just before it commits (`install` hooks the
 store's sessions). So whatever writes the journal — the webhook, the worker,
@@ -30,10 +30,12 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, UOWTransaction, sessionmaker
 from vllm_runbook.runbooks.store.models import (
     INTERRUPTED_REASON,
+    NOTHING_TO_IMPROVE,
     ApprovalState,
     Execution,
     ExecutionEvent,
     ExecutionStatus,
+    is_nothing_to_improve,
     utcnow,
 )
 
@@ -49,6 +51,7 @@ EVENTS: Final = (
     "failed",
     "rolled back",
     "refused",
+    NOTHING_TO_IMPROVE,
     INTERRUPTED,
     "reverted",
 )
@@ -93,6 +96,8 @@ def derive_events(
         events.append("succeeded")
     elif status == ExecutionStatus.ROLLED_BACK:
         events.append("rolled back")
+    elif is_nothing_to_improve(status, reason):
+        events.append(NOTHING_TO_IMPROVE)
     elif status == ExecutionStatus.REFUSED:
         events.append("refused")
     elif status == ExecutionStatus.REVERTED:

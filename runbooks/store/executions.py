@@ -34,6 +34,7 @@ from vllm_runbook.runbooks.store.models import (
     EXECUTION_TRANSITIONS,
     FINAL_STATUSES,
     INTERRUPTED_REASON,
+    NOTHING_TO_IMPROVE,
     RUNNABLE_SQL,
     STEP_APPLIED,
     STEP_APPLYING,
@@ -49,6 +50,7 @@ from vllm_runbook.runbooks.store.models import (
     ExecutionStatus,
     Step,
     episode_key,
+    is_nothing_to_improve,
     is_row_id,
     utcnow,
 )
@@ -215,7 +217,10 @@ class ExecutionRecord:
 
     @property
     def display_status(self) -> str:
-        """The status to show a person: 'interrupted' when the run died."""
+        """The status to show a person: 'interrupted' when the run died, 'nothing to
+        improve' for a refusal because the condition was gone."""
+        if is_nothing_to_improve(self.status, self.reason):
+            return NOTHING_TO_IMPROVE
         return INTERRUPTED_REASON if self.interrupted else self.status
 
     def to_dict(self) -> dict[str, Any]:

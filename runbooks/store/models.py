@@ -144,6 +144,16 @@ INCIDENT_STATES: Final = ("pending", "firing", "resolved")
 NOTIFY_QUEUED, NOTIFY_DELIVERED, NOTIFY_FAILED = "queued", "delivered", "failed"
 NOTIFICATION_STATUSES: Final = (NOTIFY_QUEUED, NOTIFY_DELIVERED, NOTIFY_FAILED)
 INTERRUPTED_REASON: Final = "interrupted"
+# A refusal that is no failure: the condition the runbook fixes is gone or below
+# its threshold at the checks (the `reason` starts with it; shown and notified
+# under this name). Nothing was changed; like every refusal it counts for no
+# guardrail.
+NOTHING_TO_IMPROVE: Final = "nothing to improve"
+
+
+def is_nothing_to_improve(status: str, reason: str | None) -> bool:
+    return status == ExecutionStatus.REFUSED and (reason or "").startswith(NOTHING_TO_IMPROVE)
+
 
 # What the worker runs: pending alert executions that wait for nobody. One SQL
 # text for the partial index and for the worker's query, with literal values:

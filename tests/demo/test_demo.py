@@ -30,6 +30,8 @@ STORY = [
     r"runbook latency-spike chosen for VllmRequestStarvation \(automation auto\) → execution #\d+",
     r"#\d+ action set_policy: before policy=priority",
     r"#\d+ action set_policy: after policy=fcfs",
+    # Judged on the requests starving at the switch (the 8 low-priority ones at most).
+    r"#\d+ verification: starving_waiting [1-8] → 0 .*\(improved\)",
     r"── recovery:",
     r"summary",
     r"timeline picture: ",

@@ -300,3 +300,44 @@ def test_execution_lines_say_unavailable_and_why_for_checks_verification_and_gua
         "    guards: error_rate (required) unavailable: before: no request finished in the "
         "last 60 s; preemptions_per_minute 124 → 0 (ok)",
     ]
+
+
+def test_the_story_fails_when_a_verification_disagrees_with_what_the_demo_measured(
+    tmp_path: Path,
+) -> None:
+    from vllm_runbook.runbooks.demo.live import EventFeed
+    from vllm_runbook.runbooks.demo.summary import verdict_disagreements
+    from vllm_runbook.runbooks.demo.traffic import Request
+
+    feed = EventFeed("http://127.0.0.1:1", lambda line: None)
+    spike = {
+        "id": 7,
+        "runbook": "latency-spike",
+        "status": "reverted",
+        "reverts_id": None,
+        "steps": [],
+        "verification": {
+            "signal": "starving_waiting",
+            "before": 8,
+            "after": 8,
+            "outcome": "no measurable change",
+        },
+    }
+    feed.executions[7] = spike
+    history = History([], [])
+    served = [Request(t0=0.0, phase="starvation", priority=10, output_tokens=16, t1=5.0, ok=True)]
+    effect = ("starved: 8 low-priority requests ... all done 3.1 s after the switch", None)
+    assert verdict_disagreements(feed, history, served, effect) == [
+        "latency-spike #7: verification starving_waiting 8 → 8: no measurable change, "
+        "not improved, but the demo measured the fix work (starved: 8 low-priority "
+        "requests ... all done 3.1 s after the switch)"
+    ]
+    # Judged improved while a starved request was never served: it says which.
+    spike["verification"] = {**spike["verification"], "after": 0, "outcome": "improved"}
+    stuck = [*served, Request(t0=0.0, phase="starvation", priority=10, output_tokens=16)]
+    assert verdict_disagreements(feed, history, stuck, effect) == [
+        "latency-spike #7: verification improved, but the demo measured 1 of the 2 "
+        "starved requests not served"
+    ]
+    # Agreement: nothing to say.
+    assert verdict_disagreements(feed, history, served, effect) == []

@@ -192,7 +192,9 @@ def test_oom_pressure_halves_the_budget_caps_seqs_and_preemptions_fall(
     assert halve["applied_at_step"] < cap["applied_at_step"]
     # Then max_num_seqs is handed over to the autopilot, from where the cap left it.
     assert (hand_over["action"], hand_over["status"]) == ("set_autopilot", "applied")
-    assert (hand_over["before"], hand_over["after"]) == ({"autopilot": False}, {"autopilot": True})
+    assert (hand_over["before"]["autopilot"], hand_over["after"]["autopilot"]) == (False, True)
+    # Where max_num_seqs was at the hand-over is journaled: a revert puts it back there.
+    assert hand_over["before"]["max_num_seqs"] == capacity // 2
     assert hand_over["params"]["max_num_seqs_at_hand_over"] == capacity // 2
     assert cap["applied_at_step"] < hand_over["applied_at_step"]
     verification = execution["verification"]

@@ -338,7 +338,8 @@ def test_dry_run_changes_nothing_and_plans_every_step(make: Any) -> None:
     assert [(s.action, s.status, s.after) for s in result.record.steps] == [
         ("scale_max_num_batched_tokens", "planned", {"max_num_batched_tokens": 256}),
         ("set_max_num_seqs", "planned", {"max_num_seqs": 12}),
-        ("set_autopilot", "planned", {"autopilot": True}),
+        # max_num_seqs journaled with the hand-over: a revert puts it back there.
+        ("set_autopilot", "planned", {"autopilot": True, "max_num_seqs": 32}),
     ]
 
 
@@ -440,14 +441,23 @@ def test_judge_needs_the_named_effect() -> None:
     ]
     assert [decrease(7, 60), decrease(60, 66), decrease(60, 66.1)] == [WORSE, NO_CHANGE, WORSE]
     assert [decrease(0, 0), decrease(0, 1)] == [NO_CHANGE, WORSE]
-    # latency-spike: the horizon must pass the moment of the switch; standing
-    # still at a value before it is no change, whatever the values' equality.
-    at = 1_700_000_000.0
-    horizon = {"effect": "passes_change_time", "change_time": at}
-    kw: dict[str, Any] = {"improve_by": 0.2, "tolerance": 0.1, **horizon}
-    assert judge(at - 5, at - 5, "increase", **kw) == NO_CHANGE
-    assert judge(at - 5, at - 1, "increase", **kw) == NO_CHANGE
-    assert judge(at - 5, at, "increase", **kw) == IMPROVED
+    # latency-spike: every request starving at the switch scheduled (before: how
+    # many starved then, after: how many of them still wait); never worse.
+    kw: dict[str, Any] = {"improve_by": 0.2, "tolerance": 0.1, "effect": "starving_served"}
+    assert [judge(8, 0, "decrease", **kw), judge(8, 1, "decrease", **kw)] == [IMPROVED, NO_CHANGE]
+    assert [judge(8, 8, "decrease", **kw), judge(0, 0, "decrease", **kw)] == [NO_CHANGE, NO_CHANGE]
+
+
+def test_the_starvation_deadline_follows_the_drain_rate() -> None:
+    from vllm_runbook.runbooks.verification import drain_deadline
+
+    # 8 starving at 0.5 admitted/s: 3 x 16 s; capped by the runbook's deadline.
+    assert drain_deadline(120, 8, 0.5) == 48.0
+    assert drain_deadline(30, 8, 0.5) == 30
+    # A fast engine: at least 10 s; nothing admitted before: the runbook's deadline.
+    assert drain_deadline(120, 8, 100.0) == 10.0
+    assert drain_deadline(120, 8, 0.0) == 120
+    assert drain_deadline(120, 8, None) == 120
 
 
 def test_http_error_rate_from_the_api_servers_metrics_text() -> None:
@@ -507,3 +517,112 @@ def test_an_engine_that_leaves_the_inventory_ends_its_execution_engine_gone(make
         "refused",
         "engine gone: cpu-0 left the inventory (prometheus) at T",
     )
+
+
+def test_nothing_to_improve_is_refused_before_any_change_and_is_no_failure(
+    make: Any, store: Journal
+) -> None:
+    from vllm_runbook.runbooks.notify import message
+
+    # oom-pressure on an engine that preempts nothing: the trigger fired, the
+    # condition is gone by the checks.
+    calm = {**PRESSURE, "preemptions_per_minute": 0.0}
+    executor, agent = make(FakeAgent([calm]))
+    result = executor.execute("oom-pressure", URL, approved=True, condition_seconds=0)
+    record = result.record
+    assert (result.exit_code, record.status, record.display_status) == (
+        0,
+        "refused",
+        "nothing to improve",
+    )
+    assert (
+        record.reason
+        == result.message
+        == (
+            "nothing to improve: preemptions_per_minute = 0, "
+            "the runbook acts only if preemptions_per_minute > 0"
+        )
+    )
+    assert (record.steps, record.error, record.verification, agent.writes) == ((), None, None, [])
+    assert record.checks["preemption_rate"]["value"] == 0.0
+    # Notified as such: its one event, and the text's first line.
+    assert [e.event for e in store.events_of_execution(record.id)] == ["nothing to improve"]
+    text = message(record, "nothing to improve")
+    assert (
+        text.splitlines()[0]
+        == f"[NOTHING TO IMPROVE] oom-pressure on {URL} (execution #{record.id})"
+    )
+    assert "Reason: nothing to improve: preemptions_per_minute = 0" in text
+    # It counts for no guardrail: a run right after it is not in a cooldown.
+    executor_2, agent_2 = make(FakeAgent([PRESSURE, PRESSURE, PRESSURE, calm]))
+    again = executor_2.execute("oom-pressure", URL, approved=True, condition_seconds=0)
+    assert again.record.status != "refused" and agent_2.writes
+
+
+def test_a_run_whose_steps_would_change_nothing_has_nothing_to_improve(make: Any) -> None:
+    executor, agent = make(FakeAgent([PRESSURE]))
+    result = executor.execute("restore", URL, approved=True)
+    assert (result.exit_code, result.record.display_status, agent.writes) == (
+        0,
+        "nothing to improve",
+        [],
+    )
+    assert result.record.reason == (
+        "nothing to improve: every step would change nothing "
+        "(restore_knobs: every knob is at its startup value)"
+    )
+    # A dry run says so too, and a knob away from its startup value is restored.
+    dry = executor.execute("restore", URL, dry_run=True)
+    assert "a real run would be refused now: nothing to improve" in dry.warnings[0]
+    agent.knobs["policy"] = "fcfs"
+    done = executor.execute("restore", URL, approved=True)
+    assert (done.record.status, agent.writes) == ("succeeded", [dict(STARTUP)]), done.record.reason
+
+
+def test_a_windowed_rate_with_no_measurable_change_is_measured_on_to_the_deadline() -> None:
+    from vllm_runbook.runbooks.verification import measure
+
+    v = runbook().verification
+    assert v is not None
+    v = v.model_copy(update={"rollback_if_worse": ()})
+    now = [0.0]
+
+    def run(afters: list[float], deadline_s: float) -> dict[str, Any]:
+        now[0] = 0.0
+        readings = iter(afters)
+        last = [afters[0]]
+
+        def read(step: int | None) -> dict[str, Any]:
+            last[0] = next(readings, last[0])
+            return {"preemptions_per_minute": last[0]}
+
+        return measure(
+            read,
+            dict,
+            v,
+            {"preemptions_per_minute": 4.0},
+            {},
+            7,
+            deadline_s=deadline_s,
+            window_s=3.0,
+            clock=lambda: now[0],
+            wait=lambda s: now.__setitem__(0, now[0] + s),
+            poll_s=1.0,
+            change=lambda: None,
+        )
+
+    # One window reads 4 → 3.9 (one event each side: noise); the rate over the
+    # longer period falls to 3 (≤ 80 % of before): improved before the deadline.
+    longer = run([3.9, 3.9, 3.9, 3.9, 3.0, 2.0], deadline_s=40)
+    assert (longer["outcome"], longer["after"], longer["measured_past_the_window"]) == (
+        "improved",
+        3.0,
+        True,
+    )
+    assert longer["polls"] == 5
+    # A rate that stays is no measurable change, at the deadline.
+    flat = run([3.9] * 100, deadline_s=10)
+    assert (flat["outcome"], flat["polls"]) == ("no measurable change", 11)
+    # Worse at the window's end is not measured on.
+    worse = run([9.0] * 100, deadline_s=40)
+    assert (worse["outcome"], worse["polls"]) == ("worse", 4)

@@ -25,7 +25,7 @@ from vllm_runbook.runbooks.store import Journal
 from vllm_runbook.runbooks.store.approvals import RESOLVED_BEFORE_RUN
 from vllm_runbook.runbooks.store.models import STEP_APPLIED, ExecutionStatus
 
-from tests.fake_agent import STARTUP, URL, Clock, FakeAgent
+from tests.fake_agent import PRESSURE, STARTUP, URL, Clock, FakeAgent, kv_bound
 from tests.service.test_service_webhooks import AUTH, CONFIG, TOKEN, payload
 
 WAITS = ExecutorConfig(verify_seconds=5.0, condition_seconds=1.0, healthy_period_seconds=2.0)
@@ -136,7 +136,9 @@ def test_firing_runs_once_repeat_in_cooldown_is_refused_resolve_reverts(service:
     assert condition.params["waited_seconds"] == WAITS.condition_seconds
     assert worker.tick() == 0  # nothing pending: the episode ran once
 
-    # The same alert fires again (a new episode: new startsAt) inside the cooldown.
+    # The same alert fires again (a new episode: new startsAt) inside the cooldown,
+    # preemptions going on (were they gone, there would be nothing to improve).
+    agent.script = lambda knobs: dict(PRESSURE)
     second = datetime.now(UTC)
     assert service.deliver(firing(second)).status_code == 200
     writes = len(agent.writes)
@@ -146,6 +148,7 @@ def test_firing_runs_once_repeat_in_cooldown_is_refused_resolve_reverts(service:
     assert refused.reason is not None and refused.reason.startswith("cooldown: oom-pressure ran")
     assert len(agent.writes) == writes  # recorded, not executed
     assert refused.steps == ()
+    agent.script = kv_bound
 
     # The first episode resolves: its changes are reverted (stepwise: 50 %, then
     # all; the autopilot goes off at the first stage).

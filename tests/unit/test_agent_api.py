@@ -29,6 +29,8 @@ def test_stats_declare_every_collector_series_and_the_windowed_outcomes() -> Non
     windowed = {
         "preemptions_per_minute",
         "admitted_before_time",
+        "starving_waiting",
+        "admitted_per_second",
         "window_seconds",
         "requests_finished",
         "finished_by_reason",
