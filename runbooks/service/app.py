@@ -245,7 +245,7 @@ def create_app(
         return JSONResponse([r.to_dict() for r in rows])
 
     @app.get("/api/engines", dependencies=read)
-    def engines() -> Response:
+    def engine_inventory() -> Response:
         entries = (inventory or router.inventory or Inventory()).entries()
         return JSONResponse([e.as_dict() for e in entries])
 
