@@ -796,3 +796,32 @@ def test_the_burn_rate_without_requests_after_the_change_is_unverified(make: Any
     assert v["outcome"] == (
         "unverified: slo_burn_rate after: no request finished since the change took effect"
     )
+
+
+def test_a_pending_slo_execution_run_by_the_worker_verifies_on_the_burn_rate(
+    make: Any, store: Journal
+) -> None:
+    # As the webhook records it (who: alertmanager:<alertname>) and the worker runs it.
+    metrics = MetricsServer(
+        [ttft_metrics(800, 1000), ttft_metrics(900, 1000), ttft_metrics(1890, 2000)]
+    )
+    try:
+        executor, _agent = make(catalog=Catalog({"test-rb": runbook()}, {}))
+        executor.slos = [ttft_slo()]
+        executor.api_urls = {URL: metrics.url}
+        record, _ = store.create_execution(
+            "test-rb",
+            URL,
+            trigger="alert",
+            who="alertmanager:VllmSloBurn_ttft_1h",
+            alert_fingerprint="slo-worker",
+            alert_starts_at=datetime(2026, 1, 1, tzinfo=UTC),
+        )
+        result = executor.run_pending(record.id, approved=True)
+    finally:
+        metrics.close()
+    v = result.record.verification
+    assert v is not None and result.record.status == "succeeded"
+    # 10 bad of the 1000 after the change: 1 % / 1 % budget.
+    assert (v["signal"], v["before"], v["outcome"]) == ("slo_burn_rate", 14.4, "improved")
+    assert v["after"] == pytest.approx(1.0, rel=1e-12)
