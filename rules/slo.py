@@ -8,7 +8,8 @@ multi-window, multi-burn-rate alerts (the SRE workbook's four pairs) in both bac
         target: 0.99               # the ratio of good requests
         window: 30d                # the error budget's window (default 30d)
         model: llama-8b            # the engines serving this model (default: every engine)
-        runbook: hot-path-backlog  # the page pairs hand off to it (`automation:` decides)
+        runbook: hot-path-backlog  # the page pairs hand off to it (`automation:` decides);
+                                   # that execution verifies on `slo_burn_rate`
         buckets: [0.1, 0.5, 1, 5]  # the histogram's bounds, when vLLM's were changed
 
 A latency objective counts a request as good when it falls in the bucket

@@ -721,6 +721,14 @@ class Run:
             settled=lambda: from_step is None or self.reader.settled,
         )
         tripped = report.pop("tripped")
+        if self.slo is not None:
+            slo, pair = self.slo
+            report["slo"] = {
+                "name": slo.name,
+                "objective": slo.describe(),
+                "alert_burn_rate": pair.factor,
+                "long_window_seconds": pair.long,
+            }
         settled = _autopilot_settled(self.reader.last_state)
         if settled is not None:
             # Handed over to the autopilot: where it had max_num_seqs when judged.

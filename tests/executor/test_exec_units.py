@@ -19,6 +19,7 @@ from vllm_runbook.rules.durations import format_duration, parse_duration
 from vllm_runbook.runbooks.engine.operations import engine_registry, kv_capacity_seqs
 from vllm_runbook.runbooks.executor import ExecutionResult, Executor
 from vllm_runbook.runbooks.guardrails import engine_lock_name
+from vllm_runbook.runbooks.render import format_verification
 from vllm_runbook.runbooks.revert import RevertRefused, stage_values
 from vllm_runbook.runbooks.spec import Catalog, Runbook, load_catalog
 from vllm_runbook.runbooks.store import Journal
@@ -754,6 +755,12 @@ def test_an_slo_alerts_execution_verifies_on_the_slos_burn_rate(
     assert (v["signal"], v["direction"], v["outcome"]) == ("slo_burn_rate", "decrease", outcome)
     assert v["before"] == 14.4
     assert v["after"] == pytest.approx(bad_after / 1000 / 0.01, rel=1e-12)
+    assert v["slo"] == {
+        "name": "ttft",
+        "objective": "99% of first tokens within 1s over 30d (m)",
+        "alert_burn_rate": 14.4,
+        "long_window_seconds": 3600.0,
+    }
     assert v["needed"] == "slo_burn_rate ≤ 80% of before"
     # The runbook's guards stay: requests_waiting did not move.
     assert v["guards"]["requests_waiting"]["outcome"] == "ok"
@@ -825,3 +832,7 @@ def test_a_pending_slo_execution_run_by_the_worker_verifies_on_the_burn_rate(
     # 10 bad of the 1000 after the change: 1 % / 1 % budget.
     assert (v["signal"], v["before"], v["outcome"]) == ("slo_burn_rate", 14.4, "improved")
     assert v["after"] == pytest.approx(1.0, rel=1e-12)
+    assert format_verification({**v, "after": 1.0, "measured_seconds": 5.0}) == (
+        "slo_burn_rate 14.4 → 1: improved [after: from step 101, over 5 s]; "
+        "SLO ttft: before = the 14.4x alert's rate"
+    )
