@@ -471,6 +471,20 @@ _BASE: tuple[Signal, ...] = (
             API + ": http_requests_total, POST answered 5xx / POST", "since the API server started"
         ),
     ),
+    _runbooks_only(
+        "slo_burn_rate",
+        "ratio",
+        "the triggering SLO's error ratio / its error budget (1 - target): how many times "
+        "faster than sustainable the budget burns; read only in an execution an SLO "
+        "burn-rate alert started (its verification signal)",
+        Reading(
+            API + ": the SLO's histogram bucket le=threshold and _count (availability: "
+            "request_success_total by finished_reason)",
+            "the alert's burn rate before; from the change's step after",
+            windowed=True,
+        ),
+        higher_is_worse=True,
+    ),
     # --- GPUs and the engine ----------------------------------------------------------------
     _collector("gpu_memory_used", M.GPU_MEMORY_USED, "bytes", "GPU memory in use, per GPU (NVML)"),
     _derived(

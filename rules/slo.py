@@ -8,7 +8,8 @@ multi-window, multi-burn-rate alerts (the SRE workbook's four pairs) in both bac
         target: 0.99               # the ratio of good requests
         window: 30d                # the error budget's window (default 30d)
         model: llama-8b            # the engines serving this model (default: every engine)
-        runbook: hot-path-backlog  # the page pairs hand off to it (`automation:` decides)
+        runbook: hot-path-backlog  # the page pairs hand off to it (`automation:` decides);
+                                   # that execution verifies on `slo_burn_rate`
         buckets: [0.1, 0.5, 1, 5]  # the histogram's bounds, when vLLM's were changed
 
 A latency objective counts a request as good when it falls in the bucket
@@ -517,3 +518,57 @@ class SloStatus:
                 for p in self.firing()
             ],
         }
+
+
+# -- the SLO an alert names, for the runbook it hands off to ----------------------------
+
+
+def slo_of_alert(slos: Sequence[SloSpec], alertname: str) -> tuple[SloSpec, BurnPair] | None:
+    """The SLO and burn pair of one of its alerts (`alert_name`), or None."""
+    for slo in slos:
+        for pair in BURN_PAIRS:
+            if alert_name(slo, pair) == alertname:
+                return slo, pair
+    return None
+
+
+def slo_counts(slo: SloSpec, metrics_text: str) -> tuple[float, float] | None:
+    """(bad, all) requests of `slo` so far, from vLLM's `/metrics` text (cumulative
+    counters, summed over the engine's series of its model); None when the
+    text has no such series. The burn rate between two readings is
+    (Δbad / Δall) / (1 - target)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    metric = series_of(slo.objective)
+    if slo.objective == "availability":
+        names = {metric, metric.removesuffix("_total") + "_total"}
+    else:
+        names = {metric + "_bucket", metric + "_count"}
+    bad = total = good = 0.0
+    seen = False
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name not in names:
+                continue
+            if slo.model is not None and sample.labels.get("model_name") != slo.model:
+                continue
+            if slo.objective == "availability":
+                seen = True
+                total += sample.value
+                if sample.labels.get("finished_reason") == ERROR_REASON:
+                    bad += sample.value
+            elif sample.name.endswith("_count"):
+                seen = True
+                total += sample.value
+            elif _same_bound(sample.labels.get("le"), slo):
+                good += sample.value
+    if not seen:
+        return None
+    return (bad if slo.objective == "availability" else total - good), total
+
+
+def _same_bound(le: str | None, slo: SloSpec) -> bool:
+    try:
+        return le is not None and math.isclose(float(le), slo.threshold or 0.0, rel_tol=1e-9)
+    except ValueError:
+        return False

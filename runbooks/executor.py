@@ -38,12 +38,13 @@ from __future__ import annotations
 import getpass
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 from vllm_runbook.collector.agent_api import AgentState, SettledSince
+from vllm_runbook.rules.slo import BurnPair, SloSpec, slo_of_alert
 from vllm_runbook.runbooks.engine.actions import ActionError, ActionRegistry
 from vllm_runbook.runbooks.engine.client import EngineClient, EngineClientError, EngineUnreachable
 from vllm_runbook.runbooks.engine.operations import (
@@ -54,6 +55,7 @@ from vllm_runbook.runbooks.engine.operations import (
 )
 from vllm_runbook.runbooks.engine.sources import (
     API_SIGNALS,
+    SLO_BURN_RATE,
     WINDOWED,
     runbook_readings,
     signals_from_state,
@@ -76,7 +78,14 @@ from vllm_runbook.runbooks.outcome import (
 )
 from vllm_runbook.runbooks.render import format_signal
 from vllm_runbook.runbooks.revert import Revert, RevertRefused, restore_targets, revert_on_resolve
-from vllm_runbook.runbooks.spec import Catalog, Condition, Runbook, StepSpec, load_catalog
+from vllm_runbook.runbooks.spec import (
+    Catalog,
+    Condition,
+    Runbook,
+    StepSpec,
+    Verification,
+    load_catalog,
+)
 from vllm_runbook.runbooks.store import Journal, StepRecord
 from vllm_runbook.runbooks.store.models import (
     NOTHING_TO_IMPROVE,
@@ -119,6 +128,24 @@ def _holds(when: Condition, value: Any) -> bool:
     return bool(value < when.below)
 
 
+def alert_slo(slos: Sequence[SloSpec], who: str) -> tuple[SloSpec, BurnPair] | None:
+    """The SLO and burn pair whose alert started an execution: its `who` is
+    ``alertmanager:<alertname>`` (the webhook) or ``rules:<alertname>`` (the
+    embedded evaluator)."""
+    source, _, alertname = who.partition(":")
+    if source not in ("alertmanager", "rules"):
+        return None
+    return slo_of_alert(slos, alertname)
+
+
+def slo_verification(v: Verification) -> Verification:
+    """The runbook's verification judged on the SLO's burn rate: it must fall
+    (by `improve_by` of the alert's rate); deadline, tolerance and guards stay."""
+    return v.model_copy(
+        update={"signal": SLO_BURN_RATE, "direction": "decrease", "effect": "relative"}
+    )
+
+
 def default_who() -> str:
     try:
         return getpass.getuser()
@@ -147,6 +174,9 @@ class Executor:
     # After the circuit breaker rolled a change back on an engine, automatic
     # executions there are refused this long (the config's breaker.cooldown).
     breaker_hold_seconds: float = 0.0
+    # The configuration's `slos:`: an execution one of their burn-rate alerts
+    # started verifies on the SLO's burn rate (`slo_verification`).
+    slos: Sequence[SloSpec] = ()
 
     def __post_init__(self) -> None:
         if self.catalog is None:
@@ -316,6 +346,13 @@ class Run:
         self.approved = approved
         self.verify_seconds: float | None = None
         self.condition_seconds: float | None = None
+        # An SLO's burn-rate alert started it: verified on the SLO's burn rate.
+        record = self.store.get_execution(execution_id)
+        self.slo = alert_slo(executor.slos, record.who) if record.trigger == "alert" else None
+        if self.slo is not None and spec.verification is not None:
+            spec = self.spec = spec.model_copy(
+                update={"verification": slo_verification(spec.verification)}
+            )
         # vLLM's API server /metrics is read only for a runbook that names its signals.
         named = {sig for _, _, sig in runbook_readings(spec)}
         named |= {s.when.signal for s in spec.steps if s.when is not None}
@@ -324,6 +361,7 @@ class Run:
             client,
             clock=executor.clock,
             api_url=executor.api_urls.get(client.url) if names_api else None,
+            slo=self.slo[0] if self.slo is not None else None,
         )
         self.renew: Callable[[], None] | None = None
         self.applied: list[StepRecord] = []
@@ -415,6 +453,11 @@ class Run:
         signals = self.reader.read()
         self.baseline = dict(signals)
         self.baseline_unavailable = dict(self.reader.unavailable)
+        if self.slo is not None:
+            # Before the change: the burn rate the alert fired at (its long and
+            # short windows both above it), a lower bound of the true one.
+            self.baseline[SLO_BURN_RATE] = self.slo[1].factor
+            self.baseline_unavailable.pop(SLO_BURN_RATE, None)
         checks: dict[str, Any] = {}
         for c in self.spec.checks:
             checks[c.name] = {
@@ -678,6 +721,14 @@ class Run:
             settled=lambda: from_step is None or self.reader.settled,
         )
         tripped = report.pop("tripped")
+        if self.slo is not None:
+            slo, pair = self.slo
+            report["slo"] = {
+                "name": slo.name,
+                "objective": slo.describe(),
+                "alert_burn_rate": pair.factor,
+                "long_window_seconds": pair.long,
+            }
         settled = _autopilot_settled(self.reader.last_state)
         if settled is not None:
             # Handed over to the autopilot: where it had max_num_seqs when judged.

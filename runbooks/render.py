@@ -98,6 +98,10 @@ def format_verification(v: Mapping[str, Any], parenthesized: bool = False) -> st
     if isinstance(pilot, Mapping) and pilot.get("max_num_seqs") is not None:
         # Handed over: where the autopilot had it when the run was judged.
         tail += f"; autopilot at max_num_seqs {pilot['max_num_seqs']}"
+    slo = v.get("slo")
+    if isinstance(slo, Mapping):
+        # An SLO's alert started it: before is the rate that alert fired at.
+        tail += f"; SLO {slo.get('name')}: before = the {slo.get('alert_burn_rate')}x alert's rate"
     return f"{signal} {sides[0]} → {sides[1]}{outcome}{tail}"
 
 

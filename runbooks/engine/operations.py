@@ -34,6 +34,7 @@ from vllm_runbook.collector.agent_api import (
     DrainingSince,
     SettledSince,
 )
+from vllm_runbook.rules.slo import SloSpec, series_of, slo_counts
 from vllm_runbook.runbooks.engine.actions import (
     ActionParams,
     ActionRegistry,
@@ -42,6 +43,8 @@ from vllm_runbook.runbooks.engine.actions import (
 )
 from vllm_runbook.runbooks.engine.client import EngineClient
 from vllm_runbook.runbooks.engine.sources import (
+    NO_SLO,
+    SLO_BURN_RATE,
     WINDOWED,
     api_signals,
     kv_capacity_seqs,
@@ -65,6 +68,10 @@ class SignalReader:
     # Signal -> why it could not be read at the latest read.
     unavailable: dict[str, str] = field(default_factory=dict)
     _previous: tuple[float, float] | None = field(default=None, repr=False)
+    # The SLO whose burn-rate alert started this execution (signal slo_burn_rate):
+    # its (bad, all) counts at the first read after the change took effect.
+    slo: SloSpec | None = None
+    _slo_mark: tuple[float, float] | None = field(default=None, repr=False)
 
     def read(self, since_step: int | None = None) -> dict[str, Any]:
         """Fresh signals (raises the client's errors when the agent is down).
@@ -102,23 +109,54 @@ class SignalReader:
             else:
                 signals.update(since_signals(since))
         api_why = None
+        burn_why: dict[str, str] = {}
         if self.api_url:
-            values, api_unavailable = self._read_api()
+            text, values, api_unavailable = self._read_api()
             signals.update(values)
             api_why = next(iter(api_unavailable.values()), None)
-        self.unavailable = {**unavailable(state, signals, api_why), **post_change}
+            if text is not None and self.slo is not None:
+                settled = since_step is not None and isinstance(state.since, SettledSince)
+                burn, reason = self._burn_rate(text, since_step, settled)
+                signals[SLO_BURN_RATE] = burn
+                if reason is not None:
+                    burn_why[SLO_BURN_RATE] = reason
+        if self.slo is None:
+            burn_why[SLO_BURN_RATE] = NO_SLO
+        self.unavailable = {**unavailable(state, signals, api_why), **burn_why, **post_change}
         return signals
 
-    def _read_api(self) -> tuple[dict[str, Any], dict[str, str]]:
+    def _burn_rate(
+        self, text: str, since_step: int | None, settled: bool
+    ) -> tuple[float | None, str | None]:
+        """The SLO's burn rate from the change on: (Δbad / Δall) / (1 - target)
+        between the first read after the change took effect and this one."""
+        assert self.slo is not None
+        counts = slo_counts(self.slo, text)
+        if counts is None:
+            return None, f"the API server's /metrics has no {series_of(self.slo.objective)}"
+        if since_step is None:
+            return None, "measured from the change on (before: the alert's burn rate)"
+        if not settled:
+            return None, "the change is not in effect yet"
+        if self._slo_mark is None:
+            self._slo_mark = counts
+            return None, "the change took effect at this read: measured from it on"
+        bad = counts[0] - self._slo_mark[0]
+        total = counts[1] - self._slo_mark[1]
+        if total <= 0:
+            return None, "no request finished since the change took effect"
+        return (bad / total) / self.slo.budget, None
+
+    def _read_api(self) -> tuple[str | None, dict[str, Any], dict[str, str]]:
         import httpx
 
         url = f"{str(self.api_url).rstrip('/')}/metrics"
         try:
             response = httpx.get(url, timeout=self.client.timeout)
             response.raise_for_status()
-            return api_signals(response.text)
+            return response.text, *api_signals(response.text)
         except (httpx.HTTPError, ValueError) as exc:
-            return {}, {"http_error_rate": f"cannot read {url}: {exc}"}
+            return None, {}, {"http_error_rate": f"cannot read {url}: {exc}"}
 
     @property
     def settled(self) -> bool:

@@ -42,6 +42,8 @@ NO_GPU: Final = "no NVIDIA GPU on this engine (NVML not available)"
 # Signals only vLLM's API server knows (read from its /metrics when its URL is configured).
 API_SIGNALS: Final = frozenset(n for n, s in SOURCES.items() if s.source.startswith(API))
 NO_API_URL: Final = "no vLLM API server URL configured (inventory `vllm:`, or --vllm)"
+SLO_BURN_RATE: Final = "slo_burn_rate"  # read by SignalReader, for an SLO's execution only
+NO_SLO: Final = "no SLO burn-rate alert started this execution"
 HTTP_REQUESTS: Final = "http_requests_total"  # prometheus-fastapi-instrumentator, in vLLM's server
 
 

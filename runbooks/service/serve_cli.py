@@ -150,6 +150,7 @@ def build(
             api_urls=ApiUrls(inventory),
             gone=inventory.gone_reason,
             breaker_hold_seconds=config.breaker.cooldown_seconds if config.breaker.enabled else 0.0,
+            slos=config.slos,
         )
         if config.breaker.enabled:
             breaker = BreakerJob(

@@ -19,6 +19,7 @@ from vllm_runbook.rules.durations import format_duration, parse_duration
 from vllm_runbook.runbooks.engine.operations import engine_registry, kv_capacity_seqs
 from vllm_runbook.runbooks.executor import ExecutionResult, Executor
 from vllm_runbook.runbooks.guardrails import engine_lock_name
+from vllm_runbook.runbooks.render import format_verification
 from vllm_runbook.runbooks.revert import RevertRefused, stage_values
 from vllm_runbook.runbooks.spec import Catalog, Runbook, load_catalog
 from vllm_runbook.runbooks.store import Journal
@@ -626,3 +627,212 @@ def test_a_windowed_rate_with_no_measurable_change_is_measured_on_to_the_deadlin
     # Worse at the window's end is not measured on.
     worse = run([9.0] * 100, deadline_s=40)
     assert (worse["outcome"], worse["polls"]) == ("worse", 4)
+
+
+# --- the SLO burn rate as the verification signal of an SLO's runbook --------------------
+
+
+def ttft_metrics(good: int, total: int, other_model: int = 0) -> str:
+    """vLLM's /metrics with a TTFT histogram: `good` of `total` first tokens within 1 s
+    (model m); `other_model` slow requests of another model (not the SLO's)."""
+    lines = [
+        "# HELP vllm:time_to_first_token_seconds Histogram of time to first token.",
+        "# TYPE vllm:time_to_first_token_seconds histogram",
+    ]
+    for model, ok, n in (("m", good, total), ("other", 0, other_model)):
+        labels = f'model_name="{model}"'
+        lines += [
+            f'vllm:time_to_first_token_seconds_bucket{{le="0.5",{labels}}} {ok // 2}.0',
+            f'vllm:time_to_first_token_seconds_bucket{{le="1.0",{labels}}} {ok}.0',
+            f'vllm:time_to_first_token_seconds_bucket{{le="+Inf",{labels}}} {n}.0',
+            f"vllm:time_to_first_token_seconds_count{{{labels}}} {n}.0",
+            f"vllm:time_to_first_token_seconds_sum{{{labels}}} {n * 0.7}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def ttft_slo() -> Any:
+    from vllm_runbook.rules.slo import SloSpec
+
+    return SloSpec.model_validate(
+        {"name": "ttft", "objective": "ttft", "threshold": "1s", "target": 0.99, "model": "m"}
+    )
+
+
+class MetricsServer:
+    """vLLM's API server /metrics on loopback: answers the scripted texts in order
+    (the last one repeats); `gets` counts the reads."""
+
+    def __init__(self, texts: list[str]) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.texts, self.gets = list(texts), 0
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = server.texts[min(server.gets, len(server.texts) - 1)].encode()
+                server.gets += 1
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+
+
+def test_slo_counts_read_the_slos_bucket_of_its_model() -> None:
+    from vllm_runbook.rules.slo import slo_counts
+
+    # 900 of 1000 within 1 s for model m; another model's 50 slow requests are not its.
+    assert slo_counts(ttft_slo(), ttft_metrics(900, 1000, other_model=50)) == (100.0, 1000.0)
+    assert slo_counts(ttft_slo(), "# nothing\n") is None
+    every_model = ttft_slo().model_copy(update={"model": None})
+    assert slo_counts(every_model, ttft_metrics(900, 1000, other_model=50)) == (150.0, 1050.0)
+
+
+def test_alert_slo_names_the_slo_and_pair_of_its_alerts() -> None:
+    from vllm_runbook.runbooks.executor import alert_slo
+
+    slo = ttft_slo()
+    found = alert_slo([slo], "alertmanager:VllmSloBurn_ttft_6h")
+    assert found is not None and (found[0].name, found[1].factor) == ("ttft", 6.0)
+    found = alert_slo([slo], "rules:VllmSloBurn_ttft_1h")
+    assert found is not None and found[1].factor == 14.4
+    assert alert_slo([slo], "rules:VllmSloBurn_e2e_1h") is None  # no such SLO
+    assert alert_slo([slo], "alice") is None
+
+
+@pytest.mark.parametrize(
+    ("bad_after", "outcome", "status"),
+    [
+        # Before: the 1 h pair's 14.4x. After: Δbad / Δall over the 1000 requests
+        # finished after the change took effect, / (1 - 0.99).
+        (10, "improved", "succeeded"),  # 1 % bad: burn rate 1 ≤ 80 % of 14.4
+        (144, "no measurable change", "failed"),  # 14.4 % bad: 14.4, as before
+        (200, "worse", "rolled_back"),  # 20 % bad: 20 > 14.4 + 10 %
+    ],
+)
+def test_an_slo_alerts_execution_verifies_on_the_slos_burn_rate(
+    make: Any, bad_after: int, outcome: str, status: str
+) -> None:
+    # Read before (the checks), at the change's first settled step (the mark:
+    # 100 bad of 1000), then 1000 more requests of which `bad_after` bad.
+    metrics = MetricsServer(
+        [
+            ttft_metrics(800, 1000),
+            ttft_metrics(900, 1000),
+            ttft_metrics(900 + 1000 - bad_after, 2000, other_model=500),
+        ]
+    )
+    try:
+        executor, agent = make()
+        executor.slos = [ttft_slo()]
+        executor.api_urls = {URL: metrics.url}
+        result = executor.execute(
+            runbook(),
+            URL,
+            trigger="alert",
+            who="alertmanager:VllmSloBurn_ttft_1h",
+            alert_fingerprint=f"slo-{bad_after}",
+            alert_starts_at=datetime(2026, 1, 1, tzinfo=UTC),
+        )
+    finally:
+        metrics.close()
+    v = result.record.verification
+    assert v is not None and result.record.status == status
+    assert (v["signal"], v["direction"], v["outcome"]) == ("slo_burn_rate", "decrease", outcome)
+    assert v["before"] == 14.4
+    assert v["after"] == pytest.approx(bad_after / 1000 / 0.01, rel=1e-12)
+    assert v["slo"] == {
+        "name": "ttft",
+        "objective": "99% of first tokens within 1s over 30d (m)",
+        "alert_burn_rate": 14.4,
+        "long_window_seconds": 3600.0,
+    }
+    assert v["needed"] == "slo_burn_rate ≤ 80% of before"
+    # The runbook's guards stay: requests_waiting did not move.
+    assert v["guards"]["requests_waiting"]["outcome"] == "ok"
+    # Worse is rolled back; the other verdicts keep the change.
+    kept = agent.knobs["max_num_batched_tokens"]
+    assert kept == (STARTUP["max_num_batched_tokens"] if outcome == "worse" else 256)
+    # One read before the change and one per verification poll.
+    assert metrics.gets == 1 + v["polls"]
+
+
+def test_a_cli_run_of_the_slos_runbook_verifies_on_its_own_signal(make: Any) -> None:
+    executor, agent = make(
+        FakeAgent([PRESSURE, PRESSURE, {**PRESSURE, "preemptions_per_minute": 6.0}])
+    )
+    executor.slos = [ttft_slo()]
+    result = executor.execute(runbook(), URL, who="alertmanager:VllmSloBurn_ttft_1h")
+    v = result.record.verification
+    assert v is not None and (v["signal"], v["outcome"]) == ("preemptions_per_minute", "improved")
+    assert agent.writes == [{"max_num_batched_tokens": 256}]
+
+
+def test_the_burn_rate_without_requests_after_the_change_is_unverified(make: Any) -> None:
+    metrics = MetricsServer([ttft_metrics(900, 1000)])  # no request after the change
+    try:
+        executor, _agent = make()
+        executor.slos = [ttft_slo()]
+        executor.api_urls = {URL: metrics.url}
+        result = executor.execute(
+            runbook(),
+            URL,
+            trigger="alert",
+            who="rules:VllmSloBurn_ttft_6h",
+            alert_fingerprint="slo-idle",
+            alert_starts_at=datetime(2026, 1, 1, tzinfo=UTC),
+        )
+    finally:
+        metrics.close()
+    v = result.record.verification
+    assert v is not None and v["before"] == 6.0
+    assert v["outcome"] == (
+        "unverified: slo_burn_rate after: no request finished since the change took effect"
+    )
+
+
+def test_a_pending_slo_execution_run_by_the_worker_verifies_on_the_burn_rate(
+    make: Any, store: Journal
+) -> None:
+    # As the webhook records it (who: alertmanager:<alertname>) and the worker runs it.
+    metrics = MetricsServer(
+        [ttft_metrics(800, 1000), ttft_metrics(900, 1000), ttft_metrics(1890, 2000)]
+    )
+    try:
+        executor, _agent = make(catalog=Catalog({"test-rb": runbook()}, {}))
+        executor.slos = [ttft_slo()]
+        executor.api_urls = {URL: metrics.url}
+        record, _ = store.create_execution(
+            "test-rb",
+            URL,
+            trigger="alert",
+            who="alertmanager:VllmSloBurn_ttft_1h",
+            alert_fingerprint="slo-worker",
+            alert_starts_at=datetime(2026, 1, 1, tzinfo=UTC),
+        )
+        result = executor.run_pending(record.id, approved=True)
+    finally:
+        metrics.close()
+    v = result.record.verification
+    assert v is not None and result.record.status == "succeeded"
+    # 10 bad of the 1000 after the change: 1 % / 1 % budget.
+    assert (v["signal"], v["before"], v["outcome"]) == ("slo_burn_rate", 14.4, "improved")
+    assert v["after"] == pytest.approx(1.0, rel=1e-12)
+    assert format_verification({**v, "after": 1.0, "measured_seconds": 5.0}) == (
+        "slo_burn_rate 14.4 → 1: improved [after: from step 101, over 5 s]; "
+        "SLO ttft: before = the 14.4x alert's rate"
+    )

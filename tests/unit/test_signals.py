@@ -147,7 +147,7 @@ def test_the_runbook_side_reads_exactly_the_registry() -> None:
     assert {n: s.reading for n, s in SIGNALS.items() if s.reading} == dict(sources.SOURCES)
     # What the reader returns for an agent's answer: every readable signal, no other name,
     # and from a full answer each has a value but a rate between two reads and the API
-    # server's.
+    # server's (the SLO burn rate among them: read by an SLO alert's execution only).
     bare = agent_state()  # no GPU, no per-tier queues, nothing finished
     assert set(sources.signals_from_state(bare)) == set(READABLE)
     read = sources.signals_from_state(full_state())
@@ -155,11 +155,12 @@ def test_the_runbook_side_reads_exactly_the_registry() -> None:
     assert [n for n, v in read.items() if v is None] == [
         "scheduled_tokens_per_second",
         "http_error_rate",
+        "slo_burn_rate",
     ]
     since = sources.since_signals(FakeAgent().state(since_step=5).since)  # type: ignore[arg-type]
     # Windowed signals, and the change's starving requests still waiting.
     assert set(since) <= sources.WINDOWED | {"starving_waiting"}
-    assert {"http_error_rate"} == sources.API_SIGNALS
+    assert {"http_error_rate", "slo_burn_rate"} == sources.API_SIGNALS
     assert set(READABLE) >= HIGHER_IS_WORSE
     assert set(sources.unavailable(bare, dict.fromkeys(READABLE))) == set(READABLE)
 
