@@ -798,9 +798,8 @@ class Panels:
                 "Configuration: KV cache and limits",
                 f"Block size: {M.CONFIG_BLOCK_SIZE.help} KV blocks: {M.CONFIG_NUM_GPU_BLOCKS.help} "
                 f"Memory: {M.CONFIG_GPU_MEMORY_UTILIZATION.help} Context: "
-                f"{M.CONFIG_MAX_MODEL_LEN.help} Chunked prefill: {M.CONFIG_CHUNKED_PREFILL.help} "
-                f"SMs: {M.CONFIG_GPU_SM_COUNT.help} (GPU only)",
-                12,
+                f"{M.CONFIG_MAX_MODEL_LEN.help} Chunked prefill: {M.CONFIG_CHUNKED_PREFILL.help}",
+                9,
             )
             .with_target(prom(Q.gauge(M.CONFIG_BLOCK_SIZE), "block size " + ENGINE_LEGEND))
             .with_target(prom(Q.gauge(M.CONFIG_NUM_GPU_BLOCKS), "KV blocks " + ENGINE_LEGEND))
@@ -811,8 +810,14 @@ class Panels:
             .with_target(
                 prom(Q.gauge(M.CONFIG_CHUNKED_PREFILL), "chunked prefill " + ENGINE_LEGEND)
             )
-            .with_target(prom(Q.gauge(M.CONFIG_GPU_SM_COUNT), "SMs " + ENGINE_LEGEND))
         )
+
+    def config_sm_count(self) -> stat.Panel:
+        return stat_panel(
+            "GPU SMs",
+            f"GPU-only: {M.CONFIG_GPU_SM_COUNT.help} (no data on a CPU engine).",
+            3,
+        ).with_target(prom(Q.gauge(M.CONFIG_GPU_SM_COUNT), "SMs " + ENGINE_LEGEND))
 
     def request_lengths(self) -> Graph:
         return (
@@ -945,7 +950,13 @@ def engine_overview(notes: Q.RuleNotes) -> dict[str, Any]:
             ),
             (
                 "Configuration and workload (as the engine resolved and sees them)",
-                [p.engine_config(), p.config_numbers(), p.request_lengths(), p.length_spread()],
+                [
+                    p.engine_config(),
+                    p.config_numbers(),
+                    p.config_sm_count(),
+                    p.request_lengths(),
+                    p.length_spread(),
+                ],
             ),
             ("Agent", [p.agent_health(), p.uptime()]),
         ],
