@@ -20,7 +20,12 @@ from typing import Any
 
 import pytest
 
-os.environ["VLLM_RUNBOOK_PORT"] = "off"  # no agent endpoint: nothing listens
+
+@pytest.fixture(autouse=True)
+def _no_agent_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No agent endpoint for these schedulers: nothing listens. Set per test, not
+    at import: the whole suite collects this file, and the engine tests need theirs."""
+    monkeypatch.setenv("VLLM_RUNBOOK_PORT", "off")
 
 
 BLOCK_SIZE = 16
