@@ -288,7 +288,7 @@ def test_an_agent_that_goes_away_shows_as_down_and_the_view_goes_on() -> None:
                 await pilot.pause()
                 assert _cells(app, "engines") == [
                     # FakeAgent's PRESSURE: a full cache, 24 running, 40 waiting.
-                    [name, "100.0%", "–", "0.0%", "24", "40 all", "0ms", "60.0", "–",
+                    [name, "100.0%", "–", "0.0%", "24", "40 all", "30s", "60.0", "–",
                      "512", "32", "priority", "off"],
                 ]  # fmt: skip
                 http.close()
