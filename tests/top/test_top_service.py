@@ -93,7 +93,7 @@ def test_approve_and_reject_by_keyboard_through_the_service(
                     await pilot.pause()
                     # The in-memory agent's state, through the service's /api/engines.
                     assert _cells(app, "engines") == [
-                        ["cpu-0", "100.0%", "–", "0.0%", "24", "40 all", "0ms", "60.0", "–",
+                        ["cpu-0", "100.0%", "–", "0.0%", "24", "40 all", "30s", "60.0", "–",
                          "512", "32", "priority", "off"],
                     ]  # fmt: skip
                     [finding] = _cells(app, "findings")
