@@ -577,16 +577,17 @@ class Run:
         hold = self._breaker_hold()
         if hold:
             raise Abort(ExecutionStatus.REFUSED, ExitCode.USAGE, hold)
-        nothing = self._nothing_to_improve()
-        if nothing:
-            # Not a failure: refused before any change, counts for no guardrail.
-            raise Abort(ExecutionStatus.REFUSED, ExitCode.OK, nothing)
         with admission(self.store, self.id, self.x.clock):
             refusal = self._required_guards_refusal() or guardrail_refusal(
                 self.store, self.spec, self.client.url, self.approved
             )
             if refusal:
                 raise Abort(ExecutionStatus.REFUSED, ExitCode.USAGE, refusal)
+            # After the guardrails (a cooldown is said as such), before any change.
+            nothing = self._nothing_to_improve()
+            if nothing:
+                # Not a failure: refused before any change, counts for no guardrail.
+                raise Abort(ExecutionStatus.REFUSED, ExitCode.OK, nothing)
             self.store.transition(self.id, ExecutionStatus.RUNNING)
         for index, step in enumerate(self.spec.steps):
             details: dict[str, Any] = {}
