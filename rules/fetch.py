@@ -17,6 +17,7 @@ over MAX_BODY is an error, not a scrape.
 
 from __future__ import annotations
 
+import base64
 import ssl
 from urllib.parse import urlsplit
 
@@ -43,7 +44,13 @@ class Fetcher:
     ) -> None:
         self.user_agent = user_agent
         self.ssl_context = ssl_context
-        self.auth = aiohttp.BasicAuth(*auth) if auth is not None else None
+        # Basic auth in UTF-8, as Prometheus' own clients send it (aiohttp's
+        # default is latin-1: a non-ASCII password would not match).
+        self.authorization = (
+            "Basic " + base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
+            if auth is not None
+            else None
+        )
         self.accept = accept
         self._session: aiohttp.ClientSession | None = None
 
@@ -63,8 +70,8 @@ class Fetcher:
                     "User-Agent": self.user_agent,
                     "Accept": self.accept,
                     "Accept-Encoding": "identity",
+                    **({"Authorization": self.authorization} if self.authorization else {}),
                 },
-                auth=self.auth,
                 auto_decompress=False,
                 trust_env=False,
                 timeout=aiohttp.ClientTimeout(total=None),  # the caller's timeout

@@ -30,7 +30,8 @@ the long window's error ratio (both backends).
 
 The embedded evaluator keeps the samples of the longest alert window (3 d)
 and no more: the budget left over `window` (30 d) is read from Prometheus
-(`runbook slo --prometheus URL`). docs/configuration.md gives the memory.
+(`runbook slo --prometheus URL`). docs/rules.md ("Memory of the embedded
+evaluator, and the 30-day window") gives the memory.
 """
 
 from __future__ import annotations

@@ -13,7 +13,11 @@ alert to both. One CPU vLLM engine with the plugin, started once, mid-test:
 3. alerts through Alertmanager: one naming the engine's instance runs
    oom-pressure on it in both services (the budget halves, then the runbook
    waits for its condition); one naming only the pod is ambiguous, one naming
-   an unknown pod matches nothing: refused, the journal says why;
+   an unknown pod matches nothing: refused, the journal says why. The engine
+   is idle, so the services deploy the shipped catalog with oom-pressure's
+   `acts_only_if` taken out (shipped, it refuses an engine without
+   preemptions: "nothing to improve", tests/executor/test_exec_matrix.py);
+   what is tested here is which engine an alert reaches, not the verdict;
 4. the engine leaves the file and stops while both executions wait: each ends
    "engine gone", nothing reverted, no retry; the engine leaves the inventories;
 5. Prometheus stops: the Prometheus-fed service keeps its last inventory (the
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +37,7 @@ from typing import Any
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from vllm_runbook.runbooks.spec import CATALOG_DIR
 
 from tests.engines import (
     PrometheusServer,
@@ -83,6 +89,17 @@ def service_config(tmp: Path, name: str, discovery: dict[str, Any]) -> Path:
     return path
 
 
+def acting_catalog(tmp: Path) -> Path:
+    """The shipped runbook catalog, with oom-pressure acting on an idle engine."""
+    out = tmp / "catalog"
+    shutil.copytree(CATALOG_DIR, out)
+    path = out / "oom-pressure.yaml"
+    doc = yaml.safe_load(path.read_text())
+    assert doc.pop("acts_only_if")  # the shipped runbook's idle-engine refusal
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return out
+
+
 def samples(svc: RunbookServe) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     out = {}
     for family in text_string_to_metric_families(svc.metrics()):
@@ -131,8 +148,9 @@ def test_fleet_followed_through_prometheus_and_file_sd(tiny_model: Path, tmp_pat
             tmp_path, "via-prometheus", {"prometheus": {"url": prom.url, "jobs": [JOB]}}
         )
         via_file = service_config(tmp_path, "via-file", {"file_sd": [str(sd)]})
-        a = stack.enter_context(RunbookServe.run(via_prom, tmp_path / "serve-prom.log"))
-        b = stack.enter_context(RunbookServe.run(via_file, tmp_path / "serve-file.log"))
+        catalog = ("--catalog", str(acting_catalog(tmp_path)))
+        a = stack.enter_context(RunbookServe.run(via_prom, tmp_path / "serve-prom.log", *catalog))
+        b = stack.enter_context(RunbookServe.run(via_file, tmp_path / "serve-file.log", *catalog))
         am_doc = yaml.safe_load(
             alertmanager_config(a.url + "/webhooks/alertmanager", tmp_path / "webhook.token")
         )

@@ -4,7 +4,10 @@ Alertmanager (the checked-in config, short timers) routing to `runbook serve`.
 
 A workload fills the small KV cache: VllmOOMPressure fires, oom-pressure runs
 (the budget halves, then max_num_seqs is capped because preemptions go on),
-preemptions fall, the alert resolves and the revert restores the knobs.
+preemptions fall; once the fix is judged the burst ends (its requests are
+aborted), the alert resolves and the revert restores the knobs of an engine at
+rest (under the burst its first stage would bring the storm back and the
+stepwise revert would halt, as it should).
 Twice, on the same engine, with a fresh journal each time (the cooldown is
 per journal):
   (a) Prometheus -> Alertmanager -> webhook (`runbook serve --no-rules`);
@@ -22,12 +25,16 @@ The runbook-activity panels are drawn into artifacts/runbook-activity/.
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import os
 import shutil
+import socket
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,6 +47,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from vllm_runbook.collector import metrics as M
+from vllm_runbook.collector.tiny_model import prompt_token_ids
 from vllm_runbook.dashboards import lint
 from vllm_runbook.dashboards.generate import DASHBOARDS_DIR
 from vllm_runbook.rules.model import load_catalog
@@ -70,7 +78,7 @@ from tests.service.processes import AlertmanagerServer, RunbookServe, alertmanag
 pytestmark = [pytest.mark.engine, pytest.mark.served, pytest.mark.service]
 
 TOKEN = "e2e-webhook-token"
-OVERRIDES = {"VllmOOMPressure": {"for": "2s", "window": "10s"}}
+OVERRIDES = {"VllmOOMPressure": {"for": "2s", "window": "30s"}}
 REQUESTS, PROMPT_TOKENS, OUTPUT_TOKENS = 64, 300, 300
 STARTUP = {"max_num_batched_tokens": 512, "max_num_seqs": 32}
 FINAL = (ExecutionStatus.SUCCEEDED, "failed", "rolled_back", ExecutionStatus.REFUSED)
@@ -184,6 +192,76 @@ class PathResult:
         return out
 
 
+class Burst:
+    """The workload: `n` completions at once, each on a connection of its own, so
+    that stop() can end the burst; vLLM aborts a request whose client went away."""
+
+    def __init__(self, served: ServedEngine, n: int, prompt: int, output: int) -> None:
+        self.url = urllib.parse.urlsplit(served.api_url)
+        self.model = served.model_id()
+        self.requests = [(prompt, output, 17 * i) for i in range(n)]
+        self.connections: list[http.client.HTTPConnection] = []
+        self.lock = threading.Lock()
+        self.stopped = False
+        self.pool = ThreadPoolExecutor(n)
+        self.futures: list[Future[bool]] = []
+
+    def __enter__(self) -> Burst:
+        self.futures = [self.pool.submit(self._one, *r) for r in self.requests]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        done = [f.result(timeout=120) for f in self.futures]
+        self.pool.shutdown()
+        assert any(done), "no request of the burst completed"
+
+    def _one(self, prompt: int, output: int, offset: int) -> bool:
+        """True when the completion came back, False when stop() ended it."""
+        body = json.dumps(
+            {
+                "model": self.model,
+                "prompt": prompt_token_ids(prompt, offset),
+                "max_tokens": output,
+                "ignore_eos": True,
+                "temperature": 0,
+            }
+        )
+        conn = http.client.HTTPConnection(self.url.hostname, self.url.port, timeout=300)
+        with self.lock:
+            if self.stopped:
+                return False
+            self.connections.append(conn)
+        try:
+            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            data = resp.read()
+            assert resp.status == 200, data[:300]
+            return True
+        except (OSError, http.client.HTTPException):
+            if self.stopped:
+                return False
+            raise
+        finally:
+            conn.close()
+
+    def stop(self) -> None:
+        with self.lock:
+            self.stopped = True
+            for conn in self.connections:
+                if conn.sock is not None:
+                    with contextlib.suppress(OSError):
+                        conn.sock.shutdown(socket.SHUT_RDWR)
+
+
+def idle(watch: AgentWatch) -> bool:
+    status, body = http_get(result_agent(watch) + "/v1/state", timeout=5)
+    if status != 200:
+        return False
+    stats = json.loads(body)["stats"]
+    return stats["num_requests_running"] == 0 and stats["num_requests_waiting"] == 0
+
+
 def wait_until(what: str, probe: Callable[[], Any], limit: float) -> Any:
     end = time.monotonic() + limit
     while time.monotonic() < end:
@@ -268,11 +346,7 @@ def one_path(
         at_start(svc)
         time.sleep(2)  # quiet scrapes first: the counters' baselines
         start = time.time()
-        with ThreadPoolExecutor(REQUESTS) as pool:
-            futures: list[Future[dict[str, Any]]] = [
-                pool.submit(served.complete, PROMPT_TOKENS, OUTPUT_TOKENS, 17 * i)
-                for i in range(REQUESTS)
-            ]
+        with Burst(served, REQUESTS, PROMPT_TOKENS, OUTPUT_TOKENS) as burst:
 
             def acted() -> dict[str, Any] | None:
                 rows = svc.get("/api/executions")
@@ -280,8 +354,12 @@ def one_path(
                 return first[-1] if first and first[-1]["status"] in FINAL else None
 
             execution = wait_until(f"{name}: oom-pressure finished", acted, 150)
-            for f in futures:
-                f.result(timeout=300)
+            # The burst ends once the fix is judged. Under the burst, the revert's
+            # first stage brings the storm back, and the stepwise revert rightly
+            # halts ("got worse"); the window (OVERRIDES) keeps the alert firing
+            # 30 s past the last preemption, which outlasts the verification.
+            burst.stop()
+        wait_until(f"{name}: the engine idle", lambda: idle(watch), 60)
         first_preemption = watch.first_preemption(start)
 
         def reverted() -> list[dict[str, Any]] | None:
@@ -290,7 +368,11 @@ def one_path(
             revert = next((r for r in rows if r["reverts_id"] == execution["id"]), None)
             # The original says reverted before the revert execution finishes.
             finished = revert is not None and revert["status"] in FINAL
-            return rows if done["status"] == ExecutionStatus.REVERTED and finished else None
+            if done["status"] != ExecutionStatus.REVERTED or not finished:
+                return None
+            # The worker counts the revert once the revert has returned, just
+            # after the journal says so: read the counts once they include it.
+            return rows if reverted_counted(svc) else None
 
         rows = wait_until(f"{name}: revert after the alert resolved", reverted, 90)
         result = PathResult(
@@ -305,6 +387,18 @@ def one_path(
                 result.metrics[(s.name, tuple(sorted(s.labels.items())))] = s.value
         at_end(svc)
     return result
+
+
+def reverted_counted(svc: RunbookServe) -> bool:
+    for family in text_string_to_metric_families(svc.metrics()):
+        for s in family.samples:
+            if (
+                s.name == "vllm_runbook_service_executions_total"
+                and s.labels == {"runbook": "oom-pressure", "status": ExecutionStatus.REVERTED}
+                and s.value >= 1
+            ):
+                return True
+    return False
 
 
 def check_remediation(result: PathResult, watch: AgentWatch) -> None:
