@@ -76,6 +76,38 @@ def test_scrape_feeds_the_evaluator(server: tuple[str, Exposition]) -> None:
     assert (event.engine, event.value) == (("llama-0", "tiny", "0"), 0.97)
 
 
+def test_a_target_that_leaves_is_forgotten_and_its_finding_resolves(
+    server: tuple[str, Exposition],
+) -> None:
+    """The inventory dropped an engine (discovery): its series go with it, so its
+    firing alert resolves at the next evaluation; one that stays keeps firing."""
+    url, exp = server
+    store = store_for_rules(RULES)
+    stays = Target(url + "?stays", "llama-1")
+    scraper = Scraper(store, [Target(url, "llama-0"), stays])
+    sink = MemoryIncidentSink()
+    evaluator = Evaluator(RULES, store, sink)
+    labels = {"model_name": "tiny", "engine": "0"}
+    exp.usage.labels(**labels).set(0.97)
+    exp.preemptions.labels(**labels)
+    scraper.scrape_once(now=1000.0)
+    exp.preemptions.labels(**labels).inc(3)
+    scraper.scrape_once(now=1010.0)
+    evaluator.evaluate(1010.0)
+    firing = {e.engine[0] for e in sink.of("VllmOOMPressure", "firing")}
+    assert firing == {"llama-0", "llama-1"}
+    removed = scraper.set_targets([stays])
+    assert [t.instance for t in removed] == ["llama-0"]
+    assert set(scraper.state) == {stays.url}
+    exp.preemptions.labels(**labels).inc(3)
+    scraper.scrape_once(now=1020.0)
+    evaluator.evaluate(1020.0)
+    assert [e.engine[0] for e in sink.of("VllmOOMPressure", "resolved")] == ["llama-0"]
+    assert {e.engine[0] for e in sink.of("VllmOOMPressure", "firing")} == {"llama-0", "llama-1"}
+    still = {k[0] for r, k, _ in evaluator.firing() if r.alert == "VllmOOMPressure"}
+    assert still == {"llama-1"}
+
+
 def test_unreachable_target_is_counted_not_raised(server: tuple[str, Exposition]) -> None:
     url, exp = server
     dead = Target(f"http://127.0.0.1:{free_port()}/metrics", "gone")

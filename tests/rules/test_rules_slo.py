@@ -36,10 +36,13 @@ from vllm_runbook.rules.slo import (
     BUDGET_LEFT,
     BURN_PAIRS,
     BURN_RATE,
+    VLLM_BUCKETS,
     WINDOWS,
     SloSpec,
     alert_name,
     error_ratio,
+    le_label,
+    series_of,
     slo_rule_groups,
     slo_rules,
     span,
@@ -51,6 +54,8 @@ PER_SCRAPE = 1000  # requests finished per scrape interval
 
 TTFT = SloSpec(name="ttft", objective="ttft", threshold=1.0, target=0.99)
 AVAILABILITY = SloSpec(name="avail", objective="availability", target=0.99)
+# End-to-end latency: 99.9 % of requests done within 5 s (a bucket bound of vLLM's).
+E2E = SloSpec(name="e2e", objective="e2e_latency", threshold=5.0, target=0.999)
 
 
 def burning(slo: SloSpec, burn: float, samples: int) -> list[tuple[str, str]]:
@@ -64,11 +69,13 @@ def burning(slo: SloSpec, burn: float, samples: int) -> list[tuple[str, str]]:
             series(name, f"0+{bad:g}x{samples}", finished_reason="error"),
             series(name, f"0+0x{samples}", finished_reason="abort"),
         ]
-    name = "vllm:time_to_first_token_seconds"
+    name = series_of(slo.objective)
+    bounds = VLLM_BUCKETS[slo.objective]
+    below = bounds[bounds.index(slo.threshold) - 1]  # not the SLO's bucket
     return [
         series(name + "_count", f"0+{PER_SCRAPE}x{samples}"),
-        series(name + "_bucket", f"0+{good / 2:g}x{samples}", le="0.5"),  # not the SLO's bucket
-        series(name + "_bucket", f"0+{good:g}x{samples}", le="1.0"),
+        series(name + "_bucket", f"0+{good / 2:g}x{samples}", le=le_label(below)),
+        series(name + "_bucket", f"0+{good:g}x{samples}", le=slo.le),
         series(name + "_bucket", f"0+{PER_SCRAPE}x{samples}", le="+Inf"),
     ]
 
@@ -190,7 +197,7 @@ def need_promtool() -> None:
 # Each pair at 1.1x and 0.9x its factor: the pairs expected to fire.
 CONSTANT = [
     (slo, pair.factor * scale)
-    for slo in (TTFT, AVAILABILITY)
+    for slo in (TTFT, E2E, AVAILABILITY)
     for pair in BURN_PAIRS
     for scale in (1.1, 0.9)
 ]
@@ -213,11 +220,11 @@ def test_evaluator_fires_each_pair_above_its_rate_only(case) -> None:
 
 
 def test_evaluator_is_quiet_below_the_slowest_pair() -> None:
-    for slo in (TTFT, AVAILABILITY):
+    for slo in (TTFT, E2E, AVAILABILITY):
         assert run_evaluator(slo, burning(slo, 0.9, 20), [600.0]) == {600.0: set()}
 
 
-@pytest.mark.parametrize("case", [*CONSTANT, (TTFT, 0.9), (AVAILABILITY, 0.9)], ids=_id)
+@pytest.mark.parametrize("case", [*CONSTANT, (TTFT, 0.9), (E2E, 0.9), (AVAILABILITY, 0.9)], ids=_id)
 def test_prometheus_agrees_on_a_constant_burn(case, tmp_path: Path) -> None:
     need_promtool()
     slo, burn = case

@@ -37,7 +37,7 @@ TARGETS = {
 class Recorder(BaseHTTPRequestHandler):
     seen: list[dict[str, Any]]
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+    def do_GET(self) -> None:
         self.seen.append({"path": self.path, "authorization": self.headers.get("Authorization")})
         body = json.dumps(TARGETS).encode()
         self.send_response(200)
@@ -79,9 +79,11 @@ def tls_prometheus(tmp_path: Path) -> Iterator[tuple[str, list[dict[str, Any]], 
         pytest.fail("openssl is needed to make the test's certificate")
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(
-        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
-        + ["-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost"]
-        + ["-addext", "subjectAltName=DNS:localhost"],
+        [
+            *(openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"),
+            *("-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost"),
+            *("-addext", "subjectAltName=DNS:localhost"),
+        ],
         check=True,
         capture_output=True,
     )
@@ -92,7 +94,8 @@ def tls_prometheus(tmp_path: Path) -> Iterator[tuple[str, list[dict[str, Any]], 
 
 
 def source(url: str, **auth: Any) -> PrometheusSD:
-    return PrometheusSD(PrometheusDiscovery.model_validate({"url": url, "jobs": ["agents"], **auth}))
+    config = {"url": url, "jobs": ["agents"], **auth}
+    return PrometheusSD(PrometheusDiscovery.model_validate(config))
 
 
 def test_bearer_token_file_is_sent(
@@ -102,7 +105,8 @@ def test_bearer_token_file_is_sent(
     (tmp_path / "token").write_text("s3cret-token\n")
     [engine] = source(url, bearer_token_file=str(tmp_path / "token")).read()
     assert engine.name == "127.0.0.1:9360" and engine.labels["pod"] == "p-0"
-    assert seen == [{"path": "/api/v1/targets?state=active", "authorization": "Bearer s3cret-token"}]
+    expected = {"path": "/api/v1/targets?state=active", "authorization": "Bearer s3cret-token"}
+    assert seen == [expected]
 
 
 def test_basic_auth_from_username_and_password_file(
