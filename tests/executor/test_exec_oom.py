@@ -25,6 +25,7 @@ from exec_harness import cli, cli_background, cli_json
 from vllm_runbook.rules.durations import parse_duration
 from vllm_runbook.runbooks.store import Journal
 
+from tests.catalogs import acting_catalog
 from tests.engines import InProcessEngine, free_port
 
 pytestmark = pytest.mark.engine
@@ -279,14 +280,14 @@ def test_oom_pressure_halves_the_budget_caps_seqs_and_preemptions_fall(
     assert again.returncode == 2 and "already reverted" in again.stderr
 
 
-@pytest.mark.skip(
-    reason="drives oom-pressure on an idle engine (no preemptions), which is now refused "
-    "'nothing to improve'; to be rewritten with a runbook that acts there (issue 26)"
-)
 def test_sigkill_while_verifying_then_history_and_revert(
-    oom_engine: InProcessEngine, db_url: str
+    oom_engine: InProcessEngine, db_url: str, tmp_path: Path
 ) -> None:
+    """The run is killed while it verifies: history says interrupted, the revert
+    works. On the idle engine the shipped oom-pressure is refused ("nothing to
+    improve"), so it runs from a catalog whose oom-pressure acts there."""
     eng, url = oom_engine, url_of(oom_engine)
+    catalog = ("--catalog", str(acting_catalog(tmp_path)))
     assert knobs(eng) == STARTUP
     time.sleep(WINDOW_S + 0.5)  # the idle engine's preemption window empties: no step 2
     proc = cli_background(
@@ -303,6 +304,7 @@ def test_sigkill_while_verifying_then_history_and_revert(
         "300",
         "--poll-seconds",
         "0.2",
+        *catalog,
     )
     store = Journal(db_url)
     try:
@@ -338,7 +340,7 @@ def test_sigkill_while_verifying_then_history_and_revert(
         assert (hand_over["action"], hand_over["status"]) == ("set_autopilot", "applied")
 
         # The dead run's engine lock does not block the revert.
-        reverted = cli("revert", str(execution_id), "--db", db_url)
+        reverted = cli("revert", str(execution_id), "--db", db_url, *catalog)
         assert reverted.returncode == 0, reverted.stderr
         assert knobs(eng) == STARTUP
         original = store.get_execution(execution_id)

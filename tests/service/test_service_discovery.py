@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,8 +36,8 @@ from typing import Any
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from vllm_runbook.runbooks.spec import CATALOG_DIR
 
+from tests.catalogs import acting_catalog
 from tests.engines import (
     PrometheusServer,
     ServedEngine,
@@ -87,17 +86,6 @@ def service_config(tmp: Path, name: str, discovery: dict[str, Any]) -> Path:
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path
-
-
-def acting_catalog(tmp: Path) -> Path:
-    """The shipped runbook catalog, with oom-pressure acting on an idle engine."""
-    out = tmp / "catalog"
-    shutil.copytree(CATALOG_DIR, out)
-    path = out / "oom-pressure.yaml"
-    doc = yaml.safe_load(path.read_text())
-    assert doc.pop("acts_only_if")  # the shipped runbook's idle-engine refusal
-    path.write_text(yaml.safe_dump(doc, sort_keys=False))
-    return out
 
 
 def samples(svc: RunbookServe) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
