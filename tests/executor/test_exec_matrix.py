@@ -19,16 +19,12 @@ shortens one) while the test steps the engine.
 from __future__ import annotations
 
 import os
-import threading
 import time
-from collections.abc import Callable, Iterator
-from datetime import UTC, datetime
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
-from vllm_runbook.runbooks.engine.client import EngineClient
+from matrix_bench import STARTUP, Bench
 from vllm_runbook.runbooks.executor import ExecutionResult, Executor
 from vllm_runbook.runbooks.render import format_signal
 from vllm_runbook.runbooks.store import Journal
@@ -38,15 +34,7 @@ from tests.engines import InProcessEngine
 pytestmark = pytest.mark.engine
 
 WINDOW_S = 10
-STARTUP = {
-    "max_num_batched_tokens": 512,
-    "max_num_seqs": 32,
-    "policy": "priority",
-    "autopilot": False,
-    "autopilot_target": 0.9,
-}
 LOW, HIGH = 10, 0  # vLLM: the lower value is served first
-PACE_S = 0.01
 
 
 @pytest.fixture(scope="module")
@@ -68,101 +56,6 @@ def engine(tiny_model: Path) -> Iterator[InProcessEngine]:
             os.environ["VLLM_RUNBOOK_WINDOW_SECONDS"] = saved
     yield eng
     eng.close()
-
-
-class Bench:
-    """One scenario: the engine, its agent, a fresh journal, and the executor."""
-
-    def __init__(self, engine: InProcessEngine, db_url: str, tag: str) -> None:
-        self.engine, self.tag = engine, tag
-        self.url = str(engine.collector.server.url)
-        self.client = EngineClient(self.url)
-        self.store = Journal(db_url)
-        self.executor = Executor(self.store, poll_seconds=0.2)
-        self.starts = datetime.now(UTC)
-        self.sent = 0
-        assert self.knobs() == STARTUP, "the previous scenario left the engine changed"
-
-    def knobs(self) -> dict[str, Any]:
-        return dict(httpx.get(self.url + "/v1/state", timeout=10).json()["knobs"])
-
-    def add(self, prompt: int, max_tokens: int, priority: int = 0) -> str:
-        rid = f"{self.tag}-{self.sent}"
-        self.engine.add(
-            rid, prompt, max_tokens=max_tokens, offset=97 * self.sent, priority=priority
-        )
-        self.sent += 1
-        return rid
-
-    def step(self) -> None:
-        if self.engine.engine.has_unfinished_requests():
-            self.engine.step()
-        time.sleep(PACE_S)
-
-    def while_running(
-        self, call: Callable[[], ExecutionResult | None], drive: Callable[[], None]
-    ) -> Any:
-        """`call` in a thread while `drive` steps the engine here."""
-        box: dict[str, Any] = {}
-
-        def target() -> None:
-            try:
-                box["result"] = call()
-            except BaseException as e:  # re-raised below, in the test's thread
-                box["error"] = e
-
-        thread = threading.Thread(target=target, daemon=True)
-        thread.start()
-        while thread.is_alive():
-            drive()
-        thread.join()
-        if "error" in box:
-            raise box["error"]
-        return box["result"]
-
-    def execute(
-        self, runbook: str, drive: Callable[[], None] | None = None, **kw: Any
-    ) -> ExecutionResult:
-        """As the service runs it for a firing alert (one episode per scenario)."""
-        result: ExecutionResult = self.while_running(
-            lambda: self.executor.execute(
-                runbook,
-                self.url,
-                trigger="alert",
-                who="alertmanager:matrix",
-                alert_fingerprint=f"fp-{self.tag}",
-                alert_starts_at=self.starts,
-                approved=True,
-                **kw,
-            ),
-            drive or self.step,
-        )
-        return result
-
-    def resolve(self, runbook: str, drive: Callable[[], None] | None = None) -> Any:
-        """The alert resolved: the service's revert (stepwise stages without waits)."""
-        return self.while_running(
-            lambda: self.executor.revert_on_resolve(
-                runbook, self.url, f"fp-{self.tag}", self.starts, healthy_period_seconds=0
-            ),
-            drive or self.step,
-        )
-
-    def abort_all(self) -> None:
-        """End this scenario's requests now (draining long ones costs minutes)."""
-        self.engine.engine.abort_request([f"{self.tag}-{i}" for i in range(self.sent)])
-        self.engine.run_until_done()
-
-    def finish(self) -> None:
-        """Abort what is left, put every knob back (whatever the scenario left), close
-        the journal."""
-        self.abort_all()
-        if self.knobs() != STARTUP:
-            self.client.restore()
-            self.engine.add(f"{self.tag}-restore", 8, max_tokens=1)  # a step applies it
-            self.engine.run_until_done()
-        assert self.knobs() == STARTUP
-        self.store.close()
 
 
 def refused_as_nothing_to_improve(bench: Bench, result: ExecutionResult, reason: str) -> None:
@@ -476,3 +369,24 @@ def test_oom_pressure_works_preemptions_fall_and_the_alert_resolving_restores(
     assert b.store.get_execution(record.id).status == "reverted"
     assert b.knobs() == STARTUP
     b.finish()
+
+
+def test_restore_cannot_work_when_the_engine_is_gone(db_url: str) -> None:
+    """The engine to restore does not answer: the restore cannot change that. It fails
+    before any change, in one journaled line that names the engine and why."""
+    from tests.engines import free_port
+
+    down = f"http://127.0.0.1:{free_port()}"
+    store = Journal(db_url)
+    try:
+        result = Executor(store, poll_seconds=0.2).execute(
+            "restore", down, trigger="cli", who="oncall", approved=True
+        )
+        record = result.record
+        assert (result.exit_code, record.status, record.steps) == (3, "failed", ())
+        assert record.error is not None
+        assert record.error.startswith(f"engine {down} unreachable: ")
+        assert "\n" not in record.error
+        assert store.get_execution(record.id).status == "failed"
+    finally:
+        store.close()

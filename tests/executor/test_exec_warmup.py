@@ -23,6 +23,7 @@ from vllm_runbook.runbooks.engine.warmup import warmup_prompt
 from vllm_runbook.runbooks.store import Journal
 from vllm_runbook.runbooks.store.models import STEP_FAILED, ExecutionStatus
 
+from tests.catalogs import catalog_with
 from tests.engines import ServedEngine, free_port, http_get, runbook_cli
 
 pytestmark = [pytest.mark.engine, pytest.mark.served]
@@ -152,6 +153,35 @@ def test_without_a_reachable_api_server_it_fails_in_one_line(
     assert delta(before, counters(served)) == dict.fromkeys(before, 0.0)
     execution, step = warmup_step(db_url)
     assert (execution.status, step.status) == (ExecutionStatus.FAILED, STEP_FAILED)
+
+
+def test_nothing_to_warm_up_on_an_engine_past_its_warm_up_period(
+    served: ServedEngine, db_url: str, tmp_path: Path
+) -> None:
+    """The shipped runbook acts only in an engine's first 600 s; this engine is not
+    that old, so the period is shortened to 1 s in a copy of the catalog (the
+    refusal reads the engine's real uptime). Nothing is sent, nothing fails."""
+    catalog = catalog_with(
+        tmp_path, "warmup", acts_only_if=[{"signal": "engine_uptime", "below": 1}]
+    )
+    before = counters(served)
+    cli = exec_warmup(db_url, served, "--vllm", served.api_url, "--catalog", str(catalog), "--json")
+    assert cli.returncode == 0, cli.stderr
+    assert delta(before, counters(served)) == dict.fromkeys(before, 0.0)
+    report = json.loads(cli.stdout)["execution"]
+    assert (report["status"], report["display_status"]) == ("refused", "nothing to improve")
+    uptime = report["checks"]["uptime"]["value"]
+    assert uptime >= 1
+    assert report["reason"].startswith("nothing to improve: engine_uptime = ")
+    assert report["reason"].endswith(", the runbook acts only if engine_uptime < 1")
+    assert report["steps"] == [] and report["error"] is None
+    store = Journal(db_url)
+    try:
+        [execution] = store.list_executions(runbook="warmup")
+        events = [e.event for e in store.events_of_execution(execution.id)]
+    finally:
+        store.close()
+    assert events == ["nothing to improve"]
 
 
 def test_prompts_are_exact_lengths_of_valid_ids_and_differ_from_the_first_token() -> None:

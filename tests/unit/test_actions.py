@@ -194,3 +194,31 @@ def test_every_catalog_action_is_registered_by_its_module() -> None:
         assert spec.fn.__name__ == spec.name
         assert issubclass(spec.params_model, ActionParams)
     assert D.gen_actions().count("\n| `") == len(registry)
+
+
+def test_a_verification_no_step_could_give_a_change_to_is_refused_with_its_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """warmup's steps change no knob: a verification there would never be judged, and the
+    catalog would promise a verdict the journal never shows."""
+    monkeypatch.chdir(tmp_path)
+    shipped = Path(__file__).resolve().parents[2] / "runbooks" / "catalog" / "warmup.yaml"
+    text = shipped.read_text(encoding="utf-8")
+    runbook, problems = load_runbook_file(shipped)
+    assert problems == [] and runbook is not None and runbook.verification is None
+    bad = tmp_path / "warmup.yaml"
+    lines = text.splitlines()
+    at = lines.index("guardrails:")
+    verification = [
+        "verification:",
+        "  signal: scheduled_tokens_per_second",
+        "  direction: increase",
+        "  deadline_seconds: 300",
+    ]
+    bad.write_text("\n".join(lines[:at] + verification + lines[at:]) + "\n", encoding="utf-8")
+    runbook, problems = load_runbook_file(bad)
+    assert runbook is None
+    assert [str(p) for p in problems] == [
+        f"warmup.yaml:{at + 1}: runbook warmup: verification is never judged: no step "
+        "changes a knob (remove it)"
+    ]

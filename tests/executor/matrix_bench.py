@@ -1,0 +1,124 @@
+"""The matrix tests' bench: one scenario's engine, agent, journal and executor.
+
+The executor runs in a thread of the test's process (the shipped catalog)
+while the test's thread steps the engine; each scenario starts and ends with
+the engine at its startup knobs."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+from vllm_runbook.runbooks.engine.client import EngineClient
+from vllm_runbook.runbooks.executor import ExecutionResult, Executor
+from vllm_runbook.runbooks.store import Journal
+
+from tests.engines import InProcessEngine
+
+STARTUP = {
+    "max_num_batched_tokens": 512,
+    "max_num_seqs": 32,
+    "policy": "priority",
+    "autopilot": False,
+    "autopilot_target": 0.9,
+}
+PACE_S = 0.01
+
+
+class Bench:
+    """One scenario: the engine, its agent, a fresh journal, and the executor."""
+
+    def __init__(self, engine: InProcessEngine, db_url: str, tag: str) -> None:
+        self.engine, self.tag = engine, tag
+        self.url = str(engine.collector.server.url)
+        self.client = EngineClient(self.url)
+        self.store = Journal(db_url)
+        self.executor = Executor(self.store, poll_seconds=0.2)
+        self.starts = datetime.now(UTC)
+        self.sent = 0
+        assert self.knobs() == STARTUP, "the previous scenario left the engine changed"
+
+    def knobs(self) -> dict[str, Any]:
+        return dict(httpx.get(self.url + "/v1/state", timeout=10).json()["knobs"])
+
+    def add(self, prompt: int, max_tokens: int, priority: int = 0) -> str:
+        rid = f"{self.tag}-{self.sent}"
+        self.engine.add(
+            rid, prompt, max_tokens=max_tokens, offset=97 * self.sent, priority=priority
+        )
+        self.sent += 1
+        return rid
+
+    def step(self) -> None:
+        if self.engine.engine.has_unfinished_requests():
+            self.engine.step()
+        time.sleep(PACE_S)
+
+    def while_running(
+        self, call: Callable[[], ExecutionResult | None], drive: Callable[[], None]
+    ) -> Any:
+        """`call` in a thread while `drive` steps the engine here."""
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                box["result"] = call()
+            except BaseException as e:  # re-raised below, in the test's thread
+                box["error"] = e
+
+        thread = threading.Thread(target=target, daemon=True)
+        thread.start()
+        while thread.is_alive():
+            drive()
+        thread.join()
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+
+    def execute(
+        self, runbook: str, drive: Callable[[], None] | None = None, **kw: Any
+    ) -> ExecutionResult:
+        """As the service runs it for a firing alert (one episode per scenario)."""
+        result: ExecutionResult = self.while_running(
+            lambda: self.executor.execute(
+                runbook,
+                self.url,
+                trigger="alert",
+                who="alertmanager:matrix",
+                alert_fingerprint=f"fp-{self.tag}",
+                alert_starts_at=self.starts,
+                approved=True,
+                **kw,
+            ),
+            drive or self.step,
+        )
+        return result
+
+    def resolve(self, runbook: str, drive: Callable[[], None] | None = None) -> Any:
+        """The alert resolved: the service's revert (stepwise stages without waits)."""
+        return self.while_running(
+            lambda: self.executor.revert_on_resolve(
+                runbook, self.url, f"fp-{self.tag}", self.starts, healthy_period_seconds=0
+            ),
+            drive or self.step,
+        )
+
+    def abort_all(self) -> None:
+        """End this scenario's requests now (draining long ones costs minutes)."""
+        self.engine.engine.abort_request([f"{self.tag}-{i}" for i in range(self.sent)])
+        self.engine.run_until_done()
+
+    def finish(self) -> None:
+        """Abort what is left, put every knob back (whatever the scenario left), close
+        the journal."""
+        self.abort_all()
+        if self.knobs() != STARTUP:
+            self.client.restore()
+            self.engine.add(f"{self.tag}-restore", 8, max_tokens=1)  # a step applies it
+            self.engine.run_until_done()
+        assert self.knobs() == STARTUP
+        self.store.close()
