@@ -46,6 +46,12 @@ def recommended_block_size(p50_prompt: int, p99_context: int) -> int:
     return 16
 
 
+def context_fragmentation(tokens: int, block_size: int) -> float:
+    """The share of a request's blocks left empty: 1 - tokens / (blocks x block size)."""
+    blocks = -(-tokens // block_size)
+    return 1.0 - tokens / (blocks * block_size) if blocks else 0.0
+
+
 def check_token_budget(state: AgentState) -> CheckResult:
     name, limit = "token budget", "2000-3000"
     budget = state.knobs.max_num_batched_tokens
@@ -83,9 +89,6 @@ def check_block_size(state: AgentState) -> CheckResult:
     p50 = int(workload.prompt_tokens.p50)
     p99 = int(workload.prompt_tokens.p99 or p50) + int(workload.output_tokens.p99 or 0)
     advice = recommended_block_size(p50, p99)
-    what_if = state.stats.block_fragmentation_at_block_size
-    own = what_if.get(str(config.block_size), state.stats.block_fragmentation_ratio)
-    shown = f"{config.block_size} (frag {100 * own:.0f}%)"
     reason = (
         f"the reports: 8 for 50-300-token chat, 16 over 32, 64 for 32k contexts, 128 beyond "
         f"64k; this mix (P50 prompt {p50}, P99 context {p99}) → {advice}"
@@ -93,9 +96,22 @@ def check_block_size(state: AgentState) -> CheckResult:
     if config.platform == "cpu" and advice % 32:
         reason += "; on CPU vLLM takes multiples of 32 only"
         advice = 32
+    if state.stats.num_requests_running:
+        # The live requests' fragmentation, at this block size and the others.
+        what_if = state.stats.block_fragmentation_at_block_size
+        own = what_if.get(str(config.block_size), state.stats.block_fragmentation_ratio)
+        at_advice = what_if.get(str(advice))
+        shown = f"{config.block_size} (frag {100 * own:.0f}%)"
+    else:
+        # Nothing runs now (the live fragmentation reads 0): the window's median
+        # request instead, prompt and output, as it would sit in its blocks.
+        context = p50 + int(workload.output_tokens.p50 or 0)
+        own, at_advice = context_fragmentation(context, config.block_size), None
+        if advice != config.block_size:
+            at_advice = context_fragmentation(context, advice)
+        shown = f"{config.block_size} (frag {100 * own:.0f}% at the P50 context {context})"
     if config.block_size == advice:
         return _result(name, limit, "pass", config.block_size, shown, reason)
-    at_advice = what_if.get(str(advice))
     if at_advice is not None:
         reason += f" (fragmentation there {100 * at_advice:.0f}%)"
     status: Status = "warn" if own >= FRAGMENTATION_GOAL else "pass"

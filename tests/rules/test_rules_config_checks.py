@@ -51,12 +51,16 @@ def state(
     prompts: LengthSummary | None = None,
     long_ratio: float | None = 0.0,
     what_if: dict[str, float] | None = None,
+    running: int = 24,
 ) -> AgentState:
     prompts = prompts or lengths(100, 400, 900, 1500)
     base = agent_state(
         {**STARTUP, "max_num_batched_tokens": 2048, "max_num_seqs": 64, "policy": "fcfs",
          **(knobs or {})},
-        {"block_fragmentation_at_block_size": what_if or {"16": 0.05, "32": 0.09}},
+        {
+            "block_fragmentation_at_block_size": what_if or {"16": 0.05, "32": 0.09},
+            "num_requests_running": running,
+        },
     )  # fmt: skip
     workload = Workload(
         window_seconds=60,
@@ -139,3 +143,16 @@ def test_block_size_by_length_mix() -> None:
     assert recommended_block_size(2000, 6000) == 16
     assert recommended_block_size(20_000, 40_000) == 64
     assert recommended_block_size(50_000, 100_000) == 128
+
+
+def test_on_an_idle_engine_the_block_size_is_judged_on_the_median_request() -> None:
+    """Nothing runs: the live fragmentation reads 0 at every size, so the window's
+    median request (P50 prompt + P50 output) is laid into blocks instead."""
+    s = state(config={"block_size": 128}, prompts=lengths(100, 200, 300, 400), running=0)
+    result = {r.name: r for r in run_config_checks(s)}["block size"]
+    # 200 + 200 = 400 tokens: 4 blocks of 128 (512, 22 % empty), 50 blocks of 8 (400).
+    assert (result.status, result.shown) == ("warn", "128 (frag 22% at the P50 context 400)")
+    assert "→ 8 (fragmentation there 0%); restart to change" in result.note
+    ok = state(config={"block_size": 8}, prompts=lengths(100, 200, 300, 400), running=0)
+    result = {r.name: r for r in run_config_checks(ok)}["block size"]
+    assert (result.status, result.shown) == ("pass", "8 (frag 0% at the P50 context 400)")
