@@ -263,19 +263,23 @@ def load_runbook_file(
             at = ("steps", i, "params")
             prefix = f"action {step['action']}: "
             problems += validation_problems(e, data, shown, at=at, prefix=prefix, runbook=name)
-    if runbook is not None and runbook.verification is not None and not problems:
-        # A change is what a verification judges: with no step that changes a
-        # knob it would never run, and the catalog would promise a verdict.
-        if not any(registry.get(s.action).mutating for s in runbook.steps):
-            line = locate(data, ("verification",))[1]
-            problems.append(
-                SyntaxProblem(
-                    "verification is never judged: no step changes a knob (remove it)",
-                    file=shown,
-                    line=line,
-                    runbook=name,
-                )
+    # A change is what a verification judges: with no step that changes a knob
+    # it would never run, and the catalog would promise a verdict.
+    if (
+        runbook is not None
+        and runbook.verification is not None
+        and not problems
+        and not any(registry.get(s.action).mutating for s in runbook.steps)
+    ):
+        line = locate(data, ("verification",))[1]
+        problems.append(
+            SyntaxProblem(
+                "verification is never judged: no step changes a knob (remove it)",
+                file=shown,
+                line=line,
+                runbook=name,
             )
+        )
     return (runbook if not problems else None), problems
 
 

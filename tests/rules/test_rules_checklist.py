@@ -297,6 +297,23 @@ def test_vllm_unreachable_exits_3(agent: Routes, capsys: pytest.CaptureFixture[s
             ["--engine", "http://h:1", "--scrapes", "two"],
             "argument --scrapes: invalid int value: 'two'",
         ),
+        (
+            ["--engine", "http://h:1", "--soak", "1h", "--scrapes", "5"],
+            "--soak takes its scrapes from DURATION / --interval: drop --scrapes",
+        ),
+        (["--engine", "http://h:1", "--config", "x.yaml"], "--config is read only with --soak"),
+        (
+            ["--engine", "http://h:1", "--soak", "10s"],
+            "--soak 10s is shorter than --interval 15 s",
+        ),
+        (
+            ["--engine", "http://h:1", "--soak", "an hour"],
+            "--soak: bad duration 'an hour': expected e.g. '30s', '5m', '1h30m'",
+        ),
+        (
+            ["--engine", "http://h:1", "--soak", "60"],
+            "--soak: bad duration '60': expected e.g. '30s', '5m', '1h30m'",
+        ),
     ],
 )
 def test_usage_errors_exit_2(
