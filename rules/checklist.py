@@ -35,6 +35,21 @@ REQUEST_SUCCESS = "vllm:request_success_total"
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]  # sample name -> (labels, value)
 
+# Every sample name a check reads (a long soak keeps only these of each scrape).
+READS: frozenset[str] = frozenset(
+    {
+        M.NVML_UP.name,
+        M.GPU_UTILIZATION.name,
+        M.GPU_MEMORY_USED.name,
+        M.REQUESTS_RUNNING.name,
+        M.BLOCK_FRAGMENTATION.name,
+        M.SCHEDULED_TOKENS.series_name,
+        M.PREEMPTIONS.series_name,
+        E2E_LATENCY + "_bucket",
+        REQUEST_SUCCESS,
+    }
+)
+
 
 @dataclass(frozen=True)
 class Scrape:

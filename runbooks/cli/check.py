@@ -24,6 +24,7 @@ import httpx
 from pydantic import ValidationError
 from vllm_runbook.collector.agent_api import AgentState, answer_error
 from vllm_runbook.rules.checklist import (
+    READS,
     CheckResult,
     Samples,
     Scrape,
@@ -132,6 +133,15 @@ class Soak:
         )
 
 
+def slim(s: Scrape) -> Scrape:
+    """Only the samples a check reads: a day's soak holds thousands of scrapes."""
+
+    def keep(samples: Samples) -> Samples:
+        return {name: v for name, v in samples.items() if name in READS}
+
+    return Scrape(s.at, keep(s.agent), keep(s.vllm) if s.vllm is not None else None)
+
+
 def soak_sample(
     agent: str,
     vllm: str | None,
@@ -152,7 +162,7 @@ def soak_sample(
         for i in range(scrapes):
             if i:
                 time.sleep(max(0.0, started + i * interval - time.time()))
-            out.append(scrape(client, agent, vllm, model, engine))
+            out.append(slim(scrape(client, agent, vllm, model, engine)))
             soak.cycle()
         state = fetch_state(client, agent)  # the workload over the soak's end
     return state, out, started

@@ -309,7 +309,9 @@ class ApiUrls(Mapping[str, str]):
 
 
 def _ambiguous(engines: list[EngineConfig]) -> Resolution:
-    names = ", ".join(e.name for e in engines[:5]) + (", ..." if len(engines) > 5 else "")
+    # Sorted: the inventory's order depends on which source answered first.
+    ordered = sorted(e.name for e in engines)
+    names = ", ".join(ordered[:5]) + (", ..." if len(engines) > 5 else "")
     return Resolution(
         None,
         f"{len(engines)} engines match the alert's labels ({names}): ambiguous, nothing runs",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from rule_server import Routes, serve
-from vllm_runbook.rules.checklist import Scrape, parse_exposition, run_checklist
+from vllm_runbook.rules.checklist import READS, Scrape, parse_exposition, run_checklist
 from vllm_runbook.runbooks.cli import main
 
 from tests.fake_agent import agent_state
@@ -337,3 +337,20 @@ def test_usage_error_as_an_operator_sees_it() -> None:
         "",
         "runbook: error: the following arguments are required: --engine\n",
     )
+
+
+def test_the_checks_read_only_the_samples_a_soak_keeps() -> None:
+    """A soak keeps only READS of each scrape: the checks give the same verdicts."""
+    from vllm_runbook.runbooks.cli.check import slim
+
+    unread = f"vllm_runbook_padding_ratio{{{ENGINE}}} 0.1\n"  # no check reads it
+    full = [
+        Scrape(float(t), parse_exposition(agent_text(running=2, frag=0.1, tokens=100.0 * t,
+               preemptions=t, nvml=1, util=(0.8,), mem=(1e9,)) + unread),
+               parse_exposition(vllm_text((5 * t, 8 * t, 9 * t, 10 * t), ok=10.0 * t, errors=t)))
+        for t in range(4)
+    ]  # fmt: skip
+    slimmed = [slim(s) for s in full]
+    assert all(set(s.agent) | set(s.vllm or {}) <= READS for s in slimmed)
+    assert all(len(s.agent) < len(f.agent) for s, f in zip(slimmed, full, strict=True))
+    assert run_checklist(slimmed, "tiny", "0", 1.0) == run_checklist(full, "tiny", "0", 1.0)
