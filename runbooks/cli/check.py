@@ -80,26 +80,6 @@ def scrape(client: httpx.Client, agent: str, vllm: str | None, model: str, engin
     return Scrape(at, parsed[0], parsed[1] if vllm else None)
 
 
-def sample(
-    agent: str,
-    vllm: str | None,
-    *,
-    scrapes: int,
-    interval: float,
-    timeout: float = 10.0,
-    sleep: Callable[[float], None] = time.sleep,
-) -> tuple[AgentState, list[Scrape]]:
-    with httpx.Client(timeout=timeout) as client:
-        state = fetch_state(client, agent)
-        model, engine = state.engine.model_name, state.engine.engine
-        out = []
-        for i in range(scrapes):
-            if i:
-                sleep(interval)
-            out.append(scrape(client, agent, vllm, model, engine))
-    return state, out
-
-
 class Soak:
     """The alert catalog evaluated on one engine, as the service does, during a soak."""
 
@@ -142,30 +122,35 @@ def slim(s: Scrape) -> Scrape:
     return Scrape(s.at, keep(s.agent), keep(s.vllm) if s.vllm is not None else None)
 
 
-def soak_sample(
+def sample(
     agent: str,
     vllm: str | None,
-    soak: Soak,
     *,
-    seconds: float,
+    scrapes: int,
     interval: float,
-    timeout: float,
-) -> tuple[AgentState, list[Scrape], float]:
-    """Scrape every `interval` for `seconds` (at least 2 scrapes); evaluate the rules
-    at each. Returns the state, the scrapes and when the soak started."""
-    scrapes = max(2, int(seconds // interval) + 1)
-    started = time.time()
+    timeout: float = 10.0,
+    sleep: Callable[[float], None] = time.sleep,
+    soak: Soak | None = None,
+) -> tuple[AgentState, list[Scrape]]:
+    """`scrapes` scrapes `interval` apart. With a `soak`, each is slimmed to what the
+    checks read and the rules are evaluated after it, and the state (the workload)
+    is read again at the end."""
     with httpx.Client(timeout=timeout) as client:
         state = fetch_state(client, agent)
         model, engine = state.engine.model_name, state.engine.engine
         out = []
         for i in range(scrapes):
             if i:
-                time.sleep(max(0.0, started + i * interval - time.time()))
-            out.append(slim(scrape(client, agent, vllm, model, engine)))
-            soak.cycle()
-        state = fetch_state(client, agent)  # the workload over the soak's end
-    return state, out, started
+                sleep(interval)
+            taken = scrape(client, agent, vllm, model, engine)
+            if soak is not None:
+                out.append(slim(taken))
+                soak.cycle()
+            else:
+                out.append(taken)
+        if soak is not None:
+            state = fetch_state(client, agent)  # the workload over the soak's end
+    return state, out
 
 
 def add_subcommands(subparsers: Any) -> argparse.ArgumentParser:
@@ -225,12 +210,14 @@ def cmd_check(args: argparse.Namespace) -> int:
     if bad:
         raise UsageError(bad[0])
     soak: Soak | None = None
+    started = time.time()
     if soak_seconds is not None:
         soak = Soak(agent, vllm, args.config)
         try:
-            state, scrapes, started = soak_sample(
-                agent, vllm, soak, seconds=soak_seconds, interval=interval, timeout=args.timeout
-            )
+            state, scrapes = sample(
+                agent, vllm, scrapes=max(2, int(soak_seconds // interval) + 1),
+                interval=interval, timeout=args.timeout, soak=soak,
+            )  # fmt: skip
         finally:
             soak.service.close()
     else:

@@ -6,10 +6,12 @@ the engine at its startup knobs."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -27,6 +29,26 @@ STARTUP = {
     "autopilot_target": 0.9,
 }
 PACE_S = 0.01
+
+
+def start_engine(model: Path, window_s: float) -> InProcessEngine:
+    """The matrix's engine (startup: STARTUP's knobs, 256 KV blocks of 32), its collector
+    window `window_s` seconds."""
+    saved = os.environ.get("VLLM_RUNBOOK_WINDOW_SECONDS")
+    os.environ["VLLM_RUNBOOK_WINDOW_SECONDS"] = str(window_s)
+    try:
+        return InProcessEngine.start(
+            model,
+            scheduling_policy=STARTUP["policy"],
+            max_num_seqs=STARTUP["max_num_seqs"],
+            max_num_batched_tokens=STARTUP["max_num_batched_tokens"],
+            num_gpu_blocks_override=256,
+        )
+    finally:
+        if saved is None:
+            os.environ.pop("VLLM_RUNBOOK_WINDOW_SECONDS", None)
+        else:
+            os.environ["VLLM_RUNBOOK_WINDOW_SECONDS"] = saved
 
 
 class Bench:

@@ -18,13 +18,12 @@ shortens one) while the test steps the engine.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from matrix_bench import STARTUP, Bench
+from matrix_bench import STARTUP, Bench, start_engine
 from vllm_runbook.runbooks.executor import ExecutionResult, Executor
 from vllm_runbook.runbooks.render import format_signal
 from vllm_runbook.runbooks.store import Journal
@@ -39,21 +38,7 @@ LOW, HIGH = 10, 0  # vLLM: the lower value is served first
 
 @pytest.fixture(scope="module")
 def engine(tiny_model: Path) -> Iterator[InProcessEngine]:
-    saved = os.environ.get("VLLM_RUNBOOK_WINDOW_SECONDS")
-    os.environ["VLLM_RUNBOOK_WINDOW_SECONDS"] = str(WINDOW_S)
-    try:
-        eng = InProcessEngine.start(
-            tiny_model,
-            scheduling_policy="priority",
-            max_num_seqs=32,
-            max_num_batched_tokens=512,
-            num_gpu_blocks_override=256,
-        )
-    finally:
-        if saved is None:
-            os.environ.pop("VLLM_RUNBOOK_WINDOW_SECONDS", None)
-        else:
-            os.environ["VLLM_RUNBOOK_WINDOW_SECONDS"] = saved
+    eng = start_engine(tiny_model, WINDOW_S)
     yield eng
     eng.close()
 

@@ -21,13 +21,12 @@ process with the shipped catalog while the test steps the engine.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from matrix_bench import STARTUP, Bench
+from matrix_bench import STARTUP, Bench, start_engine
 from vllm_runbook.collector.tiny_model import VOCAB_SIZE, prompt_token_ids
 from vllm_runbook.runbooks.render import format_signal
 from vllm_runbook.runbooks.verification import WORSE
@@ -44,21 +43,7 @@ PROMPT, OUTPUT = 208, 128
 
 @pytest.fixture(scope="module")
 def engine(tiny_model: Path) -> Iterator[InProcessEngine]:
-    saved = os.environ.get("VLLM_RUNBOOK_WINDOW_SECONDS")
-    os.environ["VLLM_RUNBOOK_WINDOW_SECONDS"] = str(WINDOW_S)
-    try:
-        eng = InProcessEngine.start(
-            tiny_model,
-            scheduling_policy="priority",
-            max_num_seqs=32,
-            max_num_batched_tokens=512,
-            num_gpu_blocks_override=256,
-        )
-    finally:
-        if saved is None:
-            os.environ.pop("VLLM_RUNBOOK_WINDOW_SECONDS", None)
-        else:
-            os.environ["VLLM_RUNBOOK_WINDOW_SECONDS"] = saved
+    eng = start_engine(tiny_model, WINDOW_S)
     collector = eng.collector
     start, first = collector.wall_clock(), collector.stats.steps
     collector.wall_clock = lambda: start + (collector.stats.steps - first) * STEP_S
