@@ -651,9 +651,7 @@ class AgentEngine:
         if self.journal is not None and self.execution_id is not None:
             if self.renew is not None:
                 self.renew()
-            row = self.journal.add_step(
-                self.execution_id, "set_knobs", {"phase": phase}, before=before
-            )
+            row = self.journal.add_step(self.execution_id, f"tune:{phase}", {}, before=before)
         try:
             result = self.client.set_knobs(**knobs)
         except EngineClientError as error:

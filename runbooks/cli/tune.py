@@ -208,7 +208,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         from vllm_runbook.runbooks.tune import format_report
 
         sys.stdout.write(format_report(report))
-        print(f"journal: execution #{record.id} (`runbook report {record.id}`)")
+        print(f"journal: execution #{record.id} (`runbook history {record.id}`)")
     if error is not None:
         print(f"runbook: error: {error}", file=sys.stderr)
     return code
