@@ -280,3 +280,46 @@ def test_the_restart_flags_carry_the_kept_values_and_the_checks_advice() -> None
         "chunked prefill",
         "memory utilisation",
     ]
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (("--sla-p99", "-1"), "argument --sla-p99: must be > 0 seconds, got -1"),
+        (("--window", "0"), "argument --window: must be > 0 seconds, got 0"),
+        (("--max-points", "x"), "argument --max-points: 'x' is not an integer"),
+        (
+            ("--sla-ttft-p99", "1"),
+            "--sla-ttft-p99 needs --vllm URL: TTFT comes from vLLM's /metrics",
+        ),
+        (("--dry-run", "--restore"), "--restore has nothing to restore in a --dry-run"),
+        (("--vllm", "ftp://x"), "--vllm: not an HTTP URL: 'ftp://x'"),
+        (("--speed", "1"), "unrecognized arguments: --speed 1"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2_before_the_engine_is_asked(
+    args: tuple[str, ...], error: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from vllm_runbook.runbooks.cli import main
+
+    # Port 9 (discard): nothing is asked of it, every refusal comes first.
+    code = main(["tune", "--engine", "http://127.0.0.1:9", *args])
+    assert (code, capsys.readouterr().err) == (ExitCode.USAGE, f"runbook: error: {error}\n")
+
+
+def test_an_engine_that_does_not_answer_is_exit_3_and_nothing_is_journaled(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import socket
+
+    from vllm_runbook.runbooks.cli import main
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    db = tmp_path / "runbook.db"
+    code = main(["tune", "--engine", f"127.0.0.1:{port}", "--db", f"sqlite:///{db}"])
+    err = capsys.readouterr().err
+    assert code == ExitCode.ENGINE and err.count("\n") == 1, err
+    assert err.startswith(f"runbook: error: engine http://127.0.0.1:{port} unreachable: ")
+    assert not db.exists()
