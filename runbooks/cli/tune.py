@@ -82,7 +82,13 @@ def add_subcommands(subparsers: Any) -> None:
     p.add_argument(
         "--restore", action="store_true", help="end at the startup values (report the best)"
     )
-    p.add_argument("--poll-seconds", type=_seconds, default=0.5, metavar="S")
+    p.add_argument(
+        "--poll-seconds",
+        type=_seconds,
+        default=0.5,
+        metavar="S",
+        help="seconds between reads of the agent while a point is held (default 0.5)",
+    )
     p.add_argument("--token", help="agent token (default: VLLM_RUNBOOK_TOKEN or the local one)")
     p.add_argument(
         "--timeout",

@@ -323,3 +323,40 @@ def test_an_engine_that_does_not_answer_is_exit_3_and_nothing_is_journaled(
     assert code == ExitCode.ENGINE and err.count("\n") == 1, err
     assert err.startswith(f"runbook: error: engine http://127.0.0.1:{port} unreachable: ")
     assert not db.exists()
+
+
+def test_a_lost_engine_ends_the_tune_saying_what_could_not_be_restored() -> None:
+    from vllm_runbook.runbooks.engine.client import EngineUnreachable
+
+    class Lost(FakeEngine):
+        lost = False
+
+        def _gone(self) -> None:
+            if self.lost:
+                raise EngineUnreachable("engine http://127.0.0.1:9 unreachable: refused")
+
+        def state(self) -> AgentState:
+            self._gone()
+            return super().state()
+
+        def apply(self, phase: str, knobs: Mapping[str, Any]) -> int:
+            self._gone()
+            return super().apply(phase, knobs)
+
+        def measure(self, from_step: int | None, seconds: float) -> Window:
+            if self.measured == 2:  # during the second point (seqs 8)
+                self.lost = True
+            self._gone()
+            return super().measure(from_step, seconds)
+
+    engine = Lost(kv_bound)
+    with pytest.raises(TuneStopped) as stopped:
+        Tuner(engine, TuneLimits(sla_e2e_p99=1.0), window_seconds=2).run()
+    assert stopped.value.code == ExitCode.ENGINE
+    assert str(stopped.value) == (
+        "engine lost (engine http://127.0.0.1:9 unreachable: refused): could not restore "
+        "max_num_seqs 32 (engine http://127.0.0.1:9 unreachable: refused): "
+        "`runbook revert` the execution when the engine is back"
+    )
+    assert "restart" not in stopped.value.report  # nothing read from a lost engine
+    assert engine.knobs["max_num_seqs"] == 8  # as it was left: the journal can revert it
