@@ -17,12 +17,33 @@ import argparse
 import json
 import signal
 import sys
+import time
 from typing import Any
 
 from vllm_runbook.runbooks.cli.errors import UsageError
 from vllm_runbook.runbooks.exit_codes import ExitCode
 
 TUNE_RUNBOOK = "tune"
+
+
+class Refused(Exception):
+    """A guardrail refused the run before any change."""
+
+
+def _tune_spec() -> Any:
+    """tune as the guardrails see it: no cooldown (a person asked for it), at most
+    6 runs per engine and hour, and counted in the blast radius (one engine under
+    remediation or tuning at once), like a runbook."""
+    from vllm_runbook.runbooks.spec import Runbook
+
+    return Runbook.model_validate(
+        {
+            "name": TUNE_RUNBOOK,
+            "description": "the reports' five tuning steps (runbook tune)",
+            "steps": [{"action": "advise", "params": {"text": "-"}}],
+            "guardrails": {"cooldown_seconds": 0, "max_runs_per_hour": 6},
+        }
+    )
 
 
 def _seconds(text: str) -> float:
@@ -110,7 +131,7 @@ def _interrupt(signum: int, frame: Any) -> None:
 def cmd_tune(args: argparse.Namespace) -> int:
     from vllm_runbook.runbooks.engine.client import CommandRefused, EngineClient, normalize_url
     from vllm_runbook.runbooks.executor import default_who
-    from vllm_runbook.runbooks.guardrails import engine_lock
+    from vllm_runbook.runbooks.guardrails import admission, engine_lock, guardrail_refusal
     from vllm_runbook.runbooks.outcome import EngineBusy
     from vllm_runbook.runbooks.store import Journal, ensure_schema
     from vllm_runbook.runbooks.store.models import ExecutionStatus
@@ -129,6 +150,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
             raise UsageError(f"--vllm: not an HTTP URL: {args.vllm!r}") from None
     client.state()  # unreachable or not an agent: ENGINE, before anything is journaled
     limits = TuneLimits(sla_e2e_p99=args.sla_p99, sla_ttft_p99=args.sla_ttft_p99)
+    spec = _tune_spec()
     store = Journal(ensure_schema(args.db))
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -156,7 +178,17 @@ def cmd_tune(args: argparse.Namespace) -> int:
         )
 
         def run() -> tuple[dict[str, Any], ExitCode, str | None]:
-            store.transition(record.id, ExecutionStatus.RUNNING)
+            refusal = guardrail_refusal(store, spec, client.url, approved=True)
+            if not args.dry_run:
+                with admission(store, record.id, time.monotonic):
+                    refusal = guardrail_refusal(store, spec, client.url, approved=True)
+                    if refusal is not None:
+                        raise Refused(refusal)
+                    store.transition(record.id, ExecutionStatus.RUNNING)
+            else:
+                store.transition(record.id, ExecutionStatus.RUNNING)
+            if refusal is not None:
+                tuner.events.append(f"a real run would be refused now: {refusal}")
             try:
                 report = tuner.run()
             except TuneStopped as stopped:
@@ -172,7 +204,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
                 with engine_lock(store, client.url, record.id) as renew:
                     engine.renew = renew
                     report, code, error = run()
-        except EngineBusy as busy:
+        except (EngineBusy, Refused) as busy:
             store.transition(record.id, ExecutionStatus.REFUSED, reason=str(busy))
             print(f"runbook: error: {busy}", file=sys.stderr)
             return ExitCode.USAGE

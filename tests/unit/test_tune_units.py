@@ -360,3 +360,34 @@ def test_a_lost_engine_ends_the_tune_saying_what_could_not_be_restored() -> None
     )
     assert "restart" not in stopped.value.report  # nothing read from a lost engine
     assert engine.knobs["max_num_seqs"] == 8  # as it was left: the journal can revert it
+
+
+def test_tune_is_refused_by_the_blast_radius_like_a_runbook(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from vllm_runbook.runbooks.cli import main
+    from vllm_runbook.runbooks.store import Journal, ensure_schema
+    from vllm_runbook.runbooks.store.models import ExecutionStatus
+
+    from tests.fake_agent import AgentHTTP
+
+    db = ensure_schema(f"sqlite:///{tmp_path / 'runbook.db'}")
+    journal = Journal(db)
+    other, _ = journal.create_execution(
+        "oom-pressure", "http://10.0.0.2:9360", trigger="cli", who="someone"
+    )
+    journal.transition(other.id, ExecutionStatus.RUNNING)  # another engine under remediation
+    agent = AgentHTTP()
+    try:
+        code = main(["tune", "--engine", agent.url, "--token", "t", "--db", db, "--window", "1"])
+    finally:
+        agent.close()
+    assert (code, capsys.readouterr().err) == (
+        ExitCode.USAGE,
+        "runbook: error: blast radius: 1 other engine(s) under remediation "
+        "(at most 1 at once for tune)\n",
+    )
+    assert agent.agent.writes == []  # refused before any change
+    tune = journal.list_executions()[0]
+    assert (tune.runbook, tune.status) == ("tune", "refused")
+    journal.close()
