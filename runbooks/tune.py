@@ -377,13 +377,13 @@ class Tuner:
         }
         try:
             self._steps(state)
+            self._finish(started)  # --restore talks to the engine too
         except KeyboardInterrupt:
             self._stop("interrupted", ExitCode.INTERRUPTED, started)
         except EngineUnreachable as lost:
             self._stop(f"engine lost ({lost})", ExitCode.ENGINE, started)
         except EngineClientError as error:  # refused mid-run (a bound moved): back too
             self._stop(f"stopped ({error})", error.exit_code, started)
-        self._finish(started)
         return self.report
 
     def _steps(self, state: AgentState) -> None:
