@@ -649,8 +649,7 @@ class AgentEngine:
         before = {k: getattr(self.client.state().knobs, k) for k in knobs}
         row = None
         if self.journal is not None and self.execution_id is not None:
-            if self.renew is not None:
-                self.renew()
+            self._renew()
             row = self.journal.add_step(self.execution_id, f"tune:{phase}", {}, before=before)
         try:
             result = self.client.set_knobs(**knobs)
@@ -692,9 +691,17 @@ class AgentEngine:
                 buckets[bound] = buckets.get(bound, 0.0) + value
         return buckets
 
-    def _wait(self) -> None:
-        if self.renew is not None:
+    def _renew(self) -> None:
+        """Keep the engine's lock; a lapsed one stops the tune (and restores)."""
+        if self.renew is None:
+            return
+        try:
             self.renew()
+        except Exception as error:  # the guardrails' Abort: the lease lapsed
+            raise EngineClientError(str(error)) from None
+
+    def _wait(self) -> None:
+        self._renew()
         self.sleep(self.poll_seconds)
 
     def measure(self, from_step: int | None, seconds: float) -> Window:
