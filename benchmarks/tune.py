@@ -201,6 +201,10 @@ def rounds(
         seconds.append(report["tune_seconds"])
         broken.append(report["sla_broken_share"])
         a2.append(x.hold(knobs, args.eval_seconds).throughput or 0.0)
+        if args.show_tune:
+            from vllm_runbook.runbooks.tune import format_report
+
+            print(format_report(report), flush=True)
         print(
             f"  {workload} round {n + 1}: static {a[-1]:.0f}, tune kept {kept_text[-1]} "
             f"{tuned[-1]:.0f} ({'meets' if kept_meets[-1] else 'FAILS'}), static again "
@@ -243,6 +247,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-points", type=int, default=12, help="tune's --max-points")
     parser.add_argument("--workloads", default="long,short")
+    parser.add_argument(
+        "--show-tune", action="store_true", help="print each tune's report (every point)"
+    )
     parser.add_argument(
         "--sla-p99",
         default="long=60,short=20",
