@@ -18,7 +18,7 @@ never fails `runbook check`; a fail does.
 
 from __future__ import annotations
 
-from vllm_runbook.collector.agent_api import AgentState
+from vllm_runbook.collector.agent_api import AgentState, EngineConfig, Workload
 from vllm_runbook.rules.checklist import CheckResult, Status
 
 BUDGET_SAFE, BUDGET_BEST = 2048, (2000, 3000)
@@ -50,6 +50,22 @@ def context_fragmentation(tokens: int, block_size: int) -> float:
     """The share of a request's blocks left empty: 1 - tokens / (blocks x block size)."""
     blocks = -(-tokens // block_size)
     return 1.0 - tokens / (blocks * block_size) if blocks else 0.0
+
+
+def block_size_advice(config: EngineConfig, workload: Workload) -> tuple[int, str]:
+    """The block size to restart with for the window's length mix, and the reports'
+    reason (`runbook check` and `runbook tune` both give this advice)."""
+    p50 = int(workload.prompt_tokens.p50 or 0)
+    p99 = int(workload.prompt_tokens.p99 or p50) + int(workload.output_tokens.p99 or 0)
+    advice = recommended_block_size(p50, p99)
+    reason = (
+        f"the reports: 8 for 50-300-token chat, 16 over 32, 64 for 32k contexts, 128 beyond "
+        f"64k; this mix (P50 prompt {p50}, P99 context {p99}) → {advice}"
+    )
+    if config.platform == "cpu" and advice % 32:
+        reason += "; on CPU vLLM takes multiples of 32 only"
+        advice = 32
+    return advice, reason
 
 
 def check_token_budget(state: AgentState) -> CheckResult:
@@ -86,16 +102,8 @@ def check_block_size(state: AgentState) -> CheckResult:
             name, limit, "n/a", None, "n/a",
             "no request reached the engine in the window: no length mix to judge by",
         )  # fmt: skip
+    advice, reason = block_size_advice(config, workload)
     p50 = int(workload.prompt_tokens.p50)
-    p99 = int(workload.prompt_tokens.p99 or p50) + int(workload.output_tokens.p99 or 0)
-    advice = recommended_block_size(p50, p99)
-    reason = (
-        f"the reports: 8 for 50-300-token chat, 16 over 32, 64 for 32k contexts, 128 beyond "
-        f"64k; this mix (P50 prompt {p50}, P99 context {p99}) → {advice}"
-    )
-    if config.platform == "cpu" and advice % 32:
-        reason += "; on CPU vLLM takes multiples of 32 only"
-        advice = 32
     if state.stats.num_requests_running:
         # The live requests' fragmentation, at this block size and the others.
         what_if = state.stats.block_fragmentation_at_block_size

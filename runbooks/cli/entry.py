@@ -24,6 +24,7 @@ from vllm_runbook.runbooks.cli import (
     serve,
     slo,
     top,
+    tune,
 )
 from vllm_runbook.runbooks.cli.errors import UsageError, exit_code, message
 from vllm_runbook.runbooks.exit_codes import ExitCode
@@ -38,6 +39,7 @@ COMMAND_GROUPS: tuple[Any, ...] = (
     rules,
     slo,
     check,
+    tune,
     serve,
     report,
     demo,

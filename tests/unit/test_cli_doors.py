@@ -113,6 +113,7 @@ def engine_doors(url: str, db: str, timeout: str = "20") -> list[list[str]]:
             *("exec", "oom-pressure", "--engine", url, "--token", "t", "--dry-run"),
             *("--db", db, "--timeout", timeout, "--poll-seconds", "0"),
         ],
+        ["tune", "--engine", url, "--token", "t", "--timeout", timeout, "--db", db],
     ]
 
 
