@@ -6,11 +6,16 @@ with vLLM's plain Scheduler, one with `vllm_runbook.collector.scheduler.RunbookS
 hook). Rounds alternate between them, so drift on a shared machine hits both.
 
 Prints output tokens/s of both and their ratio, then what the whole hook costs
-per step at 16, 64 and 256 running requests (each request 192 tokens out, so
-every workload has the same decode steps): every wrapper (the scheduler lock,
-schedule/update_from_output/add_request/finish_requests with their callbacks,
-the prefix-cache wrapper), measured as time in the mixin's methods minus time
-in vLLM's methods they call, per step and as a share of the engine step.
+at 16, 64 and 256 running requests (each request 192 tokens out, so every
+workload has the same decode steps): every wrapper (the scheduler lock,
+schedule/update_from_output/add_request/finish_requests/_free_request with
+their callbacks, the prefix-cache wrapper), measured as time in the mixin's
+methods minus time in vLLM's methods they call. Three figures, medians of
+the rounds: all of it per step; the steady state, a decode step that admits
+and finishes nothing (the median of such steps: what grows with the batch,
+if anything does); and what is left per request (its arrival, first
+schedule and finish: a workload of more requests has more of it per step).
+Then the share of the engine step's wall time.
 
 Then the end-to-end cost, as a new user meets it (`--e2e-rounds`, 0 skips
 it): three resident engines, each EngineCore in its own process (spawned, so
@@ -26,6 +31,7 @@ without against each other, medians of the per-round ratios.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -42,7 +48,10 @@ else:  # in-process cores: the hook's methods are timed in this process
 os.environ.setdefault("VLLM_RUNBOOK_PORT", "0")
 
 # The table's header row, as docs/benchmarks.md shows it (a test compares them).
-HEADER = " running | tok/s without | tok/s with |  ratio | hook µs/step | share of step | steps"
+HEADER = (
+    " running | tok/s without | tok/s with |  ratio | hook µs/step "
+    "| decode step µs | µs/request | share of step | steps"
+)
 
 ENGINE_ARGS = dict(
     block_size=32,
@@ -88,16 +97,36 @@ def run_workload(llm, running: int, round_no: int) -> tuple[int, float]:  # type
     return sum(len(o.outputs[0].token_ids) for o in outs), elapsed
 
 
-HOOKED_METHODS = ("schedule", "update_from_output", "add_request", "finish_requests")
+HOOKED_METHODS = (
+    "schedule",
+    "update_from_output",
+    "add_request",
+    "finish_requests",
+    "_free_request",
+)
 
 
-def hook_costs(llm, running: int) -> tuple[float, float, int]:  # type: ignore[no-untyped-def]
+@dataclasses.dataclass
+class HookCost:
+    """One measured run of a workload on the "with" engine."""
+
+    per_step_us: float  # all hook time / steps (arrivals and finishes included)
+    decode_step_us: float  # median over steps that admitted and finished nothing
+    per_request_us: float  # what is left, per request (its arrival, admission, finish)
+    share: float  # of the engine step's wall time
+    steps: int
+
+
+def hook_costs(llm, running: int, round_no: int) -> HookCost:  # type: ignore[no-untyped-def]
     """What the whole hook costs the "with" engine on one workload: every
     wrapper (the scheduler lock, schedule/update_from_output/add_request/
-    finish_requests and their on_* callbacks, the prefix-cache wrapper) as the
-    time spent in the mixin's methods minus the time in vLLM's own methods
-    they call. Returns (µs per step, share of the engine step's wall time,
-    steps)."""
+    finish_requests/_free_request and their on_* callbacks, the prefix-cache
+    wrapper) as the time spent in the mixin's methods minus the time in vLLM's
+    own methods they call (nested calls cancel out: _free_request runs inside
+    vLLM's update_from_output). Each step's share is kept apart, so the steady
+    state (a decode step at `running` requests: what grows with the batch) is
+    told from the per-request work (arrival, first schedule, finish), which a
+    workload of more requests has more of per step."""
     from vllm_runbook.collector.hook import RunbookSchedulerMixin
 
     engine = llm.llm_engine
@@ -106,7 +135,7 @@ def hook_costs(llm, running: int) -> tuple[float, float, int]:  # type: ignore[n
     base = RunbookSchedulerMixin
     vllm_cls = next(c for c in type(scheduler).__mro__ if c.__module__.startswith("vllm.v1"))
     spent = {"outer": 0.0, "inner": 0.0, "prefix": 0.0, "step": 0.0}
-    steps = [0]
+    steps: list[tuple[float, bool]] = []  # (hook seconds, admitted or finished something)
     saved = {}
 
     def timed(fn, key: str):  # type: ignore[no-untyped-def]
@@ -119,6 +148,9 @@ def hook_costs(llm, running: int) -> tuple[float, float, int]:  # type: ignore[n
 
         return wrapper
 
+    def hook_total() -> float:
+        return spent["outer"] - spent["inner"] + spent["prefix"]
+
     for name in HOOKED_METHODS:
         saved[(base, name)] = base.__dict__[name]
         saved[(vllm_cls, name)] = vllm_cls.__dict__[name]
@@ -130,22 +162,39 @@ def hook_costs(llm, running: int) -> tuple[float, float, int]:  # type: ignore[n
     original_step = engine.step
 
     def step():  # type: ignore[no-untyped-def]
-        steps[0] += 1
+        before, admitted, finished = (
+            hook_total(),
+            collector.requests.first_schedules,
+            sum(collector.requests.log.by_reason.values()),
+        )
         t = time.perf_counter()
         try:
             return original_step()
         finally:
             spent["step"] += time.perf_counter() - t
+            changed = (
+                collector.requests.first_schedules != admitted
+                or sum(collector.requests.log.by_reason.values()) != finished
+            )
+            steps.append((hook_total() - before, changed))
 
     engine.step = step
     try:
-        run_workload(llm, running, 10_000)
+        run_workload(llm, running, 10_000 + round_no)
     finally:
         for (cls, name), fn in saved.items():
             setattr(cls, name, fn)
         del collector.stats.on_prefix_lookup, engine.step
-    hook = spent["outer"] - spent["inner"] + spent["prefix"]
-    return hook / steps[0] * 1e6, hook / spent["step"], steps[0]
+    hook = hook_total()
+    decode = statistics.median(t for t, changed in steps if not changed)
+    n = WORKLOADS[running][0]
+    return HookCost(
+        per_step_us=hook / len(steps) * 1e6,
+        decode_step_us=decode * 1e6,
+        per_request_us=(hook - decode * len(steps)) / n * 1e6,
+        share=hook / spent["step"],
+        steps=len(steps),
+    )
 
 
 def e2e_prompt_lengths(round_no: int) -> list[int]:
@@ -246,22 +295,30 @@ def main() -> None:
     rows = []
     for running in WORKLOADS:
         tps: dict[str, list[float]] = {"without": [], "with": []}
+        costs: list[HookCost] = []
         for r in range(args.rounds):
             order = ("without", "with") if r % 2 == 0 else ("with", "without")
             for name in order:
                 tokens, elapsed = run_workload(engines[name], running, r + 1)
                 tps[name].append(tokens / elapsed)
-        per_step, share, steps = hook_costs(engines["with"], running)
+            costs.append(hook_costs(engines["with"], running, r))
         without, with_ = statistics.median(tps["without"]), statistics.median(tps["with"])
-        rows.append((running, without, with_, with_ / without, per_step, share, steps))
+        cost = HookCost(
+            *(
+                statistics.median(getattr(c, field.name) for c in costs)
+                for field in dataclasses.fields(HookCost)
+            )
+        )
+        rows.append((running, without, with_, with_ / without, cost))
 
     print(f"\ncollector overhead, tiny CPU model, {args.rounds} alternated rounds (medians)")
     print(HEADER)
     print("-" * len(HEADER))
-    for running, without, with_, ratio, cost, share, n in rows:
+    for running, without, with_, ratio, c in rows:
         print(
             f"{running:>8} | {without:>13.0f} | {with_:>10.0f} | {ratio:>6.3f} | "
-            f"{cost:>12.1f} | {100 * share:>12.2f}% | {n:>5}"
+            f"{c.per_step_us:>12.1f} | {c.decode_step_us:>14.1f} | {c.per_request_us:>10.1f} | "
+            f"{100 * c.share:>12.2f}% | {c.steps:>5.0f}"
         )
     if args.e2e_rounds:
         del engines

@@ -52,10 +52,9 @@ from vllm_runbook.runbooks.config import BreakerConfig
 from vllm_runbook.runbooks.engine.client import EngineClient, EngineClientError, EngineUnreachable
 from vllm_runbook.runbooks.exit_codes import ExitCode, RunbookError
 
-# The reports' limits: a point is kept under 0.1 % OOM rate; the breaker trips over 1 %.
+# The reports' limit: a point is kept under 0.1 % OOM rate (the breaker trips over
+# its own limits, BreakerConfig's: 1 % OOM rate, 0.5 % errors).
 OOM_RATE_LIMIT: Final = 0.001
-BREAKER_OOM_RATE: Final = 0.01
-BREAKER_ERROR_RATE: Final = 0.005
 # The breaker's rates are over at least this many requests (one preemption
 # among the first few requests of a short window is not a storm).
 BREAKER_MIN_FINISHED: Final = 20
@@ -188,14 +187,12 @@ def judge_point(w: Window, limits: TuneLimits) -> tuple[list[str], bool]:
     return failures, broken
 
 
+_BREAKER: Final = BreakerConfig(min_finished=BREAKER_MIN_FINISHED)
+
+
 def breach_of(seconds: float, preemptions: int, finished: int, errors: int) -> str | None:
     """The circuit breaker's absolute limits on a window so far (breaker.judge)."""
-    config = BreakerConfig(
-        preemption_rate=BREAKER_OOM_RATE,
-        error_rate=BREAKER_ERROR_RATE,
-        min_finished=BREAKER_MIN_FINISHED,
-    )
-    trip = breaker_judge(Measurement(seconds, preemptions, finished, errors), config)
+    trip = breaker_judge(Measurement(seconds, preemptions, finished, errors), _BREAKER)
     return None if trip is None else trip.text
 
 
