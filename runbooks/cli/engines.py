@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 from vllm_runbook.collector.agent_api import POLICIES, AgentState, AutopilotState, ChangeResult
 from vllm_runbook.collector.autopilot import parse_switch, parse_target
+from vllm_runbook.runbooks.cli.argtypes import positive_seconds
 from vllm_runbook.runbooks.cli.errors import UsageError
 from vllm_runbook.runbooks.engine.client import EngineClient, EngineClientError
 from vllm_runbook.runbooks.exit_codes import ExitCode
@@ -278,16 +279,6 @@ def cmd_restore(args: argparse.Namespace) -> int:
     return _each_engine(args, lambda c: c.restore(dry_run=args.dry_run))
 
 
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError("must be a number of seconds > 0")
-    return value
-
-
 def add_subcommands(sub: Any) -> None:
     """Mount `status`, `set` and `restore` on the `runbook` command's subparsers."""
 
@@ -309,7 +300,7 @@ def add_subcommands(sub: Any) -> None:
         )
         p.add_argument(
             "--timeout",
-            type=_positive_seconds,
+            type=positive_seconds,
             default=DEFAULT_TIMEOUT,
             metavar="S",
             help=f"seconds to wait for each engine's answer (default {DEFAULT_TIMEOUT:g})",

@@ -17,6 +17,7 @@ import json
 import sys
 from typing import Any
 
+from vllm_runbook.runbooks.cli.argtypes import non_negative_seconds, positive_seconds
 from vllm_runbook.runbooks.cli.journal import add_catalog_option
 from vllm_runbook.runbooks.engine.client import CommandRefused, normalize_url
 from vllm_runbook.runbooks.executor import ExecutionResult, Executor
@@ -24,23 +25,6 @@ from vllm_runbook.runbooks.exit_codes import ExitCode
 from vllm_runbook.runbooks.render import render_report
 from vllm_runbook.runbooks.spec import load_catalog
 from vllm_runbook.runbooks.store import Journal, ensure_schema
-
-
-def _non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError("must be >= 0")
-    return value
-
-
-def _positive(text: str) -> float:
-    value = _non_negative(text)
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError("must be > 0")
-    return value
 
 
 def add_subcommands(subparsers: Any) -> None:
@@ -57,19 +41,19 @@ def add_subcommands(subparsers: Any) -> None:
     p.add_argument("--yes", action="store_true", help="approve a runbook that requires approval")
     p.add_argument(
         "--verify-seconds",
-        type=_non_negative,
+        type=non_negative_seconds,
         metavar="S",
         help="verification deadline (default: the runbook's)",
     )
     p.add_argument(
         "--condition-seconds",
-        type=_non_negative,
+        type=non_negative_seconds,
         metavar="S",
         help="wait before evaluating a step's `when` (default: the runbook's after_seconds)",
     )
     p.add_argument(
         "--poll-seconds",
-        type=_non_negative,
+        type=non_negative_seconds,
         default=1.0,
         metavar="S",
         help="seconds between signal reads while waiting (default 1)",
@@ -86,11 +70,11 @@ def add_subcommands(subparsers: Any) -> None:
     )
     p.add_argument(
         "--healthy-seconds",
-        type=_non_negative,
+        type=non_negative_seconds,
         metavar="S",
         help="healthy period between stages (default: the runbook's)",
     )
-    p.add_argument("--poll-seconds", type=_non_negative, default=1.0, metavar="S")
+    p.add_argument("--poll-seconds", type=non_negative_seconds, default=1.0, metavar="S")
     _common(p)
     p.set_defaults(func=cmd_revert)
 
@@ -99,7 +83,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token", help="agent token (default: VLLM_RUNBOOK_TOKEN or the local one)")
     p.add_argument(
         "--timeout",
-        type=_positive,
+        type=positive_seconds,
         default=35.0,
         metavar="S",
         help="seconds to wait for each answer of the engine's agent (default 35)",

@@ -19,6 +19,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from vllm_runbook.runbooks.cli.argtypes import positive_int
 from vllm_runbook.runbooks.cli.errors import UsageError
 from vllm_runbook.runbooks.exit_codes import ExitCode
 from vllm_runbook.runbooks.render import format_table, format_value, render_report
@@ -65,7 +66,7 @@ def add_subcommands(subparsers: Any) -> None:
     history.add_argument("id", nargs="?", type=int, help="show one execution in full")
     history.add_argument("--engine", metavar="URL", help="only executions on this engine")
     history.add_argument("--runbook", metavar="NAME", help="only executions of this runbook")
-    history.add_argument("--limit", type=_positive_int, default=20, help="at most N (default 20)")
+    history.add_argument("--limit", type=positive_int, default=20, help="at most N (default 20)")
     history.add_argument("--json", action="store_true", help="machine-readable output")
     add_db_option(history)
     history.set_defaults(func=cmd_history)
@@ -89,16 +90,6 @@ def add_subcommands(subparsers: Any) -> None:
     show.add_argument("--token", help="agent token (default: VLLM_RUNBOOK_TOKEN or the local one)")
     add_catalog_option(show)
     show.set_defaults(func=cmd_show)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value
 
 
 def _print_json(data: Any) -> None:

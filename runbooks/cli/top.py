@@ -19,7 +19,8 @@ import logging
 from typing import Any
 
 from vllm_runbook.rules.errors import CatalogError
-from vllm_runbook.runbooks.cli.engines import _positive_seconds, engine_urls
+from vllm_runbook.runbooks.cli.argtypes import positive_seconds
+from vllm_runbook.runbooks.cli.engines import engine_urls
 from vllm_runbook.runbooks.cli.errors import UsageError
 from vllm_runbook.runbooks.cli.journal import add_db_option
 from vllm_runbook.runbooks.exit_codes import ExitCode
@@ -58,14 +59,14 @@ def add_subcommands(sub: Any) -> None:
     )
     p.add_argument(
         "--interval",
-        type=_positive_seconds,
+        type=positive_seconds,
         default=DEFAULT_INTERVAL,
         metavar="S",
         help=f"seconds between refreshes (default {DEFAULT_INTERVAL:g})",
     )
     p.add_argument(
         "--timeout",
-        type=_positive_seconds,
+        type=positive_seconds,
         default=DEFAULT_TIMEOUT,
         metavar="S",
         help=f"seconds to wait for each answer (default {DEFAULT_TIMEOUT:g})",

@@ -20,6 +20,7 @@ import sys
 import time
 from typing import Any
 
+from vllm_runbook.runbooks.cli.argtypes import positive_int, positive_seconds
 from vllm_runbook.runbooks.cli.errors import UsageError
 from vllm_runbook.runbooks.exit_codes import ExitCode
 
@@ -46,26 +47,6 @@ def _tune_spec() -> Any:
     )
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
-    return value
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
-
-
 def add_subcommands(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "tune",
@@ -77,24 +58,24 @@ def add_subcommands(subparsers: Any) -> None:
         "--vllm", metavar="URL", help="the engine's vLLM API server: TTFT from its /metrics"
     )
     p.add_argument(
-        "--sla-p99", type=_seconds, metavar="S", help="P99 end-to-end latency SLA, seconds"
+        "--sla-p99", type=positive_seconds, metavar="S", help="P99 end-to-end latency SLA, seconds"
     )
     p.add_argument(
         "--sla-ttft-p99",
-        type=_seconds,
+        type=positive_seconds,
         metavar="S",
         help="P99 time-to-first-token SLA, seconds (needs --vllm)",
     )
     p.add_argument(
         "--window",
-        type=_seconds,
+        type=positive_seconds,
         default=30.0,
         metavar="S",
         help="seconds each point is held and measured (default 30)",
     )
     p.add_argument(
         "--max-points",
-        type=_count,
+        type=positive_int,
         default=12,
         metavar="N",
         help="settings measured besides the baseline, at most (default 12)",
@@ -105,7 +86,7 @@ def add_subcommands(subparsers: Any) -> None:
     )
     p.add_argument(
         "--poll-seconds",
-        type=_seconds,
+        type=positive_seconds,
         default=0.5,
         metavar="S",
         help="seconds between reads of the agent while a point is held (default 0.5)",
@@ -113,7 +94,7 @@ def add_subcommands(subparsers: Any) -> None:
     p.add_argument("--token", help="agent token (default: VLLM_RUNBOOK_TOKEN or the local one)")
     p.add_argument(
         "--timeout",
-        type=_seconds,
+        type=positive_seconds,
         default=35.0,
         metavar="S",
         help="seconds to wait for each answer of the engine's agent (default 35)",
