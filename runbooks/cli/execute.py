@@ -80,6 +80,12 @@ def add_subcommands(subparsers: Any) -> None:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
+    add_agent_options(p)
+    add_catalog_option(p)
+
+
+def add_agent_options(p: argparse.ArgumentParser) -> None:
+    """The options of a command that changes an engine through its agent, journaled."""
     p.add_argument("--token", help="agent token (default: VLLM_RUNBOOK_TOKEN or the local one)")
     p.add_argument(
         "--timeout",
@@ -91,7 +97,6 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--who", help="who is acting (default: the login name)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--db", metavar="URL", help="database URL (default: $RUNBOOK_DB_URL or SQLite)")
-    add_catalog_option(p)
 
 
 def _executor(args: argparse.Namespace, store: Journal) -> Executor:

@@ -22,6 +22,7 @@ from typing import Any
 
 from vllm_runbook.runbooks.cli.argtypes import positive_int, positive_seconds
 from vllm_runbook.runbooks.cli.errors import UsageError
+from vllm_runbook.runbooks.cli.execute import add_agent_options
 from vllm_runbook.runbooks.exit_codes import ExitCode
 
 TUNE_RUNBOOK = "tune"
@@ -91,17 +92,7 @@ def add_subcommands(subparsers: Any) -> None:
         metavar="S",
         help="seconds between reads of the agent while a point is held (default 0.5)",
     )
-    p.add_argument("--token", help="agent token (default: VLLM_RUNBOOK_TOKEN or the local one)")
-    p.add_argument(
-        "--timeout",
-        type=positive_seconds,
-        default=35.0,
-        metavar="S",
-        help="seconds to wait for each answer of the engine's agent (default 35)",
-    )
-    p.add_argument("--who", help="who is acting (default: the login name)")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--db", metavar="URL", help="database URL (default: $RUNBOOK_DB_URL or SQLite)")
+    add_agent_options(p)
     p.set_defaults(func=cmd_tune)
 
 
