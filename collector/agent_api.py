@@ -482,6 +482,7 @@ class EngineConfig(_Answer):
     """KV cache blocks allocated (usable; on CPU: in RAM)."""
     num_cpu_blocks: int | None
     gpu_memory_utilization: float
+    """As vLLM sizes the KV cache with it (vLLM 0.34: resolved when not set)."""
     max_model_len: int
     max_num_seqs: int
     """At start (the live value is in `knobs`)."""
@@ -514,6 +515,9 @@ class EngineConfig(_Answer):
     """Streaming multiprocessors of the first GPU."""
     device_reason: str | None
     """Why device_name or sm_count is null."""
+    extensible_kv_cache: bool = False
+    """vLLM >= 0.34's extensible KV cache: sized from the memory free after
+    warm-up; gpu_memory_utilization is then 1.0 unless set."""
 
 
 class LengthSummary(_Answer):

@@ -48,10 +48,14 @@ class EngineConfig:
     device_name: str | None
     sm_count: int | None
     device_reason: str | None
+    # vLLM >= 0.34: the KV cache sized from the memory free after warm-up
+    # (gpu_memory_utilization then 1.0 unless set); False before 0.34.
+    extensible_kv_cache: bool = False
 
     @classmethod
     def of(cls, scheduler: Any, device: tuple[str | None, int | None, str | None]) -> EngineConfig:
         """From the scheduler's VllmConfig; `device`: (name, SM count, why missing)."""
+        from vllm_runbook.collector.adapters.memory_utilization import memory_utilization
         from vllm_runbook.collector.settings import vllm_version
 
         config = scheduler.vllm_config
@@ -66,6 +70,7 @@ class EngineConfig:
         except Exception:
             platform = "unknown"
         name, sm_count, reason = device
+        utilization, extensible = memory_utilization(cache)
         if platform == "cpu":
             reason = "CPU engine: no GPU"
         return cls(
@@ -73,7 +78,7 @@ class EngineConfig:
             # vLLM's block pool counts one null block; the usable blocks are one fewer.
             num_gpu_blocks=int(scheduler.kv_cache_manager.block_pool.num_gpu_blocks) - 1,
             num_cpu_blocks=None if cache.num_cpu_blocks is None else int(cache.num_cpu_blocks),
-            gpu_memory_utilization=float(cache.gpu_memory_utilization),
+            gpu_memory_utilization=utilization,
             max_model_len=int(model.max_model_len),
             max_num_seqs=int(sched.max_num_seqs),
             max_num_active_seqs=None
@@ -102,6 +107,7 @@ class EngineConfig:
             device_name=None if platform == "cpu" else name,
             sm_count=None if platform == "cpu" else sm_count,
             device_reason=reason,
+            extensible_kv_cache=extensible,
         )
 
     def as_dict(self) -> dict[str, Any]:

@@ -53,6 +53,10 @@ class StepStats:
 
         self._blocks_have_nulls = type(group0) is not FullAttentionManager
         self._usable_blocks = self.block_pool.num_gpu_blocks - 1  # minus vLLM's null block
+        # Resumed requests: among the cached ones up to vLLM 0.33, the new ones in 0.34.
+        from vllm_runbook.collector.adapters.resumed_requests import resumed_ids_reader
+
+        self._resumed_ids = resumed_ids_reader()
 
         compilation = scheduler.vllm_config.compilation_config
         mode = compilation.cudagraph_mode
@@ -164,7 +168,7 @@ class StepStats:
         cached_ids = cached.req_ids
         new_tokens = sum(scheduled[r.req_id] for r in new_reqs) if new_reqs else 0
         if (
-            not cached.resumed_req_ids
+            not self._resumed_ids(cached)
             and len(cached_ids) == len(sums)
             and tokens - new_tokens == len(cached_ids)
         ):

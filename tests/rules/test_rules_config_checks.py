@@ -156,3 +156,17 @@ def test_on_an_idle_engine_the_block_size_is_judged_on_the_median_request() -> N
     ok = state(config={"block_size": 8}, prompts=lengths(100, 200, 300, 400), running=0)
     result = {r.name: r for r in run_config_checks(ok)}["block size"]
     assert (result.status, result.shown) == ("pass", "8 (frag 0% at the P50 context 400)")
+
+
+def test_vllm_034s_extensible_kv_cache_is_not_judged_as_a_fraction() -> None:
+    """vLLM 0.34 on CUDA sizes the KV cache from the memory free after
+    warm-up (gpu_memory_utilization resolves to 1.0): the reports' headroom
+    rule is for a fixed fraction, so it says n/a instead of an OOM risk."""
+    extensible = state(config={"gpu_memory_utilization": 1.0, "extensible_kv_cache": True})
+    results = {r.name: (r.status, r.note) for r in run_config_checks(extensible)}
+    assert results["memory headroom"] == (
+        "n/a",
+        "extensible KV cache: vLLM sizes it from the memory free after warm-up, not a fraction",
+    )
+    fixed = state(config={"gpu_memory_utilization": 1.0})
+    assert {r.name: r.status for r in run_config_checks(fixed)}["memory headroom"] == "fail"

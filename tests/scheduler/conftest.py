@@ -145,14 +145,16 @@ def step(scheduler: Any) -> Step:
         request = scheduler.requests[rid]
         done = request.num_computed_tokens >= request.num_prompt_tokens
         sampled.append([7] if done else [])
-    runner = ModelRunnerOutput(
+    fields = dict(
         req_ids=ids,
-        req_id_to_index={rid: i for i, rid in enumerate(ids)},
         sampled_token_ids=sampled,
         logprobs=None,
         prompt_logprobs_dict={},
         pooler_output=[],
     )
+    if "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__:  # vLLM <= 0.33
+        fields["req_id_to_index"] = {rid: i for i, rid in enumerate(ids)}
+    runner = ModelRunnerOutput(**fields)
     scheduler.update_from_output(output, runner)
     preempted = sorted(getattr(output, "preempted_req_ids", None) or [])
     return Step(dict(output.num_scheduled_tokens), preempted, running)

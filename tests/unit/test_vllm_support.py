@@ -113,3 +113,40 @@ def test_the_holding_queue_is_skipped_waiting() -> None:
     assert s.kv_holding_waiting == ["x"]
     s.kv_holding_waiting = ["y"]  # a policy switch replaces the queue
     assert s.skipped_waiting == ["y"]
+
+
+class _CacheConfig033:
+    """vLLM <= 0.33: the utilisation is always set."""
+
+    gpu_memory_utilization = 0.9
+
+
+class _CacheConfig034:
+    """vLLM 0.34: None unless set, resolved by a property."""
+
+    def __init__(self, set_to: float | None, extensible: bool | None) -> None:
+        self.gpu_memory_utilization = set_to
+        self.enable_extensible_kv_cache = extensible
+
+    @property
+    def resolved_gpu_memory_utilization(self) -> float:
+        if self.gpu_memory_utilization is not None:
+            return self.gpu_memory_utilization
+        return 1.0 if self.enable_extensible_kv_cache else 0.92
+
+
+@pytest.mark.parametrize(
+    ("cache", "expected"),
+    [
+        (_CacheConfig033(), (0.9, False)),
+        (_CacheConfig034(None, True), (1.0, True)),  # CUDA's default
+        (_CacheConfig034(None, None), (0.92, False)),  # CPU: never resolved to extensible
+        (_CacheConfig034(0.8, True), (0.8, True)),
+    ],
+)
+def test_the_memory_utilisation_the_kv_cache_is_sized_with(
+    cache: Any, expected: tuple[float, bool]
+) -> None:
+    from vllm_runbook.collector.adapters.memory_utilization import memory_utilization
+
+    assert memory_utilization(cache) == expected
