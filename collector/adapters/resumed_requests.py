@@ -30,7 +30,7 @@ def resumed_ids_reader() -> Callable[[Any], Collection[str]]:
 
 
 def _resumed_req_ids(cached: Any) -> Collection[str]:
-    return cached.resumed_req_ids  # type: ignore[no-any-return]
+    return cached.resumed_req_ids
 
 
 def _none(cached: Any) -> Collection[str]:
