@@ -316,7 +316,8 @@ CONFIG_NUM_GPU_BLOCKS = _spec(
 CONFIG_GPU_MEMORY_UTILIZATION = _spec(
     "config_gpu_memory_utilization",
     "gauge",
-    "--gpu-memory-utilization: the share of device memory vLLM may use (on CPU: of RAM for KV).",
+    "--gpu-memory-utilization: the share of device memory vLLM may use (on CPU: of RAM for KV); "
+    "vLLM 0.34: as resolved when not set, 1.0 with its extensible KV cache.",
 )
 CONFIG_MAX_MODEL_LEN = _spec("config_max_model_len", "gauge", "Longest context the engine accepts.")
 CONFIG_CHUNKED_PREFILL = _spec(

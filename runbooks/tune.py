@@ -203,12 +203,15 @@ def breach_of(seconds: float, preemptions: int, finished: int, errors: int) -> s
     return None if trip is None else trip.text
 
 
-def beats(point: Point, best: Point) -> bool:
-    """Whether `point` should replace `best` (both meet the limits): faster
-    beyond a tie, or within a tie (TIE_SHARE) and less restrictive."""
+def beats(point: Point, best: Point, fastest: float) -> bool:
+    """Whether `point` should replace `best` (both meet the limits; `fastest`:
+    the highest throughput measured among those that do, `point` included):
+    faster beyond a tie, or within a tie (TIE_SHARE) of both `best` and the
+    fastest and less restrictive. The kept point is never more than a tie
+    below the fastest: ties do not chain."""
     if point.throughput > (1 + TIE_SHARE) * best.throughput:
         return True
-    if point.throughput < (1 - TIE_SHARE) * best.throughput:
+    if point.throughput < (1 - TIE_SHARE) * max(best.throughput, fastest):
         return False
     return _headroom(point.knobs) > _headroom(best.knobs)
 
@@ -496,7 +499,8 @@ class Tuner:
         """Update the best; False when the walk of this knob should end."""
         best = self.best
         if point.ok:
-            if best is None or beats(point, best):
+            fastest = max([p.throughput for p in self.points if p.ok], default=0.0)
+            if best is None or beats(point, best, fastest):
                 self.best = point
                 return True
             return point.throughput >= (1 - STOP_DROP) * best.throughput or not stop

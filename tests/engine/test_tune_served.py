@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from vllm_runbook.runbooks.store import Journal
+from vllm_runbook.runbooks.tune import TIE_SHARE
 
 from tests.engines import (
     REPO_ROOT,
@@ -122,7 +123,9 @@ def test_tune_walks_within_the_startup_values_and_journals_every_point(
         assert done.returncode == 0
         best = points[report["kept_point"]]
         assert best["meets"] and {k: kept[k] for k in STARTUP} == best["knobs"]
-        assert best["throughput"] == max(p["throughput"] for p in points if p["meets"])
+        # The fastest, or within a tie of it (TIE_SHARE: the less restrictive one).
+        fastest = max(p["throughput"] for p in points if p["meets"])
+        assert best["throughput"] >= (1 - TIE_SHARE) * fastest, (best, fastest)
     # --restore: the engine ends at its startup values, and says so.
     assert report["ended_with"] == STARTUP and knobs(served) == STARTUP
     assert report["outcome"].endswith("--restore: every knob back at its startup value")
@@ -147,7 +150,8 @@ def test_tune_walks_within_the_startup_values_and_journals_every_point(
 def test_a_dry_run_changes_nothing(served: ServedEngine, traffic: None, tmp_path: Path) -> None:
     db = f"sqlite:///{tmp_path / 'runbook.db'}"
     before = knobs(served)
-    done = runbook_cli(*tune(served, db, "--window", "2", "--dry-run", "--json"), timeout=120)
+    # A hang guard, not a time limit: a loaded 2-core machine took 55-124 s.
+    done = runbook_cli(*tune(served, db, "--window", "2", "--dry-run", "--json"), timeout=300)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert [p["phase"] for p in report["points"]] == ["baseline"]
@@ -168,6 +172,11 @@ def test_an_interrupted_tune_restores_what_it_changed(
         text=True,
         cwd=REPO_ROOT,
         env=runbook_cli_env(),
+        # Ctrl-C as a terminal delivers it: SIGINT at its default in the CLI. A
+        # test run started in the background (`make compat &`, nohup) ignores
+        # SIGINT, and an ignored SIGINT is inherited: Python would not raise
+        # KeyboardInterrupt and the tune would run to its end.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 120
     while knobs(served) == STARTUP:  # the baseline's window, then the first point

@@ -10,10 +10,12 @@ import pytest
 from vllm_runbook.collector.agent_api import AgentState, EngineConfig, Workload
 from vllm_runbook.runbooks.exit_codes import ExitCode
 from vllm_runbook.runbooks.tune import (
+    Point,
     TuneLimits,
     Tuner,
     TuneStopped,
     Window,
+    beats,
     judge_point,
     ladder,
     midpoints,
@@ -196,6 +198,21 @@ def test_a_tie_within_the_noise_goes_to_the_less_restrictive_setting() -> None:
     assert report["kept"]["max_num_seqs"] == 8
 
 
+def test_ties_do_not_chain_below_the_fastest_point() -> None:
+    """12 sequences ties 8 (1 % slower, less restrictive) and is kept; 16 is a
+    tie of 12 but 2.9 % below the fastest (8): not kept."""
+
+    def point(seqs: int, tput: float) -> Point:
+        knobs = {"max_num_seqs": seqs, "max_num_batched_tokens": 512, "policy": "fcfs"}
+        return Point("max_num_seqs", knobs, window(tput), [], False)
+
+    eight, twelve, sixteen = point(8, 1000), point(12, 990), point(16, 971)
+    assert beats(twelve, eight, fastest=1000)
+    assert not beats(sixteen, twelve, fastest=1000)
+    assert beats(sixteen, twelve, fastest=990)  # were 12 the fastest, 16 ties it
+    assert beats(point(4, 1021), twelve, fastest=1021)  # faster beyond a tie
+
+
 def test_a_breach_steps_back_at_once_and_the_sla_time_is_counted() -> None:
     def model(k: Mapping[str, Any]) -> Window:
         seqs, budget = k["max_num_seqs"], k["max_num_batched_tokens"]
@@ -299,6 +316,13 @@ def test_the_restart_flags_carry_the_kept_values_and_the_checks_advice() -> None
         "chunked prefill",
         "memory utilisation",
     ]
+    # vLLM 0.34's extensible KV cache sizes itself: no utilisation flag, no note.
+    extensible = config.model_copy(
+        update={"gpu_memory_utilization": 1.0, "extensible_kv_cache": True}
+    )
+    flags = restart_flags(state.model_copy(update={"config": extensible}), kept)
+    assert "--gpu-memory-utilization" not in flags["command"]
+    assert "memory utilisation" not in [n.split(":")[0] for n in flags["notes"]]
 
 
 @pytest.mark.parametrize(
