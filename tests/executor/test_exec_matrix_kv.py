@@ -104,7 +104,7 @@ def test_kv_hit_low_cannot_work_when_no_prompt_shares_a_prefix(
 ) -> None:
     """No prompt shares a block with another: the only hits are requests the storm
     preempted finding their own blocks again when readmitted. The cap ends the storm
-    and with it those hits: the hit ratio falls to 0, judged worse, rolled back."""
+    and with it those hits: the hit ratio falls to about 0, judged worse, rolled back."""
     b = Bench(engine, db_url, "kvh-unique")
     loop = Loop(b)
     preempted = engine.collector.stats.preemptions
@@ -117,8 +117,11 @@ def test_kv_hit_low_cannot_work_when_no_prompt_shares_a_prefix(
     assert step.status == "reverted"
     v = record.verification
     assert v is not None
-    assert (v["signal"], v["outcome"], v["after"]) == ("kv_hit_ratio", WORSE, 0.0)
-    assert 0 < v["before"] < 0.85
+    assert (v["signal"], v["outcome"]) == ("kv_hit_ratio", WORSE)
+    # Near 0, not always exactly: a request the storm preempted before the cap took
+    # effect may be readmitted inside the after-window and hit its own blocks (0.0012
+    # and 0.0015 seen, in 2 of 7 runs; where the executor thread lands is timing).
+    assert 0 < v["before"] < 0.85 and v["after"] <= 0.01 < v["before"]
     # Half the sequences also serve the closed loop at about half the rate: the
     # latency guard trips as well, and the journal's error names it.
     guard = v["guards"]["engine_e2e_latency_p99"]
