@@ -674,13 +674,14 @@ class Panels:
         return (
             Graph(
                 "Autopilot changes of max_num_seqs",
-                f"{M.AUTOPILOT_CHANGES.help} Per interval; the steps they make are on the "
-                "admission limit panel beside.",
+                f"{M.AUTOPILOT_CHANGES.help} Counted over Grafana's rate interval (at least "
+                "four scrapes: a shorter window can hold one sample and show nothing); the "
+                "steps they make are on the admission limit panel beside.",
                 width,
             )
             .with_target(
                 prom(
-                    f"sum {by} (increase({selector(M.AUTOPILOT_CHANGES)}[$__interval]))",
+                    f"sum {by} (increase({selector(M.AUTOPILOT_CHANGES)}[{Q.RATE}]))",
                     "{{direction}} " + ENGINE_LEGEND,
                 )
             )
