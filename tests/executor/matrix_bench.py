@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 from vllm_runbook.runbooks.engine.client import EngineClient
@@ -52,7 +52,15 @@ def start_engine(model: Path, window_s: float) -> InProcessEngine:
 
 
 class Bench:
-    """One scenario: the engine, its agent, a fresh journal, and the executor."""
+    """One scenario: the engine, its agent, a fresh journal, and the executor.
+
+    A scenario that fails before its `finish` leaves its requests in the shared
+    engine: the next scenario's traffic would carry them (a closed loop tops up
+    to its count, so it would serve the last scenario's capped stragglers and
+    read their latency as its own baseline). The modules' autouse fixture calls
+    `finish_unfinished` after every test."""
+
+    unfinished: ClassVar[list[Bench]] = []
 
     def __init__(self, engine: InProcessEngine, db_url: str, tag: str) -> None:
         self.engine, self.tag = engine, tag
@@ -63,6 +71,7 @@ class Bench:
         self.starts = datetime.now(UTC)
         self.sent = 0
         assert self.knobs() == STARTUP, "the previous scenario left the engine changed"
+        Bench.unfinished.append(self)
 
     def knobs(self) -> dict[str, Any]:
         return dict(httpx.get(self.url + "/v1/state", timeout=10).json()["knobs"])
@@ -137,6 +146,8 @@ class Bench:
     def finish(self) -> None:
         """Abort what is left, put every knob back (whatever the scenario left), close
         the journal."""
+        if self in Bench.unfinished:
+            Bench.unfinished.remove(self)
         self.abort_all()
         if self.knobs() != STARTUP:
             self.client.restore()
@@ -144,3 +155,10 @@ class Bench:
             self.engine.run_until_done()
         assert self.knobs() == STARTUP
         self.store.close()
+
+    @classmethod
+    def finish_unfinished(cls) -> None:
+        """`finish` every scenario a failed test left (the engine idle at its startup
+        knobs for the next one)."""
+        while cls.unfinished:
+            cls.unfinished[-1].finish()

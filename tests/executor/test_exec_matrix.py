@@ -43,6 +43,13 @@ def engine(tiny_model: Path) -> Iterator[InProcessEngine]:
     eng.close()
 
 
+@pytest.fixture(autouse=True)
+def _finished() -> Iterator[None]:
+    """A test that failed mid-scenario leaves nothing in the engine for the next one."""
+    yield
+    Bench.finish_unfinished()
+
+
 def refused_as_nothing_to_improve(bench: Bench, result: ExecutionResult, reason: str) -> None:
     record = result.record
     assert (result.exit_code, record.status, record.display_status) == (

@@ -51,6 +51,13 @@ def engine(tiny_model: Path) -> Iterator[InProcessEngine]:
     eng.close()
 
 
+@pytest.fixture(autouse=True)
+def _finished() -> Iterator[None]:
+    """A test that failed mid-scenario leaves nothing in the engine for the next one."""
+    yield
+    Bench.finish_unfinished()
+
+
 class Loop:
     """CLIENTS requests in the engine at every step, no two sharing a KV block."""
 
