@@ -393,6 +393,23 @@ class DrainingSince(_Since):
     max_num_seqs: int
 
 
+class Before(_Answer):
+    """The same counters over as long a time just before the change (as far
+    back as the agent's history holds): what the circuit breaker compares
+    the time after a change with, so a fix is never blamed for the storm it
+    answered."""
+
+    seconds: float
+    """How long the window before the change is (as close to `seconds` after it
+    as the history's one-second samples allow; shorter where it does not reach back)."""
+    preemptions: int
+    requests_finished: int
+    errors: int
+    """Requests finished with reason `error`."""
+    p99_latency_seconds: float | None
+    """Over the requests that finished in that window (None: none did)."""
+
+
 class SettledSince(_Since):
     """What happened from the step the change took effect on (counter deltas and
     the requests finished since)."""
@@ -425,6 +442,8 @@ class SettledSince(_Since):
     """Requests scheduled for the first time since."""
     admitted_per_second_before: float | None = None
     """Requests scheduled for the first time per second over the window before the change."""
+    before: Before | None = None
+    """The same length of time before the change (None: no history before it)."""
 
 
 Since = SettledSince | DrainingSince

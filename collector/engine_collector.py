@@ -140,9 +140,11 @@ class EngineCollector:
 
     def on_schedule(self, scheduler: Any, output: Any, elapsed: float, free_before: int) -> None:
         self.stats.on_schedule(scheduler, output, elapsed, free_before)
-        if self.changes.settling is not None:
-            self.changes.on_schedule(scheduler)
+        changes = self.changes
+        if changes.settling is not None:
+            changes.on_schedule(scheduler)
         self.requests.on_schedule(scheduler, output)
+        changes.sample()
 
     def _wrap_prefix_cache_stats(self, kv_manager: Any) -> None:
         """Count prefix-cache lookups at admission, whatever vLLM's log_stats."""

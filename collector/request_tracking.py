@@ -29,7 +29,7 @@ from itertools import accumulate
 from typing import TYPE_CHECKING, Any, Final
 
 from vllm_runbook.collector import metrics as M
-from vllm_runbook.collector.agent_api import DrainingSince, SettledSince
+from vllm_runbook.collector.agent_api import Before, DrainingSince, SettledSince
 from vllm_runbook.collector.exporter import Sample
 
 if TYPE_CHECKING:
@@ -38,6 +38,11 @@ if TYPE_CHECKING:
 # Enough for minutes of a busy engine; the oldest entries fall off.
 LOG_LENGTH: Final = 65_536
 MARKS_KEPT: Final = 64
+# The counters' history a change's "before" is read from: one sample a second
+# while the engine steps, 30 minutes of it (the breaker watches a change for
+# 10 minutes and compares it with as long before it).
+HISTORY_INTERVAL_S: Final = 1.0
+HISTORY_KEPT: Final = 1800
 # A change's "starving" requests: the oldest this many waiting for their first
 # schedule when it took effect (what a starvation fix is for).
 STARVING_WATCHED: Final = 8
@@ -81,6 +86,9 @@ class Mark:
     # Requests first scheduled until then, and per second over the window before.
     first_schedules: int = 0
     admitted_per_second: float | None = None
+    # Requests finished until then (all reasons, and with an error).
+    finished: int = 0
+    errors: int = 0
 
 
 def percentile(values: Iterable[float], q: float) -> float | None:
@@ -441,6 +449,22 @@ class ChangeTracker:
         self.marks = ChangeMarks()
         # The applied step of a lower admission limit still draining, if any.
         self.settling: int | None = None
+        # (time, preemptions, finished, errors), one sample a second while the
+        # engine steps: what the time before a change is measured from.
+        self.history: deque[tuple[float, int, int, int]] = deque(maxlen=HISTORY_KEPT)
+        self._next_sample = 0.0
+
+    def sample(self) -> None:
+        """After each step (engine thread): one clock read, a sample once a second."""
+        now = self.clock()
+        # (A wall clock set back more than a sample starts the samples again.)
+        if now >= self._next_sample or now < self._next_sample - 2 * HISTORY_INTERVAL_S:
+            self._next_sample = now + HISTORY_INTERVAL_S
+            self.history.append((now, self.stats.preemptions, *self._finished()))
+
+    def _finished(self) -> tuple[int, int]:
+        by_reason = self.requests.log.by_reason
+        return sum(by_reason.values()), by_reason.get("error", 0)
 
     def on_change_applied(self, effective_from_step: int) -> None:
         """A knob change was applied: keep the counters as they stand before its first step."""
@@ -460,6 +484,7 @@ class ChangeTracker:
         stats, requests = self.stats, self.requests
         now = self.clock()
         starving = requests.oldest_waiting()
+        finished, errors = self._finished()
         return Mark(
             step=stats.steps + 1,
             time=now,
@@ -474,6 +499,8 @@ class ChangeTracker:
             starving_oldest_seconds=max(0.0, now - starving[0][1]) if starving else 0.0,
             first_schedules=requests.first_schedules,
             admitted_per_second=requests.admitted_per_second(self.window_seconds),
+            finished=finished,
+            errors=errors,
         )
 
     def since(self, step: int) -> SettledSince | DrainingSince | None:
@@ -513,5 +540,26 @@ class ChangeTracker:
             starving_waiting=self.requests.still_waiting(mark.starving),
             admitted=self.requests.first_schedules - mark.first_schedules,
             admitted_per_second_before=mark.admitted_per_second,
+            before=self.before(mark, seconds),
             **summarize(self.requests.log.since_step(mark.step)),
+        )
+
+    def before(self, mark: Mark, seconds: float) -> Before | None:
+        """The counters over `seconds` before `mark` (the latest sample at or
+        before that moment; the oldest one where the history does not reach
+        back). None when no sample precedes the mark."""
+        samples = [h for h in list(self.history) if h[0] <= mark.time]
+        if not samples:
+            return None
+        start = mark.time - seconds
+        times = [h[0] for h in samples]
+        at = bisect.bisect_right(times, start) - 1
+        t0, preemptions, finished, errors = samples[max(at, 0)]
+        window = [e for e in self.requests.log.since_time(t0) if e.time < mark.time]
+        return Before(
+            seconds=mark.time - t0,
+            preemptions=mark.preemptions - preemptions,
+            requests_finished=mark.finished - finished,
+            errors=mark.errors - errors,
+            p99_latency_seconds=percentile((e.e2e_seconds for e in window), 0.99),
         )

@@ -17,23 +17,33 @@ it, for `watch` (default 10 min) after it took effect:
 - per engine only the newest change is judged: an older one is no longer
   what the engine runs with (a later change of the same engine supersedes
   it, and undoing the older one would undo the newer one too);
-- the limits are absolute (`judge`): preemptions per finished request above
+- the limits (`judge`): preemptions per finished request above
   `preemption_rate` (1 %; not for a change that only lowered max_num_seqs or
-  the budget: a cut frees KV blocks, and undoing it would admit more into
-  the storm it answers), errors per finished request above `error_rate`
-  (0.5 %), the P99 end-to-end latency above `p99_sla` where one is set. The
-  rates' denominator is at least `min_finished`: a storm that finishes
-  nothing still trips, one preemption among the first three requests does
-  not. Measured from the change's first step on (the agent's counters from
-  the step the change took effect at), never over a window that still
-  holds the time before it;
-- a trip: the change is rolled back to the values before it (an
-  execution: `runbook revert`, journaled with the measurements as its
-  reason; an autopilot change: the autopilot off and max_num_seqs back,
-  journaled as an execution of `circuit-breaker`), notified through the
+  the budget: a cut frees KV blocks), errors per finished request above
+  `error_rate` (0.5 %), the P99 end-to-end latency above `p99_sla` where one
+  is set. The rates' denominator is at least `min_finished`: a storm that
+  finishes nothing still trips, one preemption among the first three
+  requests does not. Measured from the change's first step on (the agent's
+  counters from the step the change took effect at), never over a window
+  that still holds the time before it;
+- the change must be implicated, not only the hour: a change made to fix
+  that very signal (a runbook whose verification reads it: oom-pressure for
+  preemptions) trips only when the rate is also worse than over as long a
+  time just before it (the agent's `since.before`; the breaker's own ticks
+  for the autopilot). A fix that brought a storm from 12 % down to 2 % is
+  not rolled back into it. Any other change over a limit is implicated;
+- a trip: a change that lowered admission (a remediation's cut, with the
+  autopilot it handed over to) falls back to the engine's safe setting:
+  admission at the lowest of before, after and now, the autopilot off,
+  every other knob back (`safe_setting`), never into the storm it answered.
+  Any other execution is rolled back to the values before it (`runbook
+  revert`, journaled with the measurements as its reason); an autopilot
+  change: the autopilot off and max_num_seqs back. Each journaled (the
+  fallback as an execution of `circuit-breaker`), notified through the
   journal's events like every execution, counted in
-  `vllm_runbook_service_breaker_trips_total{engine,reason}`, and automatic
-  executions on that engine are refused for `cooldown` (guardrails.py).
+  `vllm_runbook_service_breaker_trips_total{engine,reason}`; automatic
+  executions on that engine that would change the same knobs are refused
+  for `cooldown` (guardrails.breaker_hold), a fix on other knobs is not.
 
 Several replicas may run the breaker: a lease per trip lets one act.
 """
@@ -46,10 +56,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Final
 
-from vllm_runbook.collector.agent_api import AgentState, SettledSince
+from vllm_runbook.collector.agent_api import AgentState, Before, SettledSince
 from vllm_runbook.runbooks.config import BreakerConfig
 from vllm_runbook.runbooks.engine.client import EngineClient, EngineClientError
 from vllm_runbook.runbooks.engine.operations import KNOBS
+from vllm_runbook.runbooks.guardrails import BREAKER_WHO as BREAKER_WHO
 from vllm_runbook.runbooks.outcome import one_line
 from vllm_runbook.runbooks.revert import RevertRefused, revertible_steps
 from vllm_runbook.runbooks.store import ExecutionRecord, Journal
@@ -60,8 +71,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vllm_runbook.breaker")
 
-# Who the journal names for the breaker's reverts and its own executions.
-BREAKER_WHO: Final = "circuit-breaker"
+# Who the journal names for the breaker's reverts and its own executions
+# (BREAKER_WHO, defined beside the hold that reads it: guardrails.py).
 # The journal's runbook name for undoing a change no execution made (the autopilot's).
 BREAKER_RUNBOOK: Final = "circuit-breaker"
 # Why it trips (the trips counter's `reason` label).
@@ -69,6 +80,16 @@ PREEMPTION_RATE: Final = "preemption_rate"
 ERROR_RATE: Final = "error_rate"
 P99_OVER_SLA: Final = "p99_over_sla"
 REASONS: Final = (PREEMPTION_RATE, ERROR_RATE, P99_OVER_SLA)
+# A runbook remediates a limit's own signal when its verification reads one of
+# these: its change answers that symptom, so it is implicated only when the
+# symptom got worse than in as long a time before it.
+REMEDIATES: Final[dict[str, frozenset[str]]] = {
+    PREEMPTION_RATE: frozenset({"preemptions_per_minute", "oom_rate"}),
+    ERROR_RATE: frozenset({"error_rate"}),
+    P99_OVER_SLA: frozenset(
+        {"engine_e2e_latency_p99", "starving_waiting", "tier_requests_waiting_hot"}
+    ),
+}
 # Where a change comes from.
 SOURCE_RUNBOOK: Final = "runbook"
 SOURCE_AUTOPILOT: Final = "autopilot"
@@ -84,15 +105,30 @@ class Measurement:
     finished: int
     errors: int
     p99_latency_seconds: float | None = None
+    # The same counters over as long a time just before the change (None: unknown).
+    before: Measurement | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "seconds": round(self.seconds, 3),
             "preemptions": self.preemptions,
             "requests_finished": self.finished,
             "errors": self.errors,
             "p99_latency_seconds": self.p99_latency_seconds,
         }
+        if self.before is not None:
+            out["before"] = self.before.to_dict()
+        return out
+
+    @classmethod
+    def of_before(cls, before: Before) -> Measurement:
+        return cls(
+            seconds=before.seconds,
+            preemptions=before.preemptions,
+            finished=before.requests_finished,
+            errors=before.errors,
+            p99_latency_seconds=before.p99_latency_seconds,
+        )
 
 
 @dataclass(frozen=True)
@@ -120,38 +156,75 @@ def only_lowers_admission(before: dict[str, Any], after: dict[str, Any]) -> bool
     )
 
 
-def judge(m: Measurement, config: BreakerConfig, *, preemptions: bool = True) -> Trip | None:
-    """The first absolute limit `m` is over, or None (see the module doc).
+def judge(
+    m: Measurement,
+    config: BreakerConfig,
+    *,
+    preemptions: bool = True,
+    remediates: frozenset[str] = frozenset(),
+) -> Trip | None:
+    """The first limit `m` is over for which the change is implicated, or None.
+
     `preemptions` False: the change only lowered admission, its preemption
-    rate is not its doing (errors and latency are still judged)."""
+    rate is not its doing (errors and latency are still judged).
+    `remediates`: the limits (REASONS) whose own signal the change was made
+    to fix. Such a change is implicated only when the rate is also worse than
+    over as long a time before it (`m.before`; unknown counts as worse): a
+    fix that brought a storm of 12 % down to 2 % is not rolled back into it.
+    Any other change over a limit is implicated."""
     denominator = max(m.finished, config.min_finished)
+    b = m.before
+    b_denominator = max(b.finished, config.min_finished) if b is not None else 1
+
+    def implicated(reason: str, value: float, before: float | None) -> tuple[bool, str]:
+        if before is None:
+            return True, "" if reason not in remediates else " (nothing known from before it)"
+        seen = f"; {_rate_text(reason, before)} in the {b.seconds:.0f} s before" if b else ""
+        if reason not in remediates:
+            return True, seen
+        return value > before, seen
+
     rate = m.preemptions / denominator
     if preemptions and rate > config.preemption_rate:
-        return Trip(
-            PREEMPTION_RATE,
-            rate,
-            config.preemption_rate,
-            f"{m.preemptions} preemptions per {_per(m, config)} = {rate:.2%} "
-            f"> {config.preemption_rate:.2%}",
-        )
+        before = b.preemptions / b_denominator if b is not None else None
+        guilty, seen = implicated(PREEMPTION_RATE, rate, before)
+        if guilty:
+            return Trip(
+                PREEMPTION_RATE,
+                rate,
+                config.preemption_rate,
+                f"{m.preemptions} preemptions per {_per(m, config)} = {rate:.2%} "
+                f"> {config.preemption_rate:.2%}{seen}",
+            )
     errors = m.errors / denominator
     if errors > config.error_rate:
-        return Trip(
-            ERROR_RATE,
-            errors,
-            config.error_rate,
-            f"{m.errors} errors per {_per(m, config)} = {errors:.2%} > {config.error_rate:.2%}",
-        )
+        before = b.errors / b_denominator if b is not None else None
+        guilty, seen = implicated(ERROR_RATE, errors, before)
+        if guilty:
+            return Trip(
+                ERROR_RATE,
+                errors,
+                config.error_rate,
+                f"{m.errors} errors per {_per(m, config)} = {errors:.2%} "
+                f"> {config.error_rate:.2%}{seen}",
+            )
     sla, p99 = config.p99_sla_seconds, m.p99_latency_seconds
     if sla is not None and p99 is not None and m.finished >= config.min_finished and p99 > sla:
-        return Trip(
-            P99_OVER_SLA,
-            p99,
-            sla,
-            f"P99 end-to-end latency {p99:.3g} s over {m.finished} finished requests "
-            f"> SLA {sla:g} s",
-        )
+        before = b.p99_latency_seconds if b is not None else None
+        guilty, seen = implicated(P99_OVER_SLA, p99, before)
+        if guilty:
+            return Trip(
+                P99_OVER_SLA,
+                p99,
+                sla,
+                f"P99 end-to-end latency {p99:.3g} s over {m.finished} finished requests "
+                f"> SLA {sla:g} s{seen}",
+            )
     return None
+
+
+def _rate_text(reason: str, value: float) -> str:
+    return f"{value:.3g} s" if reason == P99_OVER_SLA else f"{value:.2%}"
 
 
 def _per(m: Measurement, config: BreakerConfig) -> str:
@@ -176,6 +249,8 @@ class Change:
     baseline: dict[str, float] | None = None
     # What names the change alike on every replica (the autopilot's: its step).
     ref: str | None = None
+    # The runbook that made it (an execution's).
+    runbook: str | None = None
 
     @property
     def key(self) -> str:
@@ -221,7 +296,40 @@ def execution_change(record: ExecutionRecord) -> Change | None:
         record.finished_at,
         from_step=max(marks) if marks else None,
         execution_id=record.id,
+        runbook=record.runbook,
     )
+
+
+def lowers_admission(change: Change) -> bool:
+    """Whether the change lowered max_num_seqs or the budget (a remediation's
+    cut): it is never undone into the storm it answered."""
+    return any(
+        isinstance(v, int) and isinstance(change.after.get(k), int) and change.after[k] < v
+        for k, v in change.before.items()
+        if k in ADMISSION_KNOBS
+    )
+
+
+def safe_setting(change: Change, current: dict[str, Any]) -> dict[str, Any]:
+    """Where a change that lowered admission falls back to: the engine's
+    conservative setting, not the values before the fix. Admission stays at
+    the lowest of before, after and now (never raised into the storm the cut
+    answered), the autopilot is off (it would raise it again), every other
+    knob the change moved (the policy) goes back to its value before."""
+    targets: dict[str, Any] = {}
+    for knob, before in change.before.items():
+        after, now = change.after.get(knob), current.get(knob)
+        if knob in ADMISSION_KNOBS:
+            targets[knob] = min(v for v in (before, after, now) if isinstance(v, int))
+        elif knob == "autopilot":
+            targets[knob] = False
+        else:
+            targets[knob] = before
+    if targets.get("autopilot") is False and "max_num_seqs" not in targets:
+        seqs = current.get("max_num_seqs")
+        if isinstance(seqs, int):
+            targets["max_num_seqs"] = seqs  # where the autopilot left it
+    return targets
 
 
 def _changes_knobs(record: ExecutionRecord) -> bool:
@@ -264,6 +372,9 @@ class Breaker:
     _extra: dict[str, Change] = field(default_factory=dict)
     # Keys of the changes already judged over (tripped, or whose undoing failed).
     _done: set[str] = field(default_factory=set)
+    # Per engine: (time, counters) at each tick, as long as a watch: what a
+    # change without a step mark (the autopilot's) is compared with before it.
+    _history: dict[str, list[tuple[datetime, dict[str, float]]]] = field(default_factory=dict)
 
     def client(self, url: str) -> EngineClient:
         factory = self.client_factory or self.executor.client_factory
@@ -306,6 +417,7 @@ class Breaker:
             except EngineClientError as error:
                 log.debug("breaker: %s unreadable (%s)", url, one_line(error))
                 continue
+            self._remember(url, state)
             pilot = state.autopilot
             seqs = state.knobs.max_num_seqs
             last = pilot.last_change
@@ -325,6 +437,44 @@ class Breaker:
                 ref=f"step {step}",
             )
 
+    def _remember(self, url: str, state: AgentState) -> None:
+        now = self.now()
+        kept = [
+            (t, c)
+            for t, c in self._history.get(url, [])
+            if (now - t).total_seconds() <= 2 * self.config.watch_seconds
+        ]
+        kept.append((now, counters(state)))
+        self._history[url] = kept
+
+    def _before(self, change: Change, seconds: float) -> Measurement | None:
+        """For a change without a step mark: the counters over `seconds`
+        before it, from the ticks (None: no tick that long before it)."""
+        if change.baseline is None:
+            return None
+        start = change.at - timedelta(seconds=seconds)
+        older = [(t, c) for t, c in self._history.get(change.engine, []) if t <= start]
+        if not older:
+            return None
+        t0, c0 = older[-1]
+        base = change.baseline
+        return Measurement(
+            seconds=(change.at - t0).total_seconds(),
+            preemptions=int(base["preemptions"] - c0["preemptions"]),
+            finished=int(base["finished"] - c0["finished"]),
+            errors=int(base["errors"] - c0["errors"]),
+        )
+
+    def remediates(self, change: Change) -> frozenset[str]:
+        """The limits whose own signal the change's runbook was made to fix."""
+        catalog = self.executor.catalog
+        if change.runbook is None or catalog is None or change.runbook not in catalog:
+            return frozenset()
+        v = catalog[change.runbook].verification
+        if v is None:
+            return frozenset()
+        return frozenset(r for r, signals in REMEDIATES.items() if v.signal in signals)
+
     # --- measuring and judging ---------------------------------------------------------
 
     def measure(self, change: Change) -> Measurement | None:
@@ -340,16 +490,19 @@ class Breaker:
                 finished=since.requests_finished,
                 errors=since.finished_by_reason.get("error", 0),
                 p99_latency_seconds=since.p99_latency_seconds,
+                before=None if since.before is None else Measurement.of_before(since.before),
             )
         if change.baseline is None:
             return None
         now = counters(client.state())
         base = change.baseline
+        seconds = (self.now() - change.at).total_seconds()
         return Measurement(
-            seconds=(self.now() - change.at).total_seconds(),
+            seconds=seconds,
             preemptions=int(now["preemptions"] - base["preemptions"]),
             finished=int(now["finished"] - base["finished"]),
             errors=int(now["errors"] - base["errors"]),
+            before=self._before(change, seconds),
         )
 
     def tick(self) -> list[tuple[Change, Trip]]:
@@ -368,7 +521,10 @@ class Breaker:
             if m is None:
                 continue
             trip = judge(
-                m, self.config, preemptions=not only_lowers_admission(change.before, change.after)
+                m,
+                self.config,
+                preemptions=not only_lowers_admission(change.before, change.after),
+                remediates=self.remediates(change),
             )
             if trip is None:
                 continue
@@ -399,7 +555,7 @@ class Breaker:
                 "why": why,
             },
         }
-        if change.execution_id is not None:
+        if change.execution_id is not None and not lowers_admission(change):
             try:
                 result = self.executor.revert(
                     change.execution_id, who=BREAKER_WHO, trigger="rule", reason=why
@@ -419,17 +575,26 @@ class Breaker:
             self.on_trip(change.engine, trip.reason)
 
     def _undo(self, change: Change, why: str, report: dict[str, Any]) -> None:
-        """Roll back a change no execution made, journaled as the breaker's execution."""
+        """Fall back from a change that lowered admission (an execution's cut,
+        or the autopilot's) to the safe setting, or roll back a change no
+        execution made; journaled as the breaker's own execution."""
+        if change.execution_id is not None:
+            why = f"{why}; falling back to the safe setting, not into the storm it answered"
+            report["breaker"]["fallback_for"] = change.execution_id
         record, _ = self.store.create_execution(
             BREAKER_RUNBOOK, change.engine, trigger="rule", who=BREAKER_WHO, reason=why
         )
         self.store.transition(record.id, ExecutionStatus.RUNNING)
         client = self.client(change.engine)
-        targets = dict(change.before)
-        if change.source == SOURCE_AUTOPILOT:
-            targets["autopilot"] = False  # left on, it would move max_num_seqs again
         try:
             state = client.state()
+            current = state.knobs.model_dump()
+            if lowers_admission(change) or change.execution_id is not None:
+                targets = safe_setting(change, current)
+            else:
+                targets = dict(change.before)
+            if change.source == SOURCE_AUTOPILOT:
+                targets["autopilot"] = False  # left on, it would move max_num_seqs again
             before = {k: getattr(state.knobs, k) for k in targets}
             row = self.store.add_step(
                 record.id, "set_knobs", {"source": change.source}, before=before

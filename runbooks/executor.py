@@ -182,6 +182,19 @@ class Executor:
         if self.catalog is None:
             self.catalog = load_catalog(registry=self.registry)
 
+    def knobs_of(self, spec: Runbook) -> frozenset[str] | None:
+        """The engine knobs `spec`'s steps may change; None where an action
+        that changes the engine does not say which (held by any breaker trip)."""
+        knobs: set[str] = set()
+        for step in spec.steps:
+            if step.action not in self.registry:
+                continue
+            action = self.registry.get(step.action)
+            if action.mutating and not action.knobs:
+                return None
+            knobs.update(action.knobs)
+        return frozenset(knobs)
+
     # --- public API ------------------------------------------------------------------
 
     def runbook(self, name: str) -> Runbook:
@@ -487,7 +500,9 @@ class Run:
         """Automatic executions (an alert's, a rule's) wait out the breaker's hold."""
         if self.store.get_execution(self.id).trigger == "cli":
             return None
-        return breaker_hold(self.store, self.client.url, self.x.breaker_hold_seconds)
+        return breaker_hold(
+            self.store, self.client.url, self.x.breaker_hold_seconds, self.x.knobs_of(self.spec)
+        )
 
     def _nothing_to_improve(self) -> str | None:
         """Why there is nothing to fix now (before any change), or None.

@@ -21,11 +21,12 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, Final
 
+from vllm_runbook.collector.agent_api import KNOBS
 from vllm_runbook.rules.durations import format_duration
 from vllm_runbook.runbooks.exit_codes import ExitCode
 from vllm_runbook.runbooks.outcome import Abort, EngineBusy
 from vllm_runbook.runbooks.spec import Runbook
-from vllm_runbook.runbooks.store import Journal
+from vllm_runbook.runbooks.store import ExecutionRecord, Journal
 from vllm_runbook.runbooks.store.models import FINAL_STATUSES, ExecutionStatus, utcnow
 from vllm_runbook.runbooks.verification import HIGHER_IS_WORSE, WORSE, judge
 
@@ -128,23 +129,55 @@ def admission(store: Journal, execution_id: int, clock: Callable[[], float]) -> 
             store.release_lease(ADMISSION_LEASE, holder)
 
 
-def breaker_hold(store: Journal, engine: str, cooldown_seconds: float) -> str | None:
-    """The circuit breaker's hold (runbooks/breaker.py): after it rolled a
-    change back on `engine`, automatic changes there wait `cooldown_seconds`."""
-    from vllm_runbook.runbooks.breaker import BREAKER_WHO
+# Who the journal names for the circuit breaker's own executions (its
+# rollbacks and fallbacks: runbooks/breaker.py): what its hold reads.
+BREAKER_WHO: Final = "circuit-breaker"
 
+
+def judged_knobs(record: ExecutionRecord) -> frozenset[str]:
+    """The knobs a breaker execution judged: those its steps changed (the
+    autopilot's with max_num_seqs, which it moves)."""
+    knobs = {
+        k
+        for s in record.steps
+        if s.before
+        for k, v in s.before.items()
+        if k in KNOBS and (s.after is None or s.after.get(k) != v)
+    }
+    if "autopilot" in knobs:
+        knobs.add("max_num_seqs")
+    return frozenset(knobs)
+
+
+def breaker_hold(
+    store: Journal,
+    engine: str,
+    cooldown_seconds: float,
+    knobs: frozenset[str] | None = None,
+) -> str | None:
+    """The circuit breaker's hold (runbooks/breaker.py): after it rolled a
+    change back on `engine`, automatic changes of the same knobs there wait
+    `cooldown_seconds`. `knobs`: those the run would change (None: unknown,
+    held by any trip); a run on other knobs (another signal's fix) is not held."""
     if cooldown_seconds <= 0:
         return None
-    tripped = store.last_started_by(BREAKER_WHO, engine)
-    if tripped is None:
-        return None
-    remaining = (tripped + timedelta(seconds=cooldown_seconds) - utcnow()).total_seconds()
-    if remaining <= 0:
-        return None
-    return (
-        f"circuit breaker hold: it rolled a change back on this engine at {tripped:%H:%M:%SZ}; "
-        f"automatic changes wait {format_duration(max(0, math.ceil(remaining)))} more"
-    )
+    now = utcnow()
+    since = now - timedelta(seconds=cooldown_seconds)
+    for trip in store.started_by_since(BREAKER_WHO, engine, since):
+        judged = judged_knobs(trip)
+        shared = judged if knobs is None else judged & knobs
+        if not shared or trip.started_at is None:
+            continue
+        remaining = (trip.started_at + timedelta(seconds=cooldown_seconds) - now).total_seconds()
+        if remaining <= 0:
+            continue
+        return (
+            f"circuit breaker hold: it rolled {', '.join(sorted(shared))} back on this engine "
+            f"at {trip.started_at:%H:%M:%SZ} (execution #{trip.id}); automatic changes of "
+            f"{'them' if len(shared) > 1 else 'it'} wait "
+            f"{format_duration(max(0, math.ceil(remaining)))} more"
+        )
+    return None
 
 
 def guardrail_refusal(store: Journal, spec: Runbook, engine: str, approved: bool) -> str | None:

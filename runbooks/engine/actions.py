@@ -84,6 +84,9 @@ class ActionSpec:
     # actions (advice, diagnostics) are safe in any mode.
     mutating: bool
     description: str
+    # The engine knobs it may change (what a circuit breaker's hold on those
+    # knobs refuses); empty for an action that changes none.
+    knobs: tuple[str, ...] = ()
 
 
 def _qualname(fn: object) -> str:
@@ -141,6 +144,7 @@ class ActionRegistry:
         name: str | None = None,
         mutating: bool,
         description: str | None = None,
+        knobs: tuple[str, ...] = (),
     ) -> ActionSpec:
         """Add an action; its parameters model is the type of `fn`'s first parameter.
 
@@ -161,17 +165,24 @@ class ActionRegistry:
             )
         if description is None:
             description = params_model.__doc__ or (inspect.getdoc(fn) or "").split("\n\n")[0]
-        spec = ActionSpec(name, params_model, fn, mutating, " ".join(description.split()))
+        spec = ActionSpec(
+            name, params_model, fn, mutating, " ".join(description.split()), tuple(knobs)
+        )
         self._actions[name] = spec
         return spec
 
     def action(
-        self, name: str | None = None, *, mutating: bool, description: str | None = None
+        self,
+        name: str | None = None,
+        *,
+        mutating: bool,
+        description: str | None = None,
+        knobs: tuple[str, ...] = (),
     ) -> Callable[[F], F]:
         """Decorator form of `register`: returns the function unchanged."""
 
         def decorate(fn: F) -> F:
-            self.register(fn, name=name, mutating=mutating, description=description)
+            self.register(fn, name=name, mutating=mutating, description=description, knobs=knobs)
             return fn
 
         return decorate
@@ -213,13 +224,18 @@ ACTIONS: Final = ActionRegistry()
 
 
 def action(
-    name: str | None = None, *, mutating: bool, description: str | None = None
+    name: str | None = None,
+    *,
+    mutating: bool,
+    description: str | None = None,
+    knobs: tuple[str, ...] = (),
 ) -> Callable[[F], F]:
     """Register the decorated function as one of the catalog's actions.
 
     `mutating`: whether it changes the engine (journaled before/after,
-    reverted); said at every action, never assumed."""
-    return ACTIONS.action(name, mutating=mutating, description=description)
+    reverted); said at every action, never assumed. `knobs`: the engine
+    knobs it may change."""
+    return ACTIONS.action(name, mutating=mutating, description=description, knobs=knobs)
 
 
 def catalog_registry() -> ActionRegistry:

@@ -256,7 +256,7 @@ class ScaleMaxNumBatchedTokens(ActionParams):
     clamp: bool = True
 
 
-@action(mutating=True)
+@action(mutating=True, knobs=("max_num_batched_tokens",))
 def scale_max_num_batched_tokens(
     params: ScaleMaxNumBatchedTokens, ctx: ActionContext
 ) -> ActionOutcome:
@@ -289,7 +289,7 @@ class SetMaxNumSeqs(ActionParams):
     clamp: bool = False
 
 
-@action(mutating=True)
+@action(mutating=True, knobs=("max_num_seqs",))
 def set_max_num_seqs(params: SetMaxNumSeqs, ctx: ActionContext) -> ActionOutcome:
     """Lower the admission limit, to a number or to the KV capacity now."""
     current = ctx.state.knobs.max_num_seqs
@@ -341,7 +341,7 @@ class SetPolicy(ActionParams):
     policy: Literal["fcfs", "priority", "tiered"]
 
 
-@action(mutating=True)
+@action(mutating=True, knobs=("policy",))
 def set_policy(params: SetPolicy, ctx: ActionContext) -> ActionOutcome:
     """Switch the scheduling policy: fcfs, priority, or tiered (hot tier first)."""
     if ctx.state.knobs.policy == params.policy:
@@ -358,7 +358,7 @@ class SetAutopilot(ActionParams):
     target: Annotated[float, Field(gt=0, le=1)] | None = None
 
 
-@action(mutating=True)
+@action(mutating=True, knobs=("autopilot", "autopilot_target", "max_num_seqs"))
 def set_autopilot(params: SetAutopilot, ctx: ActionContext) -> ActionOutcome:
     """Switch the autopilot (a revert switches it back: its before-value is
     journaled like a knob's). The details keep where max_num_seqs was when
@@ -385,7 +385,7 @@ class RestoreKnobs(ActionParams):
     """Put every knob back to the engine's startup value."""
 
 
-@action(mutating=True)
+@action(mutating=True, knobs=KNOBS)
 def restore_knobs(params: RestoreKnobs, ctx: ActionContext) -> ActionOutcome:
     """Every knob back to its startup value (one command, applied atomically)."""
     knobs, startup = ctx.state.knobs, ctx.state.startup

@@ -596,6 +596,19 @@ class ExecutionStore(StoreBase):
         with self.session() as s:
             return [ExecutionRecord.from_row(r) for r in s.scalars(query)]
 
+    def started_by_since(self, who: str, engine: str, since: datetime) -> list[ExecutionRecord]:
+        """The executions `who` started on `engine` at or after `since`, newest
+        first, with their steps (the breaker's holds: what each one judged)."""
+        query = (
+            select(Execution)
+            .where(Execution.who == who, Execution.engine == engine)
+            .where(Execution.started_at >= since)
+            .options(selectinload(Execution.steps))
+            .order_by(Execution.started_at.desc(), Execution.id.desc())
+        )
+        with self.session() as s:
+            return [ExecutionRecord.from_row(r) for r in s.scalars(query)]
+
     def last_started_by(self, who: str, engine: str) -> datetime | None:
         """When the latest execution `who` started on `engine` began (the breaker's hold)."""
         query = (

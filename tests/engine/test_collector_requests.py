@@ -176,3 +176,49 @@ def test_since_step_counts_from_the_step_a_change_applied(
     # No GPU here: NVML says so, per-GPU values are empty.
     assert json.loads(body)["gpus"] == {"nvml_up": False, "per_gpu": {}}
     collector.control.submit(parse_command({}, restore=True), idle=collector.engine_idle)
+
+
+def test_since_step_says_what_happened_as_long_before_the_change(
+    engine: InProcessEngine, clocked: FakeWallClock
+) -> None:
+    """The breaker's comparison: the counters over as long a time before the
+    change, from the history's one-second samples (the latest at or before
+    that moment: the window may be longer, never shorter, than asked)."""
+    collector = engine.collector
+    engine.run_until_done()
+    # Past every earlier sample (the tests before ran their clocks 30 s ahead).
+    clocked.now += 100.0
+    t0 = clocked.now
+    for i in range(3):  # sampled at t0 before they finish
+        engine.add(f"before-a{i}", 32, max_tokens=2, offset=9000 + 100 * i)
+    engine.run_until_done()
+    clocked.now = t0 + 20.0
+    for i in range(2):  # sampled at t0 + 20 before they finish
+        engine.add(f"before-b{i}", 32, max_tokens=2, offset=9500 + 100 * i)
+    engine.run_until_done()
+    clocked.now = t0 + 40.0
+    result = collector.control.submit(
+        parse_command({"max_num_seqs": 62}), idle=collector.engine_idle
+    )
+    step = result.effective_from_step
+    clocked.now = t0 + 70.0
+    engine.add("before-after", 32, max_tokens=2, offset=9900)
+    engine.run_until_done()
+    since = collector.since(step)
+    assert isinstance(since, SettledSince) and since.seconds == 30.0
+    assert since.requests_finished == 1
+    # 30 s before the change is t0 + 10: the latest sample at or before it is t0's.
+    assert since.before is not None
+    assert since.before.model_dump() == {
+        "seconds": 40.0,
+        "preemptions": 0,
+        "requests_finished": 5,
+        "errors": 0,
+        "p99_latency_seconds": 0.0,  # the fake clock stood still while each ran
+    }
+    # Asked right after the change: the sample at t0 + 20 (2 finished since).
+    clocked.now = t0 + 45.0
+    assert collector.since(step) is not None
+    early = collector.changes.before(collector.changes.marks.get(step), 5.0)  # type: ignore[arg-type]
+    assert early is not None and (early.seconds, early.requests_finished) == (20.0, 2)
+    collector.control.submit(parse_command({}, restore=True), idle=collector.engine_idle)

@@ -5,11 +5,18 @@ The change: the `restore` runbook puts max_num_seqs back to its startup value
 32 sequences: nothing is preempted and the breaker stays silent. Under long
 prompts it holds about 21: raising the cap starts a preemption storm, the
 breaker trips on the preemptions per finished request, reverts the restore
-(max_num_seqs back to 8), journals the measurements and counts the trip."""
+(max_num_seqs back to 8), journals the measurements and counts the trip.
+
+The other way round: a storm at 32 sequences, then oom-pressure's fix (the
+budget halved, max_num_seqs cut to 24, just above what the cache holds, the
+autopilot handed over). Its residual preemptions are above the absolute 1 %
+but far below the storm's rate before it: the breaker does not roll the fix
+back into the storm."""
 
 from __future__ import annotations
 
 import itertools
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +33,7 @@ from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
 from vllm_runbook.runbooks.spec import load_catalog
 from vllm_runbook.runbooks.store import Journal
 
+from tests.catalogs import catalog_with
 from tests.engines import InProcessEngine, while_stepping
 
 pytestmark = pytest.mark.engine
@@ -34,6 +42,9 @@ pytestmark = pytest.mark.engine
 # 32 running need 384 blocks (a storm) and 8 need 96. Short: 32 + 16 tokens,
 # 2 blocks a request: 32 running need 64.
 LONG, SHORT = (256, 128), (32, 16)
+# 512 + 256 tokens = 24 blocks a request: the cache holds 10 of them, and
+# few finish per second (the breaker's first judgement sees the cap's residue).
+LONGER = (512, 256)
 CONFIG = BreakerConfig(min_finished=10, interval="1s")
 REQUEST_IDS = itertools.count()  # one engine for the module: ids never repeat
 
@@ -47,13 +58,25 @@ def breaker_engine(tiny_model: Path) -> Iterator[InProcessEngine]:
     eng.close()
 
 
+# oom-pressure's shape with fixed values: the cut lands just above what the
+# cache holds of LONGER (10), so some preemptions remain until the autopilot
+# cuts further.
+OOM_FIX_STEPS = [
+    {"action": "scale_max_num_batched_tokens", "params": {"factor": 0.5}},
+    {"action": "set_max_num_seqs", "params": {"value": 12}},
+    {"action": "set_autopilot", "params": {"enabled": True}},
+]
+
+
 class Setup:
-    def __init__(self, engine: InProcessEngine, store: Journal) -> None:
+    def __init__(self, engine: InProcessEngine, store: Journal, catalog: Path) -> None:
         self.engine = engine
         self.url = str(engine.collector.server.url)
         self.client = EngineClient(self.url)
         self.store = store
-        self.executor = Executor(store, load_catalog(registry=engine_registry()), engine_registry())
+        self.executor = Executor(
+            store, load_catalog([catalog], registry=engine_registry()), engine_registry()
+        )
         self.ids: list[str] = []
         self.metrics = ServiceMetrics(engine_names={self.client.url: "e0"})
         self.breaker = Breaker(store, self.executor, CONFIG, on_trip=self.metrics.breaker_tripped)
@@ -91,13 +114,14 @@ class Setup:
 
 
 @pytest.fixture
-def setup(breaker_engine: InProcessEngine, store: Journal) -> Iterator[Setup]:
-    s = Setup(breaker_engine, store)
+def setup(breaker_engine: InProcessEngine, store: Journal, tmp_path: Path) -> Iterator[Setup]:
+    s = Setup(breaker_engine, store, catalog_with(tmp_path, "oom-pressure", steps=OOM_FIX_STEPS))
     yield s
     # What is left is not the next test's: abort it rather than serve it.
     breaker_engine.engine.abort_request([i for i in s.ids if i not in breaker_engine.finished])
     while breaker_engine.engine.has_unfinished_requests():
         breaker_engine.step()
+    s.client.restore()
 
 
 def test_a_change_that_starts_no_storm_leaves_the_breaker_silent(setup: Setup) -> None:
@@ -157,3 +181,77 @@ def test_a_preemption_storm_trips_the_breaker_and_the_change_is_rolled_back(
         f"{measured['requests_finished']} finished requests"
     )
     assert [setup.trips(r) for r in REASONS] == [1.0, 0.0, 0.0]
+
+
+def test_oom_pressures_fix_is_not_rolled_back_into_the_storm_it_stopped(setup: Setup) -> None:
+    from vllm_runbook.runbooks.breaker import judge
+
+    def loaded_while(alive: Any) -> None:
+        """Step with 40 long requests in flight (a closed loop) while `alive()`."""
+        while alive():
+            unfinished = sum(1 for i in setup.ids if i not in setup.engine.finished)
+            setup.add(max(0, 40 - unfinished), LONGER)
+            setup.engine.step()
+
+    # The storm: 40 long requests at 32 sequences (768 blocks wanted, 256 there).
+    start = setup.client.state().stats.preemptions_total
+    storm_end = time.monotonic() + 8  # the history the fix is compared with
+    loaded_while(lambda: time.monotonic() < storm_end)
+    assert setup.client.state().stats.preemptions_total > start  # the storm is real
+    # The fix lands between steps, and the engine steps until its cap is in
+    # effect (the running above it drained); then it waits while the fix
+    # verifies, so the cap's residue (it is above what the cache holds) comes
+    # in the breaker's watch, not in the verification's.
+    fixed: list[Any] = []
+    run = threading.Thread(
+        target=lambda: fixed.append(
+            setup.executor.execute(
+                "oom-pressure", setup.url, approved=True, condition_seconds=0, verify_seconds=3
+            )
+        )
+    )
+    run.start()
+    scheduler, control = setup.engine.scheduler, setup.engine.collector.control
+    while run.is_alive():
+        draining = len(scheduler.running) > scheduler.max_num_active_reqs
+        if control.pending or draining:
+            setup.engine.step()
+        else:
+            time.sleep(0.005)
+    [fix] = fixed
+    assert fix.record.status == "succeeded", json.dumps(fix.record.verification, default=str)
+    knobs = setup.client.state().knobs
+    assert (knobs.max_num_batched_tokens, knobs.autopilot) == (256, True)
+    judged: list[Any] = []
+
+    def watch() -> None:
+        # Tick until the fix's after-window holds its residue and the breaker's
+        # minimum of finished requests (a judgement on a full denominator).
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            judged.extend(setup.breaker.tick())
+            changes = list(setup.breaker.newest_changes().values())
+            m = setup.breaker.measure(changes[0]) if changes else None
+            if m is None or (m.finished >= CONFIG.min_finished and m.preemptions > 0):
+                judged.append(m)
+                return
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=watch)
+    thread.start()
+    loaded_while(thread.is_alive)
+    thread.join()
+    *trips, m = judged
+    assert trips == [] and m is not None  # no trip: the fix is still watched
+    assert m.before is not None and m.before.preemptions > 0
+    before_rate = m.before.preemptions / max(m.before.finished, CONFIG.min_finished)
+    after_rate = m.preemptions / max(m.finished, CONFIG.min_finished)
+    # What it measured: residual preemptions, over the absolute limit, far
+    # below the storm's rate before the fix (an absolute breaker would trip).
+    print(f"breaker: before {before_rate:.2%} ({m.before}), after {after_rate:.2%} ({m})")
+    assert CONFIG.preemption_rate < after_rate < before_rate / 2, (m, before_rate, after_rate)
+    assert judge(m, CONFIG) is not None
+    assert setup.store.get_execution(fix.record.id).status == "succeeded"
+    assert setup.store.list_executions(who=BREAKER_WHO) == []
+    assert setup.client.state().knobs.max_num_batched_tokens == 256
+    assert [setup.trips(r) for r in REASONS] == [0.0, 0.0, 0.0]

@@ -30,8 +30,14 @@ from tests.fake_agent import STARTUP, URL, Clock, FakeAgent
 DEFAULTS = BreakerConfig()
 
 
-def m(preemptions: int = 0, finished: int = 0, errors: int = 0, p99: float | None = None) -> Any:
-    return Measurement(30.0, preemptions, finished, errors, p99)
+def m(
+    preemptions: int = 0,
+    finished: int = 0,
+    errors: int = 0,
+    p99: float | None = None,
+    before: Measurement | None = None,
+) -> Any:
+    return Measurement(30.0, preemptions, finished, errors, p99, before)
 
 
 def test_defaults_are_the_reports_limits() -> None:
@@ -167,7 +173,7 @@ def test_a_change_over_the_limit_is_rolled_back_journaled_counted_and_held(
     held = executor.run_pending(record.id, approved=True)
     assert held.record.status == "refused"
     assert held.record.reason is not None
-    assert held.record.reason.startswith("circuit breaker hold: it rolled a change back")
+    assert held.record.reason.startswith("circuit breaker hold: it rolled max_num_seqs back")
     assert agent.knobs["max_num_seqs"] == 8
     cli, _ = store.create_execution("restore", URL, trigger="cli", who="oncall")
     assert executor.run_pending(cli.id, approved=True).record.status == "succeeded"
@@ -284,3 +290,148 @@ def test_a_cut_is_not_blamed_for_preemptions_but_for_errors_it_is() -> None:
     assert judge(storm, DEFAULTS, preemptions=False) is None
     errors = judge(m(preemptions=50, finished=100, errors=5), DEFAULTS, preemptions=False)
     assert errors is not None and errors.reason == ERROR_RATE
+
+
+OOM = frozenset({PREEMPTION_RATE})
+
+
+def test_a_fix_of_the_very_signal_trips_only_when_it_got_worse_than_before() -> None:
+    # The demo's case: 1.96 % after oom-pressure's cut, 11.8 % in as long before it.
+    storm = Measurement(35.0, 18, 153, 0)
+    after = m(3, 153, before=storm)
+    assert judge(after, DEFAULTS, remediates=OOM) is None
+    # Any other change over the limit is implicated, whatever came before.
+    other = judge(after, DEFAULTS)
+    assert other is not None and other.text == (
+        "3 preemptions per 153 finished requests = 1.96% > 1.00%; 11.76% in the 35 s before"
+    )
+    # Worse than before it: implicated.
+    calm = Measurement(35.0, 1, 153, 0)
+    worse = judge(m(3, 153, before=calm), DEFAULTS, remediates=OOM)
+    assert worse is not None and worse.reason == PREEMPTION_RATE
+    assert worse.text.endswith("; 0.65% in the 35 s before")
+    # Nothing known from before: implicated, and said so.
+    unknown = judge(m(3, 153), DEFAULTS, remediates=OOM)
+    assert unknown is not None and unknown.text.endswith("(nothing known from before it)")
+    # A preemption fix is still judged on the errors it may cause.
+    errors = judge(m(0, 200, errors=4, before=storm), DEFAULTS, remediates=OOM)
+    assert errors is not None and errors.reason == ERROR_RATE
+
+
+def journal_change(
+    store: Journal, runbook: str, before: dict[str, Any], after: dict[str, Any]
+) -> int:
+    """An execution of `runbook` that changed the knobs from `before` to `after`."""
+    record, _ = store.create_execution(runbook, URL, trigger="rule", who="rules")
+    store.transition(record.id, "running")
+    row = store.add_step(record.id, "set_knobs", {}, before=before)
+    store.finish_step(row.id, "applied", after=after, applied_at_step=100)
+    store.transition(record.id, "succeeded")
+    return int(record.id)
+
+
+OOM_FIX = (
+    {"max_num_batched_tokens": 512, "max_num_seqs": 16, "autopilot": False},
+    {"max_num_batched_tokens": 256, "max_num_seqs": 5, "autopilot": True},
+)
+
+
+def before(preemptions: int, finished: int) -> Any:
+    from vllm_runbook.collector.agent_api import Before
+
+    return Before(
+        seconds=35.0,
+        preemptions=preemptions,
+        requests_finished=finished,
+        errors=0,
+        p99_latency_seconds=None,
+    )
+
+
+def test_oom_pressures_fix_with_residual_preemptions_below_the_storms_is_kept(
+    setup: Any, store: Journal
+) -> None:
+    agent, _executor, breaker, trips = setup
+    agent.knobs.update(max_num_batched_tokens=256, max_num_seqs=5, autopilot=True)
+    fix = journal_change(store, "oom-pressure", *OOM_FIX)
+    agent.stats = [
+        {
+            "since_preemptions": 3,
+            "since_requests_finished": 153,
+            "since_seconds": 35.0,
+            "since_before": before(18, 153),
+        }
+    ]
+    assert breaker.tick() == []
+    assert trips == [] and store.get_execution(fix).status == "succeeded"
+    assert (agent.knobs["max_num_batched_tokens"], agent.knobs["autopilot"]) == (256, True)
+
+
+def test_a_fix_that_made_it_worse_falls_back_to_the_safe_setting_not_the_storm(
+    setup: Any, store: Journal
+) -> None:
+    agent, executor, breaker, trips = setup
+    agent.knobs.update(max_num_batched_tokens=256, max_num_seqs=4, autopilot=True)
+    fix = journal_change(store, "oom-pressure", *OOM_FIX)
+    agent.stats = [
+        {
+            "since_preemptions": 9,
+            "since_requests_finished": 100,
+            "since_seconds": 35.0,
+            "since_before": before(2, 100),
+        }
+    ]
+    [(change, trip)] = breaker.tick()
+    assert (change.execution_id, trip.reason, trips) == (
+        fix,
+        PREEMPTION_RATE,
+        [(URL, "preemption_rate")],
+    )
+    # Admission stays at the lowest of before, after and now; the autopilot off.
+    assert (
+        agent.knobs["max_num_batched_tokens"],
+        agent.knobs["max_num_seqs"],
+        agent.knobs["autopilot"],
+    ) == (256, 4, False)
+    assert store.get_execution(fix).status == "succeeded"  # not reverted into the storm
+    [fallback] = store.list_executions(who=BREAKER_WHO)
+    assert fallback.runbook == "circuit-breaker" and fallback.reverts_id is None
+    assert fallback.reason is not None and fallback.reason.endswith(
+        "falling back to the safe setting, not into the storm it answered"
+    )
+    assert fallback.verification is not None
+    assert fallback.verification["breaker"]["fallback_for"] == fix
+    # The hold covers the knobs it judged: oom-pressure waits, the FCFS switch does not.
+    for runbook, status in (("oom-pressure", "refused"), ("latency-spike", "refused")):
+        record, _ = store.create_execution(
+            runbook,
+            URL,
+            trigger="alert",
+            who="alertmanager",
+            alert_fingerprint=runbook,
+            alert_starts_at=utcnow(),
+        )
+        result = executor.run_pending(record.id, approved=True)
+        held = (result.record.reason or "").startswith("circuit breaker hold")
+        assert held == (runbook == "oom-pressure"), (runbook, result.record.reason)
+        if runbook == "oom-pressure":
+            assert result.record.status == status
+
+
+def test_safe_setting_never_raises_admission() -> None:
+    from vllm_runbook.runbooks.breaker import Change, safe_setting
+
+    change = Change(URL, "runbook", *OOM_FIX, at=utcnow())
+    assert safe_setting(change, {"max_num_batched_tokens": 256, "max_num_seqs": 9}) == {
+        "max_num_batched_tokens": 256,
+        "max_num_seqs": 5,
+        "autopilot": False,
+    }
+    policy = Change(
+        URL,
+        "runbook",
+        {"max_num_seqs": 32, "policy": "priority"},
+        {"max_num_seqs": 8, "policy": "fcfs"},
+        at=utcnow(),
+    )
+    assert safe_setting(policy, {"max_num_seqs": 8}) == {"max_num_seqs": 8, "policy": "priority"}
