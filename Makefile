@@ -55,7 +55,7 @@ test-fast: setup
 	$(PY) -m pytest tests -m "not engine and not served and not service"
 
 demo: setup
-	$(PY) -m vllm_runbook.runbooks.cli demo
+	$(PY) -m vllm_runbook.runbooks.operate.cli demo
 
 # The import names as folders (build/ns/vllm_runbook/collector -> collector, ...):
 # mypy checks the package under the names it is imported by.

@@ -43,12 +43,12 @@ from pathlib import Path
 from typing import Any
 
 from vllm_runbook.collector.tiny_model import create_tiny_model, prompt_token_ids
-from vllm_runbook.runbooks.servers import api_server_command, free_port, logged_process
+from vllm_runbook.runbooks.demo.servers import api_server_command, free_port, logged_process
 
 HEADER = "| what | before | after | outcome |\n|---|---|---|---|"
 
 CLIENTS, PROMPT_MIN, PROMPT_MAX, OUTPUT_TOKENS = 64, 300, 600, 300
-RUNBOOK = [sys.executable, "-m", "vllm_runbook.runbooks.cli"]
+RUNBOOK = [sys.executable, "-m", "vllm_runbook.runbooks.operate.cli"]
 COLLECTOR_WINDOW_S = 60.0  # the collector's default window (VLLM_RUNBOOK_WINDOW_SECONDS)
 KV_BLOCKS, BLOCK_SIZE, BUDGET, MAX_NUM_SEQS, MAX_MODEL_LEN = 256, 32, 512, 32, 1024
 

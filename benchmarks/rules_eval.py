@@ -452,7 +452,7 @@ def measure_churn(
     import json
 
     from vllm_runbook.rules.config import EngineConfig
-    from vllm_runbook.runbooks.config import Config
+    from vllm_runbook.runbooks.model.config import Config
     from vllm_runbook.runbooks.service.discovery import (
         FILE_SD,
         FileSD,

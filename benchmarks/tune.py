@@ -109,7 +109,7 @@ class Experiment:
 
     def __init__(self, agent_url: str, limits: Any, window: float) -> None:
         from vllm_runbook.runbooks.engine.client import EngineClient
-        from vllm_runbook.runbooks.tune import AgentEngine
+        from vllm_runbook.runbooks.operate.tune import AgentEngine
 
         self.client = EngineClient(agent_url)
         self.agent = AgentEngine(self.client, poll_seconds=0.25)
@@ -129,7 +129,7 @@ class Experiment:
         return self.agent.measure(step, seconds)
 
     def tune(self, max_points: int) -> dict[str, Any]:
-        from vllm_runbook.runbooks.tune import Tuner
+        from vllm_runbook.runbooks.operate.tune import Tuner
 
         self.client.restore()
         tuner = Tuner(self.agent, self.limits, window_seconds=self.window, max_points=max_points)
@@ -137,7 +137,7 @@ class Experiment:
 
 
 def sweep(x: Experiment, workload: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    from vllm_runbook.runbooks.tune import judge_point
+    from vllm_runbook.runbooks.operate.tune import judge_point
 
     rows = []
     for seqs in SEQS:
@@ -180,7 +180,7 @@ def spread(a: list[float], b: list[float]) -> float:
 def rounds(
     x: Experiment, workload: str, best: dict[str, Any], args: argparse.Namespace
 ) -> dict[str, Any]:
-    from vllm_runbook.runbooks.tune import judge_point
+    from vllm_runbook.runbooks.operate.tune import judge_point
 
     knobs = {k: best[k] for k in ("max_num_seqs", "max_num_batched_tokens")}
     a: list[float] = []
@@ -202,7 +202,7 @@ def rounds(
         broken.append(report["sla_broken_share"])
         a2.append(x.hold(knobs, args.eval_seconds).throughput or 0.0)
         if args.show_tune:
-            from vllm_runbook.runbooks.tune import format_report
+            from vllm_runbook.runbooks.operate.tune import format_report
 
             print(format_report(report), flush=True)
         print(
@@ -260,7 +260,7 @@ def main() -> None:
 
     from vllm import LLM
     from vllm_runbook.collector.tiny_model import create_tiny_model
-    from vllm_runbook.runbooks.tune import TuneLimits
+    from vllm_runbook.runbooks.operate.tune import TuneLimits
 
     model = create_tiny_model(Path(tempfile.gettempdir()) / "vllm-runbook-bench-model")
     llm = LLM(model=str(model), **ENGINE_ARGS)

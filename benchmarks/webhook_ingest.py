@@ -37,7 +37,7 @@ from pathlib import Path
 
 import httpx
 from sqlalchemy import create_engine, func, select, text
-from vllm_runbook.runbooks.servers import free_port, logged_process
+from vllm_runbook.runbooks.demo.servers import free_port, logged_process
 from vllm_runbook.runbooks.store import Journal, upgrade
 from vllm_runbook.runbooks.store.models import Execution, WebhookEvent
 
@@ -95,7 +95,7 @@ def serve(db_url: str, config: Path, worker: bool = False) -> Iterator[str]:
     cmd = [
         sys.executable,
         "-m",
-        "vllm_runbook.runbooks.cli",
+        "vllm_runbook.runbooks.operate.cli",
         "serve",
         "--config",
         str(config),

@@ -20,18 +20,32 @@ import json
 import logging
 import secrets
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel
-from vllm_runbook.collector.agent_api import ErrorAnswer
+from vllm_runbook.collector.agent_api import AgentState, ErrorAnswer
 from vllm_runbook.collector.auth import TokenError, check_bearer, generate_token
-from vllm_runbook.collector.control import ControlError, parse_command
+from vllm_runbook.collector.control import ControlError, EngineControl, parse_command
 from vllm_runbook.collector.server import AgentServer, Request, Response
 from vllm_runbook.collector.settings import CollectorSettings, agent_token
 
-if TYPE_CHECKING:
-    from vllm_runbook.collector.engine_collector import EngineCollector
+
+class Served(Protocol):
+    """What the agent serves of a collector (collector/engine_collector.py's
+    EngineCollector): its state, its live-change path, whether it is up."""
+
+    enabled: bool
+    error: str | None
+    control: EngineControl
+
+    @property
+    def dp_rank(self) -> int: ...
+
+    def engine_idle(self) -> bool: ...
+
+    def state(self, since_step: int | None = None) -> AgentState: ...
+
 
 logger = logging.getLogger("vllm_runbook.collector")
 
@@ -45,7 +59,7 @@ def refusal(status: int, message: str, **details: Any) -> Response:
 
 
 def start_agent(
-    settings: CollectorSettings, dp_rank: int, registry: CollectorRegistry, collector: Any
+    settings: CollectorSettings, dp_rank: int, registry: CollectorRegistry, collector: Served
 ) -> tuple[AgentServer | None, str | None]:
     """The agent's server, serving (None when it cannot), and where its generated
     token is stored (None when the token is configured)."""
@@ -81,7 +95,7 @@ def start_agent(
     return server.start(), token_path
 
 
-def install_routes(server: AgentServer, collector: EngineCollector, token: str) -> None:
+def install_routes(server: AgentServer, collector: Served, token: str) -> None:
     def state(request: Request) -> Response:
         since = request.query.get("since_step")
         if since is None:

@@ -40,6 +40,7 @@ from vllm_runbook.collector.queues import QueueInspector
 from vllm_runbook.collector.request_tracking import ChangeTracker, RequestTracker
 from vllm_runbook.collector.server import AgentServer
 from vllm_runbook.collector.settings import CollectorSettings, EngineIdentity
+from vllm_runbook.collector.state import build_state
 from vllm_runbook.collector.step_stats import StepStats
 
 logger = logging.getLogger("vllm_runbook.collector")
@@ -193,8 +194,6 @@ class EngineCollector:
 
     def state(self, since_step: int | None = None) -> AgentState:
         """The agent's `/v1/state` (see collector/state.py). HTTP thread."""
-        from vllm_runbook.collector.state import build_state
-
         return build_state(self, since_step)
 
     def since(self, step: int) -> SettledSince | DrainingSince | None:

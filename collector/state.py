@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Protocol
 
 from vllm_runbook.collector import metrics as M
 from vllm_runbook.collector.agent_api import (
@@ -30,12 +30,37 @@ from vllm_runbook.collector.agent_api import (
     TierSettings,
     Workload,
 )
+from vllm_runbook.collector.autopilot import Autopilot
+from vllm_runbook.collector.control import Bound as ControlBound
+from vllm_runbook.collector.control import EngineControl
+from vllm_runbook.collector.engine_config import EngineConfig as ConfigReading
 from vllm_runbook.collector.exporter import Sample
-from vllm_runbook.collector.settings import vllm_version
+from vllm_runbook.collector.nvml import NvmlPoller
+from vllm_runbook.collector.queues import QueueInspector
+from vllm_runbook.collector.request_tracking import ChangeTracker, RequestTracker
+from vllm_runbook.collector.settings import CollectorSettings, EngineIdentity, vllm_version
+from vllm_runbook.collector.step_stats import StepStats
 
-if TYPE_CHECKING:
-    from vllm_runbook.collector import control
-    from vllm_runbook.collector.engine_collector import EngineCollector
+
+class StateSource(Protocol):
+    """The collector's parts the state is built from (collector/engine_collector.py's
+    EngineCollector wires them)."""
+
+    settings: CollectorSettings
+    scheduler: Any  # vLLM's Scheduler (hooked)
+    enabled: bool
+    identity: EngineIdentity
+    stats: StepStats
+    requests: RequestTracker
+    changes: ChangeTracker
+    autopilot: Autopilot
+    control: EngineControl
+    queues: QueueInspector
+    nvml: NvmlPoller
+    config: ConfigReading
+
+    def state_samples(self) -> list[Sample]: ...
+
 
 # Series name → its key in `stats`: the name without the prefix, counters with
 # `_total` (the names Prometheus shows). Histograms, series with extra labels
@@ -60,7 +85,7 @@ def stats_values(samples: list[Sample]) -> dict[str, Any]:
     return values
 
 
-def _bound(bound: control.Bound) -> Bound:
+def _bound(bound: ControlBound) -> Bound:
     return Bound(
         min=bound.minimum,
         max=bound.maximum,
@@ -69,7 +94,7 @@ def _bound(bound: control.Bound) -> Bound:
     )
 
 
-def build_state(c: EngineCollector, since_step: int | None = None) -> AgentState:
+def build_state(c: StateSource, since_step: int | None = None) -> AgentState:
     """With `since_step` (the step a change took effect from, as the knob routes
     answer it), `since` holds what happened from that step on."""
     window = c.settings.window_seconds

@@ -44,11 +44,11 @@ from vllm_runbook.rules.needs import (
     without_plugin,
 )
 from vllm_runbook.rules.signals import RENAMED, SIGNALS
-from vllm_runbook.runbooks.engine.actions import ActionRegistry, catalog_registry
-from vllm_runbook.runbooks.exit_codes import ExitCode
+from vllm_runbook.runbooks.model.actions import ActionRegistry, catalog_registry
+from vllm_runbook.runbooks.model.exit_codes import ExitCode
+from vllm_runbook.runbooks.model.spec import Runbook, StepSpec
+from vllm_runbook.runbooks.model.spec import load_catalog as load_runbook_catalog
 from vllm_runbook.runbooks.service import metric_specs
-from vllm_runbook.runbooks.spec import Runbook, StepSpec
-from vllm_runbook.runbooks.spec import load_catalog as load_runbook_catalog
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMAND = "python -m vllm_runbook.dashboards.docs"
@@ -184,7 +184,7 @@ def _verification(runbook: Runbook) -> str:
     v = runbook.verification
     if v is None:
         return "—"
-    from vllm_runbook.runbooks.verification import needed_text
+    from vllm_runbook.runbooks.run.verification import needed_text
 
     needed = needed_text(f"`{v.signal}`", v)
     text = f"{needed}, measured after the change, within {v.deadline_seconds} s"
@@ -282,7 +282,7 @@ def _nothing_to_improve(runbook: Runbook) -> str:
 def _verdict(runbook: Runbook) -> tuple[str, str, str, str]:
     """(improved, no measurable change, worse, deadline) in words."""
     from vllm_runbook.runbooks.engine.sources import WINDOWED
-    from vllm_runbook.runbooks.verification import DRAIN_MIN_S, DRAIN_SLACK, needed_text
+    from vllm_runbook.runbooks.run.verification import DRAIN_MIN_S, DRAIN_SLACK, needed_text
 
     v = runbook.verification
     mutating = bool(_mutating_steps(runbook))
@@ -433,7 +433,7 @@ def gen_actions() -> str:
 
 
 def gen_exit_codes() -> str:
-    """The `runbook` command's exit codes, from the one table (runbooks/exit_codes.py)."""
+    """The `runbook` command's exit codes, from the one table (runbooks/model/exit_codes.py)."""
     rows = ["| code | name | meaning |", "|---|---|---|"]
     rows += [f"| {int(c)} | `{c.name}` | {_cell(c.meaning)} |" for c in ExitCode]
     return "\n".join(rows) + "\n"
@@ -499,7 +499,7 @@ def gen_vllm_compat() -> str:
 
 def gen_cli() -> str:
     # Imported here: the CLI pulls in the service (FastAPI) and the store.
-    from vllm_runbook.runbooks.cli import build_parser
+    from vllm_runbook.runbooks.operate.cli import build_parser
 
     with _help_width():
         parser = build_parser()

@@ -18,7 +18,7 @@ Each section is a frozen pydantic model owned by the layer that uses it: this
 module owns `engines` (EngineConfig), `rules` (RulesSection) and `automation`
 (Automation); the service's sections (database, webhook, page, approvals,
 notifications, executor, limits, retention) and the whole file's model,
-`Config`, are vllm_runbook.runbooks.config's. `RulesConfig` is this layer's
+`Config`, are vllm_runbook.runbooks.model.config's. `RulesConfig` is this layer's
 view of the file: its own sections, the others' ignored.
 
 `load_file(model, path)` is the one loader: YAML with line marks
@@ -364,7 +364,7 @@ class RulesSection(Section):
 
 class RulesConfig(Section):
     """This layer's view of the configuration file: its sections; the service's are
-    ignored here (vllm_runbook.runbooks.config.Config validates the whole file)."""
+    ignored here (vllm_runbook.runbooks.model.config.Config validates the whole file)."""
 
     model_config = ConfigDict(extra="ignore")
 

@@ -17,7 +17,7 @@
         ├── DuplicateRuleError      the same alert and severity defined twice
         └── TemplateError           an annotation template outside the supported subset
 
-The runbook catalog (`vllm_runbook.runbooks.spec`) reports its mistakes with
+The runbook catalog (`vllm_runbook.runbooks.model.spec`) reports its mistakes with
 the same Problem and CatalogError: every YAML file an operator writes fails
 the same way, and the CLI maps one class to its exit code.
 

@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 import yaml
-from vllm_runbook.runbooks.spec import CATALOG_DIR
+from vllm_runbook.runbooks.model.spec import CATALOG_DIR
 
 
 def acting_catalog(tmp: Path, runbook: str = "oom-pressure") -> Path:

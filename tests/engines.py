@@ -1,7 +1,7 @@
 """Helpers that start and drive real vLLM CPU engines for the tests.
 
 Server processes are started, waited for and stopped by
-vllm_runbook.runbooks.servers (shared with the demo and the benchmarks)."""
+vllm_runbook.runbooks.demo.servers (shared with the demo and the benchmarks)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from vllm_runbook.collector.tiny_model import prompt_token_ids
 
 # One implementation for the tests, the demo and the benchmarks; `free_port` is
 # imported from here by many tests.
-from vllm_runbook.runbooks.servers import free_port, logged_process
+from vllm_runbook.runbooks.demo.servers import free_port, logged_process
 
 ENGINE_DEFAULTS: dict[str, Any] = dict(
     block_size=32,
@@ -223,7 +223,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def runbook_cli_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "vllm_runbook.runbooks.cli", *args]
+    return [sys.executable, "-m", "vllm_runbook.runbooks.operate.cli", *args]
 
 
 def runbook_cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:

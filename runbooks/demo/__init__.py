@@ -21,12 +21,12 @@ it starts is stopped on the way out, also on Ctrl-C.
 
 The demo's rule overrides and runbook timings (seconds instead of minutes)
 are in the files it writes to the demo directory; see DEMO.md in
-vllm_runbook.runbooks (package data). It needs the installed package and vLLM, no source checkout.
+this package (package data). It needs the installed package and vLLM, no source checkout.
 
 The package, by job: config (settings, the files it writes), traffic (the
 clients), live (the event feed and the per-second monitor), story (the
 processes and the phases), summary (the verdict); the server processes are
-vllm_runbook.runbooks.servers; its options are vllm_runbook.runbooks.cli.demo.
+vllm_runbook.runbooks.demo.servers; its options are vllm_runbook.runbooks.operate.cli.demo.
 """
 
 from __future__ import annotations

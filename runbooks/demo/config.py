@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from vllm_runbook.runbooks.servers import api_server_command
+from vllm_runbook.runbooks.demo.servers import api_server_command
 
 ENGINE_NAME = "cpu-0"
 HIGH, LOW = 0, 10  # vLLM's priority: the lower value is served first
@@ -79,7 +79,7 @@ def engine_command(model: Path, port: int) -> list[str]:
 
 def write_runbooks(directory: Path) -> Path:
     """The shipped runbook catalog with the demo's timings (RUNBOOK_TIMINGS)."""
-    from vllm_runbook.runbooks.spec import CATALOG_DIR
+    from vllm_runbook.runbooks.model.spec import CATALOG_DIR
 
     if directory.exists():
         shutil.rmtree(directory)

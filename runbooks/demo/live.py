@@ -16,7 +16,7 @@ from vllm_runbook.collector.agent_api import AgentState
 from vllm_runbook.runbooks.demo.config import LOW
 from vllm_runbook.runbooks.demo.traffic import QueueReading, Traffic
 from vllm_runbook.runbooks.engine.client import EngineClient, EngineClientError
-from vllm_runbook.runbooks.render import (
+from vllm_runbook.runbooks.run.render import (
     format_check,
     format_guards,
     format_verification,

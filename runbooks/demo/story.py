@@ -45,6 +45,15 @@ from vllm_runbook.runbooks.demo.live import (
     finished,
     runs_of,
 )
+from vllm_runbook.runbooks.demo.report import SignalLog, signals_path_for
+from vllm_runbook.runbooks.demo.servers import (
+    NotReady,
+    ProcessExited,
+    free_port,
+    start_logged,
+    stop_group,
+    wait_http,
+)
 from vllm_runbook.runbooks.demo.summary import conclude
 from vllm_runbook.runbooks.demo.traffic import (
     Backlog,
@@ -55,15 +64,6 @@ from vllm_runbook.runbooks.demo.traffic import (
     stream_request,
 )
 from vllm_runbook.runbooks.engine.client import EngineClient, EngineClientError
-from vllm_runbook.runbooks.report import SignalLog, signals_path_for
-from vllm_runbook.runbooks.servers import (
-    NotReady,
-    ProcessExited,
-    free_port,
-    start_logged,
-    stop_group,
-    wait_http,
-)
 from vllm_runbook.runbooks.store.models import ExecutionStatus
 
 
@@ -175,7 +175,7 @@ def run(directory: Path, ci: bool) -> int:
             [
                 sys.executable,
                 "-m",
-                "vllm_runbook.runbooks.cli",
+                "vllm_runbook.runbooks.operate.cli",
                 "serve",
                 "--config",
                 str(config),

@@ -7,10 +7,7 @@ from pathlib import Path
 
 from vllm_runbook.collector.agent_api import AgentState
 from vllm_runbook.runbooks.demo.live import Demo, EventFeed, runs_of
-from vllm_runbook.runbooks.demo.traffic import Request, Traffic
-from vllm_runbook.runbooks.exit_codes import ExitCode
-from vllm_runbook.runbooks.render import format_verification
-from vllm_runbook.runbooks.report import (
+from vllm_runbook.runbooks.demo.report import (
     History,
     effect,
     execution_lines,
@@ -19,6 +16,9 @@ from vllm_runbook.runbooks.report import (
     reverts_of,
     timeline_png,
 )
+from vllm_runbook.runbooks.demo.traffic import Request, Traffic
+from vllm_runbook.runbooks.model.exit_codes import ExitCode
+from vllm_runbook.runbooks.run.render import format_verification
 from vllm_runbook.runbooks.store.models import ExecutionStatus
 
 
@@ -88,7 +88,7 @@ def conclude(
 
 def starvation_effect(feed: EventFeed, low: list[Request]) -> tuple[str, str | None] | None:
     """The starved requests' story: (line, problem or None); None without a switch."""
-    from vllm_runbook.runbooks.report import step_time
+    from vllm_runbook.runbooks.demo.report import step_time
 
     switch = next(
         (

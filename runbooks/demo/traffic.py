@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 from vllm_runbook.runbooks.demo.config import HIGH
-from vllm_runbook.runbooks.report import SignalLog
+from vllm_runbook.runbooks.demo.report import SignalLog
 
 
 @dataclass

@@ -30,7 +30,7 @@ from vllm_runbook.collector.agent_api import (
     command_error,
 )
 from vllm_runbook.collector.auth import find_local_token, is_loopback
-from vllm_runbook.runbooks.exit_codes import ExitCode, RunbookError
+from vllm_runbook.runbooks.model.exit_codes import ExitCode, RunbookError
 
 AnswerT = TypeVar("AnswerT", bound=BaseModel)
 

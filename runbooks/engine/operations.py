@@ -1,7 +1,7 @@
 """The catalog's actions, implemented against the engine agent, and the signals they read.
 
 Each action is a parameters model and a function registered with `@action`
-(`vllm_runbook.runbooks.engine.actions`); `engine_registry()` returns the registry
+(`vllm_runbook.runbooks.model.actions`); `engine_registry()` returns the registry
 they fill: actions through the agent, and warm-up through the engine's vLLM
 API server (`vllm_runbook.runbooks.engine.warmup`). An action is a plain
 function `fn(params, ctx) -> ActionOutcome`: `ctx` carries the agent client,
@@ -35,12 +35,6 @@ from vllm_runbook.collector.agent_api import (
     SettledSince,
 )
 from vllm_runbook.rules.slo import SloSpec, series_of, slo_counts
-from vllm_runbook.runbooks.engine.actions import (
-    ActionParams,
-    ActionRegistry,
-    action,
-    catalog_registry,
-)
 from vllm_runbook.runbooks.engine.client import EngineClient
 from vllm_runbook.runbooks.engine.sources import (
     NO_SLO,
@@ -51,6 +45,12 @@ from vllm_runbook.runbooks.engine.sources import (
     signals_from_state,
     since_signals,
     unavailable,
+)
+from vllm_runbook.runbooks.model.actions import (
+    ActionParams,
+    ActionRegistry,
+    action,
+    catalog_registry,
 )
 
 # --- signals -----------------------------------------------------------------------
@@ -243,7 +243,7 @@ def _clamped(result: ChangeResult) -> tuple[dict[str, Any], ...]:
 
 # --- the actions -------------------------------------------------------------------
 # Each is its parameters model and an `@action` function taking it
-# (vllm_runbook.runbooks.engine.actions); send_warmup_requests is in
+# (vllm_runbook.runbooks.model.actions); send_warmup_requests is in
 # vllm_runbook.runbooks.engine.warmup.
 
 

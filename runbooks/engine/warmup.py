@@ -25,8 +25,8 @@ from typing import Annotated, Any
 
 import httpx
 from pydantic import Field
-from vllm_runbook.runbooks.engine.actions import ActionError, ActionParams, action
 from vllm_runbook.runbooks.engine.operations import ActionContext, ActionOutcome
+from vllm_runbook.runbooks.model.actions import ActionError, ActionParams, action
 
 # Token ids every vocabulary has (the tiny test model has 512; 0-2 are special there).
 _FIRST_ID, _ID_SPAN = 3, 500

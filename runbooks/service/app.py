@@ -40,8 +40,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from vllm_runbook.collector.auth import TokenError
 from vllm_runbook.rules.config import EngineConfig
-from vllm_runbook.runbooks.config import LimitsConfig
 from vllm_runbook.runbooks.engine.client import EngineClient, EngineClientError
+from vllm_runbook.runbooks.model.config import LimitsConfig
 from vllm_runbook.runbooks.service import telemetry as T
 from vllm_runbook.runbooks.service.alertmanager import WebhookPayload, unstorable_text
 from vllm_runbook.runbooks.service.auth import Access, Credentials, Refusal, send_refusal

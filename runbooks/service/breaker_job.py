@@ -1,4 +1,4 @@
-"""The circuit breaker (runbooks/breaker.py) as a job of the service's scheduler.
+"""The circuit breaker (runbooks/service/breaker.py) as a job of the service's scheduler.
 
 Every `breaker.interval` (first at start), beside the worker and the
 retention. A store or an engine that fails is logged and tried again at the
@@ -12,7 +12,7 @@ from typing import Final
 
 from apscheduler.job import Job
 from apscheduler.schedulers.base import BaseScheduler
-from vllm_runbook.runbooks.breaker import Breaker
+from vllm_runbook.runbooks.service.breaker import Breaker
 from vllm_runbook.runbooks.service.jobs import WakeableJob
 from vllm_runbook.runbooks.store import StoreError
 

@@ -17,7 +17,7 @@ Each refresh reads every source; a source that fails keeps what it found last
 (counted, and logged once per change of state), never empties the inventory.
 An engine that a source no longer reports has *departed*: the service stops
 scraping it, its findings resolve, an execution in flight on it ends "engine
-gone" (runbooks/executor.py) and nothing is reverted on it.
+gone" (runbooks/run/executor.py) and nothing is reverted on it.
 
 Alert -> engine (`resolve`): the static list first, as it always did (an
 entry whose labels the alert carries, else whose name is the alert's
@@ -44,8 +44,8 @@ from urllib.parse import urlsplit
 
 import yaml
 from vllm_runbook.rules.config import EngineConfig
-from vllm_runbook.runbooks.config import DiscoveryConfig, PrometheusDiscovery, label_matches
 from vllm_runbook.runbooks.engine.client import normalize_url
+from vllm_runbook.runbooks.model.config import DiscoveryConfig, PrometheusDiscovery, label_matches
 
 log = logging.getLogger("vllm_runbook.service")
 

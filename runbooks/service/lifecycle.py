@@ -12,7 +12,7 @@ never overlapping itself, missed runs coalesced:
 - the notifications' feed and one delivery per receiver (notify.py);
 - the retention of stored deliveries (service/retention.py);
 - discovery's refresh of the inventory (service/discovery.py), when configured.
-- the circuit breaker (runbooks/breaker.py, service/breaker_job.py), where
+- the circuit breaker (runbooks/service/breaker.py, service/breaker_job.py), where
   this replica runs executions.
 
 On shutdown (SIGTERM, SIGINT) the webhook's writer commits what it queued,
@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 from apscheduler.executors.pool import ThreadPoolExecutor
 from apscheduler.schedulers.background import BackgroundScheduler
 from fastapi import FastAPI
-from vllm_runbook.runbooks.config import Config
+from vllm_runbook.runbooks.model.config import Config
 from vllm_runbook.runbooks.service.leader import RulesLeader
 from vllm_runbook.runbooks.service.retention import Retention
 from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
@@ -46,10 +46,10 @@ from vllm_runbook.runbooks.service.worker import Worker
 from vllm_runbook.runbooks.store import Journal
 
 if TYPE_CHECKING:
-    from vllm_runbook.runbooks.catalogs import RunbookCatalog
-    from vllm_runbook.runbooks.notify import Notifier
+    from vllm_runbook.runbooks.model.catalogs import RunbookCatalog
     from vllm_runbook.runbooks.service.breaker_job import BreakerJob
     from vllm_runbook.runbooks.service.discovery import Discovery
+    from vllm_runbook.runbooks.service.notify import Notifier
 
 log = logging.getLogger("vllm_runbook.service")
 

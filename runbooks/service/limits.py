@@ -32,7 +32,7 @@ from typing import Any, Final
 
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from vllm_runbook.runbooks.config import KIB, LimitsConfig
+from vllm_runbook.runbooks.model.config import KIB, LimitsConfig
 
 log = logging.getLogger("vllm_runbook.service")
 

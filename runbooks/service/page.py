@@ -27,15 +27,15 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import FileSystemLoader, StrictUndefined, select_autoescape
 from jinja2.sandbox import SandboxedEnvironment
-from vllm_runbook.runbooks.breaker import BREAKER_WHO
-from vllm_runbook.runbooks.guardrails import format_duration
-from vllm_runbook.runbooks.notify import alert_name
-from vllm_runbook.runbooks.render import TEMPLATES_DIR, format_change, format_value
+from vllm_runbook.runbooks.run.guardrails import format_duration
+from vllm_runbook.runbooks.run.render import TEMPLATES_DIR, format_change, format_value
+from vllm_runbook.runbooks.service.breaker import BREAKER_WHO
 from vllm_runbook.runbooks.service.browser import (
     SECURE_SESSION_COOKIE,
     SESSION_COOKIE,
     SESSION_LIFETIME_S,
 )
+from vllm_runbook.runbooks.service.notify import alert_name
 from vllm_runbook.runbooks.store import (
     ExecutionNotFound,
     ExecutionRecord,

@@ -13,7 +13,7 @@ from typing import Final
 
 from apscheduler.job import Job
 from apscheduler.schedulers.base import BaseScheduler
-from vllm_runbook.runbooks.config import RetentionConfig
+from vllm_runbook.runbooks.model.config import RetentionConfig
 from vllm_runbook.runbooks.service import telemetry as T
 from vllm_runbook.runbooks.service.jobs import WakeableJob
 from vllm_runbook.runbooks.service.telemetry import ServiceMetrics

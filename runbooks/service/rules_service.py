@@ -33,8 +33,8 @@ from vllm_runbook.rules.remediation import Dispatcher, RemediationHook
 from vllm_runbook.rules.scheduling import schedule_cycle
 from vllm_runbook.rules.scrape import Scraper
 from vllm_runbook.rules.window import WindowStore
-from vllm_runbook.runbooks.catalogs import load_rules, runbook_names
-from vllm_runbook.runbooks.config import Config
+from vllm_runbook.runbooks.model.catalogs import load_rules, runbook_names
+from vllm_runbook.runbooks.model.config import Config
 from vllm_runbook.runbooks.service.discovery import Inventory
 from vllm_runbook.runbooks.service.sql_sink import SqlIncidentSink
 from vllm_runbook.runbooks.store import Journal

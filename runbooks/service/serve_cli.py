@@ -1,5 +1,5 @@
 """`runbook serve`: the service assembled from its configuration (`build`) and run
-(`cmd_serve`); its options are vllm_runbook.runbooks.cli.serve's."""
+(`cmd_serve`); its options are vllm_runbook.runbooks.operate.cli.serve's."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vllm_runbook.collector.auth import TokenError, is_loopback, runtime_dir
-from vllm_runbook.runbooks.exit_codes import ExitCode
+from vllm_runbook.runbooks.model.exit_codes import ExitCode
 
 if TYPE_CHECKING:
     from vllm_runbook.runbooks.service.lifecycle import Service
@@ -79,9 +79,9 @@ def build(
 ) -> Service:
     """The service: config, store (migrated), app, and its jobs (none started:
     the app's lifespan starts them); raises the errors the CLI maps."""
-    from vllm_runbook.runbooks.catalogs import load_deployment
     from vllm_runbook.runbooks.engine.client import normalize_url
     from vllm_runbook.runbooks.engine.operations import engine_registry
+    from vllm_runbook.runbooks.model.catalogs import load_deployment
     from vllm_runbook.runbooks.service.app import create_app
     from vllm_runbook.runbooks.service.browser import BrowserPolicy
     from vllm_runbook.runbooks.service.discovery import (
@@ -136,9 +136,9 @@ def build(
     runner = None
     breaker = None
     if worker:
-        from vllm_runbook.runbooks.breaker import Breaker
         from vllm_runbook.runbooks.engine.client import EngineClient
-        from vllm_runbook.runbooks.executor import Executor
+        from vllm_runbook.runbooks.run.executor import Executor
+        from vllm_runbook.runbooks.service.breaker import Breaker
         from vllm_runbook.runbooks.service.breaker_job import BreakerJob
         from vllm_runbook.runbooks.service.worker import Worker
 
@@ -196,7 +196,7 @@ def build(
     credentials = credentials_from(config, host)
     notifier = None
     if config.notifications.receivers:
-        from vllm_runbook.runbooks.notify import Notifier
+        from vllm_runbook.runbooks.service.notify import Notifier
 
         try:
             notifier = Notifier.from_config(store, config.notifications, metrics=metrics)

@@ -22,9 +22,9 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from vllm_runbook.runbooks.breaker import REASONS as BREAKER_REASONS
 from vllm_runbook.runbooks.engine.operations import KNOBS
 from vllm_runbook.runbooks.service import metric_specs as S
+from vllm_runbook.runbooks.service.breaker import REASONS as BREAKER_REASONS
 from vllm_runbook.runbooks.service.discovery import SOURCES
 from vllm_runbook.runbooks.service.limits import REFUSAL_REASONS as REQUEST_REFUSAL_REASONS
 from vllm_runbook.runbooks.store import ExecutionRecord, StepRecord
@@ -183,7 +183,7 @@ class ServiceMetrics:
         self._count_knobs(revert.engine, knobs, 1)
 
     def breaker_tripped(self, engine_url: str, reason: str) -> None:
-        """The circuit breaker rolled a change back (runbooks/breaker.py)."""
+        """The circuit breaker rolled a change back (runbooks/service/breaker.py)."""
         self.breaker_trips.labels(self.engine_name(engine_url), reason).inc()
 
     def _count_knobs(self, engine_url: str, knobs: Iterable[str], times: int) -> None:

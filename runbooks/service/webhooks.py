@@ -21,10 +21,8 @@ import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
-from sqlalchemy import Table, insert
-from sqlalchemy.orm import Session
 from vllm_runbook.rules.config import Automation, EngineConfig
 from vllm_runbook.runbooks.engine.client import normalize_url
 from vllm_runbook.runbooks.service.alertmanager import Alert, WebhookPayload
@@ -34,9 +32,8 @@ from vllm_runbook.runbooks.store.executions import NewExecution
 from vllm_runbook.runbooks.store.models import (
     ApprovalState,
     ExecutionStatus,
-    WebhookEvent,
-    utcnow,
 )
+from vllm_runbook.runbooks.store.webhook_events import NewDelivery
 
 log = logging.getLogger("vllm_runbook.service")
 
@@ -197,35 +194,31 @@ def plan(router: Router, payload: WebhookPayload, raw: dict[str, Any], size: int
     return planned
 
 
-def _write(store: Journal, s: Session, batch: Sequence[_Planned]) -> list[Outcome]:
-    """Every delivery of `batch` in the caller's transaction: one executemany
-    statement for the events and one for the executions (Journal.create_executions),
-    whatever the batch size."""
-    events = cast(Table, WebhookEvent.__table__)
-    event_ids = list(
-        s.execute(
-            insert(events).returning(events.c.id, sort_by_parameter_order=True),
-            [
-                {
-                    "group_key": p.payload.groupKey,
-                    "status": p.payload.status,
-                    "payload": p.raw,
-                    "processed": True,  # events and executions commit together
-                    "received_at": utcnow(),
-                    "payload_bytes": p.size,
-                }
-                for p in batch
-            ],
-        ).scalars()
+def ingest_many(store: Journal, batch: Sequence[_Planned]) -> list[Outcome]:
+    """Store the deliveries and their pending executions in one transaction
+    (Journal.record_deliveries).
+
+    Raises StoreUnavailable (→ 503) when nothing was stored; a retry re-runs
+    this idempotently (the episode key).
+    """
+    stored = store.record_deliveries(
+        [
+            NewDelivery(
+                group_key=p.payload.groupKey,
+                status=p.payload.status,
+                payload=p.raw,
+                payload_bytes=p.size,
+                executions=p.executions,
+            )
+            for p in batch
+        ]
     )
-    # One row per episode, whatever the number of deliveries carrying it: the
-    # first delivery in the batch that carries a new one created it.
-    created = iter(store.create_executions(s, [e for p in batch for e in p.executions]))
     outcomes = []
-    for p, event_id in zip(batch, event_ids, strict=True):
-        outcome = Outcome(event_id, skipped=p.skipped, resolved=p.resolved, rejected=p.rejected)
-        for new, mode in zip(p.executions, p.modes, strict=True):
-            execution_id, was_created = next(created)
+    for p, row in zip(batch, stored, strict=True):
+        outcome = Outcome(row.event_id, skipped=p.skipped, resolved=p.resolved, rejected=p.rejected)
+        for new, mode, (execution_id, was_created) in zip(
+            p.executions, p.modes, row.executions, strict=True
+        ):
             outcome.executions.append(
                 {
                     "id": execution_id,
@@ -237,16 +230,6 @@ def _write(store: Journal, s: Session, batch: Sequence[_Planned]) -> list[Outcom
             )
         outcomes.append(outcome)
     return outcomes
-
-
-def ingest_many(store: Journal, batch: Sequence[_Planned]) -> list[Outcome]:
-    """Store the deliveries and their pending executions in one transaction.
-
-    Raises StoreUnavailable (→ 503) when nothing was stored; a retry re-runs
-    this idempotently (the episode key).
-    """
-    with store.session(write=True) as s:
-        return _write(store, s, batch)
 
 
 def ingest(

@@ -34,8 +34,8 @@ from typing import Any, Final
 from apscheduler.job import Job
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.schedulers.base import BaseScheduler
-from vllm_runbook.runbooks.config import ExecutorConfig
-from vllm_runbook.runbooks.executor import Executor
+from vllm_runbook.runbooks.model.config import ExecutorConfig
+from vllm_runbook.runbooks.run.executor import Executor
 from vllm_runbook.runbooks.service.jobs import WakeableJob
 from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
 from vllm_runbook.runbooks.store import ExecutionRecord, Journal, StoreError

@@ -3,6 +3,11 @@
 from vllm_runbook.runbooks.store import Journal, upgrade
 upgrade(url)                  # once, or on service start
 store = Journal(url)            # url: explicit > $RUNBOOK_DB_URL > SQLite in the data dir
+
+The only writer of the database: every row is written and read through the
+Journal's methods, and no SQLAlchemy session leaves this package. It imports
+nothing of the runbooks but model/ (the exit codes), and knows no engine,
+web service or scheduler; the migrations (Alembic) live here too.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ driver exception leaves the store's public API.
 
 from __future__ import annotations
 
-from vllm_runbook.runbooks.exit_codes import ExitCode, RunbookError
+from vllm_runbook.runbooks.model.exit_codes import ExitCode, RunbookError
 
 
 class StoreError(RunbookError):

@@ -580,7 +580,7 @@ class ExecutionStore(StoreBase):
     def finished_since(self, since: datetime) -> list[ExecutionRecord]:
         """Real executions (reverts included) that finished at or after
         `since`, oldest first: what the circuit breaker may watch
-        (vllm_runbook.runbooks.breaker)."""
+        (vllm_runbook.runbooks.service.breaker)."""
         if since.tzinfo is None:
             raise ValueError("since must be timezone-aware")
         query = (

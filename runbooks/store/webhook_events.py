@@ -1,4 +1,4 @@
-"""Stored Alertmanager deliveries (webhook_events): their retention.
+"""Stored Alertmanager deliveries (webhook_events): their writing and retention.
 
 Every delivery is stored with its whole payload before it is answered (the
 service's durability contract); nothing reads them back but a person asking
@@ -12,12 +12,14 @@ a large backlog must not hold the write lock that deliveries wait for.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Final
+from typing import Any, Final
 
 from sqlalchemy import ColumnElement, and_, delete, func, or_, select
 from vllm_runbook.runbooks.store.base import StoreBase
+from vllm_runbook.runbooks.store.executions import NewExecution
 from vllm_runbook.runbooks.store.models import WebhookEvent, utcnow
 
 PRUNE_BATCH: Final = 500
@@ -35,8 +37,29 @@ class Pruned:
         return self.by_age + self.by_size
 
 
+@dataclass(frozen=True)
+class NewDelivery:
+    """One Alertmanager delivery to store, with the pending executions it asks for."""
+
+    group_key: str
+    status: str
+    payload: dict[str, Any]
+    payload_bytes: int = 0
+    executions: Sequence[NewExecution] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class StoredDelivery:
+    """A stored delivery's row id, and per execution asked for: (its id, whether
+    this delivery created it; False: the episode's row existed already)."""
+
+    event_id: int
+    executions: list[tuple[int, bool]]
+
+
 class WebhookEventStore(StoreBase):
-    """Deliveries kept, their total size, and pruning."""
+    """Deliveries kept, their total size, and pruning (the Journal writes them
+    with their executions: Journal.record_deliveries)."""
 
     def webhook_events_size(self) -> tuple[int, int]:
         """(deliveries stored, their total payload bytes)."""

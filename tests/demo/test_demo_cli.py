@@ -56,7 +56,9 @@ def run_installed(site: Path, cwd: Path, *args: str) -> subprocess.CompletedProc
 
 
 def test_runbook_demo_help_from_an_installed_package(site: Path, tmp_path: Path) -> None:
-    proc = run_installed(site, tmp_path, "-m", "vllm_runbook.runbooks.cli", "demo", "--help")
+    proc = run_installed(
+        site, tmp_path, "-m", "vllm_runbook.runbooks.operate.cli", "demo", "--help"
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("usage: runbook demo [-h] [--ci] [--dir DIR]\n"), proc.stdout
     assert "--ci " in proc.stdout and "default\n              .demo)" in proc.stdout
@@ -81,7 +83,7 @@ write_config(out / "runbook.yaml", "sqlite:///x.db", "http://127.0.0.1:1", "http
 print(json.dumps({
     "modules": {n: getattr(m, "__file__", None) for n, m in sys.modules.items()
                 if n.split(".")[0] in ("vllm_runbook", "tests", "benchmarks")},
-    "demo_md": (importlib.resources.files("vllm_runbook.runbooks") / "DEMO.md").is_file(),
+    "demo_md": (importlib.resources.files("vllm_runbook.runbooks.demo") / "DEMO.md").is_file(),
 }))
 """
     proc = run_installed(site, tmp_path, "-c", script)

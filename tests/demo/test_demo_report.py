@@ -9,14 +9,14 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from vllm_runbook.runbooks.cli import main
-from vllm_runbook.runbooks.report import (
+from vllm_runbook.runbooks.demo.report import (
     History,
     execution_lines,
     percentile,
     phase_rows,
     signals_path_for,
 )
+from vllm_runbook.runbooks.operate.cli import main
 from vllm_runbook.runbooks.store import Journal, upgrade
 from vllm_runbook.runbooks.store.models import Execution, ExecutionStatus
 

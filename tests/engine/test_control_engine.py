@@ -47,7 +47,9 @@ def cli_in_background(*args: str) -> subprocess.Popen[str]:
     """The installed `runbook` command; in `make compat`'s environments (a venv in
     front of the project's, without its console script) the same entry module."""
     exe = Path(sys.executable).with_name("runbook")
-    cmd = [str(exe)] if exe.is_file() else [sys.executable, "-m", "vllm_runbook.runbooks.cli"]
+    cmd = (
+        [str(exe)] if exe.is_file() else [sys.executable, "-m", "vllm_runbook.runbooks.operate.cli"]
+    )
     return subprocess.Popen(
         [*cmd, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from vllm_runbook.runbooks.operate.tune import TIE_SHARE
 from vllm_runbook.runbooks.store import Journal
-from vllm_runbook.runbooks.tune import TIE_SHARE
 
 from tests.engines import (
     REPO_ROOT,

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 import httpx
 from vllm_runbook.runbooks.engine.client import EngineClient
-from vllm_runbook.runbooks.executor import ExecutionResult, Executor
+from vllm_runbook.runbooks.run.executor import ExecutionResult, Executor
 from vllm_runbook.runbooks.store import Journal
 
 from tests.engines import InProcessEngine

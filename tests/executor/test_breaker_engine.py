@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_runbook.runbooks.breaker import BREAKER_WHO, PREEMPTION_RATE, REASONS, Breaker
-from vllm_runbook.runbooks.config import BreakerConfig
 from vllm_runbook.runbooks.engine.client import EngineClient
 from vllm_runbook.runbooks.engine.operations import engine_registry
-from vllm_runbook.runbooks.executor import Executor
+from vllm_runbook.runbooks.model.config import BreakerConfig
+from vllm_runbook.runbooks.model.spec import load_catalog
+from vllm_runbook.runbooks.run.executor import Executor
+from vllm_runbook.runbooks.service.breaker import BREAKER_WHO, PREEMPTION_RATE, REASONS, Breaker
 from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
-from vllm_runbook.runbooks.spec import load_catalog
 from vllm_runbook.runbooks.store import Journal
 
 from tests.catalogs import catalog_with
@@ -184,7 +184,7 @@ def test_a_preemption_storm_trips_the_breaker_and_the_change_is_rolled_back(
 
 
 def test_oom_pressures_fix_is_not_rolled_back_into_the_storm_it_stopped(setup: Setup) -> None:
-    from vllm_runbook.runbooks.breaker import judge
+    from vllm_runbook.runbooks.service.breaker import judge
 
     def loaded_while(alive: Any) -> None:
         """Step with 40 long requests in flight (a closed loop) while `alive()`."""

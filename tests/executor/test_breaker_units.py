@@ -1,4 +1,4 @@
-"""The service-wide circuit breaker (runbooks/breaker.py): its limits with
+"""The service-wide circuit breaker (runbooks/service/breaker.py): its limits with
 exact numbers, and its watch, rollback, journal, counter and hold against the
 in-memory agent (tests/fake_agent.py). The real engine's storm is in
 test_breaker_engine.py."""
@@ -9,7 +9,11 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from vllm_runbook.runbooks.breaker import (
+from vllm_runbook.runbooks.engine.operations import engine_registry
+from vllm_runbook.runbooks.model.config import BreakerConfig
+from vllm_runbook.runbooks.model.spec import load_catalog
+from vllm_runbook.runbooks.run.executor import Executor
+from vllm_runbook.runbooks.service.breaker import (
     BREAKER_WHO,
     ERROR_RATE,
     P99_OVER_SLA,
@@ -18,10 +22,6 @@ from vllm_runbook.runbooks.breaker import (
     Measurement,
     judge,
 )
-from vllm_runbook.runbooks.config import BreakerConfig
-from vllm_runbook.runbooks.engine.operations import engine_registry
-from vllm_runbook.runbooks.executor import Executor
-from vllm_runbook.runbooks.spec import load_catalog
 from vllm_runbook.runbooks.store import Journal
 from vllm_runbook.runbooks.store.models import utcnow
 
@@ -274,7 +274,7 @@ def test_an_autopilot_change_over_the_limit_turns_it_off_and_puts_max_num_seqs_b
 
 
 def test_a_cut_is_not_blamed_for_preemptions_but_for_errors_it_is() -> None:
-    from vllm_runbook.runbooks.breaker import only_lowers_admission
+    from vllm_runbook.runbooks.service.breaker import only_lowers_admission
 
     assert only_lowers_admission({"max_num_seqs": 32}, {"max_num_seqs": 8})
     assert only_lowers_admission(
@@ -419,7 +419,7 @@ def test_a_fix_that_made_it_worse_falls_back_to_the_safe_setting_not_the_storm(
 
 
 def test_safe_setting_never_raises_admission() -> None:
-    from vllm_runbook.runbooks.breaker import Change, safe_setting
+    from vllm_runbook.runbooks.service.breaker import Change, safe_setting
 
     change = Change(URL, "runbook", *OOM_FIX, at=utcnow())
     assert safe_setting(change, {"max_num_batched_tokens": 256, "max_num_seqs": 9}) == {

@@ -29,7 +29,7 @@ import httpx
 import pytest
 from exec_harness import cli, cli_background
 from vllm_runbook.runbooks.engine.sources import SOURCES
-from vllm_runbook.runbooks.verification import IMPROVED, NO_CHANGE, WORSE, judge
+from vllm_runbook.runbooks.run.verification import IMPROVED, NO_CHANGE, WORSE, judge
 
 from tests.engines import InProcessEngine
 

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 from matrix_bench import STARTUP, Bench, start_engine
-from vllm_runbook.runbooks.executor import ExecutionResult, Executor
-from vllm_runbook.runbooks.render import format_signal
+from vllm_runbook.runbooks.run.executor import ExecutionResult, Executor
+from vllm_runbook.runbooks.run.render import format_signal
 from vllm_runbook.runbooks.store import Journal
 
 from tests.engines import InProcessEngine

@@ -28,8 +28,8 @@ from typing import Any
 import pytest
 from matrix_bench import STARTUP, Bench, start_engine
 from vllm_runbook.collector.tiny_model import VOCAB_SIZE, prompt_token_ids
-from vllm_runbook.runbooks.render import format_signal
-from vllm_runbook.runbooks.verification import WORSE
+from vllm_runbook.runbooks.run.render import format_signal
+from vllm_runbook.runbooks.run.verification import WORSE
 
 from tests.engines import InProcessEngine
 

@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 from vllm_runbook.rules.durations import format_duration, parse_duration
 from vllm_runbook.runbooks.engine.operations import engine_registry, kv_capacity_seqs
-from vllm_runbook.runbooks.executor import ExecutionResult, Executor
-from vllm_runbook.runbooks.guardrails import engine_lock_name
-from vllm_runbook.runbooks.render import format_verification
-from vllm_runbook.runbooks.revert import RevertRefused, stage_values
-from vllm_runbook.runbooks.spec import Catalog, Runbook, load_catalog
+from vllm_runbook.runbooks.model.spec import Catalog, Runbook, load_catalog
+from vllm_runbook.runbooks.run.executor import ExecutionResult, Executor
+from vllm_runbook.runbooks.run.guardrails import engine_lock_name
+from vllm_runbook.runbooks.run.render import format_verification
+from vllm_runbook.runbooks.run.revert import RevertRefused, stage_values
 from vllm_runbook.runbooks.store import Journal
 
 from tests.fake_agent import PRESSURE, STARTUP, URL, Clock, FakeAgent, stats
@@ -429,7 +429,7 @@ def test_stage_values() -> None:
 
 
 def test_judge_needs_the_named_effect() -> None:
-    from vllm_runbook.runbooks.verification import IMPROVED, NO_CHANGE, WORSE, judge
+    from vllm_runbook.runbooks.run.verification import IMPROVED, NO_CHANGE, WORSE, judge
 
     def decrease(before: float, after: float, by: float = 0.8) -> str:
         return judge(before, after, "decrease", improve_by=by, tolerance=0.1)
@@ -450,7 +450,7 @@ def test_judge_needs_the_named_effect() -> None:
 
 
 def test_the_starvation_deadline_follows_the_drain_rate() -> None:
-    from vllm_runbook.runbooks.verification import drain_deadline
+    from vllm_runbook.runbooks.run.verification import drain_deadline
 
     # 8 starving at 0.5 admitted/s: 3 x 16 s; capped by the runbook's deadline.
     assert drain_deadline(120, 8, 0.5) == 48.0
@@ -523,7 +523,7 @@ def test_an_engine_that_leaves_the_inventory_ends_its_execution_engine_gone(make
 def test_nothing_to_improve_is_refused_before_any_change_and_is_no_failure(
     make: Any, store: Journal
 ) -> None:
-    from vllm_runbook.runbooks.notify import message
+    from vllm_runbook.runbooks.service.notify import message
 
     # oom-pressure on an engine that preempts nothing: the trigger fired, the
     # condition is gone by the checks.
@@ -581,7 +581,7 @@ def test_a_run_whose_steps_would_change_nothing_has_nothing_to_improve(make: Any
 
 
 def test_a_windowed_rate_with_no_measurable_change_is_measured_on_to_the_deadline() -> None:
-    from vllm_runbook.runbooks.verification import measure
+    from vllm_runbook.runbooks.run.verification import measure
 
     v = runbook().verification
     assert v is not None
@@ -703,7 +703,7 @@ def test_slo_counts_read_the_slos_bucket_of_its_model() -> None:
 
 
 def test_alert_slo_names_the_slo_and_pair_of_its_alerts() -> None:
-    from vllm_runbook.runbooks.executor import alert_slo
+    from vllm_runbook.runbooks.run.executor import alert_slo
 
     slo = ttft_slo()
     found = alert_slo([slo], "alertmanager:VllmSloBurn_ttft_6h")

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from vllm_runbook.rules.errors import CatalogError
 from vllm_runbook.rules.model import load_catalog as load_rules
-from vllm_runbook.runbooks.engine.actions import DuplicateAction, UnknownAction, catalog_registry
 from vllm_runbook.runbooks.engine.operations import SetMaxNumSeqs, advise
-from vllm_runbook.runbooks.spec import CATALOG_DIR, load_catalog
+from vllm_runbook.runbooks.model.actions import DuplicateAction, UnknownAction, catalog_registry
+from vllm_runbook.runbooks.model.spec import CATALOG_DIR, load_catalog
 
 EXPECTED = {
     "batch-too-large",

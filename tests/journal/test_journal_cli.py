@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from vllm_runbook.runbooks.cli import main
+from vllm_runbook.runbooks.operate.cli import main
 from vllm_runbook.runbooks.store import Journal
 
 

@@ -42,7 +42,7 @@ def cli_history(url: str) -> dict[str, object]:
         [
             sys.executable,
             "-m",
-            "vllm_runbook.runbooks.cli",
+            "vllm_runbook.runbooks.operate.cli",
             "history",
             "--db",
             url,

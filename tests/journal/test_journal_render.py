@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from jinja2.exceptions import SecurityError
-from vllm_runbook.runbooks.render import (
+from vllm_runbook.runbooks.run.render import (
     format_table,
     render_notification,
     render_report,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path, PurePosixPath
 
 import pytest
-from vllm_runbook.runbooks.cli import build_parser, main
+from vllm_runbook.runbooks.operate.cli import build_parser, main
 from vllm_runbook.runbooks.service.serve_cli import cmd_serve
 
 from tests.k8s.manifests import OVERLAYS, container, one, pod_spec, render
@@ -48,7 +48,7 @@ def test_the_configuration_passes_runbook_rules_check(
 
 
 def test_the_webhook_token_file_is_the_mounted_secret(tmp_path: Path) -> None:
-    from vllm_runbook.runbooks.config import load_config
+    from vllm_runbook.runbooks.model.config import load_config
 
     objects = render("default")
     config_path, text = _configuration(objects)

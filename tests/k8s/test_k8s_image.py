@@ -43,7 +43,7 @@ def test_the_image_copies_every_package_folder_and_the_build_context_holds_them(
 
 def test_the_image_runs_runbook_as_the_deployments_user_on_its_port() -> None:
     instructions = dict(_instructions()[-4:])
-    assert _pyproject()["project"]["scripts"]["runbook"] == "vllm_runbook.runbooks.cli:main"
+    assert _pyproject()["project"]["scripts"]["runbook"] == "vllm_runbook.runbooks.operate.cli:main"
     assert json.loads(instructions["ENTRYPOINT"]) == ["runbook"]
     objects = render("default")
     security = pod_spec(objects)["securityContext"]

@@ -180,7 +180,7 @@ def test_the_default_overlays_discover_the_podmonitors_targets(
 ) -> None:
     """runbook.yaml asks Prometheus for the PodMonitor's targets (the Operator names
     their job <namespace>/<PodMonitor>); no engine is listed."""
-    from vllm_runbook.runbooks.config import load_config
+    from vllm_runbook.runbooks.model.config import load_config
     from vllm_runbook.runbooks.service.discovery import targets_to_engines
 
     objects = render(overlay)

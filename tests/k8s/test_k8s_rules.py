@@ -13,7 +13,7 @@ from vllm_runbook.dashboards.generate import DASHBOARDS_DIR, RULE_FILE
 from vllm_runbook.rules import load_catalog
 from vllm_runbook.rules.prometheus_operator import export_prometheus_rule
 from vllm_runbook.rules.promql import rule_groups
-from vllm_runbook.runbooks.cli import main
+from vllm_runbook.runbooks.operate.cli import main
 
 from tests.engines import require_tool
 from tests.k8s.manifests import DEPLOY, one, render

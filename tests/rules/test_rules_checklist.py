@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from rule_server import Routes, serve
 from vllm_runbook.rules.checklist import READS, Scrape, parse_exposition, run_checklist
-from vllm_runbook.runbooks.cli import main
+from vllm_runbook.runbooks.operate.cli import main
 
 from tests.fake_agent import agent_state
 
@@ -326,7 +326,7 @@ def test_usage_errors_exit_2(
 def test_usage_error_as_an_operator_sees_it() -> None:
     # A separate process, as typed: one line, no traceback.
     proc = subprocess.run(
-        [sys.executable, "-m", "vllm_runbook.runbooks.cli", "check"],
+        [sys.executable, "-m", "vllm_runbook.runbooks.operate.cli", "check"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -341,7 +341,7 @@ def test_usage_error_as_an_operator_sees_it() -> None:
 
 def test_the_checks_read_only_the_samples_a_soak_keeps() -> None:
     """A soak keeps only READS of each scrape: the checks give the same verdicts."""
-    from vllm_runbook.runbooks.cli.check import slim
+    from vllm_runbook.runbooks.operate.cli.check import slim
 
     unread = f"vllm_runbook_padding_ratio{{{ENGINE}}} 0.1\n"  # no check reads it
     full = [

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 from rule_harness import promtool_required
-from vllm_runbook.runbooks.cli import main
+from vllm_runbook.runbooks.operate.cli import main
 
 PREFIX = "runbook: error: "  # the first line of an error; a catalog's other problems follow
 
@@ -81,7 +81,7 @@ def test_rule_labels_are_checked_against_the_runbook_catalog_given(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from vllm_runbook.rules.model import CATALOG_DIR as RULES_DIR
-    from vllm_runbook.runbooks.spec import CATALOG_DIR as RUNBOOKS_DIR
+    from vllm_runbook.runbooks.model.spec import CATALOG_DIR as RUNBOOKS_DIR
 
     rules, runbooks = tmp_path / "rules", tmp_path / "runbooks"
     for src, dst in ((RULES_DIR, rules), (RUNBOOKS_DIR, runbooks)):

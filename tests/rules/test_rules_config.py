@@ -1,6 +1,6 @@
 """The configuration file: the whole sketch of DESIGN.md, defaults, located errors.
 
-The whole file is vllm_runbook.runbooks.config's `Config`; the rules layer
+The whole file is vllm_runbook.runbooks.model.config's `Config`; the rules layer
 loads its own sections (`RulesConfig`) with the same loader."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from vllm_runbook.rules.config import Automation, EngineConfig, RulesConfig
 from vllm_runbook.rules.errors import CatalogError
 from vllm_runbook.rules.model import load_catalog
 from vllm_runbook.rules.scrape import Target
-from vllm_runbook.runbooks.config import (
+from vllm_runbook.runbooks.model.config import (
     Config,
     ExecutorConfig,
     LimitsConfig,

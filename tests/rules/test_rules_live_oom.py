@@ -17,8 +17,8 @@ import pytest
 import yaml
 from apscheduler.schedulers.background import BackgroundScheduler
 from vllm_runbook.rules.remediation import Handoff
-from vllm_runbook.runbooks.cli import main
-from vllm_runbook.runbooks.config import load_config
+from vllm_runbook.runbooks.model.config import load_config
+from vllm_runbook.runbooks.operate.cli import main
 from vllm_runbook.runbooks.service.rules_service import RulesService
 from vllm_runbook.runbooks.store import Journal, upgrade
 

@@ -16,7 +16,7 @@ from vllm_runbook.rules.errors import (
     UnknownSignalError,
 )
 from vllm_runbook.rules.model import load_catalog
-from vllm_runbook.runbooks.spec import load_catalog as load_runbooks
+from vllm_runbook.runbooks.model.spec import load_catalog as load_runbooks
 
 # The shipped runbook catalog's names: what the rules are deployed with.
 RUNBOOK_NAMES = list(load_runbooks())

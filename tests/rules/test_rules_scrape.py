@@ -13,7 +13,7 @@ from vllm_runbook.rules.evaluator import Evaluator, store_for_rules
 from vllm_runbook.rules.incidents import MemoryIncidentSink
 from vllm_runbook.rules.model import load_catalog
 from vllm_runbook.rules.scrape import NO_BACKOFF, Scraper, Target
-from vllm_runbook.runbooks.servers import free_port
+from vllm_runbook.runbooks.demo.servers import free_port
 
 RULES = load_catalog().bind({"VllmOOMPressure": {"for": "0s"}})
 

@@ -36,7 +36,7 @@ from vllm_runbook.rules.scrape import (
 )
 from vllm_runbook.rules.signals import SIGNALS
 from vllm_runbook.rules.window import Series, WindowStore
-from vllm_runbook.runbooks.config import load_config
+from vllm_runbook.runbooks.model.config import load_config
 from vllm_runbook.runbooks.service.leader import RulesLeader
 from vllm_runbook.runbooks.service.rules_service import RulesService
 from vllm_runbook.runbooks.service.telemetry import ServiceMetrics

@@ -18,7 +18,7 @@ from vllm_runbook.rules.config import Automation, EngineConfig
 from vllm_runbook.rules.errors import CatalogError
 from vllm_runbook.rules.incidents import IncidentEvent, MemoryIncidentSink
 from vllm_runbook.rules.remediation import Dispatcher, Handoff
-from vllm_runbook.runbooks.config import load_config
+from vllm_runbook.runbooks.model.config import load_config
 from vllm_runbook.runbooks.service.rules_service import RulesService
 from vllm_runbook.runbooks.store import Journal
 

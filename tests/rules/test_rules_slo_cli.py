@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from vllm_runbook.rules.slo import BURN_PAIRS, WINDOWS
-from vllm_runbook.runbooks.cli.entry import main
+from vllm_runbook.runbooks.operate.cli.entry import main
 
 from tests.engines import PrometheusServer, require_tool
 
@@ -164,7 +164,7 @@ def test_errors_are_one_line_with_their_exit_codes(prometheus, tmp_path: Path) -
     ]
     for argv, code, text in cases:
         done = subprocess.run(
-            [sys.executable, "-m", "vllm_runbook.runbooks.cli", "slo", *argv],
+            [sys.executable, "-m", "vllm_runbook.runbooks.operate.cli", "slo", *argv],
             capture_output=True,
             text=True,
             check=False,

@@ -21,9 +21,9 @@ from vllm_runbook.rules.slo import (
     SloSpec,
     slo_rules,
 )
-from vllm_runbook.runbooks.catalogs import load_deployment
-from vllm_runbook.runbooks.cli.entry import main
-from vllm_runbook.runbooks.config import load_config
+from vllm_runbook.runbooks.model.catalogs import load_deployment
+from vllm_runbook.runbooks.model.config import load_config
+from vllm_runbook.runbooks.operate.cli.entry import main
 
 
 def write(tmp_path: Path, text: str) -> Path:

@@ -34,7 +34,7 @@ from vllm_runbook.rules.model import load_catalog
 from vllm_runbook.rules.needs import WITHOUT_PLUGIN_GROUP, needs, without_plugin
 from vllm_runbook.rules.promql import export
 from vllm_runbook.rules.signals import SIGNALS
-from vllm_runbook.runbooks.cli import main
+from vllm_runbook.runbooks.operate.cli import main
 
 RULES = load_catalog().bind()
 VARIANTS = without_plugin(RULES)
@@ -267,7 +267,7 @@ def test_service_evaluates_an_engine_without_the_plugin_from_its_vllm_metrics(
     (no plugin) and whose vLLM API server serves only vLLM's series: VllmOOMPressure
     fires from vLLM's KV usage and preemptions, as it does from the collector's."""
     from rule_server import serve as serve_routes
-    from vllm_runbook.runbooks.config import load_config
+    from vllm_runbook.runbooks.model.config import load_config
     from vllm_runbook.runbooks.service.rules_service import RulesService
 
     from tests.engines import free_port

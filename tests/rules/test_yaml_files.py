@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from vllm_runbook.rules.errors import CatalogError
 from vllm_runbook.rules.model import load_catalog as load_rules
-from vllm_runbook.runbooks.config import load_config
-from vllm_runbook.runbooks.spec import load_catalog as load_runbooks
+from vllm_runbook.runbooks.model.config import load_config
+from vllm_runbook.runbooks.model.spec import load_catalog as load_runbooks
 
 
 @pytest.fixture(autouse=True)

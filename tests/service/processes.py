@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 from vllm_runbook.dashboards.generate import DASHBOARDS_DIR
-from vllm_runbook.runbooks.servers import free_port, logged_process
+from vllm_runbook.runbooks.demo.servers import free_port, logged_process
 
 from tests.engines import http_get, runbook_cli_command, runbook_cli_env
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 from sqlalchemy import text
-from vllm_runbook.runbooks.notify import Notifier, Receiver
 from vllm_runbook.runbooks.service.app import Credentials
+from vllm_runbook.runbooks.service.notify import Notifier, Receiver
 from vllm_runbook.runbooks.store.models import ExecutionStatus
 
 from tests.fake_agent import FakeAgent

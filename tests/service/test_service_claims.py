@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-from vllm_runbook.runbooks.notify import Notifier, Receiver
+from vllm_runbook.runbooks.service.notify import Notifier, Receiver
 from vllm_runbook.runbooks.store import Journal
 from vllm_runbook.runbooks.store.models import (
     NOTIFY_DELIVERED,
@@ -78,7 +78,7 @@ def wait_until(condition: Callable[[], bool], limit: float) -> bool:
 # while the receiver holds its request.
 REPLICA = """
 import sys, time
-from vllm_runbook.runbooks.notify import Notifier, Receiver
+from vllm_runbook.runbooks.service.notify import Notifier, Receiver
 from vllm_runbook.runbooks.store import Journal
 url, hook = sys.argv[1], sys.argv[2]
 Notifier(Journal(url), [Receiver("ops", "webhook", hook)], retries=0, timeout_s=1.0,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from vllm_runbook.runbooks.config import PrometheusDiscovery
+from vllm_runbook.runbooks.model.config import PrometheusDiscovery
 from vllm_runbook.runbooks.service.discovery import DiscoveryError, PrometheusSD
 
 from tests.engines import PrometheusServer, free_port, require_tool

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from vllm_runbook.runbooks.servers import free_port, start_logged, stop_group, wait_http
+from vllm_runbook.runbooks.demo.servers import free_port, start_logged, stop_group, wait_http
 from vllm_runbook.runbooks.store import Journal, upgrade
 
 from tests.engines import runbook_cli_command, runbook_cli_env

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from apscheduler.schedulers.background import BackgroundScheduler
 from fastapi.testclient import TestClient
-from vllm_runbook.runbooks.notify import FEED_JOB_ID
 from vllm_runbook.runbooks.service import breaker_job, retention, worker
 from vllm_runbook.runbooks.service.jobs import WakeableJob
+from vllm_runbook.runbooks.service.notify import FEED_JOB_ID
 from vllm_runbook.runbooks.service.serve_cli import build
 from vllm_runbook.runbooks.store import StoreUnavailable
 
@@ -176,7 +176,7 @@ def test_a_pass_outlasting_its_interval_is_not_logged_every_interval(
 
 
 def test_a_breaker_trip_is_on_the_metrics_and_on_the_page(tmp_path: Path) -> None:
-    from vllm_runbook.runbooks.breaker import BREAKER_RUNBOOK, BREAKER_WHO
+    from vllm_runbook.runbooks.service.breaker import BREAKER_RUNBOOK, BREAKER_WHO
 
     service = build(str(config(tmp_path)), None, "127.0.0.1", worker=True, rules=False)
     assert service.breaker is not None
@@ -187,7 +187,7 @@ def test_a_breaker_trip_is_on_the_metrics_and_on_the_page(tmp_path: Path) -> Non
         assert metric % (reason, "0.0") in text  # from 0: the first trip counts
     page = client.get("/").text
     assert "Circuit breaker trips (0)" in page
-    # A trip as the breaker journals one (runbooks/breaker.py) and counts it.
+    # A trip as the breaker journals one (runbooks/service/breaker.py) and counts it.
     store = service.store
     record, _ = store.create_execution(
         BREAKER_RUNBOOK, "http://127.0.0.1:9", trigger="rule", who=BREAKER_WHO, reason="why"

@@ -15,14 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_runbook.runbooks.cli import main
-from vllm_runbook.runbooks.notify import (
+from vllm_runbook.runbooks.operate.cli import main
+from vllm_runbook.runbooks.service.app import Credentials
+from vllm_runbook.runbooks.service.notify import (
     NO_CHANGE,
     Notifier,
     Receiver,
     events_of,
 )
-from vllm_runbook.runbooks.service.app import Credentials
 from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
 from vllm_runbook.runbooks.store import Journal
 from vllm_runbook.runbooks.store.models import ExecutionStatus

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from vllm_runbook.runbooks.notify import Notifier, Receiver
 from vllm_runbook.runbooks.service.app import Credentials
+from vllm_runbook.runbooks.service.notify import Notifier, Receiver
 
 from tests.fake_agent import FakeAgent
 from tests.service.test_service_approvals import CONFIG, Replica
@@ -94,7 +94,7 @@ def test_labels_and_notes_stay_on_their_line_and_are_escaped_for_each_receiver(
 
 
 def test_one_line_and_slack_escaping() -> None:
-    from vllm_runbook.runbooks.render import MAX_VALUE_CHARS, one_line, slack_escape
+    from vllm_runbook.runbooks.run.render import MAX_VALUE_CHARS, one_line, slack_escape
 
     assert one_line("a\nb\r\n\tc\x1b[31m\u2028d\u2029e\u2066f\x85g") == "a b c [31m d e f g"
     assert one_line("x" * (MAX_VALUE_CHARS + 5)) == "x" * (MAX_VALUE_CHARS - 1) + "…"

@@ -33,8 +33,8 @@ from typing import Any
 import httpx
 import pytest
 from sqlalchemy import create_engine, text
-from vllm_runbook.runbooks.notify import events_of
-from vllm_runbook.runbooks.servers import free_port, start_logged, stop_group, wait_http
+from vllm_runbook.runbooks.demo.servers import free_port, start_logged, stop_group, wait_http
+from vllm_runbook.runbooks.service.notify import events_of
 from vllm_runbook.runbooks.store import Journal, upgrade
 from vllm_runbook.runbooks.store.models import ExecutionStatus
 

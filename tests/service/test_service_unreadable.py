@@ -13,8 +13,8 @@ from vllm_runbook.rules.config import EngineConfig
 from vllm_runbook.runbooks.engine.client import EngineUnreachable
 from vllm_runbook.runbooks.engine.operations import engine_registry
 from vllm_runbook.runbooks.engine.sources import NO_API_URL, NO_GPU
+from vllm_runbook.runbooks.model.spec import load_catalog
 from vllm_runbook.runbooks.service.serve_cli import unreadable_at_start
-from vllm_runbook.runbooks.spec import load_catalog
 
 from tests.engines import InProcessEngine, free_port
 from tests.fake_agent import FakeAgent

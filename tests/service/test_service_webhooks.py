@@ -19,11 +19,11 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import func, select
-from vllm_runbook.runbooks.config import load_config
-from vllm_runbook.runbooks.servers import free_port
+from vllm_runbook.runbooks.demo.servers import free_port
+from vllm_runbook.runbooks.model.config import load_config
+from vllm_runbook.runbooks.model.spec import load_catalog as load_runbook_catalog
 from vllm_runbook.runbooks.service.app import Credentials, create_app
 from vllm_runbook.runbooks.service.webhooks import Router
-from vllm_runbook.runbooks.spec import load_catalog as load_runbook_catalog
 from vllm_runbook.runbooks.store import Journal, upgrade
 from vllm_runbook.runbooks.store.models import Execution, WebhookEvent
 

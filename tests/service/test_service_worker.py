@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
-from vllm_runbook.runbooks.config import ExecutorConfig, load_config
-from vllm_runbook.runbooks.executor import Executor
+from vllm_runbook.runbooks.model.config import ExecutorConfig, load_config
+from vllm_runbook.runbooks.model.spec import load_catalog as load_runbook_catalog
+from vllm_runbook.runbooks.run.executor import Executor
 from vllm_runbook.runbooks.service.app import Credentials, create_app
 from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
 from vllm_runbook.runbooks.service.webhooks import Router
 from vllm_runbook.runbooks.service.worker import Worker
-from vllm_runbook.runbooks.spec import load_catalog as load_runbook_catalog
 from vllm_runbook.runbooks.store import Journal
 from vllm_runbook.runbooks.store.approvals import RESOLVED_BEFORE_RUN
 from vllm_runbook.runbooks.store.models import STEP_APPLIED, ExecutionStatus

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 from textual.widgets import DataTable
-from vllm_runbook.runbooks.cli import build_parser
-from vllm_runbook.runbooks.cli.top import build_source
-from vllm_runbook.runbooks.top.app import TopApp
+from vllm_runbook.runbooks.operate.cli import build_parser
+from vllm_runbook.runbooks.operate.cli.top import build_source
+from vllm_runbook.runbooks.operate.top.app import TopApp
 
 from tests.engines import ServedEngine, runbook_cli
 

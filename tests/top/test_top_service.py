@@ -14,11 +14,11 @@ import httpx
 import pytest
 import yaml
 from textual.widgets import DataTable
-from vllm_runbook.runbooks.cli import build_parser, main
-from vllm_runbook.runbooks.cli.top import build_source
-from vllm_runbook.runbooks.exit_codes import ExitCode
+from vllm_runbook.runbooks.model.exit_codes import ExitCode
+from vllm_runbook.runbooks.operate.cli import build_parser, main
+from vllm_runbook.runbooks.operate.cli.top import build_source
+from vllm_runbook.runbooks.operate.top.app import Confirm, TopApp
 from vllm_runbook.runbooks.store import Journal
-from vllm_runbook.runbooks.top.app import Confirm, TopApp
 
 from tests.fake_agent import AgentHTTP, FakeAgent
 from tests.service.processes import RunbookServe

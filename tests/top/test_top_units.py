@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 from textual.widgets import DataTable, Footer
 from vllm_runbook.collector.agent_api import TierNow
-from vllm_runbook.runbooks.cli import main
-from vllm_runbook.runbooks.exit_codes import ExitCode
-from vllm_runbook.runbooks.top.app import Confirm, TopApp
-from vllm_runbook.runbooks.top.model import (
+from vllm_runbook.runbooks.model.exit_codes import ExitCode
+from vllm_runbook.runbooks.operate.cli import main
+from vllm_runbook.runbooks.operate.top.app import Confirm, TopApp
+from vllm_runbook.runbooks.operate.top.model import (
     AWAITING,
     EngineView,
     ExecutionView,
@@ -29,7 +29,7 @@ from vllm_runbook.runbooks.top.model import (
     pct,
     seconds,
 )
-from vllm_runbook.runbooks.top.sources import AgentSource, DecisionFailed, ServiceError
+from vllm_runbook.runbooks.operate.top.sources import AgentSource, DecisionFailed, ServiceError
 
 from tests.fake_agent import STARTUP, AgentHTTP, FakeAgent, agent_state
 

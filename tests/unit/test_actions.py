@@ -14,15 +14,15 @@ from typing import Annotated, Any
 import pytest
 from pydantic import BaseModel, Field
 from vllm_runbook.dashboards import docs as D
-from vllm_runbook.runbooks.engine import actions as A
-from vllm_runbook.runbooks.engine.actions import (
+from vllm_runbook.runbooks.model import actions as A
+from vllm_runbook.runbooks.model.actions import (
     ActionDefinitionError,
     ActionParams,
     ActionRegistry,
     DuplicateAction,
     action,
 )
-from vllm_runbook.runbooks.spec import load_runbook_file
+from vllm_runbook.runbooks.model.spec import load_runbook_file
 
 
 class PingEngine(ActionParams):

@@ -1,5 +1,5 @@
 """The rule catalog and the runbook catalog name each other: each is checked
-against the one it is deployed with (vllm_runbook.runbooks.catalogs), not
+against the one it is deployed with (vllm_runbook.runbooks.model.catalogs), not
 against a list typed into the other package, so a deployment may rename both."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from fastapi.testclient import TestClient
 from vllm_runbook.rules import CatalogError
 from vllm_runbook.rules import load_catalog as load_rules
 from vllm_runbook.rules.model import CATALOG_DIR as RULES_DIR
-from vllm_runbook.runbooks.catalogs import load_deployment
-from vllm_runbook.runbooks.spec import CATALOG_DIR as RUNBOOKS_DIR
-from vllm_runbook.runbooks.spec import load_catalog as load_runbooks
+from vllm_runbook.runbooks.model.catalogs import load_deployment
+from vllm_runbook.runbooks.model.spec import CATALOG_DIR as RUNBOOKS_DIR
+from vllm_runbook.runbooks.model.spec import load_catalog as load_runbooks
 
 TOKEN = "catalogs-token"
 

@@ -4,7 +4,7 @@ the real parser, one line and exit USAGE (2), never a traceback."""
 from __future__ import annotations
 
 import pytest
-from vllm_runbook.runbooks.cli import main
+from vllm_runbook.runbooks.operate.cli import main
 
 
 @pytest.mark.parametrize(

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from vllm_runbook.runbooks.cli import main
 from vllm_runbook.runbooks.engine.client import CommandRefused, EngineClient, normalize_url
-from vllm_runbook.runbooks.exit_codes import ExitCode
+from vllm_runbook.runbooks.model.exit_codes import ExitCode
+from vllm_runbook.runbooks.operate.cli import main
 from vllm_runbook.runbooks.store import upgrade
 
 

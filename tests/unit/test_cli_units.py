@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from vllm_runbook.runbooks.cli import main
-from vllm_runbook.runbooks.cli.engines import parse_assignments, read_engines_file
-from vllm_runbook.runbooks.cli.errors import UsageError
+from vllm_runbook.runbooks.operate.cli import main
+from vllm_runbook.runbooks.operate.cli.engines import parse_assignments, read_engines_file
+from vllm_runbook.runbooks.operate.cli.errors import UsageError
 
 
 def test_engines_file_plain_and_yaml(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from vllm_runbook.rules.config import EngineConfig
-from vllm_runbook.runbooks.config import DiscoveryConfig, PrometheusDiscovery
+from vllm_runbook.runbooks.model.config import DiscoveryConfig, PrometheusDiscovery
 from vllm_runbook.runbooks.service.discovery import (
     FILE_SD,
     ApiUrls,
@@ -237,7 +237,7 @@ def test_dp_ranks_of_one_pod_told_apart_by_the_alerts_engine_label(tmp_path: Pat
 
 def test_discovery_section_of_the_configuration_file(tmp_path: Path) -> None:
     from vllm_runbook.rules.errors import CatalogError
-    from vllm_runbook.runbooks.config import load_config
+    from vllm_runbook.runbooks.model.config import load_config
 
     path = tmp_path / "runbook.yaml"
     path.write_text(

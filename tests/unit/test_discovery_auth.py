@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_runbook.runbooks.config import PrometheusDiscovery
+from vllm_runbook.runbooks.model.config import PrometheusDiscovery
 from vllm_runbook.runbooks.service.discovery import DiscoveryError, PrometheusSD
 
 TARGETS = {

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from vllm_runbook.dashboards import docs as D
 from vllm_runbook.rules import load_catalog as load_rule_catalog
-from vllm_runbook.runbooks.spec import load_catalog as load_runbook_catalog
+from vllm_runbook.runbooks.model.spec import load_catalog as load_runbook_catalog
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -141,7 +141,7 @@ def test_missing_docs_folder_is_a_one_line_error(
 
 def test_cli_reference_has_every_subcommand() -> None:
     text = (DOCS / "cli.md").read_text(encoding="utf-8")
-    from vllm_runbook.runbooks.cli import build_parser
+    from vllm_runbook.runbooks.operate.cli import build_parser
 
     for sub in D._subparsers(build_parser()):
         assert f"### `{sub.prog}`" in text

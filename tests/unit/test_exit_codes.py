@@ -1,4 +1,4 @@
-"""One exit-code table: `ExitCode` (runbooks/exit_codes.py) is the only place a
+"""One exit-code table: `ExitCode` (runbooks/model/exit_codes.py) is the only place a
 code is given a name, every error that ends a command carries one of its
 members, and the CLI's one `main` maps them."""
 
@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 from vllm_runbook.collector.auth import TokenError
 from vllm_runbook.rules.errors import RUNBOOK_CATALOG, CatalogError, Problem
-from vllm_runbook.runbooks.cli.errors import UsageError, exit_code, message
 from vllm_runbook.runbooks.engine.client import (
     AuthFailed,
     CommandRefused,
@@ -18,9 +17,11 @@ from vllm_runbook.runbooks.engine.client import (
     EngineUnreachable,
     NotAnAgent,
 )
-from vllm_runbook.runbooks.exit_codes import ExitCode, RunbookError
-from vllm_runbook.runbooks.outcome import UnknownRunbook
-from vllm_runbook.runbooks.revert import RevertRefused
+from vllm_runbook.runbooks.model.exit_codes import ExitCode, RunbookError
+from vllm_runbook.runbooks.operate.cli.errors import UsageError, exit_code, message
+from vllm_runbook.runbooks.operate.top.sources import DecisionFailed, ServiceError
+from vllm_runbook.runbooks.run.outcome import UnknownRunbook
+from vllm_runbook.runbooks.run.revert import RevertRefused
 from vllm_runbook.runbooks.store import (
     ExecutionNotFound,
     InvalidInput,
@@ -28,10 +29,9 @@ from vllm_runbook.runbooks.store import (
     StoreUnavailable,
 )
 from vllm_runbook.runbooks.store.errors import IllegalTransition, SchemaMissing
-from vllm_runbook.runbooks.top.sources import DecisionFailed, ServiceError
 
 ROOT = Path(__file__).resolve().parents[2]
-TABLE = ROOT / "runbooks" / "exit_codes.py"
+TABLE = ROOT / "runbooks" / "model" / "exit_codes.py"
 SOURCES = sorted(
     p
     for folder in ("collector", "rules", "runbooks", "dashboards", "benchmarks", "tests")
@@ -40,7 +40,7 @@ SOURCES = sorted(
 )
 # Where a command's code is decided: a bare number returned there is a second table.
 COMMAND_MODULES = [
-    *sorted((ROOT / "runbooks" / "cli").glob("*.py")),
+    *sorted((ROOT / "runbooks" / "operate" / "cli").glob("*.py")),
     ROOT / "runbooks" / "service" / "serve_cli.py",
     ROOT / "runbooks" / "demo" / "summary.py",
 ]

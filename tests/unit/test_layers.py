@@ -1,4 +1,6 @@
-"""The layers point one way: collector <- rules <- runbooks <- dashboards.
+"""The layers point one way: collector <- rules <- runbooks <- dashboards, and
+inside the runbooks model <- engine | store <- run <- service <- demo <- operate;
+no module imports one that imports it back.
 
 `lint-imports` (the contracts in pyproject.toml, run by `make lint`) keeps the
 real tree and refuses a copy of it with one wrong import; importing the rules
@@ -38,30 +40,61 @@ def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_the_tree_keeps_every_import_contract_and_a_wrong_import_breaks_one(
-    tmp_path: Path,
-) -> None:
-    kept = lint_imports(ROOT)
-    assert kept.returncode == 0, kept.stdout + kept.stderr
-    assert "Contracts: 5 kept, 0 broken." in kept.stdout
-
+def with_line(tmp_path: Path, module: str, line: str) -> subprocess.CompletedProcess[str]:
+    """lint-imports over a copy of the tree with `line` added to `module` (a path)."""
     copy = tmp_path / "tree"
     copy.mkdir()
     shutil.copy(ROOT / "pyproject.toml", copy / "pyproject.toml")
     for p in PACKAGES:
         shutil.copytree(ROOT / p, copy / p, ignore=shutil.ignore_patterns("__pycache__"))
-    evaluator = copy / "rules" / "evaluator.py"
-    evaluator.write_text(
-        evaluator.read_text(encoding="utf-8")
-        + "\nfrom vllm_runbook.runbooks.store import Journal\n",
-        encoding="utf-8",
+    target = copy / module
+    target.write_text(target.read_text(encoding="utf-8") + f"\n{line}\n", encoding="utf-8")
+    return lint_imports(copy)
+
+
+def test_the_tree_keeps_every_import_contract_and_a_wrong_import_breaks_one(
+    tmp_path: Path,
+) -> None:
+    kept = lint_imports(ROOT)
+    assert kept.returncode == 0, kept.stdout + kept.stderr
+    assert "Contracts: 7 kept, 0 broken." in kept.stdout
+
+    broken = with_line(
+        tmp_path, "rules/evaluator.py", "from vllm_runbook.runbooks.store import Journal"
     )
-    broken = lint_imports(copy)
     assert broken.returncode == 1, broken.stdout + broken.stderr
-    assert "Contracts: 3 kept, 2 broken." in broken.stdout
+    assert "Contracts: 5 kept, 2 broken." in broken.stdout
     assert "Layers: dashboards > runbooks > rules > collector BROKEN" in broken.stdout
     assert "The rules know no database, web service or server BROKEN" in broken.stdout
     assert "vllm_runbook.rules.evaluator -> vllm_runbook.runbooks.store" in broken.stdout
+
+
+def test_a_room_that_imports_one_above_it_breaks_the_rooms(tmp_path: Path) -> None:
+    # The journal asking the service: upward, and a circle (the service imports the store).
+    broken = with_line(
+        tmp_path,
+        "runbooks/store/journal.py",
+        "from vllm_runbook.runbooks.service.breaker import Breaker",
+    )
+    assert broken.returncode == 1, broken.stdout + broken.stderr
+    assert "Rooms: operate > demo > service > run > engine | store > model BROKEN" in broken.stdout
+    assert "vllm_runbook.runbooks.store.journal -> vllm_runbook.runbooks.service.breaker" in (
+        broken.stdout
+    )
+    assert "No module imports one that imports it back BROKEN" in broken.stdout
+
+
+def test_a_circle_inside_one_room_breaks_the_acyclic_contract(tmp_path: Path) -> None:
+    # A type-checking import counts: the state builder naming the collector back.
+    broken = with_line(
+        tmp_path,
+        "collector/state.py",
+        "from vllm_runbook.collector.engine_collector import EngineCollector",
+    )
+    assert broken.returncode == 1, broken.stdout + broken.stderr
+    assert "Contracts: 6 kept, 1 broken." in broken.stdout
+    assert "No module imports one that imports it back BROKEN" in broken.stdout
+    assert "No cycles are allowed in vllm_runbook.collector." in broken.stdout
 
 
 def test_importing_the_rules_loads_no_database_web_service_or_store() -> None:

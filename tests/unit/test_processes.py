@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from vllm_runbook.runbooks.servers import (
+from vllm_runbook.runbooks.demo.servers import (
     NotReady,
     ProcessExited,
     free_port,

@@ -30,8 +30,8 @@ from vllm_runbook.rules.signals import (
     SIGNALS,
 )
 from vllm_runbook.runbooks.engine import sources
-from vllm_runbook.runbooks.spec import load_catalog as load_runbooks
-from vllm_runbook.runbooks.verification import HIGHER_IS_WORSE
+from vllm_runbook.runbooks.model.spec import load_catalog as load_runbooks
+from vllm_runbook.runbooks.run.verification import HIGHER_IS_WORSE
 
 from tests.fake_agent import FakeAgent, agent_state
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 from vllm_runbook.collector.agent_api import AgentState, EngineConfig, Workload
-from vllm_runbook.runbooks.exit_codes import ExitCode
-from vllm_runbook.runbooks.tune import (
+from vllm_runbook.runbooks.model.exit_codes import ExitCode
+from vllm_runbook.runbooks.operate.tune import (
     Point,
     TuneLimits,
     Tuner,
@@ -343,7 +343,7 @@ def test_the_restart_flags_carry_the_kept_values_and_the_checks_advice() -> None
 def test_bad_input_is_one_line_and_exit_2_before_the_engine_is_asked(
     args: tuple[str, ...], error: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from vllm_runbook.runbooks.cli import main
+    from vllm_runbook.runbooks.operate.cli import main
 
     # Port 9 (discard): nothing is asked of it, every refusal comes first.
     code = main(["tune", "--engine", "http://127.0.0.1:9", *args])
@@ -355,7 +355,7 @@ def test_an_engine_that_does_not_answer_is_exit_3_and_nothing_is_journaled(
 ) -> None:
     import socket
 
-    from vllm_runbook.runbooks.cli import main
+    from vllm_runbook.runbooks.operate.cli import main
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
@@ -408,7 +408,7 @@ def test_a_lost_engine_ends_the_tune_saying_what_could_not_be_restored() -> None
 def test_tune_is_refused_by_the_blast_radius_like_a_runbook(
     tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from vllm_runbook.runbooks.cli import main
+    from vllm_runbook.runbooks.operate.cli import main
     from vllm_runbook.runbooks.store import Journal, ensure_schema
     from vllm_runbook.runbooks.store.models import ExecutionStatus
 

@@ -61,7 +61,7 @@ def test_the_wheel_holds_one_top_level_name_and_its_data(wheel: Path) -> None:
         for pkg, patterns in (
             ("collector", ["vllm_matrix.json", "adapters/*.py"]),
             ("rules", ["catalog/*.yaml"]),
-            ("runbooks", ["catalog/*.yaml", "templates/*.j2", "templates/*.css", "DEMO.md"]),
+            ("runbooks", ["catalog/*.yaml", "templates/*.j2", "templates/*.css", "demo/DEMO.md"]),
             ("runbooks", ["store/migrations/script.py.mako", "store/migrations/env.py"]),
             ("runbooks", ["store/migrations/versions/*.py"]),
             ("dashboards", ["*.json", "*.yml", "provisioning/*.yaml"]),
