@@ -65,8 +65,8 @@ typecheck-tree:
 	@for p in collector rules runbooks dashboards; do ln -sfn ../../../$$p $(NS_TREE)/$$p; done
 
 lint: setup typecheck-tree
-	$(PY) -m ruff check collector rules runbooks dashboards tests benchmarks compat
-	$(PY) -m ruff format --check collector rules runbooks dashboards tests benchmarks compat
+	$(PY) -m ruff check collector rules runbooks dashboards tests benchmarks compat tools
+	$(PY) -m ruff format --check collector rules runbooks dashboards tests benchmarks compat tools
 	$(PY) -m mypy
 	PYTHONPATH=build/ns $(VENV)/bin/lint-imports --no-cache
 

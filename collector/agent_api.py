@@ -4,7 +4,7 @@ One description for both sides: the agent (inside the engine) serializes
 its answers with these models and validates the commands it receives with
 them; the `runbook` client (vllm_runbook.runbooks.engine.client) parses the answers
 with them and builds its commands with them. docs/agent-api.schema.json is
-generated from them (`python -m vllm_runbook.dashboards.docs`), for other
+generated from them (`python -m tools.docs`), for other
 tools that speak to the agent.
 
     GET  /v1/state[?since_step=N]   → AgentState
@@ -291,71 +291,194 @@ class AutopilotState(_Answer):
     """The highest max_num_seqs it may set now."""
 
 
-class Stats(_Answer):
-    """The collector's metrics now (each named after its Prometheus series without
-    the `vllm_runbook_` prefix; counters end in `_total`), then the windowed
-    request outcomes. null: not defined now (no lookup, no finished request)."""
+# The statistics, split per concern the way vLLM's v1 stats are
+# (vllm/v1/metrics/stats.py: PrefixCacheStats, SchedulerStats, IterationStats,
+# FinishedRequestStats): one base model per concern, and `Stats` inheriting them
+# all, so the JSON stays one flat object. Counters (`_total`) count since the
+# engine started; "the window" is the trailing VLLM_RUNBOOK_WINDOW_SECONDS
+# (`window_seconds`); a ratio is a share in 0..1.
+
+
+class CollectorStats(_Answer):
+    """The collector itself."""
 
     collector_up: float
+    """1 while the collector hook works; 0 after it failed and disabled itself
+    (the engine keeps serving)."""
     engine_start_time_seconds: float
+    """Unix time (seconds) at which the scheduler, and so the engine, started."""
+
+
+class PrefixCacheStats(_Answer):
+    """Prefix-cache lookups at admission (vLLM: PrefixCacheStats), counted whatever
+    vLLM's log_stats."""
+
     prefix_cache_queries_total: Count
+    """Tokens looked up in the prefix cache at admission."""
     prefix_cache_hits_total: Count
+    """Tokens found in the prefix cache at admission."""
     kv_hit_ratio: float | None
-    block_fragmentation_ratio: float
-    padding_ratio: float
-    length_padding_ratio: float
-    steps_total: Count
-    scheduled_tokens_total: Count
-    token_budget_total: Count
-    step_tokens: Count
-    budget_fill_ratio: float
-    padded_tokens_total: Count
-    unpadded_tokens_total: Count
-    num_requests_running: Count
-    num_requests_waiting: Count
-    oldest_waiting_seconds: float
-    preemptions_total: Count
-    max_sequence_tokens: Count
+    """Prefix cache hits / queries (tokens) over the window; null: no lookup in the window."""
+
+
+class KvCacheStats(_Answer):
+    """The KV cache's blocks and how well the running requests fill them
+    (vLLM: SchedulerStats.kv_cache_usage)."""
+
     kv_blocks_used: Count
+    """KV cache blocks held by requests now (vLLM's null block and free cached
+    blocks excluded)."""
     kv_blocks_free: Count
+    """KV cache blocks free now (evictable prefix-cached blocks included)."""
     kv_cache_usage_ratio: float
+    """KV blocks used / usable blocks now (vLLM's own definition)."""
     kv_cache_usage_peak_ratio: float
-    max_num_batched_tokens: int
-    max_num_seqs: int
-    startup_max_num_batched_tokens: int
-    startup_max_num_seqs: int
-    autopilot_enabled: float
-    autopilot_kv_target_ratio: float
-    autopilot_kv_high_ratio: float
+    """The highest KV cache usage over the window, sampled at the start of each step
+    (before the scheduler allocates or preempts: a preemption frees blocks, so the
+    usage after the step hides the pressure that caused it)."""
+    block_fragmentation_ratio: float
+    """After the latest step: the share of the running requests' KV block slots that
+    hold no token, 1 - Σ computed tokens / Σ (blocks held × block size); 0 when none run."""
+    block_fragmentation_at_block_size: dict[str, float] = {}
+    """After the latest step: what block_fragmentation_ratio would be at another block
+    size, by block size in tokens ("8", "16", "32", "64", "128"): the block-size sweep
+    without a restart."""
+    max_sequence_tokens: Count
+    """After the latest step: the longest context among the running requests (computed
+    prompt + generated tokens); 0 when none run."""
+
+
+class IterationStats(_Answer):
+    """The scheduler's steps: tokens scheduled against the budget, and the padding
+    of the batches executed (vLLM: IterationStats)."""
+
+    steps_total: Count
+    """Scheduler steps (schedule() calls)."""
+    scheduled_tokens_total: Count
+    """Tokens scheduled over all steps (prefill and decode)."""
+    token_budget_total: Count
+    """Tokens of budget offered over all steps (each step's effective
+    max_num_batched_tokens): scheduled_tokens_total / this is the budget fill."""
+    step_tokens: Count
+    """Tokens scheduled in the latest step."""
+    budget_fill_ratio: float
+    """Latest step: tokens scheduled / effective token budget."""
+    padded_tokens_total: Count
+    """Tokens executed, cudagraph padding included (equal to unpadded_tokens_total
+    where nothing is padded)."""
+    unpadded_tokens_total: Count
+    """Tokens executed, without padding."""
+    padding_ratio: float
+    """Σ (padded - unpadded) / Σ padded tokens executed over the window: the cudagraph
+    padding (0 on CPU and with enforce_eager)."""
+    length_padding_ratio: float
+    """Latest step: 1 - Σ length / (n × longest length) over the scheduled requests'
+    context lengths (tokens): the padding a static batcher would need."""
+
+
+class SchedulerStats(_Answer):
+    """The queues, preemptions and admissions (vLLM: SchedulerStats)."""
+
+    num_requests_running: Count
+    """Requests in the running queue now."""
+    num_requests_waiting: Count
+    """Requests waiting to be scheduled now (preempted ones included)."""
+    oldest_waiting_seconds: float
+    """Seconds the oldest request still waiting for its first schedule has been in the
+    engine's queue; 0 when none waits. Grows without bound while a request starves."""
+    preemptions_total: Count
+    """Requests preempted (their KV blocks freed, the request sent back to waiting)."""
     preemptions_per_minute: float
-    """Preemptions over the trailing window, per minute."""
+    """Preemptions over the window, per minute."""
     admitted_before_time: float
-    """Unix time before which every request the engine received was scheduled at least once."""
+    """Unix time (seconds) before which every request the engine received was scheduled
+    at least once (now when none waits); it stands still while a request starves."""
     starving_waiting: int = 0
     """Requests waiting for their first schedule, the oldest 8 at most (what a change
     marks as starving)."""
     admitted_per_second: float | None = None
-    """Requests scheduled for the first time per second over the window."""
+    """Requests scheduled for the first time, per second over the window."""
+
+
+class KnobStats(_Answer):
+    """The knobs as the scheduler uses them now, and their startup values (the ceilings)."""
+
+    max_num_batched_tokens: int
+    """Effective token budget per step now (tokens)."""
+    max_num_seqs: int
+    """Effective admission limit now (running sequences)."""
+    startup_max_num_batched_tokens: int
+    """The token budget the engine started with (tokens): the ceiling of any change."""
+    startup_max_num_seqs: int
+    """The max_num_seqs the engine started with (sequences): the ceiling of any change."""
+
+
+class AutopilotStats(_Answer):
+    """The autopilot as gauges (its whole state is AgentState.autopilot)."""
+
+    autopilot_enabled: float
+    """1 while the autopilot adjusts max_num_seqs; 0 when off (by hand, by a restore,
+    or after an error)."""
+    autopilot_kv_target_ratio: float
+    """The autopilot's target peak KV cache usage: it raises max_num_seqs while the
+    peak stays below."""
+    autopilot_kv_high_ratio: float
+    """The upper edge of the autopilot's band (target + 0.05, at most 1): a peak above
+    it cuts max_num_seqs."""
+
+
+class FinishedRequestStats(_Answer):
+    """The requests that finished over the window, and since start (vLLM:
+    FinishedRequestStats). Times run from the request's arrival in the engine
+    (its add_request), on the collector's wall clock. null: none finished in the
+    window."""
+
     window_seconds: float
-    """The trailing window of the windowed values (VLLM_RUNBOOK_WINDOW_SECONDS)."""
+    """The trailing window of the windowed values, seconds (VLLM_RUNBOOK_WINDOW_SECONDS)."""
     requests_finished: Count
     """Requests finished in the window."""
     finished_by_reason: dict[str, int]
-    """Requests finished in the window, by vLLM's finish reason."""
+    """Requests finished in the window, by vLLM's finish reason (stop, length, abort,
+    error, repetition)."""
     error_rate: float | None
-    """Finished with reason `error` / finished, in the window."""
+    """Requests finished with reason `error` / requests finished, in the window."""
     p99_latency_seconds: float | None
-    """End-to-end time (arrival in the engine → finish), P99 over the window."""
+    """End-to-end time (arrival in the engine → finish), seconds, P99 over the window."""
     waiting_seconds_p99: float | None
-    """Queue time (arrival in the engine → first schedule), P99 over the window."""
+    """Queue time (arrival in the engine → first schedule; → finish if never scheduled),
+    seconds, P99 over the window."""
     requests_finished_by_reason_total: dict[str, int]
-    """Requests finished since the engine started, by reason."""
-    block_fragmentation_at_block_size: dict[str, float] = {}
-    """After the latest step: the fragmentation at block size 8, 16, 32, 64, 128 (what-if)."""
+    """Requests finished since the engine started, by vLLM's finish reason."""
+
+
+class WorkloadStats(_Answer):
+    """The prompts that reached the engine in the window (the whole summary is
+    AgentState.workload). null: none arrived in the window."""
+
     prompt_length_spread_ratio: float | None = None
-    """P90 / P10 of the prompt lengths that arrived in the window (null: none arrived)."""
+    """P90 / P10 of the prompt lengths (tokens, nearest rank); 4 or more is the spread
+    that hurts batching."""
     long_prompt_ratio: float | None = None
-    """Share of the window's arrivals with a prompt above 8192 tokens (null: none arrived)."""
+    """Share of the prompts above 8192 tokens."""
+
+
+class Stats(
+    # pydantic orders the fields from the last base to the first: the JSON
+    # reads from the collector's own state to the workload.
+    WorkloadStats,
+    FinishedRequestStats,
+    AutopilotStats,
+    KnobStats,
+    SchedulerStats,
+    IterationStats,
+    KvCacheStats,
+    PrefixCacheStats,
+    CollectorStats,
+):
+    """The collector's metrics now (each named after its Prometheus series without
+    the `vllm_runbook_` prefix; counters end in `_total`), then the windowed
+    request outcomes. null: not defined now (no lookup, no finished request).
+    One flat object: its fields are declared per concern by the bases above."""
 
 
 class GpuReading(_Answer):
@@ -493,7 +616,8 @@ class Queues(_Answer):
 class EngineConfig(_Answer):
     """The engine's configuration as vLLM resolved it at start (the same as the
     `vllm_runbook_engine_config_info` series). null: not set, or not applicable
-    here (the device fields on CPU; `device_reason` says why)."""
+    here (the device fields on CPU; `device_reason` says why). The collector
+    builds it once, at start (collector/engine_config.py's read_engine_config)."""
 
     block_size: int
     """KV cache block size, tokens."""

@@ -18,6 +18,7 @@ from vllm_runbook.collector.exporter import Sample
 if TYPE_CHECKING:
     from vllm_runbook.collector.control import EngineControl
     from vllm_runbook.collector.step_stats import StepStats
+    from vllm_runbook.collector.vllm_types import Request, VllmScheduler
 
 logger = logging.getLogger("vllm_runbook.collector")
 
@@ -29,7 +30,7 @@ class AutopilotDriver:
     def __init__(
         self,
         autopilot: Autopilot,
-        scheduler: Any,
+        scheduler: VllmScheduler,
         stats: StepStats,
         control: EngineControl,
         dp_rank: int = 0,
@@ -42,7 +43,7 @@ class AutopilotDriver:
 
     # -- engine thread -----------------------------------------------------------
 
-    def observe(self, scheduler: Any, output: Any, free_before: int) -> None:
+    def observe(self, scheduler: VllmScheduler, output: Any, free_before: int) -> None:
         """After schedule() and the step statistics: feed the controller this step."""
         self.autopilot.observe(
             self.stats.steps,
@@ -69,7 +70,7 @@ class AutopilotDriver:
                 self.stats.steps + 1,
             )
 
-    def on_request_finished(self, request: Any) -> None:
+    def on_request_finished(self, request: Request) -> None:
         """A request's lifetime (its output tokens and prefill steps) sets the epoch."""
         budget = self.scheduler.max_num_scheduled_tokens or 1
         self.autopilot.on_request_finished(

@@ -1,7 +1,8 @@
 """Live engine control: change the token budget, the admission limit and the
 scheduling policy of a running scheduler, safely.
 
-Rules (see DESIGN.md):
+Rules (the agent's bounds in docs/install.md, "The agent endpoint"; the autopilot's in
+docs/autopilot.md):
 - never above the startup value (model-runner buffers, cudagraph sizes and
   compile ranges were sized from it);
 - floors: the budget stays ≥ max_model_len without chunked prefill, ≥ the

@@ -4,7 +4,7 @@
     StepStats            step_stats.py      per-step tokens, budget, preemptions, KV, padding
     RequestTracker       request_tracking.py arrivals, first schedules, finished requests
     ChangeTracker        request_tracking.py counters when a change took effect, and since
-    EngineConfig         engine_config.py   the configuration vLLM resolved (read once)
+    read_engine_config   engine_config.py   the configuration vLLM resolved (read once)
     EngineControl        control.py         knobs changed between steps, within bounds
     AutopilotDriver      autopilot_driver.py the controller fed after each step
     QueueInspector       queues.py          the queues per tier, the oldest waiting requests
@@ -24,7 +24,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 from vllm_runbook.collector import metrics as M
@@ -33,7 +33,7 @@ from vllm_runbook.collector.agent_api import AgentState, DrainingSince, SettledS
 from vllm_runbook.collector.autopilot import Autopilot
 from vllm_runbook.collector.autopilot_driver import AutopilotDriver
 from vllm_runbook.collector.control import EngineControl
-from vllm_runbook.collector.engine_config import EngineConfig
+from vllm_runbook.collector.engine_config import config_samples, read_engine_config
 from vllm_runbook.collector.exporter import MultiprocessMirror, Sample, StatsExporter, close_quietly
 from vllm_runbook.collector.nvml import NvmlPoller, load_pynvml
 from vllm_runbook.collector.queues import QueueInspector
@@ -42,6 +42,9 @@ from vllm_runbook.collector.server import AgentServer
 from vllm_runbook.collector.settings import CollectorSettings, EngineIdentity
 from vllm_runbook.collector.state import build_state
 from vllm_runbook.collector.step_stats import StepStats
+
+if TYPE_CHECKING:
+    from vllm_runbook.collector.vllm_types import KVCacheManager, VllmScheduler
 
 logger = logging.getLogger("vllm_runbook.collector")
 
@@ -53,7 +56,7 @@ class EngineCollector:
 
     def __init__(
         self,
-        scheduler: Any,
+        scheduler: VllmScheduler,
         settings: CollectorSettings | None = None,
         registry: CollectorRegistry | None = None,
         nvml: Any = "auto",
@@ -109,7 +112,7 @@ class EngineCollector:
         self.server: AgentServer | None = None
         self.token_path: str | None = None
         try:
-            self.config = EngineConfig.of(scheduler, self.nvml.device())
+            self.config = read_engine_config(scheduler, self.nvml.device())
             if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
                 self.mirror = MultiprocessMirror(self.samples, labels).start()
             if settings.port is not None:
@@ -139,7 +142,9 @@ class EngineCollector:
 
     # -- per step (engine thread), called by the scheduler hook ----------------------
 
-    def on_schedule(self, scheduler: Any, output: Any, elapsed: float, free_before: int) -> None:
+    def on_schedule(
+        self, scheduler: VllmScheduler, output: Any, elapsed: float, free_before: int
+    ) -> None:
         self.stats.on_schedule(scheduler, output, elapsed, free_before)
         changes = self.changes
         if changes.settling is not None:
@@ -147,7 +152,7 @@ class EngineCollector:
         self.requests.on_schedule(scheduler, output)
         changes.sample()
 
-    def _wrap_prefix_cache_stats(self, kv_manager: Any) -> None:
+    def _wrap_prefix_cache_stats(self, kv_manager: KVCacheManager) -> None:
         """Count prefix-cache lookups at admission, whatever vLLM's log_stats."""
         original = kv_manager.record_prefix_cache_stats
         lookup_enabled = kv_manager.prefix_cache_lookup_enabled
@@ -162,7 +167,7 @@ class EngineCollector:
                     collector.disable(exc)
             original(request, num_hits)
 
-        kv_manager.record_prefix_cache_stats = record_prefix_cache_stats
+        kv_manager.record_prefix_cache_stats = record_prefix_cache_stats  # type: ignore[method-assign]
 
     # -- any thread ------------------------------------------------------------------
 
@@ -181,7 +186,7 @@ class EngineCollector:
         return [
             Sample(M.COLLECTOR_UP, 1.0 if self.enabled else 0.0),
             Sample(M.ENGINE_START_TIME, self.identity.start_time),
-            *self.config.samples(),
+            *config_samples(self.config),
             *self.stats.samples(),
             *self.requests.samples(),
             *self.control.samples(),

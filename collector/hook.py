@@ -18,10 +18,22 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_runbook.collector.adapters import adapters_for
 from vllm_runbook.collector.engine_collector import EngineCollector
+
+if TYPE_CHECKING:
+    from typing import Protocol
+
+    from vllm_runbook.collector.vllm_types import VllmScheduler
+
+    class HookedScheduler(VllmScheduler, Protocol):
+        """The mixin's `self`: always in front of a vLLM scheduler (what the
+        collector reads of one), with this engine's collector."""
+
+        runbook_collector: EngineCollector | None
+
 
 logger = logging.getLogger("vllm_runbook.collector")
 
@@ -32,7 +44,7 @@ class RunbookSchedulerMixin:
     # This engine's collector; None when it could not start.
     runbook_collector: EngineCollector | None = None
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self: HookedScheduler, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         try:
             self.runbook_collector = EngineCollector(self)
@@ -40,7 +52,7 @@ class RunbookSchedulerMixin:
             self.runbook_collector = None
             logger.exception("vllm-runbook: collector not started; the engine runs without it")
 
-    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+    def schedule(self: HookedScheduler, *args: Any, **kwargs: Any) -> Any:
         collector = self.runbook_collector
         if collector is None or not collector.enabled:
             return super().schedule(*args, **kwargs)  # type: ignore[misc]
@@ -90,7 +102,9 @@ class RunbookSchedulerMixin:
                 collector.autopilot_driver.failed(exc)
         return output
 
-    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+    def update_from_output(
+        self: HookedScheduler, scheduler_output: Any, model_runner_output: Any
+    ) -> Any:
         collector = self.runbook_collector
         if collector is None or not collector.enabled:
             return super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
@@ -116,7 +130,7 @@ class RunbookSchedulerMixin:
                 collector.disable(exc)
         return result
 
-    def finish_requests(self, *args: Any, **kwargs: Any) -> Any:
+    def finish_requests(self: HookedScheduler, *args: Any, **kwargs: Any) -> Any:
         collector = self.runbook_collector
         if collector is None:
             return super().finish_requests(*args, **kwargs)  # type: ignore[misc]

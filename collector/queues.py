@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 from vllm_runbook.collector import metrics as M
 from vllm_runbook.collector.agent_api import QueuedRequest, Queues
@@ -19,10 +19,13 @@ from vllm_runbook.collector.exporter import Sample
 from vllm_runbook.collector.request_tracking import RequestTracker
 from vllm_runbook.collector.tiers import TierConfig, running_by_tier
 
+if TYPE_CHECKING:
+    from vllm_runbook.collector.vllm_types import Request, RequestQueue, VllmScheduler
+
 LOCK_WAIT_SECONDS = 1.0
 
 
-def queued(queue: Any) -> Iterator[Any]:
+def queued(queue: RequestQueue) -> Iterator[Request]:
     """The requests in a vLLM request queue (or ours), in no particular order."""
     heaps = getattr(queue, "_heaps", None)
     if heaps is not None:
@@ -50,7 +53,7 @@ class QueueInspector:
 
     def __init__(
         self,
-        scheduler: Any,
+        scheduler: VllmScheduler,
         lock: threading.RLock,
         tiers: TierConfig,
         requests: RequestTracker,

@@ -34,6 +34,7 @@ from vllm_runbook.collector.exporter import Sample
 
 if TYPE_CHECKING:
     from vllm_runbook.collector.step_stats import StepStats
+    from vllm_runbook.collector.vllm_types import Request, VllmScheduler
 
 # Enough for minutes of a busy engine; the oldest entries fall off.
 LOG_LENGTH: Final = 65_536
@@ -223,7 +224,7 @@ class RequestTracker:
 
     def __init__(
         self,
-        scheduler: Any,
+        scheduler: VllmScheduler,
         stats: StepStats,
         tier_of: Callable[[int], int],
         clock: Callable[[], float] = time.time,
@@ -256,7 +257,7 @@ class RequestTracker:
 
     # -- engine thread -----------------------------------------------------------
 
-    def on_add_request(self, request: Any) -> None:
+    def on_add_request(self, request: Request) -> None:
         """A request reached the engine: it waits for its first schedule from now."""
         since = self.clock()
         self._never_scheduled.append((request.request_id, since))
@@ -265,14 +266,14 @@ class RequestTracker:
         if self.oldest_waiting_since is None:
             self.oldest_waiting_since = since
 
-    def on_requests_finished(self, scheduler: Any) -> None:
+    def on_requests_finished(self, scheduler: VllmScheduler) -> None:
         """Requests aborted (finish_requests): a queued one may have been the oldest,
         and the engine may go idle with no step to notice; a stale head would read
         as a request starving."""
         if self._never_scheduled:
             self._advance_oldest_waiting(scheduler)
 
-    def _advance_oldest_waiting(self, scheduler: Any) -> None:
+    def _advance_oldest_waiting(self, scheduler: VllmScheduler) -> None:
         """Drop the head while it is no longer waiting for its first schedule."""
         queue, requests = self._never_scheduled, scheduler.requests
         while queue:
@@ -284,7 +285,7 @@ class RequestTracker:
             queue.popleft()
         self.oldest_waiting_since = None
 
-    def on_schedule(self, scheduler: Any, output: Any) -> None:
+    def on_schedule(self, scheduler: VllmScheduler, output: Any) -> None:
         """After schedule(): the head of the never-scheduled queue, and the queue
         time of each request scheduled for the first time."""
         if self._never_scheduled:
@@ -304,7 +305,7 @@ class RequestTracker:
                     if request is not None:
                         histograms[tier_of(request.num_prompt_tokens)].observe(seconds)
 
-    def on_request_finished(self, request: Any) -> None:
+    def on_request_finished(self, request: Request) -> None:
         """A request is being freed (finished, length-capped, aborted, failed)."""
         from vllm.v1.request import RequestStatus
 

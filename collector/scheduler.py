@@ -13,7 +13,7 @@ With the plugin loaded these are left as they are.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -30,6 +30,12 @@ _ASYNC_ADAPTERS = adapters_for(AsyncScheduler)
 
 class RunbookAsyncScheduler(RunbookSchedulerMixin, *_ASYNC_ADAPTERS, AsyncScheduler):  # type: ignore[misc]
     pass
+
+
+if TYPE_CHECKING:  # mypy: the installed vLLM's schedulers are what the collector reads of one
+    from vllm_runbook.collector.vllm_types import VllmScheduler
+
+    _READ: tuple[type[VllmScheduler], ...] = (Scheduler, AsyncScheduler)
 
 
 def scheduler_class_for(vllm_config: Any) -> type[RunbookScheduler | RunbookAsyncScheduler]:

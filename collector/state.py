@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from vllm_runbook.collector import metrics as M
 from vllm_runbook.collector.agent_api import (
@@ -33,7 +33,6 @@ from vllm_runbook.collector.agent_api import (
 from vllm_runbook.collector.autopilot import Autopilot
 from vllm_runbook.collector.control import Bound as ControlBound
 from vllm_runbook.collector.control import EngineControl
-from vllm_runbook.collector.engine_config import EngineConfig as ConfigReading
 from vllm_runbook.collector.exporter import Sample
 from vllm_runbook.collector.nvml import NvmlPoller
 from vllm_runbook.collector.queues import QueueInspector
@@ -41,13 +40,16 @@ from vllm_runbook.collector.request_tracking import ChangeTracker, RequestTracke
 from vllm_runbook.collector.settings import CollectorSettings, EngineIdentity, vllm_version
 from vllm_runbook.collector.step_stats import StepStats
 
+if TYPE_CHECKING:
+    from vllm_runbook.collector.vllm_types import VllmScheduler
+
 
 class StateSource(Protocol):
     """The collector's parts the state is built from (collector/engine_collector.py's
     EngineCollector wires them)."""
 
     settings: CollectorSettings
-    scheduler: Any  # vLLM's Scheduler (hooked)
+    scheduler: VllmScheduler  # vLLM's Scheduler (hooked)
     enabled: bool
     identity: EngineIdentity
     stats: StepStats
@@ -57,7 +59,7 @@ class StateSource(Protocol):
     control: EngineControl
     queues: QueueInspector
     nvml: NvmlPoller
-    config: ConfigReading
+    config: EngineConfig
 
     def state_samples(self) -> list[Sample]: ...
 
@@ -158,6 +160,6 @@ def build_state(c: StateSource, since_step: int | None = None) -> AgentState:
             },
         ),
         queues=c.queues.snapshot(),
-        config=EngineConfig(**c.config.as_dict()),
+        config=c.config,
         workload=Workload.model_validate(c.requests.workload(window)),
     )

@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import accumulate, repeat
 from operator import attrgetter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_runbook.collector import metrics as M
 from vllm_runbook.collector.exporter import Sample
 from vllm_runbook.collector.token_sums import RunningTokenSums
 from vllm_runbook.collector.window import SlidingWindowMax, SlidingWindowRatio
+
+if TYPE_CHECKING:
+    from vllm_runbook.collector.vllm_types import KVCacheBlock, VllmScheduler
 
 _request_id = attrgetter("request_id")
 
@@ -32,21 +35,21 @@ def predicted_padded_tokens(num_tokens: int, capture_sizes: list[int]) -> int:
     return capture_sizes[bisect.bisect_left(capture_sizes, num_tokens)]
 
 
-def _count_real_blocks(blocks: list[Any]) -> int:
+def _count_real_blocks(blocks: Sequence[KVCacheBlock]) -> int:
     return sum(1 for b in blocks if not b.is_null)
 
 
 class StepStats:
     """The scheduler's per-step numbers; written by the engine thread only."""
 
-    def __init__(self, scheduler: Any, window_seconds: float) -> None:
+    def __init__(self, scheduler: VllmScheduler, window_seconds: float) -> None:
         self.scheduler = scheduler
         self.block_size = int(scheduler.block_size)
         # KV blocks: the first KV cache group (full attention for decoder LLMs).
         kv_manager = scheduler.kv_cache_manager
         self.block_pool = kv_manager.block_pool
         group0 = kv_manager.coordinator.single_type_managers[0]
-        self._req_to_blocks: dict[str, list[Any]] = group0.req_to_blocks
+        self._req_to_blocks: Mapping[str, Sequence[KVCacheBlock]] = group0.req_to_blocks
         # Only full attention never holds null placeholder blocks; other kinds
         # (sliding window, mamba) need the slower count.
         from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
@@ -127,7 +130,9 @@ class StepStats:
         self.prefix_hits += num_hits
         self.hit_window.add(num_hits, num_tokens)
 
-    def on_schedule(self, scheduler: Any, output: Any, elapsed: float, free_before: int) -> None:
+    def on_schedule(
+        self, scheduler: VllmScheduler, output: Any, elapsed: float, free_before: int
+    ) -> None:
         """After schedule(): `request.num_computed_tokens` includes this step.
         `free_before`: free KV blocks when schedule() started."""
         if self._usable_blocks:
@@ -187,8 +192,10 @@ class StepStats:
             held = sums.blocks[self._own_size_index]
         else:
             ids = list(map(_request_id, running))
-            blocks: Iterator[list[Any]] = map(self._req_to_blocks.get, ids, repeat([], len(ids)))
-            count: Callable[[list[Any]], int] = (
+            blocks: Iterator[Sequence[KVCacheBlock]] = map(
+                self._req_to_blocks.get, ids, repeat([], len(ids))
+            )
+            count: Callable[[Sequence[KVCacheBlock]], int] = (
                 _count_real_blocks if self._blocks_have_nulls else len
             )
             held = sum(map(count, blocks))
@@ -213,7 +220,9 @@ class StepStats:
             for b, n in zip(self.what_if_sizes, blocks, strict=False)
         ]
 
-    def on_update(self, scheduler: Any, scheduler_output: Any, runner_output: Any) -> None:
+    def on_update(
+        self, scheduler: VllmScheduler, scheduler_output: Any, runner_output: Any
+    ) -> None:
         """After update_from_output(): padding of the batch just executed."""
         stat = runner_output.cudagraph_stats
         if stat is not None:

@@ -27,7 +27,7 @@ installed: the scheduler does not import them.
 
 `--write` records the run in collector/vllm_matrix.json, from which the
 collector reads its tested range (TESTED_VLLM) and docs/install.md its support
-table (`python -m vllm_runbook.dashboards.docs`). Downloads are cached; the
+table (`python -m tools.docs`). Downloads are cached; the
 first run of four versions downloads about 2 GB.
 """
 
@@ -481,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
         for counts in (result.project, result.vllm_tests, result.engine):
             for name in counts.failures[:20]:
                 log(f"  failed: {name}")
-    from vllm_runbook.dashboards.docs import compat_table
+    from tools.docs import compat_table
 
     previous = json.loads(RESULTS.read_text()) if RESULTS.is_file() else None
     matrix = as_matrix(results, suites, previous)
@@ -493,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.write:
         RESULTS.write_text(json.dumps(matrix, indent=2) + "\n", encoding="utf-8")
-        log(f"wrote {RESULTS.relative_to(ROOT)}; now run `python -m vllm_runbook.dashboards.docs`")
+        log(f"wrote {RESULTS.relative_to(ROOT)}; now run `python -m tools.docs`")
     ran = {r.vllm for r in results}
     return 0 if all(row["green"] for row in matrix["versions"] if row["vllm"] in ran) else 1
 

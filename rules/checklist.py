@@ -1,5 +1,5 @@
 """The seeds' production checklist, measured on scrapes of one engine (`runbook check`
-samples them: vllm_runbook.runbooks.check_cli).
+samples them: vllm_runbook.runbooks.operate.cli.check).
 
     GPU utilisation 70-90%        collector, NVML gauges (per GPU, mean over the scrapes)
     block fragmentation < 20%     collector gauge, mean over the scrapes that had requests running

@@ -1,9 +1,9 @@
 """Scraper: Prometheus text exposition from engine endpoints into the WindowStore.
 
 A cycle scrapes every due target concurrently (at most `concurrency` requests
-in flight, on one event loop in a thread the scraper owns), each within its
-own `timeout` (the whole request: connect, headers and body), so a cycle
-costs about its slowest target, not the sum. A target that does not answer
+in flight, on the scraper's event loop), each within its own `timeout` (the
+whole request: connect, headers and body), so a cycle costs about its
+slowest target, not the sum. A target that does not answer
 (refused, timed out) is backed off: skipped for `backoff.delay(n)` seconds
 after its n-th failure in a row (doubling, capped), then tried again, so a
 dead engine does not add its timeout to every cycle. A target that answers
@@ -21,6 +21,15 @@ every attempt (its duration) and of every cycle.
 
 HTTP is vllm_runbook.rules.fetch (aiohttp's client, one pooled session, one
 kept-alive connection per target; the choice is measured there).
+
+The scraper has no thread of its own: `scrape_once` runs the scraper's event
+loop in the calling thread (in `runbook serve`, the rules' cycle, a job of
+the service's one scheduler: rules/scheduling.py, service/leader.py) until
+the cycle's requests are done. The loop, its session and the kept-alive
+connections outlive the call, idle between cycles, so every target's
+connection is reused by the next cycle whichever pool thread runs it. One
+cycle at a time drives the loop (a second caller waits); call it from a
+thread that runs no event loop of its own.
 
 The parse never splits the text into metric families: one regular expression
 (the wanted names as a trie, anchored after a newline) finds the lines whose
@@ -164,7 +173,10 @@ class Scraper:
         # target URL -> (name, labels text) -> (series, its engine, the engine's version)
         self._known: dict[str, dict[tuple[str, str], tuple[Series, EngineSeries, int]]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._cycle = threading.Lock()  # one caller at a time runs the loop
+        self._state = threading.Lock()  # guards _loop, _running, _close_after
+        self._running = False
+        self._close_after = False  # close() came while a cycle ran: it closes the loop
 
     def set_targets(self, targets: Sequence[Target]) -> list[Target]:
         """Scrape `targets` from the next cycle on (the inventory changed). A target
@@ -182,10 +194,7 @@ class Scraper:
             self.up.pop(target.url, None)
             self._failing.pop(target.url, None)
             self._known.pop(target.url, None)
-            if self._loop is not None:  # the connection belongs to the loop's thread
-                self._loop.call_soon_threadsafe(self.client.forget, target.url)
-            else:
-                self.client.forget(target.url)
+            self.client.forget(target.url)  # between cycles: the loop is idle
             if target.instance not in instances:
                 self.store.forget(target.instance, [t.url for t in removed])
         return removed
@@ -333,33 +342,40 @@ class Scraper:
             target, False, error=error, reason=reason, seconds=seconds, parse_seconds=parse_seconds
         )
 
-    # -- the event loop thread -----------------------------------------------------
+    # -- the event loop, run by the calling thread -------------------------------------
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        if self._loop is None:
-            loop = asyncio.new_event_loop()
-            ready = threading.Event()
-
-            def serve() -> None:
-                asyncio.set_event_loop(loop)
-                loop.call_soon(ready.set)
-                loop.run_forever()
-
-            self._thread = threading.Thread(target=serve, name="rules-scraper", daemon=True)
-            self._thread.start()
-            ready.wait()
-            self._loop = loop
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        """`coro` on the scraper's loop, run in this thread until it is done."""
+        with self._cycle:
+            with self._state:
+                if self._loop is None:
+                    self._loop = asyncio.new_event_loop()
+                loop, self._running = self._loop, True
+            try:
+                return loop.run_until_complete(coro)
+            finally:
+                with self._state:
+                    self._running = False
+                    closing, self._close_after = self._close_after, False
+                    if closing:
+                        self._loop = None
+                if closing:
+                    self._close_loop(loop)
 
     def close(self) -> None:
-        """Close the connections and stop the scraper's thread (idempotent)."""
-        loop, self._loop = self._loop, None
-        if loop is None:
-            return
-        with contextlib.suppress(Exception):  # its connections; the loop stops anyway
-            asyncio.run_coroutine_threadsafe(self.client.aclose(), loop).result(timeout=5)
-        loop.call_soon_threadsafe(loop.stop)
-        if self._thread is not None:
-            self._thread.join()
+        """Close the connections and the event loop (idempotent; a later scrape
+        opens new ones). During a cycle (a stop that gave up waiting for it) the
+        cycle closes them when it ends."""
+        with self._state:
+            if self._running:
+                self._close_after = True
+                return
+            loop, self._loop = self._loop, None
+        if loop is not None:
+            self._close_loop(loop)
+
+    def _close_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        with contextlib.suppress(Exception):  # its connections; the loop closes anyway
+            loop.run_until_complete(asyncio.wait_for(self.client.aclose(), 5))
         loop.close()
 
     def __enter__(self) -> Scraper:

@@ -38,7 +38,7 @@ from vllm_runbook.collector.agent_api import (
     command_error,
 )
 from vllm_runbook.collector.metrics import SCHEDULE_SECONDS
-from vllm_runbook.runbooks.engine.client import CommandRefused, EngineUnreachable
+from vllm_runbook.runbooks.engine.client import Agent, CommandRefused, EngineUnreachable
 
 URL = "http://127.0.0.1:9"  # the inventory's agent (nothing listens there)
 STARTUP: dict[str, Any] = {
@@ -181,7 +181,8 @@ StatsScript = Sequence[Mapping[str, Any]] | Callable[[Mapping[str, Any]], Mappin
 
 
 class FakeAgent:
-    """The agent's three calls (EngineClient's `state`, `set_knobs`, `restore`)."""
+    """An `Agent` (runbooks/engine/client.py): the agent's three calls (EngineClient's
+    `state`, `set_knobs`, `restore`), its `url` and `timeout`."""
 
     def __init__(self, stats: StatsScript | None = None, url: str = URL) -> None:
         self.url = url
@@ -293,6 +294,13 @@ class FakeAgent:
             would_be=Knobs(**target) if dry_run else None,
             effective_from_step=self.step,
         )
+
+
+def as_agent(agent: FakeAgent) -> Agent:
+    """The fake where the runbooks take an agent. Here mypy checks that a FakeAgent
+    is an Agent (tests/unit/test_agent_protocol.py runs it on this file): a fake
+    that drifts from the Protocol fails that test."""
+    return agent
 
 
 class AgentHTTP:

@@ -8,7 +8,7 @@ that lacks what the collector reads (feature-detected, no version strings).
                      vLLM 0.30 calls it skipped_waiting
     memory_utilization.py  the KV cache's memory utilisation: set in vLLM <= 0.33,
                      resolved from None (and the extensible KV cache) in 0.34
-                     (a function EngineConfig calls, not a scheduler mixin)
+                     (a function engine_config.py calls, not a scheduler mixin)
     resumed_requests.py    a step's resumed requests: named among the cached ones
                      up to vLLM 0.33, sent among the new ones in 0.34 (a reader
                      StepStats picks once)

@@ -21,6 +21,7 @@ from vllm_runbook.runbooks.run.render import (
     format_guards,
     format_verification,
 )
+from vllm_runbook.runbooks.service.api import Execution, Executions, Incidents
 from vllm_runbook.runbooks.store.models import ACTIVE_STATUSES, ExecutionStatus
 
 
@@ -31,14 +32,15 @@ def _fmt(value: Any) -> str:
 
 
 class EventFeed:
-    """Polls the service's API and prints each new incident state and execution event."""
+    """Polls the service's API and prints each new incident state and execution event.
+    `executions`: every execution seen, by id, as /api/executions last answered it."""
 
     def __init__(self, service: str, out: Callable[[str], None]) -> None:
         self.service = service
         self.out = out
         self.printed: set[tuple[int, str]] = set()  # (incident id, state) already shown
         self.fired: set[str] = set()  # alerts seen firing (or resolved: they fired before)
-        self.executions: dict[int, dict[str, Any]] = {}
+        self.executions: dict[int, Execution] = {}
         self.seen: set[tuple[Any, ...]] = set()
 
     def start(self) -> EventFeed:
@@ -60,26 +62,28 @@ class EventFeed:
         try:
             # Executions first: every execution seen then has its finding
             # already recorded as firing in the incidents read after it.
-            executions = httpx.get(self.service + "/api/executions?limit=200", timeout=5).json()
-            incidents = httpx.get(self.service + "/api/incidents", timeout=5).json()
-        except (httpx.HTTPError, ValueError):
+            answer = httpx.get(self.service + "/api/executions?limit=200", timeout=5)
+            executions = Executions.model_validate_json(answer.content).root
+            answer = httpx.get(self.service + "/api/incidents", timeout=5)
+            incidents = Incidents.model_validate_json(answer.content).root
+        except (httpx.HTTPError, ValueError):  # a ValidationError (not its model) is a ValueError
             return
-        for inc in sorted(incidents, key=lambda i: i["id"]):
+        for inc in sorted(incidents, key=lambda i: i.id):
             # A pending finding that clears is discarded; a resolved one fired
             # first, even if it fired and resolved between two polls.
             states = {"firing": ["firing"], "resolved": ["firing", "resolved"]}
-            for state in states.get(inc["state"], []):
-                if (inc["id"], state) in self.printed:
+            for state in states.get(inc.state, []):
+                if (inc.id, state) in self.printed:
                     continue
-                self.printed.add((inc["id"], state))
-                self.fired.add(inc["alert"])
+                self.printed.add((inc.id, state))
+                self.fired.add(inc.alert)
                 verb = "fired" if state == "firing" else "resolved"
                 self.out(
-                    f"finding {inc['alert']} {verb} on {inc['engine']} "
-                    f"(value {_fmt(inc['value'])}, {inc['severity']})"
+                    f"finding {inc.alert} {verb} on {inc.engine} "
+                    f"(value {_fmt(inc.value)}, {inc.severity})"
                 )
-        for e in sorted(executions, key=lambda e: e["id"]):
-            self.executions[e["id"]] = e
+        for e in sorted(executions, key=lambda e: e.id):
+            self.executions[e.id] = e
             self._execution(e)
 
     def _once(self, key: tuple[Any, ...], line: str) -> None:
@@ -87,48 +91,48 @@ class EventFeed:
             self.seen.add(key)
             self.out(line)
 
-    def _execution(self, e: dict[str, Any]) -> None:
-        n = e["id"]
-        if e.get("reverts_id") is not None:
-            self._once((n, "new"), f"  revert #{n} of #{e['reverts_id']}: {e.get('reason') or ''}")
+    def _execution(self, e: Execution) -> None:
+        n = e.id
+        if e.reverts_id is not None:
+            self._once((n, "new"), f"  revert #{n} of #{e.reverts_id}: {e.reason or ''}")
         else:
-            alert = str(e["who"]).removeprefix("rules:")
+            alert = e.who.removeprefix("rules:")
             self._once(
                 (n, "new"),
-                f"  runbook {e['runbook']} chosen for {alert} (automation auto) → execution #{n}",
+                f"  runbook {e.runbook} chosen for {alert} (automation auto) → execution #{n}",
             )
-        if e.get("checks") and e.get("reverts_id") is None:
-            checks = ", ".join(f"{k} {format_check(v)}" for k, v in e["checks"].items())
+        if e.checks and e.reverts_id is None:
+            checks = ", ".join(f"{k} {format_check(v)}" for k, v in e.checks.items())
             self._once((n, "checks"), f"  #{n} checks: {checks}")
-        for s in e.get("steps", []):
-            before, after = s.get("before") or {}, s.get("after") or {}
-            if s["status"] == "skipped":
-                note = (s.get("params") or {}).get("note", "")
-                self._once((n, s["id"], "skip"), f"  #{n} {s['action']}: skipped, {note}")
-            elif s["status"] in ("applying", "applied", "reverted") and before:
+        for s in e.steps:
+            before, after = s.before or {}, s.after or {}
+            if s.status == "skipped":
+                note = s.params.get("note", "")
+                self._once((n, s.id, "skip"), f"  #{n} {s.action}: skipped, {note}")
+            elif s.status in ("applying", "applied", "reverted") and before:
                 self._once(
-                    (n, s["id"], "before"),
-                    f"  #{n} action {s['action']}: before "
+                    (n, s.id, "before"),
+                    f"  #{n} action {s.action}: before "
                     + ", ".join(f"{k}={_fmt(v)}" for k, v in before.items()),
                 )
-            if s["status"] in ("applied", "reverted") and after:
-                where = f" (engine step {s['applied_at_step']})" if s.get("applied_at_step") else ""
+            if s.status in ("applied", "reverted") and after:
+                where = f" (engine step {s.applied_at_step})" if s.applied_at_step else ""
                 self._once(
-                    (n, s["id"], "after"),
-                    f"  #{n} action {s['action']}: after "
+                    (n, s.id, "after"),
+                    f"  #{n} action {s.action}: after "
                     + ", ".join(f"{k}={_fmt(v)}" for k, v in after.items())
                     + where,
                 )
-        v = e.get("verification")
+        v = e.verification
         if v:
             self._once(
                 (n, "verify"),
                 f"  #{n} verification: {format_verification(v, parenthesized=True)}"
                 + (f"; guards: {g}" if (g := format_guards(v)) else ""),
             )
-        if e["status"] not in ACTIVE_STATUSES:
-            why = e.get("error") or e.get("reason") or ""
-            self._once((n, e["status"]), f"  #{n} {e['status']}" + (f": {why}" if why else ""))
+        if e.status not in ACTIVE_STATUSES:
+            why = e.error or e.reason or ""
+            self._once((n, e.status), f"  #{n} {e.status}" + (f": {why}" if why else ""))
 
 
 @dataclass
@@ -273,16 +277,14 @@ def _pct(value: Any, digits: int = 0) -> str:
     return "n/a" if value is None else f"{100 * value:.{digits}f}%"
 
 
-def runs_of(feed: EventFeed, runbook: str) -> list[dict[str, Any]]:
+def runs_of(feed: EventFeed, runbook: str) -> list[Execution]:
     """The runbook's executions that ran (not reverts, not refused)."""
     return [
         e
         for e in feed.executions.values()
-        if e["runbook"] == runbook
-        and e.get("reverts_id") is None
-        and e["status"] != ExecutionStatus.REFUSED
+        if e.runbook == runbook and e.reverts_id is None and e.status != ExecutionStatus.REFUSED
     ]
 
 
-def finished(e: dict[str, Any]) -> bool:
-    return e["status"] not in ACTIVE_STATUSES
+def finished(e: Execution) -> bool:
+    return e.status not in ACTIVE_STATUSES

@@ -335,9 +335,24 @@ def execution_lines(
     if history is not None:
         until = ts(revert["started_at"]) if revert and revert.get("started_at") else None
         rows = effect(history, execution, until)
-        if rows:
+        span = action_times(execution)
+        after_s = None if span is None or until is None else until - (span[1] + 2)
+        if rows and all(a is None for _, _, a in rows) and after_s is not None:
+            # The revert came before the after-window held a sample: say so, not n/a.
             lines.append(
-                f"    measured effect ({EFFECT_WINDOW_S:.0f} s before the change → after it): "
+                f"    measured effect: the after-window was cut by the revert after "
+                f"{max(0.0, after_s):.0f} s (too short to measure; {EFFECT_WINDOW_S:.0f} s "
+                f"wanted); before the change: "
+                + "; ".join(f"{label} {_fmt(b)}" for label, b, _ in rows)
+            )
+        elif rows:
+            cut = (
+                f", cut by the revert after {after_s:.0f} s"
+                if after_s is not None and after_s < EFFECT_WINDOW_S
+                else ""
+            )
+            lines.append(
+                f"    measured effect ({EFFECT_WINDOW_S:.0f} s before the change → after it{cut}): "
                 + "; ".join(f"{label} {_fmt(b)} → {_fmt(a)}" for label, b, a in rows)
             )
     return lines

@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from vllm_runbook.runbooks.demo.config import (
     BLOCK_SIZE,
@@ -64,6 +63,7 @@ from vllm_runbook.runbooks.demo.traffic import (
     stream_request,
 )
 from vllm_runbook.runbooks.engine.client import EngineClient, EngineClientError
+from vllm_runbook.runbooks.service.api import Execution
 from vllm_runbook.runbooks.store.models import ExecutionStatus
 
 
@@ -242,10 +242,9 @@ def run(directory: Path, ci: bool) -> int:
         settle = traffic.clients(4, steady_request)
 
         def restored() -> bool:
-            reverts = [e for e in feed.executions.values() if e.get("reverts_id") is not None]
+            reverts = [e for e in feed.executions.values() if e.reverts_id is not None]
             return all(
-                e["status"] == "reverted"
-                or any(r["reverts_id"] == e["id"] and finished(r) for r in reverts)
+                e.status == "reverted" or any(r.reverts_id == e.id and finished(r) for r in reverts)
                 # latency-spike too: on a slow machine the burst's own queue
                 # can make it act before the starvation phase
                 for e in runs_of(feed, "oom-pressure") + runs_of(feed, "latency-spike")
@@ -272,8 +271,8 @@ def run(directory: Path, ci: bool) -> int:
         # or be refused once it resolved) before this phase began.
         before = max(feed.executions, default=0)
 
-        def spike_runs() -> list[dict[str, Any]]:
-            return [e for e in runs_of(feed, "latency-spike") if e["id"] > before]
+        def spike_runs() -> list[Execution]:
+            return [e for e in runs_of(feed, "latency-spike") if e.id > before]
 
         def filled() -> bool:
             backlog.tick()
@@ -319,17 +318,18 @@ def run(directory: Path, ci: bool) -> int:
             measured["VllmRequestStarvation"] = (
                 f"the oldest low-priority request waited {oldest:.0f} s (threshold "
                 f"{STARVATION_THRESHOLD_S} s) in {len(batches)} batch(es) of 8; the "
-                f"high-priority queue kept {backlog.depth} deep held at least "
-                f"{backlog.min_waiting} and was empty at {backlog.drained} readings"
+                f"high-priority queue kept {backlog.depth} deep "
+                + (
+                    f"held at least {backlog.min_waiting}"
+                    if backlog.min_waiting
+                    else "emptied at times"
+                )
+                + f" and was empty at {backlog.drained} readings"
             )
         backlog.stop()
         starved = batches[-1]
         if backlog.min_waiting is not None:
-            demo.say(
-                f"while low-priority requests waited, at least {backlog.min_waiting} high-priority "
-                f"ones waited ahead of them (queue kept {backlog.depth} deep; empty at "
-                f"{backlog.drained} readings)"
-            )
+            demo.say(backlog_said(backlog.min_waiting, backlog.depth, backlog.drained))
 
         # 4. recovery until every change is reverted
         enter("recovery", "4 steady clients; the findings resolve, the service reverts")
@@ -338,7 +338,7 @@ def run(directory: Path, ci: bool) -> int:
 
         def all_reverted() -> bool:
             runs = runs_of(feed, "oom-pressure") + runs_of(feed, "latency-spike")
-            reverted = bool(runs) and all(e["status"] == ExecutionStatus.REVERTED for e in runs)
+            reverted = bool(runs) and all(e.status == ExecutionStatus.REVERTED for e in runs)
             return reverted and time.monotonic() - t_recovery >= RECOVERY_MIN_S
 
         _wait(demo, RECOVERY_MAX_S, all_reverted)
@@ -351,6 +351,20 @@ def run(directory: Path, ci: bool) -> int:
         story_s = time.monotonic() - t_start
 
     return conclude(demo, signals, feed, traffic, starved, low, final, story_s, measured)
+
+
+def backlog_said(fewest: int, depth: int, empty_readings: int) -> str:
+    """What the starvation phase measured of the high-priority queue while the
+    low-priority requests waited (never "at least 0 waited")."""
+    if fewest > 0:
+        return (
+            f"while low-priority requests waited, at least {fewest} high-priority ones "
+            f"waited ahead of them at every reading (queue kept {depth} deep)"
+        )
+    return (
+        f"while low-priority requests waited, the high-priority queue (kept {depth} deep) "
+        f"was empty at {empty_readings} reading(s): they waited behind the running ones"
+    )
 
 
 def _stop(demo: Demo, process: Process) -> None:

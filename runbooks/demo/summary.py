@@ -37,16 +37,19 @@ def conclude(
     waited for the fix; `low`: every low-priority request sent; `measured`: per
     alert that never fired, what its phase measured instead."""
     history = History.load(signals)
-    executions = sorted(feed.executions.values(), key=lambda e: e["id"])
-    reverts = reverts_of(executions)
+    executions = sorted(feed.executions.values(), key=lambda e: e.id)
+    # report.py reads the journal's `to_dict` shape (`runbook report` reads the
+    # journal): the API's models dump to it field for field.
+    journal = [e.model_dump(mode="json") for e in executions]
+    reverts = reverts_of(journal)
     origin = history.samples[0]["t"] if history.samples else None
     print("\nsummary (times from the first sample)")
     for line in format_phase_table(phase_rows(history)):
         print("  " + line)
     print()
-    for e in executions:
-        if e.get("reverts_id") is None:
-            for line in execution_lines(e, reverts.get(e["id"]), history, origin):
+    for e, row in zip(executions, journal, strict=True):
+        if e.reverts_id is None:
+            for line in execution_lines(row, reverts.get(e.id), history, origin):
                 print("  " + line)
     effect = starvation_effect(feed, starved)
     if effect is not None:
@@ -56,7 +59,7 @@ def conclude(
     try:
         timeline_png(
             history,
-            executions,
+            journal,
             picture,
             title="vllm-runbook demo: KV pressure and starvation, detected, fixed, reverted",
         )
@@ -67,7 +70,7 @@ def conclude(
     print(f"journal: runbook history --db sqlite:///{demo.directory / 'runbook.db'}")
     if executions:
         print(
-            f"one execution: runbook report {executions[0]['id']} "
+            f"one execution: runbook report {executions[0].id} "
             f"--db sqlite:///{demo.directory / 'runbook.db'}"
         )
 
@@ -94,15 +97,15 @@ def starvation_effect(feed: EventFeed, low: list[Request]) -> tuple[str, str | N
         (
             s
             for e in runs_of(feed, "latency-spike")
-            for s in e.get("steps", [])
-            if s["action"] == "set_policy" and s["status"] in ("applied", "reverted")
+            for s in e.steps
+            if s.action == "set_policy" and s.status in ("applied", "reverted")
         ),
         None,
     )
     done = [r for r in low if r.t1 is not None and r.ok]
     if switch is None or not done:
         return None
-    switched = step_time(switch) or 0.0
+    switched = step_time(switch.model_dump(mode="json")) or 0.0
     early = [r for r in done if (r.t1 or 0.0) < switched]
     waited = max(min(switched, r.t1 or switched) - r.t0 for r in done)
     served = max((r.t1 or 0.0) - switched for r in done)
@@ -126,12 +129,11 @@ def verdict_disagreements(
     its shipped signal, and the judgement must match what happened."""
     problems = []
     for runbook in ("oom-pressure", "latency-spike"):
-        judged = [e for e in runs_of(feed, runbook) if e.get("verification")]
-        for e in judged:
-            v = e["verification"]
+        judged = [(e, e.verification) for e in runs_of(feed, runbook) if e.verification]
+        for e, v in judged:
             if v.get("outcome") != "improved":
                 problems.append(
-                    f"{runbook} #{e['id']}: verification {format_verification(v)}, "
+                    f"{runbook} #{e.id}: verification {format_verification(v)}, "
                     "not improved"
                     + (
                         f", but the demo measured the fix work ({starvation[0]})"
@@ -139,21 +141,22 @@ def verdict_disagreements(
                         else ""
                     )
                 )
-    spike = [e for e in runs_of(feed, "latency-spike") if e.get("verification")]
-    if spike and spike[0]["verification"].get("outcome") == "improved":
+    spike = [e for e in runs_of(feed, "latency-spike") if e.verification]
+    if spike and (spike[0].verification or {}).get("outcome") == "improved":
         waiting = [r for r in starved if r.t1 is None or not r.ok]
         if waiting:
             problems.append(
-                f"latency-spike #{spike[0]['id']}: verification improved, but the demo "
+                f"latency-spike #{spike[0].id}: verification improved, but the demo "
                 f"measured {len(waiting)} of the {len(starved)} starved requests not served"
             )
-    oom = [e for e in runs_of(feed, "oom-pressure") if e.get("verification")]
-    if oom and oom[0]["verification"].get("outcome") == "improved":
-        rows = {label: (b, a) for label, b, a in effect(history, oom[0])}
+    oom = [e for e in runs_of(feed, "oom-pressure") if e.verification]
+    if oom and (oom[0].verification or {}).get("outcome") == "improved":
+        measured = effect(history, oom[0].model_dump(mode="json"))
+        rows = {label: (b, a) for label, b, a in measured}
         before, after = rows.get("preemptions/min", (None, None))
         if before is not None and after is not None and after >= before > 0:
             problems.append(
-                f"oom-pressure #{oom[0]['id']}: verification improved, but the demo measured "
+                f"oom-pressure #{oom[0].id}: verification improved, but the demo measured "
                 f"preemptions/min {before:.1f} → {after:.1f}"
             )
     return problems
@@ -177,11 +180,11 @@ def story_problems(
             why = (measured or {}).get(alert)
             problems.append(f"no detection: {alert} never fired" + (f" ({why})" if why else ""))
         runs = runs_of(feed, runbook)
-        acted = [e for e in runs if any(s["status"] in ("applied", "reverted") for s in e["steps"])]
+        acted = [e for e in runs if any(s.status in ("applied", "reverted") for s in e.steps)]
         if not acted:
             problems.append(f"no action: {runbook} changed nothing")
-        elif not all(e["status"] == ExecutionStatus.REVERTED for e in acted):
-            states = ", ".join(f"#{e['id']} {e['status']}" for e in acted)
+        elif not all(e.status == ExecutionStatus.REVERTED for e in acted):
+            states = ", ".join(f"#{e.id} {e.status}" for e in acted)
             problems.append(f"no recovery: {runbook} not reverted ({states})")
     if len(low) < 8 or not all(r.ok for r in low):
         problems.append("the starved low-priority requests did not all complete")

@@ -4,6 +4,9 @@ It speaks the agent's models (vllm_runbook.collector.agent_api): commands are
 built with them (a bad value is refused here, with the agent's own message),
 answers parsed with them; an answer that does not fit is not an agent's.
 
+`Agent` is what the runbooks use of an agent, whoever answers: `EngineClient`
+over HTTP, tests/fake_agent.py's `FakeAgent` in memory.
+
 Errors are drawn once, each with the CLI exit code it maps to (exit_codes.py):
 
     EngineClientError       (FAILED)
@@ -16,7 +19,7 @@ Errors are drawn once, each with the CLI exit code it maps to (exit_codes.py):
 from __future__ import annotations
 
 import os
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from urllib.parse import urlsplit
 
 import httpx
@@ -90,7 +93,39 @@ def resolve_token(url: str, token: str | None = None) -> str | None:
     return None
 
 
+class Agent(Protocol):
+    """What the runbooks use of an engine agent (the executor, its signal reader and
+    actions, the breaker, the revert, the tuner, `runbook top`): its URL and
+    timeout, and its three calls. `EngineClient` is one over HTTP; a test's fake
+    (tests/fake_agent.py) is another, checked by mypy to stay one. The calls
+    raise the EngineClientError family above."""
+
+    @property
+    def url(self) -> str:
+        """The agent's base URL, normalized (the engine's key in the journal)."""
+        ...
+
+    @property
+    def timeout(self) -> float:
+        """Seconds an answer may take (the engine's vLLM /metrics is read with it too)."""
+        ...
+
+    def state(self, since_step: int | None = None) -> AgentState:
+        """GET /v1/state; with `since_step`, also what happened from that step on."""
+        ...
+
+    def set_knobs(self, clamp: bool = False, dry_run: bool = False, **values: Any) -> ChangeResult:
+        """POST /v1/knobs: `values` are KnobsCommand's knobs (None: not given)."""
+        ...
+
+    def restore(self, dry_run: bool = False) -> ChangeResult:
+        """POST /v1/restore: every knob back to its startup value."""
+        ...
+
+
 class EngineClient:
+    """The agent over HTTP (an `Agent`)."""
+
     def __init__(self, url: str, token: str | None = None, timeout: float = 35.0) -> None:
         self.url = normalize_url(url)
         self.token = resolve_token(self.url, token)
@@ -176,6 +211,10 @@ class EngineClient:
     def restore(self, dry_run: bool = False) -> ChangeResult:
         command = RestoreCommand(dry_run=dry_run)
         return self._expect(self._request("POST", "/v1/restore", command), ChangeResult)
+
+
+if TYPE_CHECKING:  # mypy: the client is an Agent
+    _AN_AGENT: type[Agent] = EngineClient
 
 
 def _one_line(text: str, limit: int = 300) -> str:

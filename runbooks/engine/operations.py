@@ -35,7 +35,7 @@ from vllm_runbook.collector.agent_api import (
     SettledSince,
 )
 from vllm_runbook.rules.slo import SloSpec, series_of, slo_counts
-from vllm_runbook.runbooks.engine.client import EngineClient
+from vllm_runbook.runbooks.engine.client import Agent
 from vllm_runbook.runbooks.engine.sources import (
     NO_SLO,
     SLO_BURN_RATE,
@@ -60,7 +60,7 @@ from vllm_runbook.runbooks.model.actions import (
 class SignalReader:
     """Reads signals from an engine agent; keeps the last read for rates."""
 
-    client: EngineClient
+    client: Agent
     clock: Callable[[], float] = time.monotonic
     # The engine's vLLM API server: its /metrics gives what only it knows.
     api_url: str | None = None
@@ -175,7 +175,7 @@ class SignalReader:
 class ActionContext:
     """What an action gets besides its parameters."""
 
-    client: EngineClient
+    client: Agent
     # /v1/state read just before this step.
     state: AgentState
     dry_run: bool

@@ -242,3 +242,17 @@ def unreadable(runbooks: Mapping[str, Any], why: Mapping[str, str]) -> list[str]
                 label = item if item == signal else f"{item} ({signal})"
                 lines.append(f"{name}: {role} {label}: {why[signal]}")
     return lines
+
+
+def autopilot_position(state: AgentState | None) -> dict[str, Any] | None:
+    """The autopilot's position in `state` (where it left max_num_seqs, its
+    target and changes), when it is on: what a verification reports."""
+    if state is None or not state.autopilot.enabled:
+        return None
+    pilot = state.autopilot.model_dump(mode="json")
+    return {
+        "max_num_seqs": state.knobs.max_num_seqs,
+        "target": pilot["target"],
+        "changes": pilot["changes"],
+        "last_change": pilot["last_change"],
+    }

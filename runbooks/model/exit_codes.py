@@ -3,7 +3,7 @@
 Every command returns an `ExitCode`; every error that ends a command on purpose
 is a `RunbookError` whose `exit_code` says which, and the CLI's one `main`
 prints its one line and returns that code. docs/cli.md's table is generated
-from `ExitCode` (`python -m vllm_runbook.dashboards.docs`; a test fails while
+from `ExitCode` (`python -m tools.docs`; a test fails while
 it is stale).
 
 Standard library only: the executor, the engine client and the store import

@@ -44,8 +44,13 @@ from datetime import datetime
 from typing import Any
 
 from vllm_runbook.collector.agent_api import AgentState, SettledSince
-from vllm_runbook.rules.slo import BurnPair, SloSpec, slo_of_alert
-from vllm_runbook.runbooks.engine.client import EngineClient, EngineClientError, EngineUnreachable
+from vllm_runbook.rules.slo import SloSpec
+from vllm_runbook.runbooks.engine.client import (
+    Agent,
+    EngineClient,
+    EngineClientError,
+    EngineUnreachable,
+)
 from vllm_runbook.runbooks.engine.operations import (
     ActionContext,
     ActionOutcome,
@@ -56,6 +61,7 @@ from vllm_runbook.runbooks.engine.sources import (
     API_SIGNALS,
     SLO_BURN_RATE,
     WINDOWED,
+    autopilot_position,
     runbook_readings,
     signals_from_state,
 )
@@ -63,11 +69,15 @@ from vllm_runbook.runbooks.model.actions import ActionError, ActionRegistry
 from vllm_runbook.runbooks.model.exit_codes import ExitCode
 from vllm_runbook.runbooks.model.spec import (
     Catalog,
-    Condition,
     Runbook,
     StepSpec,
-    Verification,
     load_catalog,
+)
+from vllm_runbook.runbooks.run.conditions import (
+    alert_slo,
+    describe_condition,
+    holds,
+    slo_verification,
 )
 from vllm_runbook.runbooks.run.guardrails import (
     admission,
@@ -120,37 +130,6 @@ __all__ = [
 ]
 
 
-def describe_condition(when: Condition) -> str:
-    op, bound = (">", when.above) if when.above is not None else ("<", when.below)
-    wait = f" after {when.after_seconds} s" if when.after_seconds else ""
-    return f"{when.signal} {op} {bound:g}{wait}"
-
-
-def _holds(when: Condition, value: Any) -> bool:
-    if when.above is not None:
-        return bool(value > when.above)
-    assert when.below is not None
-    return bool(value < when.below)
-
-
-def alert_slo(slos: Sequence[SloSpec], who: str) -> tuple[SloSpec, BurnPair] | None:
-    """The SLO and burn pair whose alert started an execution: its `who` is
-    ``alertmanager:<alertname>`` (the webhook) or ``rules:<alertname>`` (the
-    embedded evaluator)."""
-    source, _, alertname = who.partition(":")
-    if source not in ("alertmanager", "rules"):
-        return None
-    return slo_of_alert(slos, alertname)
-
-
-def slo_verification(v: Verification) -> Verification:
-    """The runbook's verification judged on the SLO's burn rate: it must fall
-    (by `improve_by` of the alert's rate); deadline, tolerance and guards stay."""
-    return v.model_copy(
-        update={"signal": SLO_BURN_RATE, "direction": "decrease", "effect": "relative"}
-    )
-
-
 def default_who() -> str:
     try:
         return getpass.getuser()
@@ -166,7 +145,7 @@ class Executor:
     store: Journal
     catalog: Catalog | None = None
     registry: ActionRegistry = field(default_factory=engine_registry)
-    client_factory: Callable[[str], EngineClient] = EngineClient
+    client_factory: Callable[[str], Agent] = EngineClient
     # Agent URL (normalized) -> the engine's vLLM API server, for warm-up requests.
     api_urls: Mapping[str, str] = field(default_factory=dict)
     # Agent URL -> why the engine is gone (it left the inventory), None while it
@@ -278,7 +257,7 @@ class Executor:
     def new_run(
         self,
         spec: Runbook,
-        client: EngineClient,
+        client: Agent,
         execution_id: int,
         *,
         dry_run: bool,
@@ -350,7 +329,7 @@ class Run:
         self,
         executor: Executor,
         spec: Runbook,
-        client: EngineClient,
+        client: Agent,
         execution_id: int,
         dry_run: bool,
         approved: bool,
@@ -521,7 +500,7 @@ class Run:
             if value is None:
                 why = self.baseline_unavailable.get(when.signal, "not read")
                 return f"{NOTHING_TO_IMPROVE}: {when.signal} cannot be read ({why})"
-            if not _holds(when, value):
+            if not holds(when, value):
                 return (
                     f"{NOTHING_TO_IMPROVE}: {when.signal} = {format_signal(when.signal, value)}, "
                     f"the runbook acts only if {describe_condition(when)}"
@@ -611,12 +590,12 @@ class Run:
             self.store.transition(self.id, ExecutionStatus.RUNNING)
         for index, step in enumerate(self.spec.steps):
             details: dict[str, Any] = {}
-            if step.when is not None and not self._condition_holds(step, index, details):
+            if step.when is not None and not self._conditionholds(step, index, details):
                 continue
             self._run_step(step, details)
         return self._verify()
 
-    def _condition_holds(self, step: StepSpec, index: int, details: dict[str, Any]) -> bool:
+    def _conditionholds(self, step: StepSpec, index: int, details: dict[str, Any]) -> bool:
         when = step.when
         assert when is not None
         wait = when.after_seconds if self.condition_seconds is None else self.condition_seconds
@@ -624,7 +603,7 @@ class Run:
             self.x.wait(wait, self.renew)
         observed = self.reader.read()[when.signal]
         details.update(when=describe_condition(when), observed=observed, waited_seconds=wait)
-        if observed is None or not _holds(when, observed):
+        if observed is None or not holds(when, observed):
             why = "unavailable" if observed is None else f"{observed:g}"
             details["note"] = f"condition not met ({when.signal} = {why})"
             self.store.add_step(
@@ -750,7 +729,7 @@ class Run:
                 "alert_burn_rate": pair.factor,
                 "long_window_seconds": pair.long,
             }
-        settled = _autopilot_settled(self.reader.last_state)
+        settled = autopilot_position(self.reader.last_state)
         if settled is not None:
             # Handed over to the autopilot: where it had max_num_seqs when judged.
             report["autopilot"] = settled
@@ -819,16 +798,3 @@ class Run:
             if status in (STEP_APPLIED, STEP_INTERRUPTED):
                 self.store.finish_step(step.id, STEP_REVERTED)
         return self.finish(ExecutionStatus.ROLLED_BACK, exit_code, f"{why}; rolled back")
-
-
-def _autopilot_settled(state: AgentState | None) -> dict[str, Any] | None:
-    """The autopilot's position in `state`, when it is on."""
-    if state is None or not state.autopilot.enabled:
-        return None
-    pilot = state.autopilot.model_dump(mode="json")
-    return {
-        "max_num_seqs": state.knobs.max_num_seqs,
-        "target": pilot["target"],
-        "changes": pilot["changes"],
-        "last_change": pilot["last_change"],
-    }

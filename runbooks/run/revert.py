@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any, Protocol
 
-from vllm_runbook.runbooks.engine.client import EngineClient, EngineClientError
+from vllm_runbook.runbooks.engine.client import Agent, EngineClientError
 from vllm_runbook.runbooks.engine.operations import KNOBS, SignalReader
 from vllm_runbook.runbooks.model.exit_codes import ExitCode, RunbookError
 from vllm_runbook.runbooks.model.spec import Catalog, Runbook
@@ -48,7 +48,7 @@ class Run(Protocol):
 
     id: int
     spec: Runbook
-    client: EngineClient
+    client: Agent
     reader: SignalReader
     baseline: dict[str, Any]
     renew: Callable[[], None] | None
@@ -68,7 +68,7 @@ class Executor(Protocol):
     def catalog(self) -> Catalog | None: ...
 
     @property
-    def client_factory(self) -> Callable[[str], EngineClient]: ...
+    def client_factory(self) -> Callable[[str], Agent]: ...
 
     @property
     def poll_seconds(self) -> float: ...
@@ -81,7 +81,7 @@ class Executor(Protocol):
     def new_run(
         self,
         spec: Runbook,
-        client: EngineClient,
+        client: Agent,
         execution_id: int,
         *,
         dry_run: bool,

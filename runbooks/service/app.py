@@ -4,15 +4,18 @@ POST /webhooks/alertmanager   Alertmanager webhook v4 (bearer or basic auth)
 GET  /healthz                 liveness, and whether the store answers
 GET  /metrics                 the service's own metrics
 GET  /openapi.json            the API's schema (no Swagger UI: it would load a CDN's script)
-GET  /api/executions          the journal (JSON)
-GET  /api/incidents           incidents recorded by the rule evaluator (JSON)
-GET  /api/pending             executions awaiting approval (JSON)
+GET  /api/executions          the journal
+GET  /api/incidents           incidents recorded by the rule evaluator
+GET  /api/pending             executions awaiting approval
 GET  /api/engines             the inventory: each engine, its source and when it was last seen
-GET  /api/engines/state       each engine's agent state now, or why not (JSON; `runbook top`)
+GET  /api/engines/state       each engine's agent state now, or why not (`runbook top`)
 GET  /api/whoami              who the credentials answer as (the webhook's; 401 otherwise)
 POST /api/executions/{id}/approve|reject   a person's answer (the webhook's
                               credentials, which name who answered; JSON body {"note": ...})
 GET  /                        the on-call page (service/page.py)
+
+The /api answers are the models of service/api.py (the routes' return types:
+the OpenAPI document carries their schemas); the refusals are `ApiError`'s shape.
 
 The reads (/api, /metrics, /openapi.json) and the page show engines, alert
 labels and reasons. Bound off loopback (`protect_reads`) they need credentials:
@@ -44,6 +47,19 @@ from vllm_runbook.runbooks.engine.client import EngineClient, EngineClientError
 from vllm_runbook.runbooks.model.config import LimitsConfig
 from vllm_runbook.runbooks.service import telemetry as T
 from vllm_runbook.runbooks.service.alertmanager import WebhookPayload, unstorable_text
+from vllm_runbook.runbooks.service.api import (
+    ApiError,
+    Decision,
+    Engine,
+    Engines,
+    EngineState,
+    EngineStates,
+    Execution,
+    Executions,
+    Incidents,
+    PendingApprovals,
+    WhoAmI,
+)
 from vllm_runbook.runbooks.service.auth import Access, Credentials, Refusal, send_refusal
 from vllm_runbook.runbooks.service.browser import BrowserGuard, BrowserPolicy
 from vllm_runbook.runbooks.service.discovery import Inventory
@@ -111,6 +127,7 @@ def create_app(
     inventory: Inventory | None = None,
     engines: Sequence[EngineConfig] = (),
     engine_timeout_s: float = 5.0,
+    committer: GroupCommitter | None = None,
 ) -> FastAPI:
     """The app; `status` adds to /healthz (e.g. whether this replica leads the rules).
     `protect_reads`: the reads and the page need `credentials` or
@@ -121,13 +138,16 @@ def create_app(
     `limits`: the webhook's body limit and the body-read timeout (the
     configuration's `limits`; the rest of it is uvicorn's, set by serve).
     `lifespan`: what runs while the app serves (`runbook serve`'s background
-    jobs, service/lifecycle.py); the webhook's writer closes first on shutdown."""
+    jobs, service/lifecycle.py); the webhook's writer closes first on shutdown.
+    `committer`: the webhook's writer, a job of the service's scheduler (by
+    default one of the app's own, unscheduled: each delivery commits what is
+    queued itself, off the event loop)."""
     if not credentials.token and not credentials.password:
         raise ValueError("the webhook needs a token or basic-auth credentials")
     browser = browser or BrowserPolicy.build(credentials.secret)
     metrics = metrics or ServiceMetrics()
     access = Access(credentials, browser, metrics, read_credentials, protect_reads)
-    committer = GroupCommitter(store, router)
+    committer = committer or GroupCommitter(store, router)
 
     @asynccontextmanager
     async def serving(app: FastAPI) -> AsyncIterator[None]:
@@ -164,6 +184,19 @@ def create_app(
         return _error(status_code, message, **extra)
 
     read = [Depends(access.reader)]
+    # The refusals each route may answer, for the OpenAPI document (ApiError's shape).
+    refusals: dict[int | str, dict[str, Any]] = {
+        401: {"model": ApiError, "description": "credentials needed"},
+        503: {"model": ApiError, "description": "store unavailable; retry later"},
+    }
+    decision_refusals: dict[int | str, dict[str, Any]] = {
+        **refusals,
+        400: {"model": ApiError, "description": "the body is not JSON"},
+        404: {"model": ApiError, "description": "no such execution"},
+        409: {"model": ApiError, "description": "not awaiting approval"},
+        410: {"model": ApiError, "description": "too late: decided, resolved or expired"},
+        422: {"model": ApiError, "description": "a body or note not taken"},
+    }
 
     @app.post(WEBHOOK_PATH, dependencies=[Depends(access.webhook)])
     async def alertmanager(request: Request) -> Response:
@@ -191,8 +224,8 @@ def create_app(
         if problem is not None:
             return rejected(T.REJECT_MALFORMED, 422, f"invalid Alertmanager payload: {problem}")
         try:
-            # Off the event loop: the writer thread commits, then we answer.
-            outcome = await asyncio.wrap_future(committer.submit(payload, raw, len(body)))
+            # Off the event loop: the writer's job commits, then we answer.
+            outcome = await committer.commit(payload, raw, len(body))
         except StoreUnavailable as exc:
             # Counted as a rejection, and worded for Alertmanager (it retries).
             log.error("webhook: store unavailable, Alertmanager will retry: %s", exc)
@@ -234,50 +267,50 @@ def create_app(
     def openapi() -> Response:
         return JSONResponse(app.openapi())
 
-    @app.get("/api/executions", dependencies=read)
-    def executions(engine: str | None = None, limit: int = 50) -> Response:
-        rows = store.list_executions(engine, limit=max(1, min(limit, 1000)))
-        return JSONResponse([r.to_dict() for r in rows])
+    @app.get("/api/executions", dependencies=read, responses=refusals)
+    def executions(engine: str | None = None, limit: int = 50) -> Executions:
+        return Executions.of(store.list_executions(engine, limit=max(1, min(limit, 1000))))
 
-    @app.get("/api/incidents", dependencies=read)
-    def incidents(open_only: bool = False) -> Response:
-        rows = store.list_incidents(open_only=open_only)
-        return JSONResponse([r.to_dict() for r in rows])
+    @app.get("/api/incidents", dependencies=read, responses=refusals)
+    def incidents(open_only: bool = False) -> Incidents:
+        return Incidents.of(store.list_incidents(open_only=open_only))
 
-    @app.get("/api/engines", dependencies=read)
-    def engine_inventory() -> Response:
+    @app.get("/api/engines", dependencies=read, responses={401: refusals[401]})
+    def engine_inventory() -> Engines:
         entries = (inventory or router.inventory or Inventory()).entries()
-        return JSONResponse([e.as_dict() for e in entries])
+        return Engines([Engine.from_entry(e) for e in entries])
 
-    @app.get("/api/pending", dependencies=read)
-    def pending() -> Response:
-        rows = store.pending_approvals()
-        return JSONResponse([r.to_dict() for r in rows])
+    @app.get("/api/pending", dependencies=read, responses=refusals)
+    def pending() -> PendingApprovals:
+        return PendingApprovals.of(store.pending_approvals())
 
-    def engine_state(engine: EngineConfig) -> dict[str, Any]:
+    def engine_state(engine: EngineConfig) -> EngineState:
         current = inventory or router.inventory
-        answer: dict[str, Any] = {"name": engine.name, "agent": engine.agent}
         try:
             token = current.token(engine.agent) if current is not None else None
             state = EngineClient(engine.agent, token=token, timeout=engine_timeout_s).state()
         except (EngineClientError, TokenError) as exc:  # down, not an agent: said, not raised
-            return {**answer, "up": False, "error": str(exc), "state": None}
-        return {**answer, "up": True, "error": None, "state": state.model_dump(mode="json")}
+            return EngineState(
+                name=engine.name, agent=engine.agent, up=False, error=str(exc), state=None
+            )
+        return EngineState(name=engine.name, agent=engine.agent, up=True, error=None, state=state)
 
-    @app.get("/api/engines/state", dependencies=read)
-    async def engine_states() -> Response:
+    @app.get("/api/engines/state", dependencies=read, responses={401: refusals[401]})
+    async def engine_states() -> EngineStates:
         # The inventory's engines (static and discovered) where there is one, else
         # `engines`. Every agent at once: the answer costs the slowest engine, not the sum.
         current = inventory or router.inventory
         listed = current.engines() if current is not None else tuple(engines)
         rows = await asyncio.gather(*(asyncio.to_thread(engine_state, e) for e in listed))
-        return JSONResponse(list(rows))
+        return EngineStates(list(rows))
 
-    @app.get("/api/whoami")
-    def whoami(who: str = Depends(access.decider)) -> Response:
-        return JSONResponse({"who": who})
+    @app.get("/api/whoami", responses={401: refusals[401]})
+    def whoami(who: str = Depends(access.decider)) -> WhoAmI:
+        return WhoAmI(who=who)
 
-    async def decide(request: Request, execution_id: int, decision: str, who: str) -> Response:
+    async def decide(
+        request: Request, execution_id: int, decision: str, who: str
+    ) -> Decision | Response:
         body: dict[str, Any] = {}
         raw = await request.body()
         if raw.strip():
@@ -307,6 +340,7 @@ def create_app(
         )
         if not result.ok:
             code = 410 if result.outcome == TOO_LATE else 409
+            # ApiError's shape; the execution as Execution answers it (to_dict, field for field).
             return _error(code, result.message, execution=result.record.to_dict())
         if (
             result.record.status == ExecutionStatus.REFUSED
@@ -314,18 +348,27 @@ def create_app(
             metrics.execution_finished(result.record)
         if worker is not None:
             worker.wake()
-        return JSONResponse({"message": result.message, "execution": result.record.to_dict()})
+        return Decision(message=result.message, execution=Execution.from_record(result.record))
 
-    @app.post("/api/executions/{execution_id}/approve")
+    # The refusals are answered as responses; the 200 answer is a Decision.
+    @app.post(
+        "/api/executions/{execution_id}/approve",
+        response_model=Decision,
+        responses=decision_refusals,
+    )
     async def approve(
         request: Request, execution_id: int, who: str = Depends(access.decider)
-    ) -> Response:
+    ) -> Decision | Response:
         return await decide(request, execution_id, ApprovalState.APPROVED, who)
 
-    @app.post("/api/executions/{execution_id}/reject")
+    @app.post(
+        "/api/executions/{execution_id}/reject",
+        response_model=Decision,
+        responses=decision_refusals,
+    )
     async def reject(
         request: Request, execution_id: int, who: str = Depends(access.decider)
-    ) -> Response:
+    ) -> Decision | Response:
         return await decide(request, execution_id, ApprovalState.REJECTED, who)
 
     mount_page(app, store, access, worker, approval_timeout_s=approval_timeout_s)

@@ -57,7 +57,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Final
 
 from vllm_runbook.collector.agent_api import AgentState, Before, SettledSince
-from vllm_runbook.runbooks.engine.client import EngineClient, EngineClientError
+from vllm_runbook.runbooks.engine.client import Agent, EngineClientError
 from vllm_runbook.runbooks.engine.operations import KNOBS
 from vllm_runbook.runbooks.model.config import BreakerConfig
 from vllm_runbook.runbooks.run.guardrails import BREAKER_WHO as BREAKER_WHO
@@ -360,7 +360,7 @@ class Breaker:
     config: BreakerConfig = field(default_factory=BreakerConfig)
     # The inventory's agents (normalized URLs): their autopilots are watched.
     engines: Iterable[str] = ()
-    client_factory: Callable[[str], EngineClient] | None = None
+    client_factory: Callable[[str], Agent] | None = None
     # Called on a trip with (engine URL, reason): the service's counter.
     on_trip: Callable[[str, str], None] | None = None
     holder: str = "breaker"
@@ -376,7 +376,7 @@ class Breaker:
     # change without a step mark (the autopilot's) is compared with before it.
     _history: dict[str, list[tuple[datetime, dict[str, float]]]] = field(default_factory=dict)
 
-    def client(self, url: str) -> EngineClient:
+    def client(self, url: str) -> Agent:
         factory = self.client_factory or self.executor.client_factory
         return factory(url)
 

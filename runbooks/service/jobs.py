@@ -5,6 +5,8 @@
     job.wake()                                # new work: run now, not at the next interval
     job.stop(timeout_s=30)                    # no further run; wait for the one in flight
 
+    scheduler = job_scheduler(job_count)      # the service's: a pool thread per job
+
 `work()` does one pass and returns True when more is waiting (run again at
 once). Like the rules' cycle and the retention, a job never overlaps itself
 (max_instances=1) and missed runs are coalesced. A wake that arrives while a
@@ -21,8 +23,10 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 
 from apscheduler.events import EVENT_JOB_ERROR, EVENT_JOB_EXECUTED, JobExecutionEvent
+from apscheduler.executors.pool import ThreadPoolExecutor
 from apscheduler.job import Job
 from apscheduler.jobstores.base import JobLookupError
+from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.schedulers.base import BaseScheduler
 
 
@@ -46,6 +50,12 @@ class _ExpectedSkips(logging.Filter):
 
 _SKIPS = _ExpectedSkips()
 logging.getLogger("apscheduler.scheduler").addFilter(_SKIPS)
+
+
+def job_scheduler(job_count: int) -> BackgroundScheduler:
+    """A scheduler (not started) whose pool has a thread per job: a slow job (an
+    execution, a receiver's retries) never holds another back."""
+    return BackgroundScheduler(executors={"default": ThreadPoolExecutor(max_workers=job_count)})
 
 
 class WakeableJob:
@@ -98,6 +108,11 @@ class WakeableJob:
     @property
     def running(self) -> bool:
         return not self._idle.is_set()
+
+    @property
+    def scheduled(self) -> bool:
+        """On a scheduler and not stopped: `wake` runs it there."""
+        return self._job is not None and not self._stopped
 
     def _run_now(self) -> None:
         job = self._job

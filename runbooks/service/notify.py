@@ -1,8 +1,8 @@
 """Notifications: every execution event to the configured receivers.
 
     notifier = Notifier(store, receivers_from(config.notifications), metrics=metrics)
-    notifier.schedule(scheduler)   # the feed job + one delivery job per receiver
-    notifier.stop()                # (`start()`: on a scheduler of its own)
+    notifier.schedule(scheduler)   # the feed job + one delivery job per receiver (job_count)
+    notifier.stop()
 
 Events are not pushed by the executor: every transaction that changes an
 execution appends the events it implies to the store's events table, in the
@@ -55,8 +55,6 @@ from datetime import timedelta
 from typing import Any, Final, Protocol
 
 import httpx
-from apscheduler.executors.pool import ThreadPoolExecutor
-from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.schedulers.base import BaseScheduler
 from vllm_runbook.runbooks.model.config import NotificationsConfig
 from vllm_runbook.runbooks.run.render import PLAIN, SLACK, render_notification
@@ -223,7 +221,7 @@ class _Held:
 
 
 class Notifier:
-    """The feed thread and one delivery thread per receiver (see the module doc)."""
+    """The feed job and one delivery job per receiver (see the module doc)."""
 
     def __init__(
         self,
@@ -267,7 +265,6 @@ class Notifier:
             )
             for r in self.receivers
         }
-        self._own_scheduler: BackgroundScheduler | None = None
 
     @classmethod
     def from_config(cls, store: Journal, config: NotificationsConfig, **kwargs: Any) -> Notifier:
@@ -294,23 +291,12 @@ class Notifier:
         for job in self._deliveries.values():
             job.schedule(scheduler, self.interval_s)
 
-    def start(self) -> Notifier:
-        """Run on a scheduler of its own (`runbook serve` uses its shared one)."""
-        pool = ThreadPoolExecutor(max_workers=self.job_count)
-        self._own_scheduler = BackgroundScheduler(executors={"default": pool})
-        self.schedule(self._own_scheduler)
-        self._own_scheduler.start()
-        return self
-
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """No further pass; a delivery in flight gives its claims back to the
         other replicas now (not when the lease lapses); waits for them."""
         self._stop.set()
         for job in [self._feed_job, *self._deliveries.values()]:
             job.stop(timeout_s)
-        if self._own_scheduler is not None:
-            self._own_scheduler.shutdown(wait=False)
-            self._own_scheduler = None
         if self._http is not None:
             self._http.close()
 

@@ -94,7 +94,7 @@ def build(
     from vllm_runbook.runbooks.service.lifecycle import Service
     from vllm_runbook.runbooks.service.retention import Retention
     from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
-    from vllm_runbook.runbooks.service.webhooks import Router
+    from vllm_runbook.runbooks.service.webhooks import GroupCommitter, Router
     from vllm_runbook.runbooks.store import Journal, upgrade
 
     # The configuration, the rule catalog it names and the runbook catalog
@@ -130,6 +130,8 @@ def build(
                     metrics.scrape_duration.remove(target.url)
 
     inventory.on_change(named)
+    # The webhook's writer: a job of the service's scheduler, the app's to feed.
+    committer = GroupCommitter(store, router)
     discovery = None
     if config.discovery.enabled:
         discovery = Discovery(inventory, sources_from(config.discovery), observer=metrics)
@@ -213,6 +215,7 @@ def build(
         notifier=notifier,
         discovery=discovery,
         breaker=breaker,
+        committer=committer,
     )
     status = (lambda: {"rules_leader": leader.is_leader}) if leader is not None else None
     service.app = create_app(
@@ -237,6 +240,7 @@ def build(
         lifespan=service.lifespan,
         inventory=inventory,
         engines=config.engines,
+        committer=committer,
     )
     return service
 

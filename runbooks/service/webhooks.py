@@ -1,6 +1,6 @@
 """Alertmanager deliveries → durable events → at most one execution per episode.
 
-Contract (DESIGN.md): authenticate, validate, store durably, then answer 2xx;
+Contract (docs/service.md, "Endpoints"): authenticate, validate, store durably, then answer 2xx;
 4xx for a malformed payload (nothing stored); 5xx when the store is down so
 Alertmanager retries. Delivery is at least once and HA peers send duplicates:
 an execution is keyed by (runbook, engine, fingerprint, startsAt) in the
@@ -15,18 +15,23 @@ that holds it, so durability is unchanged and the commit cost is shared.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import queue
 import threading
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
+from apscheduler.job import Job
+from apscheduler.schedulers.base import BaseScheduler
 from vllm_runbook.rules.config import Automation, EngineConfig
 from vllm_runbook.runbooks.engine.client import normalize_url
 from vllm_runbook.runbooks.service.alertmanager import Alert, WebhookPayload
 from vllm_runbook.runbooks.service.discovery import Inventory, Resolution
+from vllm_runbook.runbooks.service.jobs import WakeableJob
 from vllm_runbook.runbooks.store import Journal, StoreUnavailable
 from vllm_runbook.runbooks.store.executions import NewExecution
 from vllm_runbook.runbooks.store.models import (
@@ -42,6 +47,11 @@ REASON_MAX = 1000
 # The journal's engine of an alert that names no one engine (nothing ran on any).
 UNRESOLVED = "unresolved"
 MAX_BATCH = 128  # deliveries per group commit
+JOB_ID: Final = "vllm-runbook-webhook-writer"
+# The writer is woken by every delivery: the interval only catches what a wake missed.
+INTERVAL_S: Final = 1.0
+# How long a close waits for the batch in flight before committing the rest itself.
+STOP_TIMEOUT_S: Final = 30.0
 
 
 @dataclass(frozen=True)
@@ -240,64 +250,108 @@ def ingest(
 
 
 class GroupCommitter:
-    """One writer thread: deliveries queued together are committed together.
+    """Deliveries queued together are committed together, by one job of the
+    service's scheduler (service/jobs.py), woken by every `submit`.
 
     `submit` returns a Future resolved after the commit that holds the
-    delivery (or failed with the store's error). A batch that fails for any
-    other reason than an unavailable store is retried one delivery at a
-    time, so one bad delivery cannot fail the others.
+    delivery (or failed with the store's error). A pass commits what is
+    queued, at most `max_batch` deliveries per transaction, until the queue
+    is empty. A batch that fails for any other reason than an unavailable
+    store is retried one delivery at a time, so one bad delivery cannot fail
+    the others. `close` stops the job and commits what is still queued.
+
+    Not scheduled (an app built alone, as the tests build one; or closed),
+    `commit` drains the queue itself, off the event loop, once it queued its
+    delivery: what queued together still commits together.
     """
 
     def __init__(self, store: Journal, router: Router, max_batch: int = MAX_BATCH) -> None:
         self.store = store
         self.router = router
         self.max_batch = max_batch
-        self._queue: queue.Queue[tuple[_Planned, Future[Outcome]] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="webhook-writer", daemon=True)
-        self._thread.start()
+        self._queue: queue.Queue[tuple[_Planned, Future[Outcome]]] = queue.Queue()
+        self._writing = threading.Lock()  # one batch at a time: the job's, or a drain's
+        self._job = WakeableJob(self._pass, job_id=JOB_ID, name="webhook-writer")
+
+    def schedule(self, scheduler: BaseScheduler, interval_s: float = INTERVAL_S) -> Job:
+        """The writer on `scheduler`: woken by every delivery; `interval_s` is a safety net."""
+        return self._job.schedule(scheduler, interval_s)
+
+    @property
+    def scheduled(self) -> bool:
+        return self._job.scheduled
 
     def submit(
         self, payload: WebhookPayload, raw: dict[str, Any], size: int = 0
     ) -> Future[Outcome]:
         future: Future[Outcome] = Future()
         self._queue.put((plan(self.router, payload, raw, size), future))
+        self._job.wake()
         return future
 
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=30)
+    async def commit(self, payload: WebhookPayload, raw: dict[str, Any], size: int = 0) -> Outcome:
+        """`submit`, then the delivery's outcome once committed (the store's error raised)."""
+        future = self.submit(payload, raw, size)
+        if not self.scheduled:  # no job to wake: commit what is queued, off the event loop
+            await asyncio.to_thread(self.drain)
+        return await asyncio.wrap_future(future)
 
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            batch = [item]
+    def drain(self) -> None:
+        """Commit every delivery queued, batch after batch, in this thread."""
+        while self._pass():
+            pass
+
+    def close(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """No further pass; the one in flight ends (up to `timeout_s`), then what
+        is still queued is committed here."""
+        if not self._job.stop(timeout_s):
+            log.warning(
+                "webhook writer: a commit still runs after %g s; the deliveries queued "
+                "behind it are not committed (Alertmanager sends them again)",
+                timeout_s,
+            )
+            return
+        self.drain()
+
+    def _pass(self) -> bool:
+        """One batch: up to `max_batch` queued deliveries, one transaction. True if
+        it committed one (more may be queued)."""
+        with self._writing:
+            batch: list[tuple[_Planned, Future[Outcome]]] = []
             while len(batch) < self.max_batch:
                 try:
-                    more = self._queue.get_nowait()
+                    batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-                if more is None:
-                    self._commit(batch)
-                    return
-                batch.append(more)
+            if not batch:
+                return False
             self._commit(batch)
+            return True
 
     def _commit(self, batch: list[tuple[_Planned, Future[Outcome]]]) -> None:
         try:
             outcomes = ingest_many(self.store, [p for p, _ in batch])
         except StoreUnavailable as exc:
             for _, future in batch:
-                future.set_exception(exc)
+                _settle(future, exc)
             return
         except Exception as exc:
             if len(batch) == 1:
-                batch[0][1].set_exception(exc)
+                _settle(batch[0][1], exc)
                 return
             log.warning("webhook batch of %d failed (%s); one at a time", len(batch), exc)
             for one in batch:
                 self._commit([one])
             return
         for (_, future), outcome in zip(batch, outcomes, strict=True):
-            future.set_result(outcome)
+            _settle(future, outcome)
+
+
+def _settle(future: Future[Outcome], result: Outcome | BaseException) -> None:
+    """Resolve `future`; one cancelled meanwhile (its request was cancelled) is
+    left as it is: it must not keep the rest of its batch unanswered."""
+    with contextlib.suppress(InvalidStateError):
+        if isinstance(result, BaseException):
+            future.set_exception(result)
+        else:
+            future.set_result(result)

@@ -5,7 +5,7 @@ Exactly-once is the database's job: the webhook creates one pending execution
 per alert episode (a unique key), and a worker runs one only after taking a
 lease named after it, so among any number of replicas exactly one runs it.
 A pending execution awaiting approval ("approve" mode) is left for a person
-(vllm_runbook.runbooks.approvals); once approved the worker runs it like any
+(vllm_runbook.runbooks.store.approvals); once approved the worker runs it like any
 other, under the same lease. Each tick also refuses the approvals that
 expired, and an alert that resolves refuses its execution still waiting.
 
@@ -17,8 +17,9 @@ the worker at once (`wake`); what another replica or `runbook approve`
 records is found at the next poll (`interval`, 1 s).
 
 The worker is a job of the service's APScheduler scheduler (`schedule`,
-service/jobs.py), beside the rules' cycle and the retention; `start` gives
-it a scheduler of its own (a worker alone, the tests).
+service/jobs.py), beside the rules' cycle and the retention; it has no
+scheduler or thread of its own (a test schedules it on one it owns, or
+calls `tick`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from datetime import datetime
 from typing import Any, Final
 
 from apscheduler.job import Job
-from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.schedulers.base import BaseScheduler
 from vllm_runbook.runbooks.model.config import ExecutorConfig
 from vllm_runbook.runbooks.run.executor import Executor
@@ -78,18 +78,10 @@ class Worker:
         self.resolved: queue.Queue[dict[str, str]] = queue.Queue()
         self._stop = threading.Event()
         self._job = WakeableJob(self._pass, job_id=JOB_ID, name="worker")
-        self._own_scheduler: BackgroundScheduler | None = None
 
     def schedule(self, scheduler: BaseScheduler) -> Job:
         """Poll every `interval` on `scheduler`, first now; woken by `wake`."""
         return self._job.schedule(scheduler, self.interval)
-
-    def start(self) -> Worker:
-        """Run on a scheduler of its own (what `runbook serve` does with its shared one)."""
-        self._own_scheduler = BackgroundScheduler()
-        self.schedule(self._own_scheduler)
-        self._own_scheduler.start()
-        return self
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """No further tick; wait up to `timeout_s` for the one in flight (the
@@ -101,9 +93,6 @@ class Worker:
                 "first, the next run on this host settles it as interrupted",
                 timeout_s,
             )
-        if self._own_scheduler is not None:
-            self._own_scheduler.shutdown(wait=False)
-            self._own_scheduler = None
 
     def wake(self) -> None:
         """New work was recorded: don't wait for the next poll."""

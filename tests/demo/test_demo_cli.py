@@ -92,7 +92,8 @@ print(json.dumps({
     modules = found["modules"]
     demo_modules = {n for n in modules if n.startswith("vllm_runbook.runbooks.demo.")}
     assert demo_modules == {
-        f"vllm_runbook.runbooks.demo.{n}" for n in ("config", "live", "story", "summary", "traffic")
+        f"vllm_runbook.runbooks.demo.{n}"
+        for n in ("config", "live", "report", "servers", "story", "summary", "traffic")
     }
     outside = {n: f for n, f in modules.items() if f and not Path(f).is_relative_to(site)}
     assert outside == {}, "imported from outside the installed package"

@@ -308,21 +308,45 @@ def test_the_story_fails_when_a_verification_disagrees_with_what_the_demo_measur
     from vllm_runbook.runbooks.demo.live import EventFeed
     from vllm_runbook.runbooks.demo.summary import verdict_disagreements
     from vllm_runbook.runbooks.demo.traffic import Request
+    from vllm_runbook.runbooks.service import api
 
     feed = EventFeed("http://127.0.0.1:1", lambda line: None)
-    spike = {
-        "id": 7,
-        "runbook": "latency-spike",
-        "status": "reverted",
-        "reverts_id": None,
-        "steps": [],
-        "verification": {
-            "signal": "starving_waiting",
-            "before": 8,
-            "after": 8,
-            "outcome": "no measurable change",
-        },
-    }
+    # As /api/executions answers it (the feed keeps the API's models).
+    spike = api.Execution.model_validate(
+        {
+            "id": 7,
+            "runbook": "latency-spike",
+            "engine": ENGINE,
+            "trigger": "alert",
+            "who": "rules:VllmRequestStarvation",
+            "alert_fingerprint": None,
+            "alert_starts_at": None,
+            "dry_run": False,
+            "status": "reverted",
+            "display_status": "reverted",
+            "interrupted": False,
+            "reason": None,
+            "error": None,
+            "checks": None,
+            "verification": {
+                "signal": "starving_waiting",
+                "before": 8,
+                "after": 8,
+                "outcome": "no measurable change",
+            },
+            "reverts_id": None,
+            "hostname": None,
+            "pid": None,
+            "created_at": "2026-12-02T10:00:00+00:00",
+            "started_at": None,
+            "finished_at": None,
+            "steps": [],
+            "decision": None,
+            "decided_by": None,
+            "decided_at": None,
+            "decision_note": None,
+        }
+    )
     feed.executions[7] = spike
     history = History([], [])
     served = [Request(t0=0.0, phase="starvation", priority=10, output_tokens=16, t1=5.0, ok=True)]
@@ -333,7 +357,8 @@ def test_the_story_fails_when_a_verification_disagrees_with_what_the_demo_measur
         "requests ... all done 3.1 s after the switch)"
     ]
     # Judged improved while a starved request was never served: it says which.
-    spike["verification"] = {**spike["verification"], "after": 0, "outcome": "improved"}
+    improved = {**(spike.verification or {}), "after": 0, "outcome": "improved"}
+    feed.executions[7] = spike.model_copy(update={"verification": improved})
     stuck = [*served, Request(t0=0.0, phase="starvation", priority=10, output_tokens=16)]
     assert verdict_disagreements(feed, history, stuck, effect) == [
         "latency-spike #7: verification improved, but the demo measured 1 of the 2 "
@@ -341,3 +366,79 @@ def test_the_story_fails_when_a_verification_disagrees_with_what_the_demo_measur
     ]
     # Agreement: nothing to say.
     assert verdict_disagreements(feed, history, served, effect) == []
+
+
+def _switch(at: float, reverted_at: float) -> tuple[dict[str, object], dict[str, object]]:
+    iso = lambda t: datetime.fromtimestamp(t, UTC).isoformat()  # noqa: E731
+    step = {
+        "action": "set_policy",
+        "status": "reverted",
+        "started_at": iso(at),
+        "before": {"policy": "priority"},
+        "after": {"policy": "fcfs"},
+    }
+    execution = {
+        "id": 3,
+        "runbook": "latency-spike",
+        "engine": ENGINE,
+        "who": "rules:VllmRequestStarvation",
+        "trigger": "alert",
+        "status": "reverted",
+        "reason": None,
+        "error": None,
+        "checks": None,
+        "verification": None,
+        "steps": [step],
+    }
+    revert = {
+        "id": 4,
+        "status": "succeeded",
+        "started_at": iso(reverted_at),
+        "finished_at": iso(reverted_at),
+        "steps": [],
+    }
+    return execution, revert
+
+
+def test_an_after_window_the_revert_cut_is_said_with_its_length_not_as_n_a() -> None:
+    t = 1000.0
+    samples = [
+        {"t": t + i, "preemptions": 0, "requests_waiting": 170.0, "rps": 6.0, "kv_cache_usage": 0.5}
+        for i in range(0, 21)
+    ]
+    history = History(samples=samples)
+    # The revert 1 s after the switch: no sample after it (the after-window
+    # starts 2 s after the change).
+    execution, revert = _switch(t + 20, t + 21)
+    [effect_line] = [
+        line for line in execution_lines(execution, revert, history) if "effect" in line
+    ]
+    assert effect_line.startswith(
+        "    measured effect: the after-window was cut by the revert after 0 s (too short to "
+        "measure; 20 s wanted); before the change: preemptions/min 0; requests waiting 170"
+    )
+    assert "n/a" not in effect_line
+    # A revert 8 s after: measured, and the cut said.
+    history = History(samples=[*samples, *({**s, "t": s["t"] + 21} for s in samples[:10])])
+    execution, revert = _switch(t + 20, t + 28)
+    [effect_line] = [
+        line for line in execution_lines(execution, revert, history) if "effect" in line
+    ]
+    assert effect_line.startswith(
+        "    measured effect (20 s before the change → after it, cut by the revert after 6 s): "
+    )
+
+
+def test_the_starvation_narration_says_what_was_measured() -> None:
+    from vllm_runbook.runbooks.demo.story import backlog_said
+
+    assert backlog_said(3, 4, 0) == (
+        "while low-priority requests waited, at least 3 high-priority ones waited ahead "
+        "of them at every reading (queue kept 4 deep)"
+    )
+    said = backlog_said(0, 4, 7)
+    assert "at least 0" not in said
+    assert said == (
+        "while low-priority requests waited, the high-priority queue (kept 4 deep) was "
+        "empty at 7 reading(s): they waited behind the running ones"
+    )

@@ -1,6 +1,6 @@
 """`runbook exec oom-pressure` on a real CPU engine under real KV pressure.
 
-The workload (DESIGN.md): 256 KV blocks of 32 tokens, max_num_seqs 32, 64
+The workload (the fixtures below): 256 KV blocks of 32 tokens, max_num_seqs 32, 64
 requests of 300 prompt + 300 output tokens. The test steps the engine itself
 (paced, so the CLI's wall-clock waits see the workload still in flight) while
 `runbook exec` runs in a subprocess, then reads the journal, the engine's

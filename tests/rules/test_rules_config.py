@@ -1,4 +1,4 @@
-"""The configuration file: the whole sketch of DESIGN.md, defaults, located errors.
+"""The configuration file: docs/rules.md's example (less its SLOs), defaults, located errors.
 
 The whole file is vllm_runbook.runbooks.model.config's `Config`; the rules layer
 loads its own sections (`RulesConfig`) with the same loader."""

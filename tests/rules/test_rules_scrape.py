@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -150,3 +151,83 @@ def test_series_missing_from_a_scrape_go_stale(server: tuple[str, Exposition]) -
     exp.usage.remove("tiny", "0")
     scraper.scrape_once(now=3.0)
     assert store.latest(series, 4.0) is None
+
+
+@pytest.fixture
+def keep_alive() -> Iterator[tuple[str, list[int], threading.Event]]:
+    """An HTTP/1.1 target that keeps connections open: the client ports it was
+    asked from, one per request; it answers once `go` is set."""
+    ports: list[int] = []
+    go = threading.Event()
+    go.set()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:
+            ports.append(self.client_address[1])
+            go.wait(30)
+            body = b"# nothing the rules read\n"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/metrics", ports, go
+    finally:
+        go.set()
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def in_a_thread(work: Callable[[], object]) -> threading.Thread:
+    thread = threading.Thread(target=work)
+    thread.start()
+    return thread
+
+
+def test_cycles_on_any_thread_reuse_the_connection_and_start_no_thread(
+    keep_alive: tuple[str, list[int], threading.Event],
+) -> None:
+    """The scraper's loop runs in the thread that calls scrape_once (the
+    scheduler's pool threads take turns): no thread of its own, and the
+    connection kept alive between cycles is the next cycle's."""
+    url, ports, _go = keep_alive
+    before = set(threading.enumerate())
+    with Scraper(store_for_rules(RULES), [Target(url, "llama-0")]) as scraper:
+        for now in (1.0, 2.0, 3.0):
+            in_a_thread(lambda now=now: scraper.scrape_once(now=now)).join(30)
+            assert scraper.up == {url: True}
+        new = set(threading.enumerate()) - before
+        # The target's own handler threads only (one per connection it serves).
+        assert all("process_request_thread" in t.name for t in new), new
+    assert len(ports) == 3 and len(set(ports)) == 1  # one connection, three cycles
+
+
+def test_a_close_during_a_cycle_is_done_when_the_cycle_ends(
+    keep_alive: tuple[str, list[int], threading.Event],
+) -> None:
+    url, ports, go = keep_alive
+    scraper = Scraper(store_for_rules(RULES), [Target(url, "llama-0")])
+    go.clear()  # the target holds the first request
+    cycle = in_a_thread(lambda: scraper.scrape_once(now=1.0))
+    deadline = time.monotonic() + 30
+    while not ports and time.monotonic() < deadline:
+        time.sleep(0.01)
+    scraper.close()  # returns at once: the cycle still runs the loop
+    assert cycle.is_alive()
+    go.set()
+    cycle.join(30)
+    assert scraper.up == {url: True} and scraper._loop is None  # closed by the cycle
+    [result] = scraper.scrape_once(now=2.0)  # a scrape after close opens a new loop
+    assert result.ok and len(set(ports)) == 2
+    scraper.close()

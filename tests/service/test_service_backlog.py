@@ -1,7 +1,7 @@
 """A busy day's journal: one delivery of hundreds of alerts, executions that
 wait for a person by the hundred. Every event of every execution is still
 notified, and an approved execution runs however old it is; on SQLite and
-PostgreSQL, through the webhook, the notifier's threads and the worker."""
+PostgreSQL, through the webhook, the notifier's jobs and the worker."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from vllm_runbook.runbooks.service.notify import Notifier, Receiver
 from vllm_runbook.runbooks.store.models import ExecutionStatus
 
 from tests.fake_agent import FakeAgent
+from tests.service.conftest import Schedule
 from tests.service.test_service_approvals import CONFIG, Replica
 from tests.service.test_service_notify import Hooks
 from tests.service.test_service_webhooks import AUTH, TOKEN, payload
@@ -70,7 +71,7 @@ def wait_until(condition: Callable[[], bool], limit: float) -> bool:
 
 
 def test_one_large_delivery_is_notified_whole_and_the_feed_goes_on(
-    replica: Replica, hooks: Hooks
+    replica: Replica, hooks: Hooks, scheduled: Schedule
 ) -> None:
     """450 executions with one updated_at (the old feed re-read the same 200
     at every poll and never got further), then a later delivery."""
@@ -80,7 +81,8 @@ def test_one_large_delivery_is_notified_whole_and_the_feed_goes_on(
         retries=0,
         timeout_s=5.0,
         interval_s=0.05,
-    ).start()
+    )
+    scheduled(notifier)
     try:
         created = deliver(replica, many(450))
         assert len({e["id"] for e in created}) == 450
@@ -117,14 +119,14 @@ def test_an_approved_execution_older_than_the_newest_200_runs(replica: Replica) 
     assert len(replica.store.pending_approvals()) == 249
 
 
-def test_an_approval_wakes_the_worker(replica: Replica) -> None:
+def test_an_approval_wakes_the_worker(replica: Replica, scheduled: Schedule) -> None:
     """The worker polls every minute here: the approval itself must wake it,
     also for an execution behind hundreds of others awaiting a person."""
     created = deliver(replica, many(250))
     oldest = min(e["id"] for e in created)
     worker = replica.worker
     worker.interval = 60.0
-    worker.start()
+    scheduled(worker)
     try:
         time.sleep(0.5)  # its first tick found nothing to run; now it sleeps a minute
         approve = f"/api/executions/{oldest}/approve"

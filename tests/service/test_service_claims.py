@@ -30,6 +30,7 @@ from vllm_runbook.runbooks.store.models import (
     ExecutionStatus,
 )
 
+from tests.service.conftest import Schedule
 from tests.service.test_service_notify import Hooks, closed_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -78,17 +79,21 @@ def wait_until(condition: Callable[[], bool], limit: float) -> bool:
 # while the receiver holds its request.
 REPLICA = """
 import sys, time
+from vllm_runbook.runbooks.service.jobs import job_scheduler
 from vllm_runbook.runbooks.service.notify import Notifier, Receiver
 from vllm_runbook.runbooks.store import Journal
 url, hook = sys.argv[1], sys.argv[2]
-Notifier(Journal(url), [Receiver("ops", "webhook", hook)], retries=0, timeout_s=1.0,
-         claim_lease_s=4.0, interval_s=0.05).start()
+notifier = Notifier(Journal(url), [Receiver("ops", "webhook", hook)], retries=0, timeout_s=1.0,
+                    claim_lease_s=4.0, interval_s=0.05)
+scheduler = job_scheduler(notifier.job_count)
+notifier.schedule(scheduler)
+scheduler.start()
 time.sleep(600)
 """
 
 
 def test_a_claim_held_by_a_killed_replica_is_sent_by_another_with_its_key(
-    store: Journal, db_url: str, hooks: Hooks, tmp_path: Path
+    store: Journal, db_url: str, hooks: Hooks, tmp_path: Path, scheduled: Schedule
 ) -> None:
     [execution_id] = awaiting(store)
     log = tmp_path / "replica.log"
@@ -119,7 +124,8 @@ def test_a_claim_held_by_a_killed_replica_is_sent_by_another_with_its_key(
         timeout_s=1.0,
         claim_lease_s=4.0,
         interval_s=0.05,
-    ).start()
+    )
+    scheduled(other)
     try:
         assert wait_until(lambda: bool(hooks.bodies.get("/ok")), 30), "never sent again"
         assert wait_until(

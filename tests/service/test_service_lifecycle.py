@@ -9,15 +9,18 @@ import logging
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from apscheduler.schedulers.background import BackgroundScheduler
 from fastapi.testclient import TestClient
-from vllm_runbook.runbooks.service import breaker_job, retention, worker
+from vllm_runbook.runbooks.service import breaker_job, retention, webhooks, worker
 from vllm_runbook.runbooks.service.jobs import WakeableJob
 from vllm_runbook.runbooks.service.notify import FEED_JOB_ID
 from vllm_runbook.runbooks.service.serve_cli import build
 from vllm_runbook.runbooks.store import StoreUnavailable
+
+from tests.service.test_service_webhooks import payload
 
 TOKEN = "lifecycle-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -116,16 +119,35 @@ def test_the_lifespan_runs_the_jobs_of_one_scheduler_and_stops_them(tmp_path: Pa
     service = build(str(config(tmp_path)), None, "127.0.0.1", worker=True, rules=False)
     assert service.worker is not None and service.notifier is not None
     assert service.leader is None and not service.scheduler.running  # nothing runs yet
+    committer = service.committer
+    assert committer is not None and not committer.scheduled
+    writers: list[threading.Thread] = []
+    record = service.store.record_deliveries
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        writers.append(threading.current_thread())
+        return record(*args, **kwargs)
+
+    service.store.record_deliveries = recorded  # type: ignore[method-assign]
     with TestClient(service.app, base_url="http://127.0.0.1") as client:
         assert client.get("/healthz").json() == {"status": "ok"}
-        assert {job.id for job in service.scheduler.get_jobs()} == {
+        jobs = {job.id for job in service.scheduler.get_jobs()}
+        assert jobs == {
+            webhooks.JOB_ID,
             worker.JOB_ID,
             retention.JOB_ID,
             breaker_job.JOB_ID,
             FEED_JOB_ID,
             "vllm-runbook-notify-ops",
         }
-    assert not service.scheduler.running
+        pool = service.scheduler._executors["default"]._pool  # type: ignore[attr-defined]
+        assert pool._max_workers == len(jobs)  # a thread per job: none waits for another's
+        # A delivery is committed by the writer's job, on the scheduler's pool.
+        answer = client.post("/webhooks/alertmanager", json=payload(), headers=AUTH)
+        assert answer.status_code == 200, answer.text
+        assert committer.scheduled
+        assert writers and set(writers) <= set(pool._threads)
+    assert not service.scheduler.running and not committer.scheduled
     service.stop()  # once: the lifespan stopped it
 
 

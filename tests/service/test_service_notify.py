@@ -28,6 +28,7 @@ from vllm_runbook.runbooks.store import Journal
 from vllm_runbook.runbooks.store.models import ExecutionStatus
 
 from tests.fake_agent import FakeAgent
+from tests.service.conftest import Schedule
 from tests.service.test_service_approvals import Replica, fire
 from tests.service.test_service_webhooks import AUTH, TOKEN
 
@@ -230,11 +231,14 @@ def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def test_a_receiver_that_hangs_never_holds_up_the_executor(replica: Replica, hooks: Hooks) -> None:
+def test_a_receiver_that_hangs_never_holds_up_the_executor(
+    replica: Replica, hooks: Hooks, scheduled: Schedule
+) -> None:
     receivers = [Receiver("hold", "webhook", hooks.url + "/hold")]
     notifier = Notifier(
         replica.store, receivers, retries=0, timeout_s=60.0, claim_lease_s=240.0, interval_s=0.05
-    ).start()
+    )
+    scheduled(notifier)
     try:
         fire(replica)
         assert hooks.holding.wait(60)  # the receiver now holds "awaiting approval"

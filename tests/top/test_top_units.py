@@ -30,6 +30,7 @@ from vllm_runbook.runbooks.operate.top.model import (
     seconds,
 )
 from vllm_runbook.runbooks.operate.top.sources import AgentSource, DecisionFailed, ServiceError
+from vllm_runbook.runbooks.service.api import Execution, Incident
 
 from tests.fake_agent import STARTUP, AgentHTTP, FakeAgent, agent_state
 
@@ -119,17 +120,38 @@ def test_a_down_engine_is_one_word_and_dashes() -> None:
 
 
 def test_executions_in_progress_and_awaiting_approval_from_the_api() -> None:
-    def row(ident: int, status: str, **extra: Any) -> dict[str, Any]:
-        return {
-            "id": ident,
-            "runbook": "oom-pressure",
-            "engine": "cpu-0",
-            "status": status,
-            "display_status": status,
-            "who": "alertmanager",
-            "created_at": "2026-12-02T10:00:00+00:00",
-            **extra,
-        }
+    def row(ident: int, status: str, **extra: Any) -> Execution:
+        return Execution.model_validate(
+            {
+                "id": ident,
+                "runbook": "oom-pressure",
+                "engine": "cpu-0",
+                "trigger": "alert",
+                "who": "alertmanager",
+                "alert_fingerprint": None,
+                "alert_starts_at": None,
+                "dry_run": False,
+                "status": status,
+                "display_status": status,
+                "interrupted": False,
+                "reason": None,
+                "error": None,
+                "checks": None,
+                "verification": None,
+                "reverts_id": None,
+                "hostname": None,
+                "pid": None,
+                "created_at": "2026-12-02T10:00:00+00:00",
+                "started_at": None,
+                "finished_at": None,
+                "steps": [],
+                "decision": None,
+                "decided_by": None,
+                "decided_at": None,
+                "decision_note": None,
+                **extra,
+            }
+        )
 
     recent = [
         row(5, "pending"),
@@ -151,14 +173,20 @@ def test_executions_in_progress_and_awaiting_approval_from_the_api() -> None:
 
 def test_a_firing_incident_reads_as_a_finding() -> None:
     finding = finding_from_incident(
-        {
-            "alert": "VllmOOMPressure",
-            "severity": "critical",
-            "engine": "cpu-0",
-            "state": "firing",
-            "value": 0.987654,
-            "first_seen": "2026-12-02T10:00:00Z",
-        }
+        Incident.model_validate(
+            {
+                "id": 1,
+                "alert": "VllmOOMPressure",
+                "severity": "critical",
+                "engine": "cpu-0",
+                "state": "firing",
+                "value": 0.987654,
+                "first_seen": "2026-12-02T10:00:00Z",
+                "last_seen": "2026-12-02T10:00:00Z",
+                "resolved_at": None,
+                "labels": {},
+            }
+        )
     )
     assert finding == Finding("VllmOOMPressure", "critical", "cpu-0", 0.987654, 1796205600.0)
     assert finding_row(finding, 1796205600.0 + 12) == (

@@ -13,7 +13,6 @@ from typing import Annotated, Any
 
 import pytest
 from pydantic import BaseModel, Field
-from vllm_runbook.dashboards import docs as D
 from vllm_runbook.runbooks.model import actions as A
 from vllm_runbook.runbooks.model.actions import (
     ActionDefinitionError,
@@ -23,6 +22,8 @@ from vllm_runbook.runbooks.model.actions import (
     action,
 )
 from vllm_runbook.runbooks.model.spec import load_runbook_file
+
+from tools import docs as D
 
 
 class PingEngine(ActionParams):

@@ -1,6 +1,6 @@
 """The README and docs/ stay true to the code they document.
 
-Tables that restate code are generated (`python -m vllm_runbook.dashboards.docs`);
+Tables that restate code are generated (`python -m tools.docs`, tools/docs.py);
 these tests fail while a page is stale, a link dangles, a `make` target or a
 benchmark command is gone, or a benchmark table's header is not its script's.
 """
@@ -14,9 +14,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-from vllm_runbook.dashboards import docs as D
 from vllm_runbook.rules import load_catalog as load_rule_catalog
 from vllm_runbook.runbooks.model.spec import load_catalog as load_runbook_catalog
+
+from tools import docs as D
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"

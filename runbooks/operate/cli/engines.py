@@ -85,21 +85,29 @@ def cmd_engines(args: argparse.Namespace) -> int:
         raise UsageError(f"service {args.service} unreachable: {exc}") from None
     if response.status_code != 200:
         raise UsageError(f"service {args.service}: HTTP {response.status_code} for /api/engines")
+    from pydantic import ValidationError
+    from vllm_runbook.runbooks.service.api import Engines
+
     try:
         rows = response.json()
     except ValueError:
         raise UsageError(f"service {args.service}: /api/engines is not JSON") from None
+    try:
+        engines = Engines.model_validate(rows).root
+    except ValidationError as exc:
+        raise UsageError(
+            f"service {args.service}: /api/engines is not an inventory "
+            f"({exc.error_count()} error(s), first: {exc.errors()[0]['msg']})"
+        ) from None
     if args.json:
         print(json.dumps(rows, indent=2))
         return ExitCode.OK
     now = time.time()
     table = [("NAME", "SOURCE", "AGENT", "VLLM", "LAST SEEN", "LABELS")]
-    for row in rows:
-        labels = ",".join(f"{k}={v}" for k, v in sorted(row["labels"].items()))
-        seen = f"{max(0.0, now - row['last_seen']):.0f} s ago"
-        table.append(
-            (row["name"], row["source"], row["agent"], row["vllm"] or "-", seen, labels or "-")
-        )
+    for e in engines:
+        labels = ",".join(f"{k}={v}" for k, v in sorted(e.labels.items()))
+        seen = f"{max(0.0, now - e.last_seen):.0f} s ago"
+        table.append((e.name, e.source, e.agent, e.vllm or "-", seen, labels or "-"))
     widths = [max(len(r[i]) for r in table) for i in range(len(table[0]) - 1)]
     for r in table:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1])

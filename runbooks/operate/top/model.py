@@ -1,20 +1,23 @@
 """What one refresh of `runbook top` saw, and how each cell of its tables reads.
 
 Plain data and pure functions: the sources fill a `Snapshot` (from the agents'
-/v1/state or the service's API, both as the JSON shapes those answer), the app
-draws it with the `*_row` functions here. Every cell is a string; a value that
+/v1/state or the service's API, both parsed into the models of their wire:
+collector/agent_api.py, service/api.py), the app draws it with the `*_row`
+functions here. Every cell is a string; a value that
 is not defined now reads `–`.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Final
+from typing import Final
 
 from vllm_runbook.collector.agent_api import AgentState
 from vllm_runbook.collector.metrics import TIERS
+from vllm_runbook.runbooks.service.api import Execution, Incident
 
 NONE: Final = "–"
 AWAITING: Final = "awaiting approval"  # ApprovalState.AWAITING, as the API shows it
@@ -192,7 +195,7 @@ def execution_row(execution: ExecutionView, now: float) -> tuple[str, ...]:
     )
 
 
-# -- from the API's JSON shapes -----------------------------------------------------
+# -- from the API's models ---------------------------------------------------------
 
 
 def _unix(text: str | None) -> float:
@@ -201,37 +204,37 @@ def _unix(text: str | None) -> float:
     return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
 
 
-def finding_from_incident(row: dict[str, Any]) -> Finding:
+def finding_from_incident(incident: Incident) -> Finding:
     """A firing incident as /api/incidents answers it."""
     return Finding(
-        alert=str(row["alert"]),
-        severity=str(row["severity"]),
-        engine=str(row["engine"]),
-        value=row.get("value"),
-        since=_unix(row.get("first_seen")),
+        alert=incident.alert,
+        severity=incident.severity,
+        engine=incident.engine,
+        value=incident.value,
+        since=_unix(incident.first_seen),
     )
 
 
 def executions_from(
-    recent: list[dict[str, Any]], pending: list[dict[str, Any]]
+    recent: Sequence[Execution], pending: Sequence[Execution]
 ) -> tuple[ExecutionView, ...]:
     """What is in progress (pending, running, verifying) and what awaits a person,
-    from /api/executions and /api/pending (the journal's `to_dict` shapes), oldest first."""
-    awaiting = {int(r["id"]) for r in pending}
+    from /api/executions and /api/pending (or the journal's records as those
+    answer them), oldest first."""
+    awaiting = {e.id for e in pending}
     rows: dict[int, ExecutionView] = {}
-    for row in [*recent, *pending]:
-        ident = int(row["id"])
-        status = str(row.get("display_status") or row["status"])
-        if ident in awaiting:
+    for execution in [*recent, *pending]:
+        status = execution.display_status or execution.status
+        if execution.id in awaiting:
             status = AWAITING
         elif status not in ACTIVE:
             continue
-        rows[ident] = ExecutionView(
-            id=ident,
-            runbook=str(row["runbook"]),
-            engine=str(row["engine"]),
+        rows[execution.id] = ExecutionView(
+            id=execution.id,
+            runbook=execution.runbook,
+            engine=execution.engine,
             status=status,
-            who=str(row.get("who") or ""),
-            created=_unix(row.get("created_at")),
+            who=execution.who,
+            created=_unix(execution.created_at),
         )
     return tuple(rows[i] for i in sorted(rows))

@@ -5,9 +5,10 @@
   serve` runs, over each agent's /metrics, in memory), and, when a journal is
   named (`--db`, `--config`), its executions in progress and awaiting
   approval; answers go to the journal as `runbook approve` writes them.
-- `ServerSource` (`--server URL`): the service's API (/api/engines,
-  /api/incidents, /api/executions, /api/pending); answers are POSTed with the
-  webhook's credentials, which name who answered, as the on-call page's are.
+- `ServerSource` (`--server URL`): the service's API (/api/engines/state,
+  /api/incidents, /api/executions, /api/pending), its answers parsed into the
+  service's models (service/api.py); answers are POSTed with the webhook's
+  credentials, which name who answered, as the on-call page's are.
 
 Errors are drawn once, each with its exit code:
 
@@ -23,12 +24,12 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 from urllib.parse import urlsplit
 
 import httpx
-from pydantic import ValidationError
-from vllm_runbook.collector.agent_api import AgentState, answer_error
+from pydantic import BaseModel, ValidationError
+from vllm_runbook.collector.agent_api import answer_error
 from vllm_runbook.collector.auth import TokenError, is_loopback, runtime_dir
 from vllm_runbook.rules.config import EngineConfig
 from vllm_runbook.rules.incidents import engine_name
@@ -48,8 +49,20 @@ from vllm_runbook.runbooks.operate.top.model import (
     executions_from,
     finding_from_incident,
 )
+from vllm_runbook.runbooks.service.api import (
+    ApiError,
+    Decision,
+    EngineState,
+    Execution,
+    Executions,
+    Incidents,
+    PendingApprovals,
+    WhoAmI,
+)
 
 APPROVE, REJECT = "approve", "reject"
+
+Answer = TypeVar("Answer", bound=BaseModel)
 
 
 class ServiceError(RunbookError):
@@ -152,8 +165,9 @@ class AgentSource:
             from vllm_runbook.runbooks.store import StoreError
 
             try:
-                recent = [r.to_dict() for r in self.journal.list_executions(limit=100)]
-                pending = [r.to_dict() for r in self.journal.pending_approvals()]
+                # The journal's records as the service's API answers them.
+                recent = [Execution.from_record(r) for r in self.journal.list_executions(limit=100)]
+                pending = [Execution.from_record(r) for r in self.journal.pending_approvals()]
                 executions = executions_from(recent, pending)
             except StoreError as exc:
                 problems += (f"journal: {exc}",)
@@ -272,54 +286,69 @@ class ServerSource:
             )
         return payload
 
+    def _answer(self, path: str, model: type[Answer]) -> Answer:
+        """A GET's answer parsed into its model (service/api.py)."""
+        payload = self._json(path)
+        try:
+            return model.model_validate(payload)
+        except ValidationError as exc:
+            raise ServiceError(
+                f"{self.url}{path} does not answer as a `runbook serve` does: {answer_error(exc)}"
+            ) from None
+
     def check(self) -> None:
         """The service answers as ours, and its credentials (when given) are accepted."""
         health = self._json("/healthz")
         if not isinstance(health, dict) or health.get("status") != "ok":
             raise ServiceError(f"{self.url}/healthz does not answer as a `runbook serve` does")
         if self.headers:
-            who = self._json("/api/whoami")
-            self.who = str(who.get("who")) if isinstance(who, dict) else None
+            self.who = self._answer("/api/whoami", WhoAmI).who
+
+    def _engine(self, row: Any) -> EngineView:
+        """One row of /api/engines/state; a state this `runbook top` cannot read
+        (another version's agent) is that engine's error, not the view's."""
+        try:
+            answer = EngineState.model_validate(row)
+        except ValidationError as exc:
+            name = str(row.get("name")) if isinstance(row, dict) else "?"
+            return EngineView(name, None, f"not an agent's state ({answer_error(exc)})")
+        if not answer.up or answer.state is None:
+            return EngineView(answer.name, None, str(answer.error))
+        return EngineView(answer.name, answer.state)
 
     def snapshot(self) -> Snapshot:
-        problems: list[str] = []
-        views = []
-        for row in self._json("/api/engines/state"):
-            name = str(row.get("name"))
-            if not row.get("up"):
-                views.append(EngineView(name, None, str(row.get("error"))))
-                problems.append(f"{name}: {row.get('error')}")
-                continue
-            try:
-                views.append(EngineView(name, AgentState.model_validate(row.get("state"))))
-            except ValidationError as exc:
-                views.append(EngineView(name, None, answer_error(exc)))
-                problems.append(f"{name}: not an agent's state ({answer_error(exc)})")
-        incidents = self._json("/api/incidents?open_only=true")
+        rows = self._json("/api/engines/state")
+        if not isinstance(rows, list):
+            raise ServiceError(f"{self.url}/api/engines/state is not a list of engines")
+        views = tuple(self._engine(row) for row in rows)
+        problems = [f"{v.name}: {v.error}" for v in views if v.error]
+        incidents = self._answer("/api/incidents?open_only=true", Incidents).root
         findings = tuple(
-            finding_from_incident(r)
-            for r in sorted(incidents, key=lambda r: str(r.get("first_seen")))
-            if r.get("state") == "firing"
+            finding_from_incident(i)
+            for i in sorted(incidents, key=lambda i: i.first_seen)
+            if i.state == "firing"
         )
-        recent = self._json("/api/executions?limit=100")
-        pending = self._json("/api/pending")
+        recent = self._answer("/api/executions?limit=100", Executions).root
+        pending = self._answer("/api/pending", PendingApprovals).root
         executions: tuple[ExecutionView, ...] = executions_from(recent, pending)
-        return Snapshot(time.time(), tuple(views), findings, executions, tuple(problems))
+        return Snapshot(time.time(), views, findings, executions, tuple(problems))
 
     def decide(self, execution_id: int, verb: str, note: str | None = None) -> str:
         if self.who is None:
             raise DecisionFailed(self.cannot_decide)
         response = self._call("POST", f"/api/executions/{int(execution_id)}/{verb}", {"note": note})
-        try:
-            payload = response.json()
-        except ValueError:
-            payload = {}
-        if response.status_code == 200:
-            return str(payload.get("message"))
         if response.status_code == 401:
             raise DecisionFailed(f"service {self.url} refused the credentials")
-        error = payload.get("error") if isinstance(payload, dict) else None
-        raise DecisionFailed(str(error or f"HTTP {response.status_code}"))
+        if response.status_code == 200:
+            try:
+                return Decision.model_validate_json(response.content).message
+            except ValidationError as exc:  # taken, but not said as the service says it
+                return f"HTTP 200, not a decision's answer ({answer_error(exc)})"
+        try:
+            error: str | None = ApiError.model_validate_json(response.content).error
+        except ValidationError:  # not JSON, or not the service's refusal
+            error = None
+        raise DecisionFailed(error or f"HTTP {response.status_code}")
 
     def close(self) -> None:
         self._client.close()

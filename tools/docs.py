@@ -1,7 +1,7 @@
 """Rewrite the generated regions of the reference pages in docs/.
 
-    python -m vllm_runbook.dashboards.docs          # rewrite the stale regions
-    python -m vllm_runbook.dashboards.docs --check  # exit 1 naming the stale pages (CI)
+    python -m tools.docs          # rewrite the stale regions
+    python -m tools.docs --check  # exit 1 naming the stale pages (CI)
 
 A page marks a region with the lines `<!-- BEGIN generated:NAME -->` and
 `<!-- END generated:NAME -->`; everything between them is replaced by the
@@ -12,10 +12,11 @@ markers is never touched.
 Whole files are generated too: docs/agent-api.schema.json, the JSON Schema
 of the engine agent's requests and answers (vllm_runbook.collector.agent_api).
 
-It lives in dashboards/ because that is the one layer allowed to import all
-the others (collector, rules, runbooks), as the dashboard generator does.
-The pages belong to a source checkout, not to the installed package: the
-default root is the checkout this module sits in (`--root` names another).
+A tool of the source checkout, not a module of the package (like compat/, it
+is not in the wheel): it imports every layer (collector, rules, runbooks), so
+no layer of ours imports it. The pages belong to the checkout too: the default
+root is the checkout this module sits in (`--root` names another); run it from
+the checkout's root, where `tools` is importable.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from vllm_runbook.runbooks.model.spec import load_catalog as load_runbook_catalo
 from vllm_runbook.runbooks.service import metric_specs
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMAND = "python -m vllm_runbook.dashboards.docs"
+COMMAND = "python -m tools.docs"
 # argparse wraps its help at the terminal's width; the page must not depend on it.
 HELP_COLUMNS = "100"
 

@@ -1,0 +1,1 @@
+"""The project's own tools, run from a source checkout (`python -m tools.docs`). Not shipped."""
