@@ -7,7 +7,7 @@ evaluator = Evaluator(rules, store, MemoryIncidentSink())
 scraper = Scraper(store, [Target("http://127.0.0.1:8000/metrics", "llama-0")])
 scraper.scrape_once(); evaluator.evaluate()  # or scheduling.schedule(...)
 text = export(catalog, overrides)            # Prometheus rule file
-config = load_config("runbook.yaml")          # its sections of the deployment's file
+config = load_file(RulesConfig, "runbook.yaml")  # its sections; the file: runbooks/model
 
 This layer knows no store, no web service and no agent client: the service
 that wires the rules to the store (RulesService, SqlIncidentSink) lives in
@@ -23,7 +23,7 @@ from vllm_runbook.rules.config import (
     AutomationMode,
     EngineConfig,
     RulesConfig,
-    load_config,
+    load_file,
 )
 from vllm_runbook.rules.errors import CatalogError, Problem, RulesError
 from vllm_runbook.rules.evaluator import Evaluator, store_for_rules
@@ -71,6 +71,6 @@ __all__ = [
     "engine_name",
     "export",
     "load_catalog",
-    "load_config",
+    "load_file",
     "store_for_rules",
 ]

@@ -414,11 +414,3 @@ def load_file(model: type[M], path: str | Path | None, **context: object) -> M:
         problems = validation_problems(exc, doc, shown, wording="schema", model=model)
         problems.sort(key=lambda p: p.line or 0)  # file order, whichever check found it
         raise CatalogError(problems, what=CONFIGURATION) from None
-
-
-def load_config(path: str | Path | None, *, runbooks: Collection[str] | None = None) -> RulesConfig:
-    """This layer's sections of a configuration file (the others are not checked here).
-
-    `runbooks`: the runbook names the automation section may name (the caller
-    knows the runbook catalog, this layer does not); None accepts any name."""
-    return load_file(RulesConfig, path, runbooks=runbooks)

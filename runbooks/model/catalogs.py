@@ -57,11 +57,6 @@ def runbook_names(
     return list(load_runbook_catalog(directories, registry))
 
 
-def load_config(path: str | Path | None, runbooks: Collection[str]) -> Config:
-    """The configuration file, its `automation:` keys checked against `runbooks`."""
-    return runbook_config.load_config(path, runbooks=list(runbooks))
-
-
 def load_rules(
     config: Config, runbooks: Collection[str], path: str | Path | None = None
 ) -> list[Rule]:
@@ -81,7 +76,7 @@ def load_deployment(
     problem; its `what` says which file is broken."""
     dirs = list(runbook_dirs) if runbook_dirs is not None else None
     names = runbook_names(dirs, registry)
-    config = load_config(config_path, names)
+    config = runbook_config.load_config(config_path, runbooks=names)
     rule_catalog = load_rule_catalog(config.catalog, runbooks=names)
     rules = config.bind(rule_catalog) + slo_rules(config.slos)
     runbooks = load_runbook_catalog(dirs, registry, alerts=rule_catalog.alerts)

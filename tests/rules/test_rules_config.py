@@ -510,18 +510,19 @@ def test_bad_limits_and_retention_are_named_with_file_and_line(tmp_path: Path) -
 
 def test_the_rules_layer_loads_its_own_sections(tmp_path: Path) -> None:
     """The rules layer reads engines, rules and automation with the same loader and
-    wording, knowing nothing of the service's sections (checked by Config)."""
+    wording (`load_file` on its model), knowing nothing of the service's sections
+    (checked by Config, whose loader owns the file: runbooks/model/config.py)."""
     path = write(tmp_path, FULL + "limits: {webhook_body: 1MiB}\nanything: else\n")
-    config = rules_config.load_config(path, runbooks=RUNBOOKS)
+    config = rules_config.load_file(RulesConfig, path, runbooks=RUNBOOKS)
     assert isinstance(config, RulesConfig)
     assert [e.name for e in config.engines] == ["llama-0", "llama-1"]
     assert config.rules.evaluation_interval == 0.5
     assert config.rules.leader_lease == 15.0
     assert config.automation.mode("oom-pressure") == "auto"
-    assert rules_config.load_config(None) == RulesConfig()
+    assert rules_config.load_file(RulesConfig, None) == RulesConfig()
     path = write(tmp_path, "rules: {evaluation_interval: 1m, leader_lease: 1m}\nwebhook: 3\n")
     with pytest.raises(CatalogError) as info:
-        rules_config.load_config(path)
+        rules_config.load_file(RulesConfig, path)
     assert [str(p) for p in info.value.problems] == [
         f"{path}:1: rules.leader_lease (60 s) must be at least twice rules.evaluation_interval "
         "(60 s): the leader renews it every cycle"

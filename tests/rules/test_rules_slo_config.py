@@ -11,8 +11,7 @@ import pytest
 import yaml
 from vllm.v1.metrics import buckets as vllm_buckets
 from vllm_runbook.rules import condition as C
-from vllm_runbook.rules.config import Automation
-from vllm_runbook.rules.config import load_config as load_rules_config
+from vllm_runbook.rules.config import Automation, RulesConfig, load_file
 from vllm_runbook.rules.errors import CatalogError
 from vllm_runbook.rules.slo import (
     BURN_PAIRS,
@@ -62,7 +61,7 @@ def test_defaults_and_durations(tmp_path: Path) -> None:
     assert ttft.describe() == "99% of first tokens within 250ms over 30d"
     assert e2e.describe() == "95% of requests done within 2s500ms over 7d (llama)"
     # the rules layer's own view of the file reads the same section
-    assert load_rules_config(path).slos == config.slos
+    assert load_file(RulesConfig, path).slos == config.slos
 
 
 def test_errors_name_the_file_the_line_and_the_nearest_bounds(tmp_path: Path) -> None:

@@ -33,7 +33,8 @@ from vllm_runbook.rules.promql import (
     rule_groups,
 )
 from vllm_runbook.rules.slo import slo_rule_groups
-from vllm_runbook.runbooks.model.catalogs import load_config, runbook_names
+from vllm_runbook.runbooks.model.catalogs import runbook_names
+from vllm_runbook.runbooks.model.config import load_config
 from vllm_runbook.runbooks.model.exit_codes import ExitCode
 from vllm_runbook.runbooks.operate.cli.errors import UsageError
 
@@ -132,7 +133,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.format != "prometheus-operator" and operator_options:
         raise UsageError("--name, --namespace and --label need --format prometheus-operator")
     runbooks = _runbooks(args)
-    config = load_config(args.config, runbooks)
+    config = load_config(args.config, runbooks=runbooks)
     rules = config.bind(load_catalog(args.rules_dir or config.catalog, runbooks=runbooks))
     if args.without_plugin:
         rules = without_plugin(rules)
@@ -162,7 +163,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     runbooks = _runbooks(args)
-    config = load_config(args.config, runbooks)
+    config = load_config(args.config, runbooks=runbooks)
     catalog = load_catalog(args.path or config.catalog, runbooks=runbooks)
     rules = config.bind(catalog)
     files = len({r.file for r in rules})

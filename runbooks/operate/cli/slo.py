@@ -30,7 +30,8 @@ from vllm_runbook.rules.slo import (
     error_ratio,
     span,
 )
-from vllm_runbook.runbooks.model.catalogs import load_config, runbook_names
+from vllm_runbook.runbooks.model.catalogs import runbook_names
+from vllm_runbook.runbooks.model.config import load_config
 from vllm_runbook.runbooks.model.exit_codes import ExitCode, RunbookError
 from vllm_runbook.runbooks.operate.cli.errors import UsageError
 
@@ -143,7 +144,7 @@ def table(rows: list[SloStatus]) -> str:
 
 def cmd_slo(args: argparse.Namespace) -> int:
     url = _url(args.prometheus)
-    config = load_config(args.config, runbook_names())
+    config = load_config(args.config, runbooks=runbook_names())
     if not config.slos:
         raise UsageError(f"no slos: in {args.config or 'the default configuration'}")
     rows = statuses(config.slos, url, args.time, args.timeout)
