@@ -24,6 +24,7 @@ import json
 from typing import Annotated, Any, Final, Literal, get_args
 
 from pydantic import (
+    AliasChoices,
     BaseModel,
     ConfigDict,
     Field,
@@ -51,6 +52,13 @@ class _Answer(BaseModel):
     """What the agent sends: read leniently (unknown fields ignored)."""
 
     model_config = ConfigDict(use_attribute_docstrings=True, frozen=True, extra="ignore")
+
+
+def _was(name: str, old: str) -> Any:
+    """A field named as its signal is (rules/signals.py: one name per quantity
+    from the rules' and runbooks' vocabulary to the wire), read under `old` too:
+    the name an agent of an earlier version sends."""
+    return Field(validation_alias=AliasChoices(name, old))
 
 
 # -- commands --------------------------------------------------------------------
@@ -305,7 +313,7 @@ class CollectorStats(_Answer):
     collector_up: float
     """1 while the collector hook works; 0 after it failed and disabled itself
     (the engine keeps serving)."""
-    engine_start_time_seconds: float
+    engine_start_time: Annotated[float, _was("engine_start_time", "engine_start_time_seconds")]
     """Unix time (seconds) at which the scheduler, and so the engine, started."""
 
 
@@ -330,17 +338,17 @@ class KvCacheStats(_Answer):
     blocks excluded)."""
     kv_blocks_free: Count
     """KV cache blocks free now (evictable prefix-cached blocks included)."""
-    kv_cache_usage_ratio: float
+    kv_cache_usage: Annotated[float, _was("kv_cache_usage", "kv_cache_usage_ratio")]
     """KV blocks used / usable blocks now (vLLM's own definition)."""
-    kv_cache_usage_peak_ratio: float
+    kv_cache_usage_peak: Annotated[float, _was("kv_cache_usage_peak", "kv_cache_usage_peak_ratio")]
     """The highest KV cache usage over the window, sampled at the start of each step
     (before the scheduler allocates or preempts: a preemption frees blocks, so the
     usage after the step hides the pressure that caused it)."""
-    block_fragmentation_ratio: float
+    block_fragmentation: Annotated[float, _was("block_fragmentation", "block_fragmentation_ratio")]
     """After the latest step: the share of the running requests' KV block slots that
     hold no token, 1 - Σ computed tokens / Σ (blocks held × block size); 0 when none run."""
     block_fragmentation_at_block_size: dict[str, float] = {}
-    """After the latest step: what block_fragmentation_ratio would be at another block
+    """After the latest step: what block_fragmentation would be at another block
     size, by block size in tokens ("8", "16", "32", "64", "128"): the block-size sweep
     without a restart."""
     max_sequence_tokens: Count
@@ -361,7 +369,7 @@ class IterationStats(_Answer):
     max_num_batched_tokens): scheduled_tokens_total / this is the budget fill."""
     step_tokens: Count
     """Tokens scheduled in the latest step."""
-    budget_fill_ratio: float
+    budget_fill: Annotated[float, _was("budget_fill", "budget_fill_ratio")]
     """Latest step: tokens scheduled / effective token budget."""
     padded_tokens_total: Count
     """Tokens executed, cudagraph padding included (equal to unpadded_tokens_total
@@ -379,11 +387,11 @@ class IterationStats(_Answer):
 class SchedulerStats(_Answer):
     """The queues, preemptions and admissions (vLLM: SchedulerStats)."""
 
-    num_requests_running: Count
+    requests_running: Annotated[Count, _was("requests_running", "num_requests_running")]
     """Requests in the running queue now."""
-    num_requests_waiting: Count
+    requests_waiting: Annotated[Count, _was("requests_waiting", "num_requests_waiting")]
     """Requests waiting to be scheduled now (preempted ones included)."""
-    oldest_waiting_seconds: float
+    oldest_waiting: Annotated[float, _was("oldest_waiting", "oldest_waiting_seconds")]
     """Seconds the oldest request still waiting for its first schedule has been in the
     engine's queue; 0 when none waits. Grows without bound while a request starves."""
     preemptions_total: Count
@@ -442,9 +450,13 @@ class FinishedRequestStats(_Answer):
     error, repetition)."""
     error_rate: float | None
     """Requests finished with reason `error` / requests finished, in the window."""
-    p99_latency_seconds: float | None
+    engine_e2e_latency_p99: Annotated[
+        float | None, _was("engine_e2e_latency_p99", "p99_latency_seconds")
+    ]
     """End-to-end time (arrival in the engine → finish), seconds, P99 over the window."""
-    waiting_seconds_p99: float | None
+    engine_queue_time_p99: Annotated[
+        float | None, _was("engine_queue_time_p99", "waiting_seconds_p99")
+    ]
     """Queue time (arrival in the engine → first schedule; → finish if never scheduled),
     seconds, P99 over the window."""
     requests_finished_by_reason_total: dict[str, int]
@@ -512,7 +524,7 @@ class DrainingSince(_Since):
     """A lower admission limit not in effect yet: more requests run than it admits."""
 
     settled: Literal[False]
-    num_requests_running: int
+    requests_running: Annotated[int, _was("requests_running", "num_requests_running")]
     max_num_seqs: int
 
 
@@ -529,7 +541,7 @@ class Before(_Answer):
     requests_finished: int
     errors: int
     """Requests finished with reason `error`."""
-    p99_latency_seconds: float | None
+    engine_e2e_latency_p99: float | None
     """Over the requests that finished in that window (None: none did)."""
 
 
@@ -547,13 +559,19 @@ class SettledSince(_Since):
     preemptions: int
     preemptions_per_minute: float | None
     scheduled_tokens: int
-    throughput_tokens_per_second: float | None
+    scheduled_tokens_per_second: Annotated[
+        float | None, _was("scheduled_tokens_per_second", "throughput_tokens_per_second")
+    ]
     kv_hit_ratio: float | None
     requests_finished: int
     finished_by_reason: dict[str, int]
     error_rate: float | None
-    p99_latency_seconds: float | None
-    waiting_seconds_p99: float | None
+    engine_e2e_latency_p99: Annotated[
+        float | None, _was("engine_e2e_latency_p99", "p99_latency_seconds")
+    ]
+    engine_queue_time_p99: Annotated[
+        float | None, _was("engine_queue_time_p99", "waiting_seconds_p99")
+    ]
     starving_at_change: int = 0
     """The oldest requests (at most 8) waiting for their first schedule when the
     change took effect: the starving ones a starvation fix is for."""

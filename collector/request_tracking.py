@@ -156,8 +156,8 @@ def summarize(entries: list[Finished]) -> dict[str, Any]:
         "requests_finished": total,
         "finished_by_reason": by_reason,
         "error_rate": by_reason["error"] / total if total else None,
-        "p99_latency_seconds": percentile((e.e2e_seconds for e in entries), 0.99),
-        "waiting_seconds_p99": percentile((e.queue_seconds for e in entries), 0.99),
+        "engine_e2e_latency_p99": percentile((e.e2e_seconds for e in entries), 0.99),
+        "engine_queue_time_p99": percentile((e.queue_seconds for e in entries), 0.99),
     }
 
 
@@ -514,7 +514,7 @@ class ChangeTracker:
             return DrainingSince(
                 from_step=step,
                 settled=False,
-                num_requests_running=len(self.scheduler.running),
+                requests_running=len(self.scheduler.running),
                 max_num_seqs=int(self.scheduler.max_num_active_reqs),
             )
         stats = self.stats
@@ -534,7 +534,7 @@ class ChangeTracker:
             preemptions=preempted,
             preemptions_per_minute=preempted * 60.0 / seconds if seconds > 0 else None,
             scheduled_tokens=scheduled,
-            throughput_tokens_per_second=scheduled / seconds if seconds > 0 else None,
+            scheduled_tokens_per_second=scheduled / seconds if seconds > 0 else None,
             kv_hit_ratio=hits / queries if queries else None,
             starving_at_change=len(mark.starving),
             starving_oldest_seconds=mark.starving_oldest_seconds,
@@ -562,5 +562,5 @@ class ChangeTracker:
             preemptions=mark.preemptions - preemptions,
             requests_finished=mark.finished - finished,
             errors=mark.errors - errors,
-            p99_latency_seconds=percentile((e.e2e_seconds for e in window), 0.99),
+            engine_e2e_latency_p99=percentile((e.e2e_seconds for e in window), 0.99),
         )

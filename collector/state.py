@@ -64,11 +64,26 @@ class StateSource(Protocol):
     def state_samples(self) -> list[Sample]: ...
 
 
-# Series name → its key in `stats`: the name without the prefix, counters with
-# `_total` (the names Prometheus shows). Histograms, series with extra labels
-# and NVML's (in `gpus`) are left out.
+# The series whose quantity the rules and runbooks name without its unit or
+# `num_` (rules/signals.py): on the wire, `stats` names them as the signals do.
+SIGNAL_NAMES: Final[dict[M.MetricSpec, str]] = {
+    M.ENGINE_START_TIME: "engine_start_time",
+    M.BLOCK_FRAGMENTATION: "block_fragmentation",
+    M.BUDGET_FILL: "budget_fill",
+    M.REQUESTS_RUNNING: "requests_running",
+    M.REQUESTS_WAITING: "requests_waiting",
+    M.OLDEST_WAITING: "oldest_waiting",
+    M.KV_CACHE_USAGE: "kv_cache_usage",
+    M.KV_CACHE_USAGE_PEAK: "kv_cache_usage_peak",
+}
+
+# Series name → its key in `stats`: the signal's name where rules and runbooks
+# name the quantity, else the name without the prefix, counters with `_total`
+# (the names Prometheus shows). Histograms, series with extra labels and
+# NVML's (in `gpus`) are left out.
 STAT_KEYS: Final[dict[str, str]] = {
-    spec.name: spec.name.removeprefix(M.PREFIX) + ("_total" if spec.type == "counter" else "")
+    spec.name: SIGNAL_NAMES.get(spec)
+    or spec.name.removeprefix(M.PREFIX) + ("_total" if spec.type == "counter" else "")
     for spec in M.ALL_METRICS
     if spec.type != "histogram"
     and not spec.extra_labels

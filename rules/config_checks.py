@@ -104,10 +104,10 @@ def check_block_size(state: AgentState) -> CheckResult:
         )  # fmt: skip
     advice, reason = block_size_advice(config, workload)
     p50 = int(workload.prompt_tokens.p50)
-    if state.stats.num_requests_running:
+    if state.stats.requests_running:
         # The live requests' fragmentation, at this block size and the others.
         what_if = state.stats.block_fragmentation_at_block_size
-        own = what_if.get(str(config.block_size), state.stats.block_fragmentation_ratio)
+        own = what_if.get(str(config.block_size), state.stats.block_fragmentation)
         at_advice = what_if.get(str(advice))
         shown = f"{config.block_size} (frag {100 * own:.0f}%)"
     else:

@@ -52,14 +52,14 @@ STARTUP: dict[str, Any] = {
 PRESSURE: dict[str, Any] = {
     "kv_blocks_used": 255,
     "kv_blocks_free": 0,
-    "num_requests_running": 24,
-    "num_requests_waiting": 40,
+    "requests_running": 24,
+    "requests_waiting": 40,
     "preemptions_per_minute": 60.0,
-    "kv_cache_usage_ratio": 1.0,
-    "oldest_waiting_seconds": 30.0,
+    "kv_cache_usage": 1.0,
+    "oldest_waiting": 30.0,
 }
 # What the scripted stats stand for after a change (`since` of /v1/state?since_step=N).
-SINCE_KEYS = ("preemptions_per_minute", "p99_latency_seconds", "error_rate", "kv_hit_ratio")
+SINCE_KEYS = ("preemptions_per_minute", "engine_e2e_latency_p99", "error_rate", "kv_hit_ratio")
 
 
 def stats(**values: Any) -> Stats:
@@ -68,8 +68,8 @@ def stats(**values: Any) -> Stats:
     idle.update(
         kv_hit_ratio=None,
         error_rate=None,
-        p99_latency_seconds=None,
-        waiting_seconds_p99=None,
+        engine_e2e_latency_p99=None,
+        engine_queue_time_p99=None,
         finished_by_reason={},
         requests_finished_by_reason_total={},
         block_fragmentation_at_block_size={},
@@ -238,13 +238,13 @@ class FakeAgent:
                 preemptions=0,
                 preemptions_per_minute=values.get("preemptions_per_minute"),
                 scheduled_tokens=0,
-                throughput_tokens_per_second=None,
+                scheduled_tokens_per_second=None,
                 kv_hit_ratio=values.get("kv_hit_ratio"),
                 requests_finished=0,
                 finished_by_reason={},
                 error_rate=values.get("error_rate"),
-                p99_latency_seconds=values.get("p99_latency_seconds"),
-                waiting_seconds_p99=None,
+                engine_e2e_latency_p99=values.get("engine_e2e_latency_p99"),
+                engine_queue_time_p99=None,
             ).model_copy(update=since_values)
         return agent_state(self.knobs, values, since, self.step)
 

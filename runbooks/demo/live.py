@@ -185,7 +185,7 @@ class Monitor:
         if state is None:
             return None
         # The queues are read live (under the scheduler's lock); the stats at the last step.
-        waiting = state.stats.num_requests_waiting if state.queues is None else state.queues.waiting
+        waiting = state.stats.requests_waiting if state.queues is None else state.queues.waiting
         return QueueReading(t, state.knobs.max_num_seqs, waiting)
 
     def _run(self) -> None:
@@ -216,11 +216,11 @@ class Monitor:
             "phase": self.traffic.phase,
             "rps": rps,
             "kv_hit_ratio": s.kv_hit_ratio,
-            "block_fragmentation": s.block_fragmentation_ratio,
-            "kv_cache_usage": s.kv_cache_usage_ratio,
+            "block_fragmentation": s.block_fragmentation,
+            "kv_cache_usage": s.kv_cache_usage,
             "preemptions": preemptions,
-            "requests_running": s.num_requests_running,
-            "requests_waiting": s.num_requests_waiting,
+            "requests_running": s.requests_running,
+            "requests_waiting": s.requests_waiting,
             "max_num_batched_tokens": k.max_num_batched_tokens,
             "max_num_seqs": k.max_num_seqs,
             "policy": k.policy,
@@ -231,11 +231,11 @@ class Monitor:
         self.traffic.log.write("sample", **sample)
         self.demo.say(
             f"{self.traffic.phase:<11} {rps:5.1f} req/s  hit {_pct(s.kv_hit_ratio):>4}  "
-            f"frag {_pct(s.block_fragmentation_ratio, 1):>5}  "
-            f"KV {_pct(s.kv_cache_usage_ratio):>4}  "
+            f"frag {_pct(s.block_fragmentation, 1):>5}  "
+            f"KV {_pct(s.kv_cache_usage):>4}  "
             f"preempt {preemptions:4.0f} (+{delta:.0f})  "
-            f"run {s.num_requests_running:3.0f} "
-            f"wait {s.num_requests_waiting:3.0f}  "
+            f"run {s.requests_running:3.0f} "
+            f"wait {s.requests_waiting:3.0f}  "
             f"budget {k.max_num_batched_tokens:4d}  seqs {k.max_num_seqs:3d}  "
             f"{k.policy}"
         )
@@ -256,7 +256,7 @@ class PhaseMeasure:
         state = self.monitor.state
         if state is None:
             return
-        kv, preemptions = state.stats.kv_cache_usage_ratio, state.stats.preemptions_total
+        kv, preemptions = state.stats.kv_cache_usage, state.stats.preemptions_total
         if kv is not None:
             self.peak_kv = kv if self.peak_kv is None else max(self.peak_kv, kv)
         if preemptions is not None:

@@ -111,7 +111,7 @@ def _queued(client: EngineClient) -> bool:
     except EngineClientError:
         return False
     stats, seqs = state.stats, state.knobs.max_num_seqs
-    return stats.num_requests_running >= seqs and stats.num_requests_waiting >= 2
+    return stats.requests_running >= seqs and stats.requests_waiting >= 2
 
 
 def _wait(demo: Demo, seconds: float, until: Callable[[], bool] | None = None) -> bool:

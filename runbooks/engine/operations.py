@@ -102,7 +102,7 @@ class SignalReader:
                 post_change = dict.fromkeys(WINDOWED, why)
             elif isinstance(since, DrainingSince):
                 why = (
-                    f"not in effect yet: {since.num_requests_running} running > "
+                    f"not in effect yet: {since.requests_running} running > "
                     f"max_num_seqs {since.max_num_seqs} (draining)"
                 )
                 post_change = dict.fromkeys(WINDOWED, why)

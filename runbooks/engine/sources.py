@@ -71,33 +71,15 @@ def kv_capacity_seqs(stats: Stats) -> int | None:
     exactly `running` (a float division can land on running - 1). None when
     nothing runs or holds blocks: there is no footprint to scale.
     """
-    used, free, running = stats.kv_blocks_used, stats.kv_blocks_free, stats.num_requests_running
+    used, free, running = stats.kv_blocks_used, stats.kv_blocks_free, stats.requests_running
     if not running or used <= 0:
         return None
     return max(1, (used + free) * running // used)
 
 
-# Signal -> the key of the agent's `/v1/state` "stats" it is read from (the agent's
-# wire names, not the signal names).
-_FROM_STATS: Final = {
-    "kv_cache_usage": "kv_cache_usage_ratio",
-    "kv_blocks_free": "kv_blocks_free",
-    "preemptions_per_minute": "preemptions_per_minute",
-    "requests_running": "num_requests_running",
-    "requests_waiting": "num_requests_waiting",
-    "budget_fill": "budget_fill_ratio",
-    "block_fragmentation": "block_fragmentation_ratio",
-    "kv_hit_ratio": "kv_hit_ratio",
-    "oldest_waiting": "oldest_waiting_seconds",
-    "admitted_before_time": "admitted_before_time",
-    "starving_waiting": "starving_waiting",
-    "max_sequence_tokens": "max_sequence_tokens",
-    "engine_e2e_latency_p99": "p99_latency_seconds",
-    "engine_queue_time_p99": "waiting_seconds_p99",
-    "error_rate": "error_rate",
-    "length_padding_ratio": "length_padding_ratio",
-    "padding_ratio": "padding_ratio",
-}
+# The signals the agent's `/v1/state` "stats" carry under their own names (one
+# name per quantity, from the rules' vocabulary to the wire).
+_IN_STATS: Final = tuple(name for name in SOURCES if name in Stats.model_fields)
 
 
 def signals_from_state(state: AgentState) -> dict[str, Any]:
@@ -105,8 +87,8 @@ def signals_from_state(state: AgentState) -> dict[str, Any]:
     `unavailable(state)` says why)."""
     stats, knobs = state.stats, state.knobs
     signals: dict[str, Any] = dict.fromkeys(SOURCES)
-    for name, key in _FROM_STATS.items():
-        signals[name] = getattr(stats, key)
+    for name in _IN_STATS:
+        signals[name] = getattr(stats, name)
     signals["oom_rate"] = _oom_rate(
         stats.preemptions_per_minute * stats.window_seconds / 60.0, stats.requests_finished
     )
@@ -143,10 +125,10 @@ def since_signals(since: SettledSince | None) -> dict[str, Any]:
         return {}
     return {
         "preemptions_per_minute": since.preemptions_per_minute,
-        "scheduled_tokens_per_second": since.throughput_tokens_per_second,
+        "scheduled_tokens_per_second": since.scheduled_tokens_per_second,
         "kv_hit_ratio": since.kv_hit_ratio,
-        "engine_e2e_latency_p99": since.p99_latency_seconds,
-        "engine_queue_time_p99": since.waiting_seconds_p99,
+        "engine_e2e_latency_p99": since.engine_e2e_latency_p99,
+        "engine_queue_time_p99": since.engine_queue_time_p99,
         "error_rate": since.error_rate,
         "oom_rate": _oom_rate(since.preemptions, since.requests_finished),
         # Not windowed: of the requests starving at the change, those still waiting.

@@ -127,7 +127,7 @@ class Measurement:
             preemptions=before.preemptions,
             finished=before.requests_finished,
             errors=before.errors,
-            p99_latency_seconds=before.p99_latency_seconds,
+            p99_latency_seconds=before.engine_e2e_latency_p99,
         )
 
 
@@ -489,7 +489,7 @@ class Breaker:
                 preemptions=since.preemptions,
                 finished=since.requests_finished,
                 errors=since.finished_by_reason.get("error", 0),
-                p99_latency_seconds=since.p99_latency_seconds,
+                p99_latency_seconds=since.engine_e2e_latency_p99,
                 before=None if since.before is None else Measurement.of_before(since.before),
             )
         if change.baseline is None:

@@ -82,8 +82,8 @@ def test_requests_finished_by_reason_with_queue_and_e2e_times(
     assert [e.e2e_seconds for e in finished] == [12.0, 12.0]
     # The windowed view in /v1/state: the three requests finished in the window.
     stats = collector.state().stats
-    assert stats.p99_latency_seconds == 12.0
-    assert stats.waiting_seconds_p99 == 5.0
+    assert stats.engine_e2e_latency_p99 == 12.0
+    assert stats.engine_queue_time_p99 == 5.0
     assert stats.error_rate == 0.0
 
 
@@ -166,7 +166,7 @@ def test_since_step_counts_from_the_step_a_change_applied(
     assert since.preemptions == 0 and since.preemptions_per_minute == 0.0
     assert since.requests_finished == 4
     assert since.finished_by_reason["length"] == 4
-    assert since.throughput_tokens_per_second == pytest.approx(since.scheduled_tokens / 30.0)
+    assert since.scheduled_tokens_per_second == pytest.approx(since.scheduled_tokens / 30.0)
     # The same over HTTP, and a malformed step is a 400.
     url = engine.collector.server.url
     status, body = http_get(f"{url}/v1/state?since_step={step}")
@@ -214,7 +214,7 @@ def test_since_step_says_what_happened_as_long_before_the_change(
         "preemptions": 0,
         "requests_finished": 5,
         "errors": 0,
-        "p99_latency_seconds": 0.0,  # the fake clock stood still while each ran
+        "engine_e2e_latency_p99": 0.0,  # the fake clock stood still while each ran
     }
     # Asked right after the change: the sample at t0 + 20 (2 finished since).
     clocked.now = t0 + 45.0

@@ -344,7 +344,7 @@ def before(preemptions: int, finished: int) -> Any:
         preemptions=preemptions,
         requests_finished=finished,
         errors=0,
-        p99_latency_seconds=None,
+        engine_e2e_latency_p99=None,
     )
 
 

@@ -73,14 +73,14 @@ def statuses(result: ExecutionResult) -> list[tuple[str, str]]:
 def test_kv_capacity_is_integer_exact() -> None:
     # A full cache holds exactly what runs now; float division gives 23 here.
     assert (
-        kv_capacity_seqs(stats(kv_blocks_used=255, kv_blocks_free=0, num_requests_running=24)) == 24
+        kv_capacity_seqs(stats(kv_blocks_used=255, kv_blocks_free=0, requests_running=24)) == 24
     )
     assert (
-        kv_capacity_seqs(stats(kv_blocks_used=100, kv_blocks_free=155, num_requests_running=10))
+        kv_capacity_seqs(stats(kv_blocks_used=100, kv_blocks_free=155, requests_running=10))
         == 25
     )
     assert (
-        kv_capacity_seqs(stats(kv_blocks_used=0, kv_blocks_free=255, num_requests_running=0))
+        kv_capacity_seqs(stats(kv_blocks_used=0, kv_blocks_free=255, requests_running=0))
         is None
     )
 
@@ -106,7 +106,7 @@ def test_success_and_journal(make: Any) -> None:
 
 
 def test_circuit_breaker_rolls_back_when_a_guard_gets_worse(make: Any) -> None:
-    worse = {**PRESSURE, "num_requests_waiting": 45}
+    worse = {**PRESSURE, "requests_waiting": 45}
     executor, agent = make(FakeAgent([PRESSURE, PRESSURE, worse]))
     result = executor.execute(runbook(), URL)
     assert (result.exit_code, result.record.status) == (1, "rolled_back")
@@ -120,7 +120,7 @@ def test_circuit_breaker_rolls_back_when_a_guard_gets_worse(make: Any) -> None:
 def test_a_move_within_the_tolerance_is_no_evidence(make: Any) -> None:
     # 40 → 41 waiting (2.5 %) trips nothing; 60 → 58.8 preemptions/min (2 %) is
     # "no measurable change", not "improved".
-    after = {**PRESSURE, "num_requests_waiting": 41, "preemptions_per_minute": 58.8}
+    after = {**PRESSURE, "requests_waiting": 41, "preemptions_per_minute": 58.8}
     executor, agent = make(FakeAgent([PRESSURE, PRESSURE, after]))
     result = executor.execute(runbook(), URL)
     assert (result.exit_code, result.record.status) == (1, "failed")
@@ -237,7 +237,7 @@ def test_kv_capacity_is_read_again_while_nothing_runs(make: Any) -> None:
         steps=[{"action": "set_max_num_seqs", "params": {"value": "kv_capacity"}}],
         verification=None,
     )
-    emptied = {**PRESSURE, "num_requests_running": 0, "kv_blocks_used": 0, "kv_blocks_free": 255}
+    emptied = {**PRESSURE, "requests_running": 0, "kv_blocks_used": 0, "kv_blocks_free": 255}
     # checks, the step's own read, two re-reads that still see nothing, then pressure.
     executor, agent = make(FakeAgent([PRESSURE, emptied, emptied, emptied, PRESSURE]))
     result = executor.execute(rb, URL)

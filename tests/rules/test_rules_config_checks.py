@@ -59,7 +59,7 @@ def state(
          **(knobs or {})},
         {
             "block_fragmentation_at_block_size": what_if or {"16": 0.05, "32": 0.09},
-            "num_requests_running": running,
+            "requests_running": running,
         },
     )  # fmt: skip
     workload = Workload(

@@ -259,7 +259,7 @@ def idle(watch: AgentWatch) -> bool:
     if status != 200:
         return False
     stats = json.loads(body)["stats"]
-    return stats["num_requests_running"] == 0 and stats["num_requests_waiting"] == 0
+    return stats["requests_running"] == 0 and stats["requests_waiting"] == 0
 
 
 def wait_until(what: str, probe: Callable[[], Any], limit: float) -> Any:

@@ -70,13 +70,13 @@ def _pressured_state() -> Any:
     state = agent_state(
         knobs,
         {
-            "kv_cache_usage_ratio": 0.75,
+            "kv_cache_usage": 0.75,
             "kv_hit_ratio": 0.5,
-            "block_fragmentation_ratio": 0.125,
-            "num_requests_running": 12,
-            "num_requests_waiting": 3,
+            "block_fragmentation": 0.125,
+            "requests_running": 12,
+            "requests_waiting": 3,
             "preemptions_per_minute": 3.0,
-            "p99_latency_seconds": 1.25,
+            "engine_e2e_latency_p99": 1.25,
         },
     )
     now = {

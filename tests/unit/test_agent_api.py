@@ -35,8 +35,8 @@ def test_stats_declare_every_collector_series_and_the_windowed_outcomes() -> Non
         "requests_finished",
         "finished_by_reason",
         "error_rate",
-        "p99_latency_seconds",
-        "waiting_seconds_p99",
+        "engine_e2e_latency_p99",
+        "engine_queue_time_p99",
         "requests_finished_by_reason_total",
         "block_fragmentation_at_block_size",
     }

@@ -37,20 +37,20 @@ from tests.fake_agent import FakeAgent, agent_state
 
 # One `/v1/state` answer with every part a runbook reads (the agent's wire names).
 FULL_STATS: dict[str, Any] = {
-    "kv_cache_usage_ratio": 0.5,
+    "kv_cache_usage": 0.5,
     "kv_blocks_used": 100,
     "kv_blocks_free": 100,
     "preemptions_per_minute": 6.0,
-    "num_requests_running": 4,
-    "num_requests_waiting": 2,
-    "budget_fill_ratio": 0.9,
-    "block_fragmentation_ratio": 0.1,
+    "requests_running": 4,
+    "requests_waiting": 2,
+    "budget_fill": 0.9,
+    "block_fragmentation": 0.1,
     "kv_hit_ratio": 0.8,
-    "oldest_waiting_seconds": 3.0,
+    "oldest_waiting": 3.0,
     "admitted_before_time": 100.0,
     "max_sequence_tokens": 300,
-    "p99_latency_seconds": 2.0,
-    "waiting_seconds_p99": 1.0,
+    "engine_e2e_latency_p99": 2.0,
+    "engine_queue_time_p99": 1.0,
     "error_rate": 0.0,
     "length_padding_ratio": 0.2,
     "padding_ratio": 0.0,
@@ -289,4 +289,58 @@ def test_a_runbook_is_told_the_name_to_use(
     monkeypatch.chdir(tmp_path)  # the loader shows paths relative to the working directory
     assert runbook_problem(tmp_path, signal) == (
         f"foo.yaml:6: runbook foo: checks[0].signal: Value error, {message}"
+    )
+
+
+def test_one_name_per_quantity_from_series_to_wire_to_yaml() -> None:
+    """The agent's wire names a quantity as the rules and runbooks do: a `stats`
+    field read from a series a signal declares has that signal's name, no wire
+    field keeps a name the signals renamed, and every signal a runbook reads
+    from `stats` is read under its own name (no translation table)."""
+    from vllm_runbook.collector import agent_api as api
+    from vllm_runbook.collector.state import STAT_KEYS
+    from vllm_runbook.rules.signals import RENAMED
+
+    by_series = {s.metric: name for name, s in SIGNALS.items() if s.metric}
+    for series, field in STAT_KEYS.items():
+        if series in by_series and not field.endswith("_total"):
+            assert field == by_series[series], (series, field)
+    for model in (api.Stats, api.SettledSince, api.DrainingSince, api.Before):
+        assert not set(model.model_fields) & set(RENAMED), model.__name__
+    assert not hasattr(sources, "_FROM_STATS")
+    state = FakeAgent([FULL_STATS]).state()
+    read = sources.signals_from_state(state)
+    for name in sources._IN_STATS:
+        assert name in api.Stats.model_fields
+        if name not in ("max_num_batched_tokens", "max_num_seqs"):  # the knobs' values
+            assert read[name] == getattr(state.stats, name), name
+
+
+def test_an_agent_of_an_earlier_version_is_read_under_its_old_names() -> None:
+    from vllm_runbook.collector import agent_api as api
+
+    old = {
+        k: v
+        for k, v in agent_state(FakeAgent([{}]).knobs, FULL_STATS, None, 1)
+        .stats.model_dump()
+        .items()
+    }
+    renamed_back = {
+        "kv_cache_usage": "kv_cache_usage_ratio",
+        "requests_running": "num_requests_running",
+        "requests_waiting": "num_requests_waiting",
+        "oldest_waiting": "oldest_waiting_seconds",
+        "engine_e2e_latency_p99": "p99_latency_seconds",
+        "engine_queue_time_p99": "waiting_seconds_p99",
+    }
+    for new, was in renamed_back.items():
+        old[was] = old.pop(new)
+    stats = api.Stats.model_validate(old)
+    assert (stats.kv_cache_usage, stats.requests_running, stats.engine_e2e_latency_p99) == (
+        0.5,
+        4,
+        2.0,
+    )
+    assert "kv_cache_usage" in stats.model_dump() and "kv_cache_usage_ratio" not in (
+        stats.model_dump()
     )

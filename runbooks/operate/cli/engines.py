@@ -129,16 +129,16 @@ def _fmt(value: Any, kind: str = "") -> str:
 
 STATUS_SIGNALS = [
     ("kv hit ratio (window)", "kv_hit_ratio", "pct"),
-    ("block fragmentation", "block_fragmentation_ratio", "pct"),
+    ("block fragmentation", "block_fragmentation", "pct"),
     ("padding ratio", "padding_ratio", "pct"),
     ("length padding", "length_padding_ratio", "pct"),
-    ("KV cache usage", "kv_cache_usage_ratio", "pct"),
+    ("KV cache usage", "kv_cache_usage", "pct"),
     ("KV blocks used / free", None, ""),
-    ("requests running", "num_requests_running", "int"),
-    ("requests waiting", "num_requests_waiting", "int"),
+    ("requests running", "requests_running", "int"),
+    ("requests waiting", "requests_waiting", "int"),
     ("preemptions / min", "preemptions_per_minute", ""),
     ("preemptions total", "preemptions_total", "int"),
-    ("budget fill (last step)", "budget_fill_ratio", "pct"),
+    ("budget fill (last step)", "budget_fill", "pct"),
 ]
 
 

@@ -138,8 +138,8 @@ def per_tier(state: AgentState) -> tuple[str, str]:
     now = state.tiers.now
     if now is None:
         stats = state.stats
-        longest = stats.oldest_waiting_seconds if stats.num_requests_waiting else None
-        return f"{stats.num_requests_waiting} all", seconds(longest)
+        longest = stats.oldest_waiting if stats.requests_waiting else None
+        return f"{stats.requests_waiting} all", seconds(longest)
     waiting = "/".join(str(now[t].waiting) if t in now else NONE for t in TIERS)
     oldest = "/".join(
         seconds(now[t].oldest_waiting_seconds) if t in now and now[t].waiting else NONE
@@ -155,17 +155,17 @@ def engine_row(view: EngineView) -> tuple[str, ...]:
         return (view.name, "DOWN", *([NONE] * (len(ENGINE_COLUMNS) - 2)))
     stats, knobs, startup = state.stats, state.knobs, state.startup
     waiting, oldest = per_tier(state)
-    usage = pct(stats.kv_cache_usage_ratio)
+    usage = pct(stats.kv_cache_usage)
     return (
         view.name if state.collector_up else f"{view.name} (collector off)",
         usage,
         pct(stats.kv_hit_ratio),
-        pct(stats.block_fragmentation_ratio),
-        str(stats.num_requests_running),
+        pct(stats.block_fragmentation),
+        str(stats.requests_running),
         waiting,
         oldest,
         f"{stats.preemptions_per_minute:.1f}",
-        seconds(stats.p99_latency_seconds),
+        seconds(stats.engine_e2e_latency_p99),
         knob(knobs.max_num_batched_tokens, startup.max_num_batched_tokens),
         knob(knobs.max_num_seqs, startup.max_num_seqs),
         knobs.policy if knobs.policy == startup.policy else f"{knobs.policy}*",

@@ -127,7 +127,7 @@ class AgentEngine:
         while True:
             since = state.since
             assert isinstance(since, SettledSince)
-            peak = max(peak, state.stats.kv_cache_usage_ratio)
+            peak = max(peak, state.stats.kv_cache_usage)
             errors = since.finished_by_reason.get("error", 0)
             breach = breach_of(since.seconds, since.preemptions, since.requests_finished, errors)
             if breach is not None or since.seconds >= seconds:
@@ -136,12 +136,12 @@ class AgentEngine:
             state = self.client.state(since_step=from_step)
         return Window(
             seconds=since.seconds,
-            throughput=since.throughput_tokens_per_second,
+            throughput=since.scheduled_tokens_per_second,
             finished=since.requests_finished,
             preemptions=since.preemptions,
             errors=errors,
-            e2e_p99=since.p99_latency_seconds,
-            queue_p99=since.waiting_seconds_p99,
+            e2e_p99=since.engine_e2e_latency_p99,
+            queue_p99=since.engine_queue_time_p99,
             ttft_p99=_p99_delta(ttft0, self._ttft(state)),
             kv_usage_peak=peak,
             from_step=from_step,
@@ -154,10 +154,10 @@ class AgentEngine:
         first = self.client.state()
         ttft0 = self._ttft(first)
         start = self.clock()
-        peak = first.stats.kv_cache_usage_ratio
+        peak = first.stats.kv_cache_usage
         while self.clock() - start < seconds:
             self._wait()
-            peak = max(peak, self.client.state().stats.kv_cache_usage_ratio)
+            peak = max(peak, self.client.state().stats.kv_cache_usage)
         last = self.client.state()
         elapsed = self.clock() - start
         s0, s1 = first.stats, last.stats
@@ -174,10 +174,10 @@ class AgentEngine:
             finished=finished1 - finished0,
             preemptions=s1.preemptions_total - s0.preemptions_total,
             errors=errors,
-            e2e_p99=s1.p99_latency_seconds,
-            queue_p99=s1.waiting_seconds_p99,
+            e2e_p99=s1.engine_e2e_latency_p99,
+            queue_p99=s1.engine_queue_time_p99,
             ttft_p99=_p99_delta(ttft0, self._ttft(last)),
-            kv_usage_peak=max(peak, s1.kv_cache_usage_ratio),
+            kv_usage_peak=max(peak, s1.kv_cache_usage),
         )
 
 
