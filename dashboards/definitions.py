@@ -7,6 +7,10 @@ vllm_runbook.runbooks.service.metric_specs, and the few
 vLLM series in vllm_runbook.dashboards.catalog); nothing here retypes a metric name.
 Panels are the Grafana Foundation SDK's builders (Grafana's own types), in the
 common style of vllm_runbook.dashboards.builder.
+
+The module is long (about 1,400 lines) and stays one: it is one declaration per
+dashboard, each a list of its rows and panels read top to bottom as Grafana
+shows them; the shared builders and queries are in builder.py and queries.py.
 """
 
 from __future__ import annotations
