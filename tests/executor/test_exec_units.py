@@ -72,17 +72,11 @@ def statuses(result: ExecutionResult) -> list[tuple[str, str]]:
 
 def test_kv_capacity_is_integer_exact() -> None:
     # A full cache holds exactly what runs now; float division gives 23 here.
+    assert kv_capacity_seqs(stats(kv_blocks_used=255, kv_blocks_free=0, requests_running=24)) == 24
     assert (
-        kv_capacity_seqs(stats(kv_blocks_used=255, kv_blocks_free=0, requests_running=24)) == 24
+        kv_capacity_seqs(stats(kv_blocks_used=100, kv_blocks_free=155, requests_running=10)) == 25
     )
-    assert (
-        kv_capacity_seqs(stats(kv_blocks_used=100, kv_blocks_free=155, requests_running=10))
-        == 25
-    )
-    assert (
-        kv_capacity_seqs(stats(kv_blocks_used=0, kv_blocks_free=255, requests_running=0))
-        is None
-    )
+    assert kv_capacity_seqs(stats(kv_blocks_used=0, kv_blocks_free=255, requests_running=0)) is None
 
 
 def test_success_and_journal(make: Any) -> None:
