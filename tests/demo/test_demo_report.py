@@ -366,6 +366,21 @@ def test_the_story_fails_when_a_verification_disagrees_with_what_the_demo_measur
     ]
     # Agreement: nothing to say.
     assert verdict_disagreements(feed, history, served, effect) == []
+    # Nothing was starving when the switch took effect (the starved requests were
+    # admitted between the checks and the switch): nothing to judge, a note, no failure.
+    moot = {
+        **(spike.verification or {}),
+        "before": 0,
+        "after": 0,
+        "outcome": "no measurable change",
+        "drain": {"starving_at_change": 0, "admitted_since": 1189},
+    }
+    feed.executions[7] = spike.model_copy(update={"verification": moot})
+    assert verdict_disagreements(feed, history, served, effect) == []
+    # ... but 8 starving at the switch and none served is a disagreement still.
+    stuck_at_switch = {**moot, "before": 8, "after": 8, "drain": {"starving_at_change": 8}}
+    feed.executions[7] = spike.model_copy(update={"verification": stuck_at_switch})
+    assert len(verdict_disagreements(feed, history, served, effect)) == 1
 
 
 def _switch(at: float, reverted_at: float) -> tuple[dict[str, object], dict[str, object]]:
