@@ -589,10 +589,10 @@ class Breaker:
         try:
             state = client.state()
             current = state.knobs.model_dump()
-            if lowers_admission(change) or change.execution_id is not None:
-                targets = safe_setting(change, current)
-            else:
-                targets = dict(change.before)
+            # An execution reaches here only when it lowered admission (_trip).
+            targets = (
+                safe_setting(change, current) if lowers_admission(change) else dict(change.before)
+            )
             if change.source == SOURCE_AUTOPILOT:
                 targets["autopilot"] = False  # left on, it would move max_num_seqs again
             before = {k: getattr(state.knobs, k) for k in targets}
