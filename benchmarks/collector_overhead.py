@@ -17,6 +17,14 @@ if anything does); and what is left per request (its arrival, first
 schedule and finish: a workload of more requests has more of it per step).
 Then the share of the engine step's wall time.
 
+`--nvml` measures the NVML poller alone instead (no engine, seconds): what one
+poll costs (`NvmlPoller.poll`, every visible GPU's memory and utilisation)
+and what a poller thread at each interval takes from a Python-bound main
+thread (the stand-in for the engine's step: it needs the GIL the poller's
+wake-ups take). With pynvml and an NVIDIA GPU the polls are real; elsewhere
+a fake NVML with `--gpus` GPUs answers at once, which times the Python side
+only (a real NVML call releases the GIL while the driver answers).
+
 Then the end-to-end cost, as a new user meets it (`--e2e-rounds`, 0 skips
 it): three resident engines, each EngineCore in its own process (spawned, so
 each reads its own VLLM_PLUGINS): one with the plugin as installed, two with
@@ -26,6 +34,7 @@ output tokens/s with ÷ without the plugin (the mean of the two), and the two
 without against each other, medians of the per-round ratios.
 
     .venv/bin/python benchmarks/collector_overhead.py [--rounds 5] [--e2e-rounds 9]
+    .venv/bin/python benchmarks/collector_overhead.py --nvml [--gpus 8] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -78,6 +87,103 @@ E2E_ENGINE_ARGS = dict(
     seed=0,
 )
 E2E_PROMPTS, E2E_OUTPUT = 128, 128
+
+NVML_HEADER = " poll interval | NVML   | GPUs | µs/poll | poller µs/s | main-thread loops/s | ratio"
+NVML_INTERVALS: tuple[float | None, ...] = (None, 5.0, 1.0, 0.1, 0.01)
+
+
+class FakeNvml:
+    """Answers like pynvml at once: the poller's Python side alone."""
+
+    class _Reading:
+        def __init__(self, **values: float) -> None:
+            self.__dict__.update(values)
+
+    def __init__(self, gpus: int) -> None:
+        self.gpus = gpus
+
+    def nvmlInit(self) -> None:
+        pass
+
+    def nvmlDeviceGetCount(self) -> int:
+        return self.gpus
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+
+    def nvmlDeviceGetMemoryInfo(self, h: int) -> _Reading:
+        return self._Reading(used=(h + 1) * 2**30, total=80 * 2**30)
+
+    def nvmlDeviceGetUtilizationRates(self, h: int) -> _Reading:
+        return self._Reading(gpu=50, memory=40)
+
+
+def _nvml_source(gpus: int) -> tuple[object, str]:
+    """pynvml where it finds a GPU, else the fake with `gpus` GPUs."""
+    from vllm_runbook.collector.nvml import load_pynvml
+
+    nvml = load_pynvml()
+    if nvml is not None:
+        try:
+            nvml.nvmlInit()
+            if nvml.nvmlDeviceGetCount() > 0:
+                return nvml, "pynvml"
+        except Exception:  # no driver: the fake below
+            pass
+    return FakeNvml(gpus), "fake"
+
+
+def _poller(nvml: object, interval: float):  # type: ignore[no-untyped-def]
+    from prometheus_client import CollectorRegistry
+    from vllm_runbook.collector.nvml import NvmlPoller
+
+    return NvmlPoller.create(nvml, CollectorRegistry(), ("m", "0"), interval)
+
+
+def _main_thread_loops(seconds: float) -> float:
+    """Python-bound work (it holds the GIL, like the engine's step): loops per second."""
+    loops, end = 0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        sum(i * i for i in range(200))
+        loops += 1
+    return loops / seconds
+
+
+def nvml_table(rounds: int, gpus: int, seconds: float = 1.0) -> list[str]:
+    nvml, source = _nvml_source(gpus)
+    poller = _poller(nvml, 1.0)
+    poller.init()
+    n = len(poller.handles)
+    polls = 2000 if source == "fake" else 200
+    start = time.perf_counter()
+    for _ in range(polls):
+        poller.poll()
+    per_poll_us = (time.perf_counter() - start) / polls * 1e6
+    loops: dict[float | None, list[float]] = {i: [] for i in NVML_INTERVALS}
+    for r in range(rounds):
+        order = (
+            NVML_INTERVALS[r % len(NVML_INTERVALS) :] + NVML_INTERVALS[: r % len(NVML_INTERVALS)]
+        )
+        for interval in order:
+            running = None
+            if interval is not None:
+                running = _poller(nvml, interval)
+                running.start()
+            loops[interval].append(_main_thread_loops(seconds))
+            if running is not None:
+                running.stop()
+    base = statistics.median(loops[None])
+    rows = []
+    for interval in NVML_INTERVALS:
+        shown = "none" if interval is None else f"{interval:g} s"
+        cost = "—" if interval is None else f"{per_poll_us:.1f}"
+        per_second = "—" if interval is None else f"{per_poll_us / interval:.1f}"
+        median = statistics.median(loops[interval])
+        rows.append(
+            f"{shown:>14} | {source:<6} | {n:>4} | {cost:>7} | {per_second:>11} | "
+            f"{median:>19.0f} | {median / base:>5.3f}"
+        )
+    return rows
 
 
 def run_workload(llm, running: int, round_no: int) -> tuple[int, float]:  # type: ignore[no-untyped-def]
@@ -272,9 +378,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--e2e-rounds", type=int, default=9)
     parser.add_argument("--e2e-child", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--nvml", action="store_true", help="the NVML poller alone")
+    parser.add_argument("--gpus", type=int, default=8, help="--nvml without a GPU: fake GPUs")
     args = parser.parse_args()
     if args.e2e_child is not None:
         e2e_main(args.e2e_child)
+        return
+    if args.nvml:
+        rows_nvml = nvml_table(args.rounds, args.gpus)
+        print(f"\nNVML poller, {args.rounds} rotated rounds of 1 s (medians)")
+        print(NVML_HEADER)
+        print("-" * len(NVML_HEADER))
+        print(*rows_nvml, sep="\n")
         return
 
     from vllm import LLM

@@ -12,7 +12,8 @@ known workload and checks:
    server log, and the predicted padding (used without `--cudagraph-metrics`)
    equals vLLM's padding for every row it logged;
 3. NVML: `nvml_up` 1, one series per visible GPU, memory used within 5 % of
-   nvidia-smi's and ≤ total, utilisation in [0, 1].
+   nvidia-smi's and ≤ total, utilisation and the memory controller's (DRAM)
+   utilisation in [0, 1], the window's peak memory at least the memory in use.
 
 Prints one line per check and a summary; exits 1 when a check failed, 2 when
 the server did not come up. Run it through gpu_check.sh (which installs
@@ -210,6 +211,11 @@ def check_nvml(after: Samples, smi: dict[str, tuple[float, float]]) -> list[Chec
         dict(ls).get("gpu"): v for ls, v in series(after, PREFIX + "gpu_memory_total_bytes").items()
     }
     util = series(after, PREFIX + "gpu_utilization_ratio")
+    dram = series(after, PREFIX + "gpu_dram_utilization_ratio")
+    peak = {
+        dict(ls).get("gpu"): v
+        for ls, v in series(after, PREFIX + "gpu_memory_used_peak_bytes").items()
+    }
     memory_ok, notes = bool(used), []
     for gpu, (smi_used, smi_total) in smi.items():
         mine = used.get(gpu)
@@ -230,6 +236,14 @@ def check_nvml(after: Samples, smi: dict[str, tuple[float, float]]) -> list[Chec
             "nvml: utilisation in [0, 1]",
             bool(util) and all(0 <= v <= 1 for v in util.values()),
             f"{sorted(util.values())}",
+        ),
+        Check(
+            "nvml: DRAM busy in [0, 1], peak >= in use",
+            bool(dram)
+            and all(0 <= v <= 1 for v in dram.values())
+            and set(peak) == set(used)
+            and all(peak[g] >= v for g, v in used.items()),
+            f"dram {sorted(dram.values())}; peak {sorted(peak.values())}",
         ),
     ]
 
@@ -332,7 +346,7 @@ def run_on_gpu(workdir: Path) -> int:
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(complete, range(len(WORKLOAD))))
         time.sleep(3)  # a few stats intervals: the last CUDAGraph table is logged
-        time.sleep(6)  # one NVML poll (5 s) after the load: both read the same memory
+        time.sleep(6)  # NVML polls (every 1 s) after the load: both read the same memory
         after = parse_exposition(_get(agent_url + "/metrics"))
         state = json.loads(_get(agent_url + "/v1/state"))
         smi = subprocess.run(

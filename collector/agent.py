@@ -3,7 +3,9 @@ engine (VLLM_RUNBOOK_PORT + the DP rank).
 
     GET  /v1/state     effective and startup knobs, bounds, live stats;
                        ?since_step=N adds `since`: what happened from the step a
-                       change took effect from (counter deltas, finished requests)
+                       change took effect from (counter deltas, finished requests);
+                       ?episode_seconds=S widens `episode` (the checks' gauges,
+                       peak and mean) from the collector's window to S seconds
     POST /v1/knobs     new knob values (bearer token)
     POST /v1/restore   every knob back to its startup value (bearer token)
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import secrets
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -44,7 +47,9 @@ class Served(Protocol):
 
     def engine_idle(self) -> bool: ...
 
-    def state(self, since_step: int | None = None) -> AgentState: ...
+    def state(
+        self, since_step: int | None = None, episode_seconds: float | None = None
+    ) -> AgentState: ...
 
 
 logger = logging.getLogger("vllm_runbook.collector")
@@ -98,13 +103,24 @@ def start_agent(
 def install_routes(server: AgentServer, collector: Served, token: str) -> None:
     def state(request: Request) -> Response:
         since = request.query.get("since_step")
-        if since is None:
-            return answer(200, collector.state())
-        try:
-            step = int(since[0])
-        except ValueError:
-            return refusal(400, f"since_step must be an integer, not {since[0]!r}")
-        return answer(200, collector.state(since_step=step))
+        step = None
+        if since is not None:
+            try:
+                step = int(since[0])
+            except ValueError:
+                return refusal(400, f"since_step must be an integer, not {since[0]!r}")
+        asked = request.query.get("episode_seconds")
+        seconds = None
+        if asked is not None:
+            try:
+                seconds = float(asked[0])
+            except ValueError:
+                seconds = math.nan
+            if not (math.isfinite(seconds) and seconds >= 0):
+                return refusal(
+                    400, f"episode_seconds must be a number of seconds >= 0, not {asked[0]!r}"
+                )
+        return answer(200, collector.state(since_step=step, episode_seconds=seconds))
 
     def bearer(request: Request) -> Response | None:
         # Checked on the request line and headers, before the body is read.

@@ -8,6 +8,7 @@ generated from them (`python -m tools.docs`), for other
 tools that speak to the agent.
 
     GET  /v1/state[?since_step=N]   → AgentState
+         [&episode_seconds=S]       (the checks' gauges over S seconds: `episode`)
     POST /v1/knobs    KnobsCommand  → ChangeResult   (bearer token)
     POST /v1/restore  RestoreCommand → ChangeResult  (bearer token)
     any refusal                     → ErrorAnswer   (400, 401, 411, 413, 422, 503, 504)
@@ -317,6 +318,26 @@ class CollectorStats(_Answer):
     """Unix time (seconds) at which the scheduler, and so the engine, started."""
 
 
+class WarmupStats(_Answer):
+    """The warm-up at engine start (VLLM_RUNBOOK_WARMUP): zeros when off or skipped.
+    An agent of an earlier version sends none of these: read as zeros."""
+
+    warmup_requests_planned: Count = 0
+    """Requests the warm-up sends through the engine before it reports ready."""
+    warmup_requests_done: Count = 0
+    """Warm-up requests finished so far."""
+    warmup_steps: Count = 0
+    """Scheduler steps the warm-up ran so far."""
+    warmup_tokens: Count = 0
+    """Tokens the warm-up's steps scheduled (prefill and decode), included in
+    scheduled_tokens_total."""
+    warmup_seconds: float = 0.0
+    """Wall time of the warm-up: so far while it runs, in total after."""
+    warmup_done: float = 0.0
+    """1 once every planned warm-up request finished; 0 otherwise (off, skipped,
+    running, failed or cut short: the engine started cold)."""
+
+
 class PrefixCacheStats(_Answer):
     """Prefix-cache lookups at admission (vLLM: PrefixCacheStats), counted whatever
     vLLM's log_stats."""
@@ -485,6 +506,7 @@ class Stats(
     IterationStats,
     KvCacheStats,
     PrefixCacheStats,
+    WarmupStats,
     CollectorStats,
 ):
     """The collector's metrics now (each named after its Prometheus series without
@@ -513,6 +535,9 @@ class ScheduleHistogram(_Answer):
     """Upper bounds (le) of the buckets; +Inf is the last count."""
     cumulative: list[int]
     """Cumulative counts, one per bound and one for +Inf."""
+    sum_seconds: float = 0.0
+    """schedule()'s wall time summed (seconds): its increase over an interval in
+    which requests ran is the share of the engine's time spent scheduling."""
 
 
 class _Since(_Answer):
@@ -590,6 +615,58 @@ class SettledSince(_Since):
 Since = SettledSince | DrainingSince
 
 
+class Extent(_Answer):
+    """One gauge over the episode: its highest and its mean one-second sample."""
+
+    peak: float
+    mean: float
+
+
+class Episode(_Answer):
+    """The gauges a runbook's checks read, over a span ending now: what the
+    finding's episode looked like, not only the instant of the read (a burst
+    in waves read between two shows zeros). The agent samples them after a
+    step, at most once a second (the same tick as the breaker's counters):
+    an idle engine takes no sample, so peak and mean are over the seconds
+    the engine stepped. A gauge is null where no sample in the span defines
+    it (no sample at all, kv_capacity_seqs with nothing running, the GPU
+    gauges without NVML)."""
+
+    seconds: float
+    """The span, seconds back from now: ?episode_seconds=N, at least the collector's
+    window (`stats.window_seconds`, also the span without N), at most what the agent
+    keeps (1800 s)."""
+    kept_seconds: float
+    """How far back the agent's samples reach now (the oldest one's age; 0: none):
+    below `seconds`, the span starts before the history does."""
+    samples: int
+    """One-second samples in the span."""
+    kv_cache_usage: Extent | None = None
+    """KV blocks used / usable blocks."""
+    kv_capacity_seqs: Extent | None = None
+    """Sequences the KV cache holds at the running requests' average footprint then
+    (usable blocks × running // used blocks), over the samples with a request running."""
+    requests_running: Extent | None = None
+    requests_waiting: Extent | None = None
+    oldest_waiting: Extent | None = None
+    """Seconds the oldest request waiting for its first schedule had waited then."""
+    max_sequence_tokens: Extent | None = None
+    """The longest context among the running requests (0 when none ran)."""
+    block_fragmentation: Extent | None = None
+    budget_fill: Extent | None = None
+    length_padding_ratio: Extent | None = None
+    gpu_utilization_max: Extent | None = None
+    """The busiest GPU's utilisation at the latest NVML poll before each sample."""
+    gpu_memory_used_max: Extent | None = None
+    """The fullest GPU's memory used (bytes) at the latest NVML poll before each sample."""
+
+
+# The signals an Episode carries (its Extent fields), by their signals' names.
+EPISODE_SIGNALS: Final[tuple[str, ...]] = tuple(
+    name for name in Episode.model_fields if name not in ("seconds", "kept_seconds", "samples")
+)
+
+
 class TierSettings(_Answer):
     boundaries: list[int]
     """Prompt tokens: hot < first ≤ warm < second ≤ cold."""
@@ -599,6 +676,10 @@ class TierSettings(_Answer):
     """Share of the step's token budget per tier."""
     aging_seconds: float
     """A request waiting this long moves up one tier."""
+    deadlines: dict[str, float | None] | None = None
+    """Per tier: seconds waiting for a first schedule before a demotion (or an
+    abort where the client asked); null for none. null from an agent older
+    than this field."""
 
 
 class TierNow(_Answer):
@@ -705,6 +786,11 @@ class Workload(_Answer):
     """P90 / P10 of the prompt lengths (4 or more hurts batching)."""
     long_prompt_ratio: float | None
     """Share of prompts above 8192 tokens."""
+    requests_in_engine_peak: int | None = None
+    """The most requests in the engine at once (arrived, not finished) over the
+    window; null from an agent older than this field."""
+    requests_in_engine_mean: float | None = None
+    """Requests in the engine over the window, time-weighted mean (Little's L)."""
 
 
 class AgentState(_Answer):
@@ -731,6 +817,9 @@ class AgentState(_Answer):
     """null from an agent older than this field."""
     workload: Workload | None = None
     """null from an agent older than this field."""
+    episode: Episode | None = None
+    """The checks' gauges over the collector's window, or ?episode_seconds=N (peak
+    and mean beside the values now); null from an agent older than this field."""
 
 
 # -- the schema ------------------------------------------------------------------

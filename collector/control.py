@@ -43,11 +43,14 @@ from vllm_runbook.collector.agent_api import (
 from vllm_runbook.collector.autopilot import Autopilot
 from vllm_runbook.collector.exporter import Sample
 from vllm_runbook.collector.tiers import (
+    Expired,
     TierConfig,
     TieredRequestQueue,
     prefill_chunk_cap,
     prefills_running,
-    running_by_tier,
+    running_demand,
+    tier_quotas,
+    tiers_of,
 )
 
 POLICIES = M.POLICIES
@@ -151,6 +154,21 @@ class EngineControl:
         encoder_tokens = int(getattr(scheduler, "max_num_encoder_input_tokens", 0) or 0)
         self.mm_item_floor = encoder_tokens if mm_chunking_off else 0
         self.long_prefill_threshold = int(getattr(config, "long_prefill_token_threshold", 0) or 0)
+        # The tiers' shares with chunked prefill: vLLM passes every request it
+        # schedules, with its chunk, through `_reserve_prefill_lookahead`
+        # (vLLM >= 0.32); where it lacks the method, the per-step chunk limit
+        # (long_prefill_token_threshold) gives the hot tier its share only.
+        reserve = getattr(type(scheduler), "_reserve_prefill_lookahead", None)
+        self._reserve: Callable[[Any, int, int], int] | None = (
+            (lambda r, c, n: reserve(scheduler, r, c, n)) if callable(reserve) else None
+        )
+        self._ledger: list[int] | None = None  # tokens each tier has left this step
+        self._charging = False  # the override is on the scheduler instance
+        self._step_error: BaseException | None = None
+        # Deadlines: counted per tier; aborts' outputs wait for update_from_output.
+        self.deadline_demotions = [0, 0, 0]
+        self.deadline_aborts = [0, 0, 0]
+        self.abort_outputs: dict[int, list[Any]] = {}
 
     def start_with_policy(self, policy_name: str) -> None:
         """The policy configured at engine start (before any request): it is
@@ -165,45 +183,187 @@ class EngineControl:
     # -- the tiered policy, per step (engine thread, under the lock) ----------
 
     def begin_tiered_step(self) -> None:
-        """Before schedule(): tell the queues the running requests per tier
-        and cap this step's prefill chunks while the hot tier has work: to
-        the budget minus the hot tier's share while hot requests wait, to the
-        budget minus one token per hot request while they only decode (vLLM
-        schedules the running requests in their order: a long prefill ahead
-        of them would take the whole step)."""
+        """Before schedule(): act on the requests past their tier's deadline,
+        tell the queues the running requests per tier, and, while more than
+        one tier has work, give each tier its share of this step's budget
+        (`tier_quotas`): with chunked prefill every chunk is cut to what its
+        tier has left (`_charge`), without it the queues admit whole prompts
+        by deficit round robin."""
         s = self.scheduler
         tiers = self.tiers
-        running = running_by_tier(tiers.boundaries, s.running)
+        running_requests = s.running
+        running_tiers = list(tiers_of(tiers.boundaries, running_requests))
+        running = [running_tiers.count(0), running_tiers.count(1), running_tiers.count(2)]
         max_active = int(s.max_num_active_reqs)
         limits = tiers.limits_for(max_active)
         now = self.clock()
         waiting, holding = s.waiting, s.kv_holding_waiting
+        if tiers.deadlines != (None, None, None):
+            expired = waiting.expire(now) + holding.expire(now)
+            if expired:
+                self._on_expired(expired)
         waiting.begin_step(now, running, limits, max_active)
         holding.begin_step(now, running, limits, max_active)
-        if not self.chunked_prefill:
-            return  # a capped prefill would be chunked: only where chunking is on
-        queued = [a + b for a, b in zip(waiting.tier_counts(), holding.tier_counts(), strict=True)]
+        budget = int(s.max_num_scheduled_tokens)
+        queued = [
+            a + b for a, b in zip(waiting.demand(budget), holding.demand(budget), strict=True)
+        ]
+        quotas: list[int] | None = None
+        if sum(1 for t in range(3) if queued[t] or running[t]) > 1:
+            busy = running_demand(running_tiers, running_requests)
+            if self.chunked_prefill:
+                demand = [b + q for b, q in zip(busy, queued, strict=True)]
+                quotas = tier_quotas(budget, tiers.shares, demand)
+            else:  # running requests only decode: the prompts share what they leave
+                quotas = tier_quotas(max(0, budget - sum(busy)), tiers.shares, queued)
+            if sum(1 for q in quotas if q) < 2:
+                quotas = None
+        if self.chunked_prefill and self._reserve is None:
+            self._hot_reserve(running, queued)  # older vLLM: the per-step chunk limit
+            quotas = None
+        waiting.set_quotas(quotas, self.chunked_prefill)
+        holding.set_quotas(quotas, self.chunked_prefill)
+        if quotas is not None and self.chunked_prefill:
+            self._ledger = quotas
+            # An instance attribute for this step only: fcfs, priority and the
+            # steps where one tier has all the work pay nothing.
+            s._reserve_prefill_lookahead = self._charge
+            self._charging = True
+
+    def _hot_reserve(self, running: list[int], queued: list[int]) -> None:
+        """Where vLLM has no per-request hook: cap this step's prefill chunks
+        while the hot tier has work: to the budget minus the hot tier's share
+        while hot requests wait, to the budget minus one token per hot request
+        while they only decode; split between the running prefills."""
+        s = self.scheduler
+        tiers = self.tiers
         user = self.long_prefill_threshold
         threshold = user
         budget = int(s.max_num_scheduled_tokens)
         cap = 0
         if queued[0] or running[0]:
-            if queued[0]:  # hot requests wait: leave the hot tier its share
+            if queued[0]:
                 active = [q > 0 or r > 0 for q, r in zip(queued, running, strict=True)]
                 cap = prefill_chunk_cap(budget, tiers.shares, active, tiers.boundaries[0])
-            else:  # hot requests only decode: leave a token each
+            else:
                 cap = max(1, budget - running[0])
-            # The cap is per chunk and each running prefill takes one (ahead of
-            # the waiting hot requests): split it between them.
             cap = max(1, cap // max(1, prefills_running(s.running)))
         if cap:
             threshold = min(cap, user) if user else cap
         s.scheduler_config.long_prefill_token_threshold = threshold
 
+    def _charge(self, request: Any, num_computed_tokens: int, num_new_tokens: int) -> int:
+        """vLLM's `_reserve_prefill_lookahead` while the shares apply: a prefill
+        chunk is cut to what its tier has left of this step's quota (0: a
+        running prefill waits a step; the queues offer no request of a tier
+        with nothing left); a decode is counted, never withheld. Never raises
+        into vLLM: a failure is kept for end_tiered_step and the chunk is
+        vLLM's own."""
+        reserve = self._reserve
+        assert reserve is not None
+        try:
+            ledger = self._ledger
+            if ledger is None:
+                return reserve(request, num_computed_tokens, num_new_tokens)
+            tier = self._tier_of_scheduled(request)
+            room = ledger[tier]
+            s = self.scheduler
+            if (
+                num_new_tokens > room
+                and request.num_tokens - num_computed_tokens > 1  # a prefill, not a decode
+                and not request.has_encoder_inputs  # its encoder inputs were fitted to the chunk
+                and not getattr(s, "need_mamba_block_aligned_split", False)
+            ):
+                num_new_tokens = max(0, room)
+            granted = reserve(request, num_computed_tokens, num_new_tokens)
+            ledger[tier] = room - granted
+            return granted
+        except Exception as exc:
+            if self._step_error is None:
+                self._step_error = exc
+            self._ledger = None
+            return reserve(request, num_computed_tokens, num_new_tokens)
+
+    def _tier_of_scheduled(self, request: Any) -> int:
+        """The tier a request vLLM is scheduling is charged to: the queue's tier
+        for the one being admitted (a demoted request's lower tier), the tier
+        of its prompt length for a running one."""
+        s = self.scheduler
+        for queue in (s.waiting, s.kv_holding_waiting):
+            peeked = queue.peeked
+            if peeked is not None and peeked[0] is request:
+                return int(peeked[1])
+        return self.tiers.tier_of(request.num_prompt_tokens)
+
     def end_tiered_step(self) -> None:
         s = self.scheduler
+        if self._charging:
+            self._charging = False
+            s.__dict__.pop("_reserve_prefill_lookahead", None)
+        self._ledger = None
         s.waiting.end_step()
         s.kv_holding_waiting.end_step()
+        if self._step_error is not None:
+            error, self._step_error = self._step_error, None
+            raise error
+
+    # -- deadlines (engine thread, under the lock) --------------------------
+
+    def _on_expired(self, expired: list[Expired]) -> None:
+        """Count the demotions; abort the requests whose client asked, with
+        the reason in the output's stop_reason (delivered by `deliver_aborts`
+        at the step's update_from_output)."""
+        aborted = []
+        for e in expired:
+            if e.aborted:
+                self.deadline_aborts[e.tier] += 1
+                aborted.append(e)
+            else:
+                self.deadline_demotions[e.tier] += 1
+        if not aborted:
+            return
+        from vllm.v1.engine import EngineCoreOutput, FinishReason
+        from vllm.v1.request import RequestStatus
+
+        s = self.scheduler
+        finished = {
+            r.request_id
+            for r in s.finish_requests(
+                [e.request.request_id for e in aborted], RequestStatus.FINISHED_ABORTED
+            )
+        }
+        deadlines = self.tiers.deadlines
+        for e in aborted:
+            request = e.request
+            if request.request_id not in finished:
+                continue
+            reason = (
+                f"vllm-runbook: {M.TIERS[e.tier]} tier deadline {deadlines[e.tier]:g} s passed "
+                f"({e.waited:.3f} s waiting for a first schedule); aborted as the request asked"
+            )
+            take_events = getattr(request, "take_events", None)
+            self.abort_outputs.setdefault(int(getattr(request, "client_index", 0)), []).append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[],
+                    finish_reason=FinishReason.ABORT,
+                    stop_reason=reason,
+                    events=take_events() if take_events is not None else None,
+                    trace_headers=getattr(request, "trace_headers", None),
+                )
+            )
+
+    def deliver_aborts(self, outputs: dict[int, Any]) -> None:
+        """Add the deadline aborts' outputs to what update_from_output returns."""
+        from vllm.v1.engine import EngineCoreOutputs
+
+        pending, self.abort_outputs = self.abort_outputs, {}
+        for client_index, outs in pending.items():
+            current = outputs.get(client_index)
+            if current is None:
+                outputs[client_index] = EngineCoreOutputs(outputs=outs)
+            else:
+                current.outputs = [*current.outputs, *outs]
 
     def _tiered_queue(self) -> TieredRequestQueue:
         return TieredRequestQueue(self.tiers, self.clock, self.waited_since)
@@ -231,6 +391,14 @@ class EngineControl:
             *(
                 Sample(M.SCHEDULER_POLICY, 1.0 if name == knobs["policy"] else 0.0, (name,))
                 for name in M.POLICIES
+            ),
+            *(
+                Sample(M.TIER_DEADLINE_DEMOTIONS, n, (t,))
+                for t, n in zip(M.TIERS, self.deadline_demotions, strict=True)
+            ),
+            *(
+                Sample(M.TIER_DEADLINE_ABORTS, n, (t,))
+                for t, n in zip(M.TIERS, self.deadline_aborts, strict=True)
             ),
         ]
 

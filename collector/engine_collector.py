@@ -4,9 +4,11 @@
     StepStats            step_stats.py      per-step tokens, budget, preemptions, KV, padding
     RequestTracker       request_tracking.py arrivals, first schedules, finished requests
     ChangeTracker        request_tracking.py counters when a change took effect, and since
+    EpisodeHistory       episode.py         the checks' gauges, a sample a second (peak, mean)
     read_engine_config   engine_config.py   the configuration vLLM resolved (read once)
     EngineControl        control.py         knobs changed between steps, within bounds
     AutopilotDriver      autopilot_driver.py the controller fed after each step
+    WarmupProgress       warmup.py          the warm-up at engine start (run by the plugin's hook)
     QueueInspector       queues.py          the queues per tier, the oldest waiting requests
     NvmlPoller           nvml.py            GPU memory and utilisation
     StatsExporter        exporter.py        every part's samples at scrape time (+ the
@@ -34,6 +36,7 @@ from vllm_runbook.collector.autopilot import Autopilot
 from vllm_runbook.collector.autopilot_driver import AutopilotDriver
 from vllm_runbook.collector.control import EngineControl
 from vllm_runbook.collector.engine_config import config_samples, read_engine_config
+from vllm_runbook.collector.episode import EpisodeHistory
 from vllm_runbook.collector.exporter import MultiprocessMirror, Sample, StatsExporter, close_quietly
 from vllm_runbook.collector.nvml import NvmlPoller, load_pynvml
 from vllm_runbook.collector.queues import QueueInspector
@@ -42,6 +45,7 @@ from vllm_runbook.collector.server import AgentServer
 from vllm_runbook.collector.settings import CollectorSettings, EngineIdentity
 from vllm_runbook.collector.state import build_state
 from vllm_runbook.collector.step_stats import StepStats
+from vllm_runbook.collector.warmup import NOT_RUN, Outcome, WarmupProgress, start_hook_installed
 
 if TYPE_CHECKING:
     from vllm_runbook.collector.vllm_types import KVCacheManager, VllmScheduler
@@ -76,6 +80,9 @@ class EngineCollector:
         self.changes = ChangeTracker(
             scheduler, self.stats, self.requests, self._wall_clock, settings.window_seconds
         )
+        self.episode = EpisodeHistory(
+            scheduler, self.stats, self.requests, lambda: self.nvml.latest
+        )
         self.autopilot = Autopilot(settings.autopilot_target)
         arrived = self.requests.arrived
         self.control = EngineControl(
@@ -97,6 +104,8 @@ class EngineCollector:
             self.control.start_with_policy(settings.policy)
         if settings.autopilot:
             self.autopilot.enable(int(scheduler.max_num_active_reqs), 0)
+        # Run by the plugin's start-up hook once the engine core is built (warmup.py).
+        self.warmup = WarmupProgress.at_start(settings.warmup, start_hook_installed())
 
         self._wrap_prefix_cache_stats(scheduler.kv_cache_manager)
         labels = self.identity.labels
@@ -106,6 +115,7 @@ class EngineCollector:
             self.registry,
             labels,
             settings.nvml_interval,
+            settings.window_seconds,
         )
         self.nvml.start()
         self.mirror: MultiprocessMirror | None = None
@@ -146,11 +156,15 @@ class EngineCollector:
         self, scheduler: VllmScheduler, output: Any, elapsed: float, free_before: int
     ) -> None:
         self.stats.on_schedule(scheduler, output, elapsed, free_before)
+        if self.warmup.outcome == Outcome.PENDING:  # the start-up hook never ran: say so, once
+            self.warmup.skip(NOT_RUN)
         changes = self.changes
         if changes.settling is not None:
             changes.on_schedule(scheduler)
         self.requests.on_schedule(scheduler, output)
-        changes.sample()
+        sampled_at = changes.sample()
+        if sampled_at is not None:
+            self.episode.sample(sampled_at)
 
     def _wrap_prefix_cache_stats(self, kv_manager: KVCacheManager) -> None:
         """Count prefix-cache lookups at admission, whatever vLLM's log_stats."""
@@ -191,15 +205,18 @@ class EngineCollector:
             *self.requests.samples(),
             *self.control.samples(),
             *self.autopilot_driver.samples(),
+            *self.warmup.samples(),
         ]
 
     def samples(self) -> list[Sample]:
         """Every non-NVML metric now (the exporter's and the mirror's source)."""
         return [*self.state_samples(), *self.queues.samples()]
 
-    def state(self, since_step: int | None = None) -> AgentState:
+    def state(
+        self, since_step: int | None = None, episode_seconds: float | None = None
+    ) -> AgentState:
         """The agent's `/v1/state` (see collector/state.py). HTTP thread."""
-        return build_state(self, since_step)
+        return build_state(self, since_step, episode_seconds)
 
     def since(self, step: int) -> SettledSince | DrainingSince | None:
         return self.changes.since(step)

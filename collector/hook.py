@@ -106,14 +106,24 @@ class RunbookSchedulerMixin:
         self: HookedScheduler, scheduler_output: Any, model_runner_output: Any
     ) -> Any:
         collector = self.runbook_collector
-        if collector is None or not collector.enabled:
+        if collector is None:
             return super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
-        with collector.control.lock:
+        if not collector.enabled:
             result = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
-        try:
-            collector.stats.on_update(self, scheduler_output, model_runner_output)
-        except Exception as exc:
-            collector.disable(exc)
+        else:
+            with collector.control.lock:
+                result = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+            try:
+                collector.stats.on_update(self, scheduler_output, model_runner_output)
+            except Exception as exc:
+                collector.disable(exc)
+        if collector.control.abort_outputs:
+            # Requests aborted at their tier's deadline: their clients learn it
+            # here, even if the collector failed since.
+            try:
+                collector.control.deliver_aborts(result)
+            except Exception as exc:
+                collector.disable(exc)
         return result
 
     # The queues a policy switch rebuilds are also touched here.

@@ -87,6 +87,38 @@ ENGINE_START_TIME = _spec(
     "gauge",
     "Unix time at which the scheduler (and so the engine) started.",
 )
+# The warm-up at engine start (collector/warmup.py, VLLM_RUNBOOK_WARMUP): zeros when off.
+WARMUP_REQUESTS_PLANNED = _spec(
+    "warmup_requests_planned",
+    "gauge",
+    "Requests the warm-up at engine start sends through the engine before it reports ready "
+    "(VLLM_RUNBOOK_WARMUP; 0 when off or skipped).",
+)
+WARMUP_REQUESTS_DONE = _spec(
+    "warmup_requests_done",
+    "gauge",
+    "Warm-up requests finished so far (of warmup_requests_planned).",
+)
+WARMUP_STEPS = _spec(
+    "warmup_steps", "gauge", "Scheduler steps (schedule() calls) the warm-up ran so far."
+)
+WARMUP_TOKENS = _spec(
+    "warmup_tokens",
+    "gauge",
+    "Tokens the warm-up's steps scheduled (prefill and decode), included in "
+    "scheduled_tokens_total: subtract them for the throughput after the warm-up.",
+)
+WARMUP_SECONDS = _spec(
+    "warmup_seconds",
+    "gauge",
+    "Wall time of the warm-up at engine start: so far while it runs, in total after.",
+)
+WARMUP_DONE = _spec(
+    "warmup_done",
+    "gauge",
+    "1 once every planned warm-up request finished; 0 while it runs, and when it is off, "
+    "skipped, failed or cut short by VLLM_RUNBOOK_WARMUP_TIMEOUT_SECONDS (the engine is cold).",
+)
 PREFIX_CACHE_QUERIES = _spec(
     "prefix_cache_queries", "counter", "Tokens looked up in the prefix cache at admission."
 )
@@ -253,6 +285,22 @@ TIER_QUEUE_SECONDS = _spec(
     extra_labels=("tier",),
     buckets=REQUEST_SECONDS_BUCKETS,
 )
+TIER_DEADLINE_DEMOTIONS = _spec(
+    "tier_deadline_demotions",
+    "counter",
+    "Under the tiered policy: requests demoted one tier because they waited for their first "
+    "schedule past the deadline of `tier` (VLLM_RUNBOOK_TIER_DEADLINES, default hot 0.1 s, "
+    "warm 1 s, cold none).",
+    extra_labels=("tier",),
+)
+TIER_DEADLINE_ABORTS = _spec(
+    "tier_deadline_aborts",
+    "counter",
+    "Under the tiered policy: requests aborted at the deadline of `tier` because their client "
+    "asked (extra_args / vllm_xargs vllm_runbook_on_deadline=abort); finish_reason abort, the "
+    "reason in stop_reason.",
+    extra_labels=("tier",),
+)
 AUTOPILOT_ENABLED = _spec(
     "autopilot_enabled",
     "gauge",
@@ -369,13 +417,38 @@ GPU_UTILIZATION = _spec(
     extra_labels=("gpu",),
     gpu_only=True,
 )
+GPU_DRAM_UTILIZATION = _spec(
+    "gpu_dram_utilization_ratio",
+    "gauge",
+    "Share of NVML's last sample period during which device memory (DRAM) was read or "
+    "written (nvmlDeviceGetUtilizationRates().memory), 0..1, per GPU: the memory "
+    "controller's busy time, NVML's nearest figure to DRAM bandwidth utilisation.",
+    extra_labels=("gpu",),
+    gpu_only=True,
+)
+GPU_MEMORY_USED_PEAK = _spec(
+    "gpu_memory_used_peak_bytes",
+    "gauge",
+    "Highest GPU memory in use at any NVML poll (VLLM_RUNBOOK_NVML_INTERVAL, default 1 s) "
+    "over the window (VLLM_RUNBOOK_WINDOW_SECONDS, default 60 s), per GPU: a short peak "
+    "between two scrapes stays visible for a window.",
+    extra_labels=("gpu",),
+    gpu_only=True,
+)
 
 ALL_METRICS: tuple[MetricSpec, ...] = tuple(
     v for v in globals().values() if isinstance(v, MetricSpec)
 )
 # Written by the NVML poller thread into real gauges; everything else is
 # produced at scrape time from the hook's plain counters.
-NVML_METRICS = (NVML_UP, GPU_MEMORY_USED, GPU_MEMORY_TOTAL, GPU_UTILIZATION)
+NVML_METRICS = (
+    NVML_UP,
+    GPU_MEMORY_USED,
+    GPU_MEMORY_TOTAL,
+    GPU_UTILIZATION,
+    GPU_DRAM_UTILIZATION,
+    GPU_MEMORY_USED_PEAK,
+)
 # The configuration series: in /v1/state's `config`, not in its `stats`.
 CONFIG_METRICS = (
     ENGINE_CONFIG_INFO,

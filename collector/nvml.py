@@ -1,5 +1,13 @@
 """GPU memory and utilisation per GPU from NVML (pynvml, from nvidia-ml-py).
 
+Every poll (VLLM_RUNBOOK_NVML_INTERVAL, default 1 s, the field reports'
+`nvidia-smi -l 1`) reads, per GPU, the memory in use and in total and
+nvmlDeviceGetUtilizationRates: compute (`.gpu`) and memory-controller
+(`.memory`, the DRAM busy share) utilisation. The highest memory in use over
+the window's polls is a gauge of its own, so a peak shorter than the
+Prometheus scrape interval is still seen (benchmarks/collector_overhead.py
+--nvml measures what a poll costs the engine's process).
+
 Where there is no NVIDIA driver the poller sets `vllm_runbook_nvml_up 0` and
 exports no GPU series: absence is not an error. The NVML module is passed in,
 so tests use a fake.
@@ -10,6 +18,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -17,6 +29,8 @@ from prometheus_client import CollectorRegistry, Gauge
 from vllm_runbook.collector import metrics as M
 
 logger = logging.getLogger("vllm_runbook.collector")
+
+DEFAULT_INTERVAL = 1.0  # seconds between polls (VLLM_RUNBOOK_NVML_INTERVAL)
 
 
 def load_pynvml() -> ModuleType | None:
@@ -41,26 +55,56 @@ def visible_gpu_indices(device_count: int, env: str | None) -> list[int]:
     return indices
 
 
+@dataclass
+class _GpuSeries:
+    """One GPU's labelled gauges, looked up once (a poll only sets them: a label
+    lookup costs several times a set), and the memory in use at the window's polls."""
+
+    used: Gauge
+    total: Gauge
+    utilization: Gauge
+    dram_utilization: Gauge
+    used_peak: Gauge
+    # (poll time, used) of the window's polls that no later poll matched or exceeded:
+    # decreasing, so the first is the window's highest (a sliding-window maximum).
+    polls: deque[tuple[float, float]] = field(default_factory=deque)
+
+    def peak(self, now: float, used: float, window_seconds: float) -> float:
+        """The highest memory in use over the window's polls, this one included."""
+        polls = self.polls
+        while polls and polls[-1][1] <= used:
+            polls.pop()
+        polls.append((now, used))
+        while polls[0][0] < now - window_seconds:
+            polls.popleft()
+        return polls[0][1]
+
+
 class NvmlPoller:
-    """Polls NVML on a daemon thread every `interval` seconds into gauges."""
+    """Polls NVML on a daemon thread every `interval` seconds into gauges
+    (`gauges`: metrics.NVML_METRICS by name)."""
 
     def __init__(
         self,
         nvml: Any,
-        up: Gauge,
-        memory_used: Gauge,
-        memory_total: Gauge,
-        utilization: Gauge,
+        gauges: Mapping[str, Gauge],
         base_labels: tuple[str, str],
-        interval: float = 5.0,
+        interval: float = DEFAULT_INTERVAL,
+        window_seconds: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.nvml = nvml
-        self.up = up
-        self.memory_used = memory_used
-        self.memory_total = memory_total
-        self.utilization = utilization
+        self.up = gauges[M.NVML_UP.name]
+        self.memory_used = gauges[M.GPU_MEMORY_USED.name]
+        self.memory_total = gauges[M.GPU_MEMORY_TOTAL.name]
+        self.utilization = gauges[M.GPU_UTILIZATION.name]
+        self.dram_utilization = gauges[M.GPU_DRAM_UTILIZATION.name]
+        self.memory_used_peak = gauges[M.GPU_MEMORY_USED_PEAK.name]
         self.base_labels = base_labels
         self.interval = interval
+        self.window_seconds = window_seconds
+        self.clock = clock
+        self._gpus: dict[str, _GpuSeries] = {}  # by gpu index
         self.handles: list[tuple[str, Any]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -75,19 +119,12 @@ class NvmlPoller:
         nvml: Any,
         registry: CollectorRegistry,
         base_labels: tuple[str, str],
-        interval: float = 5.0,
+        interval: float = DEFAULT_INTERVAL,
+        window_seconds: float = 60.0,
     ) -> NvmlPoller:
         """A poller whose gauges (metrics.NVML_METRICS) live in `registry`."""
         gauges = {spec.name: M.build_gauge(spec, registry) for spec in M.NVML_METRICS}
-        return cls(
-            nvml,
-            gauges[M.NVML_UP.name],
-            gauges[M.GPU_MEMORY_USED.name],
-            gauges[M.GPU_MEMORY_TOTAL.name],
-            gauges[M.GPU_UTILIZATION.name],
-            base_labels,
-            interval,
-        )
+        return cls(nvml, gauges, base_labels, interval, window_seconds)
 
     def snapshot(self) -> dict[str, Any]:
         """For /v1/state: whether NVML answered, and the per-GPU values."""
@@ -121,13 +158,16 @@ class NvmlPoller:
         up = self.up.labels(*self.base_labels)
         try:
             latest = {}
+            now = self.clock()
             for gpu, handle in self.handles:
                 mem = self.nvml.nvmlDeviceGetMemoryInfo(handle)
                 util = self.nvml.nvmlDeviceGetUtilizationRates(handle)
-                labels = (*self.base_labels, gpu)
-                self.memory_used.labels(*labels).set(mem.used)
-                self.memory_total.labels(*labels).set(mem.total)
-                self.utilization.labels(*labels).set(util.gpu / 100.0)
+                series = self._gpus.get(gpu) or self._gpus.setdefault(gpu, self._series(gpu))
+                series.used.set(mem.used)
+                series.total.set(mem.total)
+                series.utilization.set(util.gpu / 100.0)
+                series.dram_utilization.set(util.memory / 100.0)
+                series.used_peak.set(series.peak(now, float(mem.used), self.window_seconds))
                 latest[gpu] = {
                     "memory_used_bytes": float(mem.used),
                     "memory_total_bytes": float(mem.total),
@@ -144,6 +184,16 @@ class NvmlPoller:
         up.set(1)
         self.is_up = bool(self.handles)
         return True
+
+    def _series(self, gpu: str) -> _GpuSeries:
+        labels = (*self.base_labels, gpu)
+        return _GpuSeries(
+            self.memory_used.labels(*labels),
+            self.memory_total.labels(*labels),
+            self.utilization.labels(*labels),
+            self.dram_utilization.labels(*labels),
+            self.memory_used_peak.labels(*labels),
+        )
 
     def start(self) -> None:
         if self._thread is None and self.init():

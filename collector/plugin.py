@@ -7,6 +7,10 @@ so the class vLLM picks (Scheduler, AsyncScheduler, or a user's) comes back
 with the hook mixed in. Where the user already chose our class with
 `--scheduler-cls vllm_runbook.collector.scheduler.RunbookAutoScheduler`, nothing changes.
 
+It also installs the start-up hook of the warm-up at engine start
+(collector/warmup.py, opt-in): once vLLM built the engine core, before the
+core reports ready.
+
 Disable with `VLLM_PLUGINS=` (an empty allow-list) or by naming only other
 plugins there.
 """
@@ -44,6 +48,20 @@ def register() -> None:
                 return scheduler_cls
 
         SchedulerConfig.get_scheduler_cls = get_scheduler_cls  # type: ignore[method-assign]
+        _install_start_hook()
         _registered = True
     except Exception:  # never stop vLLM from starting
         logger.exception("vllm-runbook: plugin registration failed; engine runs without it")
+
+
+def _install_start_hook() -> None:
+    """The start-up hook of the warm-up (collector/warmup.py): a no-op unless
+    VLLM_RUNBOOK_WARMUP is on where the collector starts. Without it the
+    collector still runs."""
+    try:
+        from vllm.v1.engine.core import EngineCore, EngineCoreProc
+        from vllm_runbook.collector.warmup import install_start_hook
+
+        install_start_hook(EngineCore, EngineCoreProc)
+    except Exception:
+        logger.exception("vllm-runbook: no start-up hook; the warm-up at start cannot run")

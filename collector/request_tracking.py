@@ -175,6 +175,29 @@ def long_share(lengths: list[int]) -> float | None:
     return sum(1 for n in lengths if n > M.LONG_PROMPT_TOKENS) / len(lengths)
 
 
+def requests_in_engine(
+    stays: Iterable[tuple[float, float]], start: float, end: float
+) -> tuple[int, float]:
+    """(most at once, time-weighted mean) of the requests in the engine over
+    [start, end], from each request's (arrival, finish) in the engine."""
+    events: list[tuple[float, int]] = []
+    total = 0.0
+    for arrived, left in stays:
+        begin, finish = max(arrived, start), min(left, end)
+        if finish < begin:
+            continue
+        total += finish - begin
+        events.append((begin, 1))
+        if left <= end:
+            events.append((finish, -1))
+    peak = count = 0
+    for _, change in sorted(events):  # a finish before an arrival at the same instant
+        count += change
+        peak = max(peak, count)
+    span = end - start
+    return peak, total / span if span > 0 else 0.0
+
+
 def length_summary(lengths: list[int]) -> dict[str, float | None]:
     ordered = sorted(lengths)
     return {
@@ -388,9 +411,16 @@ class RequestTracker:
 
     def workload(self, window_seconds: float) -> dict[str, Any]:
         """Prompt and output lengths over the window (nearest-rank percentiles):
-        prompts of the requests that arrived, outputs of those that finished."""
+        prompts of the requests that arrived, outputs of those that finished;
+        and how many requests were in the engine at once."""
+        now = self.clock()
         prompts = self.arrived_prompt_tokens(window_seconds)
-        outputs = [e.output_tokens for e in self.log.since_time(self.clock() - window_seconds)]
+        finished = self.log.since_time(now - window_seconds)
+        outputs = [e.output_tokens for e in finished]
+        # Each request's time in the engine: the finished ones', then the ones in flight.
+        stays = [(e.time - e.e2e_seconds, e.time) for e in finished]
+        stays += [(arrived, now) for arrived in list(self.arrived.values())]
+        peak, mean = requests_in_engine(stays, now - window_seconds, now)
         return {
             "window_seconds": window_seconds,
             "requests_arrived": len(prompts),
@@ -398,6 +428,8 @@ class RequestTracker:
             "output_tokens": length_summary(outputs),
             "prompt_length_spread_ratio": length_spread(prompts),
             "long_prompt_ratio": long_share(prompts),
+            "requests_in_engine_peak": peak,
+            "requests_in_engine_mean": mean,
         }
 
     def samples(self) -> list[Sample]:
@@ -455,13 +487,16 @@ class ChangeTracker:
         self.history: deque[tuple[float, int, int, int]] = deque(maxlen=HISTORY_KEPT)
         self._next_sample = 0.0
 
-    def sample(self) -> None:
-        """After each step (engine thread): one clock read, a sample once a second."""
+    def sample(self) -> float | None:
+        """After each step (engine thread): one clock read, a sample once a second.
+        The time sampled at, None when not sampled (the episode's gauges ride on it)."""
         now = self.clock()
         # (A wall clock set back more than a sample starts the samples again.)
         if now >= self._next_sample or now < self._next_sample - 2 * HISTORY_INTERVAL_S:
             self._next_sample = now + HISTORY_INTERVAL_S
             self.history.append((now, self.stats.preemptions, *self._finished()))
+            return now
+        return None
 
     def _finished(self) -> tuple[int, int]:
         by_reason = self.requests.log.by_reason

@@ -15,6 +15,7 @@ from vllm_runbook.collector.metrics import POLICIES
 from vllm_runbook.collector.server import ServerLimits
 from vllm_runbook.collector.tiers import TierConfig
 from vllm_runbook.collector.vllm_support import TESTED_VLLM, describe, minor
+from vllm_runbook.collector.warmup import WarmupSettings
 
 logger = logging.getLogger("vllm_runbook.collector")
 
@@ -28,7 +29,7 @@ class CollectorSettings:
     host: str = "127.0.0.1"
     port: int | None = DEFAULT_PORT  # None: no HTTP endpoint; 0: any free port
     window_seconds: float = 60.0
-    nvml_interval: float = 5.0
+    nvml_interval: float = 1.0  # the field reports poll GPU memory every second
     server_limits: ServerLimits = field(default_factory=ServerLimits)
     autopilot: bool = False
     autopilot_target: float = DEFAULT_TARGET
@@ -36,6 +37,8 @@ class CollectorSettings:
     # and the tiers of the `tiered` policy and of the per-tier signals.
     policy: str | None = None
     tiers: TierConfig = field(default_factory=TierConfig)
+    # The warm-up at engine start (collector/warmup.py): off unless asked for.
+    warmup: WarmupSettings = field(default_factory=WarmupSettings)
 
     def __post_init__(self) -> None:
         if self.policy is not None and self.policy not in POLICIES:
@@ -52,11 +55,12 @@ class CollectorSettings:
             host=env.get("VLLM_RUNBOOK_HOST", "127.0.0.1"),
             port=port,
             window_seconds=float(env.get("VLLM_RUNBOOK_WINDOW_SECONDS", "60")),
-            nvml_interval=float(env.get("VLLM_RUNBOOK_NVML_INTERVAL", "5")),
+            nvml_interval=float(env.get("VLLM_RUNBOOK_NVML_INTERVAL", "1")),
             server_limits=ServerLimits.from_env(env),
             **_autopilot_settings(env),
             policy=env.get("VLLM_RUNBOOK_POLICY", "").strip().lower() or None,
             tiers=TierConfig.from_env(env),
+            warmup=_warmup_settings(env),
         )
 
 
@@ -73,6 +77,16 @@ def _autopilot_settings(env: dict[str, str]) -> dict[str, Any]:
     except ValueError as exc:
         logger.error("vllm-runbook: autopilot left off: VLLM_RUNBOOK_AUTOPILOT*: %s", exc)
         return {"autopilot": False, "autopilot_target": DEFAULT_TARGET}
+
+
+def _warmup_settings(env: dict[str, str]) -> WarmupSettings:
+    """VLLM_RUNBOOK_WARMUP*. A bad value leaves the warm-up off (one log line)
+    rather than the collector unstarted or the engine's start delayed by a guess."""
+    try:
+        return WarmupSettings.from_env(env)
+    except ValueError as exc:
+        logger.error("vllm-runbook: warm-up at start left off: %s", exc)
+        return WarmupSettings()
 
 
 def agent_token(host: str, env: dict[str, str] | None = None) -> str | None:

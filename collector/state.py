@@ -33,6 +33,7 @@ from vllm_runbook.collector.agent_api import (
 from vllm_runbook.collector.autopilot import Autopilot
 from vllm_runbook.collector.control import Bound as ControlBound
 from vllm_runbook.collector.control import EngineControl
+from vllm_runbook.collector.episode import EpisodeHistory, episode_span
 from vllm_runbook.collector.exporter import Sample
 from vllm_runbook.collector.nvml import NvmlPoller
 from vllm_runbook.collector.queues import QueueInspector
@@ -55,6 +56,7 @@ class StateSource(Protocol):
     stats: StepStats
     requests: RequestTracker
     changes: ChangeTracker
+    episode: EpisodeHistory
     autopilot: Autopilot
     control: EngineControl
     queues: QueueInspector
@@ -111,9 +113,12 @@ def _bound(bound: ControlBound) -> Bound:
     )
 
 
-def build_state(c: StateSource, since_step: int | None = None) -> AgentState:
+def build_state(
+    c: StateSource, since_step: int | None = None, episode_seconds: float | None = None
+) -> AgentState:
     """With `since_step` (the step a change took effect from, as the knob routes
-    answer it), `since` holds what happened from that step on."""
+    answer it), `since` holds what happened from that step on. `episode` holds the
+    checks' gauges over `episode_seconds` (see episode_span: the window without it)."""
     window = c.settings.window_seconds
     stats = stats_values(c.state_samples())
     stats["preemptions_per_minute"] = c.stats.preemptions_per_minute()
@@ -159,7 +164,11 @@ def build_state(c: StateSource, since_step: int | None = None) -> AgentState:
         ),
         stats=Stats(**stats),
         gpus=Gpus(**c.nvml.snapshot()),
-        schedule_histogram=ScheduleHistogram(bounds=list(histogram_bounds), cumulative=cumulative),
+        schedule_histogram=ScheduleHistogram(
+            bounds=list(histogram_bounds),
+            cumulative=cumulative,
+            sum_seconds=c.stats.schedule_seconds_sum,
+        ),
         since=None if since_step is None else c.changes.since(since_step),
         tiers=Tiers(
             config=TierSettings(**control.tiers.as_dict(max_num_seqs)),
@@ -177,4 +186,5 @@ def build_state(c: StateSource, since_step: int | None = None) -> AgentState:
         queues=c.queues.snapshot(),
         config=c.config,
         workload=Workload.model_validate(c.requests.workload(window)),
+        episode=c.episode.episode(c.requests.clock(), episode_span(episode_seconds, window)),
     )

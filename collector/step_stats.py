@@ -110,6 +110,11 @@ class StepStats:
         self.preemption_window = SlidingWindowRatio(window_seconds)
         self.kv_usage_peak = SlidingWindowMax(window_seconds)
 
+    @property
+    def usable_blocks(self) -> int:
+        """KV blocks requests can hold (vLLM's null block excluded)."""
+        return self._usable_blocks
+
     def kv_usage(self, free_blocks: int) -> float:
         usable = self._usable_blocks
         return 1.0 - free_blocks / usable if usable else 0.0
@@ -242,7 +247,10 @@ class StepStats:
                 if request is not None and request_id in sums.keys:
                     sums.set(request_id, request.num_computed_tokens)
         if not scheduler.running:
-            self.fragmentation = 0.0
+            # The batch is gone: no step follows until a request arrives, so the
+            # latest-step gauges would otherwise keep the last batch's shape (an
+            # idle engine read as padded for as long as it stays idle).
+            self.fragmentation = self.length_padding = 0.0
             self.max_sequence_tokens = 0
             self.fragmentation_sums = self._no_sums
 

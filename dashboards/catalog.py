@@ -48,6 +48,34 @@ REQUEST_GENERATION_TOKENS = _vllm(
 E2E_REQUEST_LATENCY = _vllm(
     "e2e_request_latency_seconds", "histogram", "Time from arrival to the request's end."
 )
+# With --kv-cache-metrics: vLLM's sampled KV block residency, observed at eviction.
+KV_BLOCK_LIFETIME = _vllm(
+    "kv_block_lifetime_seconds", "histogram", "KV block lifetime, allocation to eviction."
+)
+KV_BLOCK_IDLE_BEFORE_EVICT = _vllm(
+    "kv_block_idle_before_evict_seconds",
+    "histogram",
+    "Time from a KV block's last use (allocation or prefix-cache hit) to its eviction.",
+)
+KV_BLOCK_REUSE_GAP = _vllm(
+    "kv_block_reuse_gap_seconds",
+    "histogram",
+    "Time between two prefix-cache hits on the same KV block.",
+)
+# With speculative decoding (declared in vllm/v1/spec_decode/metrics.py).
+SPEC_DECODE_DRAFT_TOKENS = _vllm("spec_decode_num_draft_tokens", "counter", "Draft tokens.")
+SPEC_DECODE_ACCEPTED_TOKENS = _vllm(
+    "spec_decode_num_accepted_tokens", "counter", "Draft tokens the target model accepted."
+)
+# vLLM's series that exist only where an option of vLLM is on, and the option:
+# their panels stay empty elsewhere (like the collector's GPU-only series).
+VLLM_OPTIONAL: dict[MetricSpec, str] = {
+    KV_BLOCK_LIFETIME: "--kv-cache-metrics",
+    KV_BLOCK_IDLE_BEFORE_EVICT: "--kv-cache-metrics",
+    KV_BLOCK_REUSE_GAP: "--kv-cache-metrics",
+    SPEC_DECODE_DRAFT_TOKENS: "--speculative-config",
+    SPEC_DECODE_ACCEPTED_TOKENS: "--speculative-config",
+}
 
 # What Prometheus makes of the configuration's SLOs (vllm_runbook.rules.slo's
 # recording rules) and its own ALERTS series: present where those rules are loaded.
@@ -83,6 +111,11 @@ VLLM_METRICS: tuple[MetricSpec, ...] = (
     E2E_REQUEST_LATENCY,
     REQUEST_PROMPT_TOKENS,
     REQUEST_GENERATION_TOKENS,
+    KV_BLOCK_LIFETIME,
+    KV_BLOCK_IDLE_BEFORE_EVICT,
+    KV_BLOCK_REUSE_GAP,
+    SPEC_DECODE_DRAFT_TOKENS,
+    SPEC_DECODE_ACCEPTED_TOKENS,
 )
 
 # vLLM's metrics carry model_name and engine like the collector's; the
@@ -103,6 +136,8 @@ SOURCES: dict[str, tuple[MetricSpec, ...]] = {
 }
 
 _VLLM_METRIC = re.compile(r"_(counter|gauge|histogram)_cls\(\s*name=\"(vllm:[A-Za-z0-9_:]+)\"")
+# spec_decode/metrics.py declares its counters as (name, documentation) pairs.
+_VLLM_COUNTER_PAIR = re.compile(r"\(\s*\"(vllm:[A-Za-z0-9_:]+)\",\s*\"")
 
 
 def series_names(spec: MetricSpec) -> set[str]:
@@ -144,6 +179,20 @@ def vllm_loggers_path() -> Path | None:
     return path if path.is_file() else None
 
 
+def vllm_spec_decode_path() -> Path | None:
+    """vLLM's spec_decode/metrics.py (its speculative-decoding counters), beside loggers.py."""
+    loggers = vllm_loggers_path()
+    if loggers is None:
+        return None
+    path = loggers.parents[1] / "spec_decode" / "metrics.py"
+    return path if path.is_file() else None
+
+
 def vllm_metric_types(source: str) -> Mapping[str, str]:
     """{"vllm:name": "counter"|"gauge"|"histogram"} declared in loggers.py's text."""
     return {name: kind for kind, name in _VLLM_METRIC.findall(source)}
+
+
+def vllm_spec_decode_counters(source: str) -> Mapping[str, str]:
+    """{"vllm:name": "counter"} of the (name, documentation) pairs in spec_decode/metrics.py."""
+    return dict.fromkeys(_VLLM_COUNTER_PAIR.findall(source), "counter")

@@ -159,8 +159,8 @@ class Panels:
                 + " "
                 + n.note(
                     "VllmInsufficientWarmup",
-                    "fires in the first {warmup} when the throughput {window} ago was below "
-                    "{fraction_pct} of the latest {window}'s, with requests waiting",
+                    "fires in the first {warmup} while the engine generates tokens without a "
+                    "finished warm-up at start and no request waited over {window}, for {for}",
                 ),
                 width,
             )
@@ -179,6 +179,13 @@ class Panels:
                     "fires when the P99 over {window} is above {p99_sla_seconds} s (the dashed "
                     "line) or at least {earlier_rise_pct} above its value {earlier} earlier, "
                     "while the queue grows, for {for}",
+                )
+                + " "
+                + n.note(
+                    "VllmLatencyRiseFlatLoad",
+                    "fires when the P99 rose by {earlier_rise_pct} against {earlier} earlier while "
+                    "the finished-request rate stayed within {load_min}..{load_max} of its "
+                    "earlier value and the queue did not grow, for {for}",
                 )
                 + " "
                 + n.note(
@@ -507,6 +514,37 @@ class Panels:
             .max(1)
         )
 
+    def kv_block_residency(self, width: int = 12) -> Graph:
+        n = self.n
+        return (
+            Graph(
+                "KV block residency (vLLM's --kv-cache-metrics)",
+                "Medians over the rate interval of vLLM's sampled KV blocks, observed when a "
+                "block is evicted: its lifetime (allocation to eviction), its idle time before "
+                "eviction (since its allocation or latest prefix-cache hit) and the gap between "
+                "two prefix-cache hits on it. Empty unless vLLM runs with --kv-cache-metrics. "
+                "The idle time is how long the cache keeps a block nobody uses: the field "
+                "reports' block reuse needs a prefix still cached when it comes back. "
+                + n.note(
+                    "VllmKVCacheRetentionShort",
+                    "fires when the idle time's median over {window} is below {idle_seconds} s "
+                    "(dashed line) while blocks are reused, for {for}",
+                ),
+                width,
+            )
+            .targets(
+                [
+                    prom(Q.latency(0.5, V.KV_BLOCK_IDLE_BEFORE_EVICT), "idle " + ENGINE_LEGEND),
+                    prom(Q.latency(0.5, V.KV_BLOCK_LIFETIME), "lifetime " + ENGINE_LEGEND),
+                    prom(Q.latency(0.5, V.KV_BLOCK_REUSE_GAP), "reuse gap " + ENGINE_LEGEND),
+                ]
+            )
+            .unit("s")
+            .rule_lines(
+                n.threshold("VllmKVCacheRetentionShort", "idle_seconds", color="orange", below=True)
+            )
+        )
+
     def kv_blocks(self) -> Graph:
         return (
             Graph(
@@ -525,17 +563,24 @@ class Panels:
             Graph(
                 "Padding and length padding",
                 f"Padding: {M.PADDING_RATIO.help} Length padding: {M.LENGTH_PADDING_RATIO.help} "
-                "No rule uses length padding. "
+                "The field reports' padding ratio is the length padding. "
                 + n.note(
                     "VllmPaddingHigh",
-                    "fires when padding averages above {threshold} over {window} for {for}",
+                    "fires when length padding averages above {threshold} over {window} for {for}",
                     "warning",
                 )
                 + " "
                 + n.note(
                     "VllmPaddingHigh",
-                    "above {threshold} with P99 latency above the {p99_sla_seconds} s SLA",
+                    "above {threshold} while the P99 rose by {latency_rise_pct} against {earlier} "
+                    "earlier",
                     "critical",
+                )
+                + " "
+                + n.note(
+                    "VllmCudagraphPaddingHigh",
+                    "fires when the CUDA graph padding averages above {threshold} over {window} "
+                    "for {for} (never without graphs)",
                 ),
                 width,
             )
@@ -547,6 +592,42 @@ class Panels:
             .rule_lines(
                 n.threshold("VllmPaddingHigh", severity="warning", color="orange"),
                 n.threshold("VllmPaddingHigh", severity="critical", color="red"),
+            )
+        )
+
+    def spec_decode_acceptance(self, width: int = 12) -> Graph:
+        n = self.n
+        accepted, drafted = V.SPEC_DECODE_ACCEPTED_TOKENS, V.SPEC_DECODE_DRAFT_TOKENS
+        return (
+            Graph(
+                "Speculative decoding acceptance",
+                "Draft tokens the target model accepted / draft tokens proposed, over the rate "
+                "interval (vLLM's spec-decode counters; empty without speculative decoding). "
+                + n.note(
+                    "VllmSpecDecodeAcceptanceLow",
+                    "fires when it stays below {threshold} (the reports' draft-model overlap) "
+                    "over {window} for {for}",
+                    "info",
+                )
+                + " "
+                + n.note(
+                    "VllmSpecDecodeAcceptanceLow",
+                    "below {threshold}, the reports' validator floor",
+                    "warning",
+                ),
+                width,
+            )
+            .with_target(prom(f"{Q.sum_rate(accepted)} / {Q.sum_rate(drafted)}", ENGINE_LEGEND))
+            .unit("percentunit")
+            .min(0)
+            .max(1)
+            .rule_lines(
+                n.threshold(
+                    "VllmSpecDecodeAcceptanceLow", severity="info", color="orange", below=True
+                ),
+                n.threshold(
+                    "VllmSpecDecodeAcceptanceLow", severity="warning", color="red", below=True
+                ),
             )
         )
 
@@ -750,11 +831,29 @@ class Panels:
             Graph(
                 "GPU memory in use",
                 f"{M.GPU_MEMORY_USED.help} A steady rise under flat load is what VllmGPUMemoryLeak "
-                "looks for (see the panel beside).",
+                f"looks for (see the panel beside). Peak: {M.GPU_MEMORY_USED_PEAK.help}",
                 8,
             )
             .with_target(prom(Q.per_gpu(M.GPU_MEMORY_USED), "GPU {{gpu}} " + ENGINE_LEGEND))
+            .with_target(
+                prom(Q.per_gpu(M.GPU_MEMORY_USED_PEAK), "peak GPU {{gpu}} " + ENGINE_LEGEND)
+            )
             .unit("bytes")
+        )
+
+    def gpu_dram_utilization(self) -> Graph:
+        return (
+            Graph(
+                "GPU memory bandwidth (DRAM busy)",
+                f"{M.GPU_DRAM_UTILIZATION.help} The field reports saw DRAM bandwidth "
+                "utilisation rise from 45 % to 78 % from batch 8 to 16, and only to 82 % at 32: "
+                "near saturation a larger batch adds little throughput. No rule uses it.",
+                8,
+            )
+            .with_target(prom(Q.per_gpu(M.GPU_DRAM_UTILIZATION), "GPU {{gpu}} " + ENGINE_LEGEND))
+            .unit("percentunit")
+            .min(0)
+            .max(1)
         )
 
     def gpu_utilization(self) -> Graph:
@@ -877,6 +976,31 @@ class Panels:
             .stepped()
         )
 
+    def warmup(self) -> Graph:
+        n = self.n
+        return (
+            Graph(
+                "Warm-up at engine start",
+                "Progress of the collector's warm-up before the engine reports ready "
+                f"(VLLM_RUNBOOK_WARMUP; zeros when off): requests done of planned "
+                f"({M.WARMUP_REQUESTS_DONE.help}), steps ({M.WARMUP_STEPS.help}), tokens "
+                f"({M.WARMUP_TOKENS.help}), seconds ({M.WARMUP_SECONDS.help}) and done "
+                f"({M.WARMUP_DONE.help}) "
+                + n.note(
+                    "VllmInsufficientWarmup",
+                    "fires only while done is 0",
+                ),
+                12,
+            )
+            .with_target(prom(Q.gauge(M.WARMUP_REQUESTS_PLANNED), "planned " + ENGINE_LEGEND))
+            .with_target(prom(Q.gauge(M.WARMUP_REQUESTS_DONE), "done " + ENGINE_LEGEND))
+            .with_target(prom(Q.gauge(M.WARMUP_STEPS), "steps " + ENGINE_LEGEND))
+            .with_target(prom(Q.gauge(M.WARMUP_TOKENS), "tokens " + ENGINE_LEGEND))
+            .with_target(prom(Q.gauge(M.WARMUP_SECONDS), "seconds " + ENGINE_LEGEND))
+            .with_target(prom(Q.gauge(M.WARMUP_DONE), "warmed up " + ENGINE_LEGEND))
+            .min(0)
+        )
+
     def uptime(self) -> stat.Panel:
         n = self.n
         return (
@@ -930,6 +1054,7 @@ def engine_overview(notes: Q.RuleNotes) -> dict[str, Any]:
                     p.hit_ratio(),
                     p.fragmentation(),
                     p.fragmentation_what_if(),
+                    p.kv_block_residency(),
                     p.kv_blocks(),
                     p.oom_rate(),
                     p.longest_sequence(),
@@ -939,6 +1064,7 @@ def engine_overview(notes: Q.RuleNotes) -> dict[str, Any]:
                 "Batching and scheduling",
                 [p.padding(), p.schedule_time(), p.budget_fill(), p.steps(), p.executed_tokens()],
             ),
+            ("Speculative decoding (empty without it)", [p.spec_decode_acceptance(24)]),
             (
                 "Knobs (effective values: a runbook's change is a step)",
                 [
@@ -951,7 +1077,12 @@ def engine_overview(notes: Q.RuleNotes) -> dict[str, Any]:
             ),
             (
                 "GPUs (GPU-only: empty without an NVIDIA GPU)",
-                [p.gpu_memory(), p.gpu_memory_bytes(), p.gpu_utilization()],
+                [
+                    p.gpu_memory(),
+                    p.gpu_memory_bytes(),
+                    p.gpu_utilization(),
+                    p.gpu_dram_utilization(),
+                ],
             ),
             (
                 "Configuration and workload (as the engine resolved and sees them)",
@@ -963,7 +1094,7 @@ def engine_overview(notes: Q.RuleNotes) -> dict[str, Any]:
                     p.length_spread(),
                 ],
             ),
-            ("Agent", [p.agent_health(), p.uptime()]),
+            ("Agent", [p.agent_health(), p.uptime(), p.warmup()]),
         ],
     )
 

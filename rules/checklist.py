@@ -10,6 +10,11 @@ samples them: vllm_runbook.runbooks.operate.cli.check).
     OOM rate < 0.1%               preemptions (collector) per finished request (vLLM, --vllm)
     error rate < 0.5%             finished_reason="error" share of finished requests (vLLM)
     GPU memory difference < 15%   (max - min) / max of memory used across the engine's GPUs
+    KV block retention >= 30 s    vLLM's residency histograms (--vllm, vLLM started with
+                                  --kv-cache-metrics): the median idle time of the sampled
+                                  blocks evicted over the interval; a warning (never a
+                                  failure) when shorter while blocks were reused, the
+                                  threshold of VllmKVCacheRetentionShort
 
 A check whose signal does not exist says n/a and why (no GPU, idle engine,
 no --vllm); n/a never fails. Rates come from several scrapes `--interval`
@@ -27,11 +32,18 @@ from typing import Any, Literal
 from prometheus_client.parser import text_string_to_metric_families
 from vllm_runbook.collector import metrics as M
 from vllm_runbook.rules.promfuncs import bucket_quantile
+from vllm_runbook.rules.signals import SIGNALS
 
 Status = Literal["pass", "warn", "fail", "n/a"]
 
 E2E_LATENCY = "vllm:e2e_request_latency_seconds"
 REQUEST_SUCCESS = "vllm:request_success_total"
+# vLLM's KV block residency histograms (--kv-cache-metrics), named by the signal registry.
+KV_IDLE_BEFORE_EVICT = str(SIGNALS["kv_block_idle_before_evict"].metric)
+KV_BLOCK_LIFETIME = str(SIGNALS["kv_block_lifetime"].metric)
+KV_REUSE_GAP = str(SIGNALS["kv_block_reuse_gap"].metric)
+# VllmKVCacheRetentionShort's default idle_seconds (a test keeps the two equal).
+KV_RETENTION_SECONDS = 30.0
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]  # sample name -> (labels, value)
 
@@ -47,6 +59,9 @@ READS: frozenset[str] = frozenset(
         M.PREEMPTIONS.series_name,
         E2E_LATENCY + "_bucket",
         REQUEST_SUCCESS,
+        KV_IDLE_BEFORE_EVICT + "_bucket",
+        KV_BLOCK_LIFETIME + "_bucket",
+        KV_REUSE_GAP + "_bucket",
     }
 )
 
@@ -183,15 +198,7 @@ def check_p99(scrapes: Sequence[Scrape], model: str, engine: str, sla: float) ->
     if last is None or first is None:
         return _na(name, limit, "give --vllm URL: latency comes from vLLM's /metrics")
     match = {"model_name": model, "engine": engine}
-
-    def buckets(samples: Samples) -> dict[float, float]:
-        out: dict[float, float] = {}
-        for labels, v in _values(samples, E2E_LATENCY + "_bucket", **match):
-            bound = float(labels["le"])
-            out[bound] = out.get(bound, 0.0) + v
-        return out
-
-    end, start = buckets(last), buckets(first)
+    end, start = _buckets(last, E2E_LATENCY, match), _buckets(first, E2E_LATENCY, match)
     if not end:
         return _na(name, limit, f"vLLM exports no {E2E_LATENCY} for this engine")
     delta = {b: end[b] - start.get(b, 0.0) for b in end}
@@ -202,6 +209,65 @@ def check_p99(scrapes: Sequence[Scrape], model: str, engine: str, sla: float) ->
         delta, note = end, "no request finished while sampling: since the engine started"
     p99 = bucket_quantile(0.99, sorted(delta.items()))
     return _judge(name, limit, p99, p99 < sla, f"{p99:.3g} s", note)
+
+
+def _buckets(samples: Samples, histogram: str, match: Mapping[str, str]) -> dict[float, float]:
+    """One engine's cumulative bucket counts of a histogram, by upper bound."""
+    out: dict[float, float] = {}
+    for labels, v in _values(samples, histogram + "_bucket", **match):
+        bound = float(labels["le"])
+        out[bound] = out.get(bound, 0.0) + v
+    return out
+
+
+def check_kv_block_retention(scrapes: Sequence[Scrape], model: str, engine: str) -> CheckResult:
+    """The field reports' block reuse needs a block to still be cached when its prefix
+    comes back: how long vLLM keeps an unused block before evicting it (the median of
+    its sampled blocks), over the sampled interval."""
+    name, limit = "KV block retention", f">= {KV_RETENTION_SECONDS:g} s"
+    first, last = scrapes[0].vllm, scrapes[-1].vllm
+    if last is None or first is None:
+        return _na(name, limit, "give --vllm URL: block residency comes from vLLM's /metrics")
+    match = {"model_name": model, "engine": engine}
+    end = {h: _buckets(last, h, match) for h in (KV_IDLE_BEFORE_EVICT, KV_BLOCK_LIFETIME)}
+    if not end[KV_IDLE_BEFORE_EVICT]:
+        return _na(
+            name, limit, "vLLM exports no KV block residency: start it with --kv-cache-metrics"
+        )
+    start = {h: _buckets(first, h, match) for h in end}
+    delta = {h: {b: end[h][b] - start[h].get(b, 0.0) for b in end[h]} for h in end}
+    reused = _reuse_gaps(last, match) - _reuse_gaps(first, match)
+    note = ""
+    if delta[KV_IDLE_BEFORE_EVICT].get(math.inf, 0.0) <= 0:
+        if end[KV_IDLE_BEFORE_EVICT].get(math.inf, 0.0) <= 0:
+            return _na(name, limit, "no sampled KV block has been evicted yet")
+        delta, reused = end, _reuse_gaps(last, match)
+        note = "no sampled block evicted while sampling: since the engine started; "
+    idle = bucket_quantile(0.5, sorted(delta[KV_IDLE_BEFORE_EVICT].items()))
+    lifetime = bucket_quantile(0.5, sorted(delta[KV_BLOCK_LIFETIME].items()))
+    evicted = delta[KV_IDLE_BEFORE_EVICT][math.inf]
+    note += (
+        f"{evicted:.0f} sampled blocks evicted, lifetime P50 {lifetime:.3g} s, "
+        f"{reused:.0f} reuse gaps"
+    )
+    shown = f"{idle:.3g} s idle (P50)"
+    finite = idle if math.isfinite(idle) else None
+    if reused <= 0:
+        return CheckResult(
+            name, limit, "pass", finite, shown, note + "; no block was reused: none lost"
+        )
+    if idle < KV_RETENTION_SECONDS:
+        return CheckResult(
+            name, limit, "warn", finite, shown,
+            note + "; a prefix back later than that is recomputed: more KV cache or a "
+            "lower max_num_seqs keeps blocks longer",
+        )  # fmt: skip
+    return CheckResult(name, limit, "pass", finite, shown, note)
+
+
+def _reuse_gaps(samples: Samples, match: Mapping[str, str]) -> float:
+    """Reuse gaps observed: the +Inf bucket of vLLM's reuse-gap histogram."""
+    return _buckets(samples, KV_REUSE_GAP, match).get(math.inf, 0.0)
 
 
 def _finished(samples: Samples | None, model: str, engine: str, reason: str | None) -> float:
@@ -278,6 +344,7 @@ def run_checklist(
         check_oom_rate(scrapes, model, engine),
         check_error_rate(scrapes, model, engine),
         check_gpu_memory_difference(scrapes),
+        check_kv_block_retention(scrapes, model, engine),
     ]
 
 

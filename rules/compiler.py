@@ -93,6 +93,16 @@ class Compiler:
                     return None
 
                 return any_of
+            case C.Unless(kept, excluded):
+                kept_fn, excluded_fn = self.condition(kept), self.condition(excluded)
+
+                def unless(eng: EngineSeries, t: float, cache: Cache) -> Value:
+                    value = kept_fn(eng, t, cache)  # `unless` keeps the left-hand value
+                    if value is None or excluded_fn(eng, t, cache) is not None:
+                        return None
+                    return value
+
+                return unless
         raise TypeError(node)
 
     # -- expressions -----------------------------------------------------------

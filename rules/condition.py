@@ -2,7 +2,8 @@
 
 Expressions give one number per engine (or per engine and GPU where the
 signal has a `per` label, until a Reduce folds that label away). Conditions
-compare an expression with a constant and combine comparisons with all/any.
+compare an expression with a constant and combine comparisons with all/any,
+and drop an engine where another condition holds (unless).
 The YAML sugar (``change``, ``rising``/``falling``, ``vs_baseline``) is
 rewritten by the parser into these nodes, so the backends know only this
 short list — which is what keeps PromQL and the in-service evaluator equal.
@@ -146,7 +147,17 @@ class AnyOf:
     terms: tuple[Condition, ...]
 
 
-Condition = Compare | AllOf | AnyOf
+@dataclass(frozen=True)
+class Unless:
+    """`kept` where `excluded` does not hold (PromQL's `unless`): two findings that
+    must not both fire for one engine (a latency rise with the queue growing, and
+    one without)."""
+
+    kept: Condition
+    excluded: Condition
+
+
+Condition = Compare | AllOf | AnyOf | Unless
 
 Leaf = Instant | Rate | OverTime | Quantile | TimeSince
 
@@ -175,6 +186,9 @@ def leaves(node: Expr | Condition, offset: float = 0.0) -> Iterator[tuple[Leaf, 
         case AllOf(terms) | AnyOf(terms):
             for t in terms:
                 yield from leaves(t, offset)
+        case Unless(kept, excluded):
+            yield from leaves(kept, offset)
+            yield from leaves(excluded, offset)
         case Ratio(num, den) | Difference(num, den) | Fallback(num, den):
             yield from leaves(num, offset)
             yield from leaves(den, offset)

@@ -111,6 +111,14 @@ def _condition(cond: C.Condition) -> tuple[C.Condition | None, bool]:
                 return None, False
             partial = len(kept) < len(terms) or any(x for _, x in parts)
             return (kept[0] if len(kept) == 1 else C.AnyOf(tuple(kept))), partial
+        case C.Unless(kept_cond, excluded_cond):
+            kept_part, partial = _condition(kept_cond)
+            # An exclusion that cannot be read without the plugin would let the
+            # rule fire where the full rule does not: no variant then.
+            excluded_part, excluded_partial = _condition(excluded_cond)
+            if kept_part is None or excluded_part is None or excluded_partial:
+                return None, False
+            return C.Unless(kept_part, excluded_part), partial
     raise TypeError(cond)
 
 
@@ -172,6 +180,9 @@ def _read_without_plugin(node: C.Expr | C.Condition) -> Iterable[C.Leaf]:
         case C.AllOf(terms) | C.AnyOf(terms):
             for t in terms:
                 yield from _read_without_plugin(t)
+        case C.Unless(kept, excluded):
+            yield from _read_without_plugin(kept)
+            yield from _read_without_plugin(excluded)
         case C.Fallback(_, second):  # the collector's side is absent there
             yield from _read_without_plugin(second)
         case C.Ratio(num, den) | C.Difference(num, den):

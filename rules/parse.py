@@ -16,6 +16,8 @@ Forms (a bare string is a gauge's latest value):
     conditions    {expr: EXPR, above|at_least|below|at_most: NUMBER}
                   {rising|falling: EXPR, vs_earlier|vs_baseline: D, by_at_least: X}
                   {all: [COND, ...]} | {any: [COND, ...]}
+                  any of these with `unless: COND` beside its keys: not where
+                  COND holds (PromQL `unless`; an absent or NaN COND excludes nothing)
 """
 
 from __future__ import annotations
@@ -213,10 +215,17 @@ class ConditionParser:
     # -- conditions ------------------------------------------------------------
     def condition(self, raw: object) -> C.Condition:
         node = self.mapping(raw, "a condition")
+        if "unless" in node:
+            kept = self.condition_kind(node, frozenset({"unless"}))
+            return C.Unless(kept, self.condition(node["unless"]))
+        return self.condition_kind(node)
+
+    def condition_kind(self, node: MarkedDict, beside: frozenset[str] = frozenset()) -> C.Condition:
+        """The condition `node` states (`beside`: keys it may carry for its caller)."""
         kinds = ("all", "any", "expr", "rising", "falling")
         kind = self.kind(node, kinds, "a condition")
         if kind in ("all", "any"):
-            self.only(node, {kind})
+            self.only(node, {kind} | beside)
             terms = node[kind]
             if not isinstance(terms, list) or not terms:
                 self.fail(f"{kind} takes a non-empty list of conditions", node)
@@ -226,11 +235,11 @@ class ConditionParser:
             ops = [k for k in _COMPARE if k in node]
             if len(ops) != 1:
                 self.fail(f"a comparison needs exactly one of {', '.join(_COMPARE)}", node)
-            self.only(node, {"expr", ops[0]})
+            self.only(node, {"expr", ops[0]} | beside)
             expr = self.expr(node["expr"], node.line_of("expr"))
             value = self.number(node[ops[0]], node, ops[0])
             return self.compare(expr, _COMPARE[ops[0]], value, node)
-        self.only(node, {kind, "vs_earlier", "vs_baseline", "by_at_least"})
+        self.only(node, {kind, "vs_earlier", "vs_baseline", "by_at_least"} | beside)
         ratio = self.change(node[kind], node)
         by = self.number(node.get("by_at_least"), node, "by_at_least")
         if by < 0 or (kind == "falling" and by > 1):

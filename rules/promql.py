@@ -82,6 +82,9 @@ class PromQLRenderer:
                 return " and ".join(f"({self.condition(t)})" for t in terms)
             case C.AnyOf(terms):
                 return " or ".join(f"({self.condition(t)})" for t in terms)
+            case C.Unless(kept, excluded):
+                # both sides are aggregated by the engine labels: `unless` matches on them
+                return f"({self.condition(kept)}) unless ({self.condition(excluded)})"
         raise TypeError(c)
 
 

@@ -226,6 +226,32 @@ _BASE: tuple[Signal, ...] = (
         _LATEST,
         higher_is_worse=True,
     ),
+    # vLLM's sampled KV block residency (`--kv-cache-metrics`, 1 % of the blocks by
+    # default): observed when a block is evicted (reallocated to other content);
+    # a "reuse" is a prefix-cache hit on the block. Absent without the flag.
+    Signal(
+        "kv_block_lifetime",
+        "histogram",
+        "seconds",
+        "vLLM's KV block lifetime, from allocation to eviction (--kv-cache-metrics)",
+        "vllm:kv_block_lifetime_seconds",
+    ),
+    Signal(
+        "kv_block_idle_before_evict",
+        "histogram",
+        "seconds",
+        "vLLM's time from a KV block's last use (its allocation or latest prefix-cache hit) "
+        "to its eviction (--kv-cache-metrics)",
+        "vllm:kv_block_idle_before_evict_seconds",
+    ),
+    Signal(
+        "kv_block_reuse_gap",
+        "histogram",
+        "seconds",
+        "vLLM's time between two prefix-cache hits on the same KV block, observed at its "
+        "eviction (--kv-cache-metrics)",
+        "vllm:kv_block_reuse_gap_seconds",
+    ),
     _collector(
         "preemptions",
         M.PREEMPTIONS,
@@ -365,18 +391,28 @@ _BASE: tuple[Signal, ...] = (
         higher_is_worse=True,
     ),
     _collector(
+        "long_prompt_ratio",
+        M.LONG_PROMPT_RATIO,
+        "ratio",
+        "share of the requests that reached the engine in the window with a prompt above "
+        "8192 tokens (the field reports' 8k; NaN when none arrived)",
+        Reading(AGENT + ": prompts that arrived", "trailing window (VLLM_RUNBOOK_WINDOW_SECONDS)"),
+    ),
+    _collector(
         "length_padding_ratio",
         M.LENGTH_PADDING_RATIO,
         "ratio",
         "latest step: 1 - sum(len) / (n x max len) over the scheduled requests' context "
-        "lengths (the length spread a static batcher would pad)",
+        "lengths (the length spread a static batcher would pad: the field reports' padding "
+        "ratio); 0 when none run",
         _LATEST,
     ),
     _collector(
         "padding_ratio",
         M.PADDING_RATIO,
         "ratio",
-        "cudagraph padding: padded - unpadded over padded tokens, over the window",
+        "cudagraph padding: padded - unpadded over padded tokens, over the window (0 on CPU "
+        "and with enforce_eager: no graphs)",
         Reading(AGENT, "trailing window (VLLM_RUNBOOK_WINDOW_SECONDS)"),
     ),
     _collector("schedule_time", M.SCHEDULE_SECONDS, "seconds", "wall time of schedule()"),
@@ -449,6 +485,20 @@ _BASE: tuple[Signal, ...] = (
         "vLLM's finished requests, label finished_reason",
         "vllm:request_success_total",
     ),
+    Signal(
+        "spec_decode_draft_tokens",
+        "counter",
+        "tokens",
+        "vLLM's draft tokens proposed by speculative decoding",
+        "vllm:spec_decode_num_draft_tokens_total",
+    ),
+    Signal(
+        "spec_decode_accepted_tokens",
+        "counter",
+        "tokens",
+        "vLLM's draft tokens the target model accepted",
+        "vllm:spec_decode_num_accepted_tokens_total",
+    ),
     _runbooks_only(
         "error_rate",
         "ratio",
@@ -503,6 +553,12 @@ _BASE: tuple[Signal, ...] = (
         Reading(NVML, NVML_POLL),
     ),
     _collector(
+        "gpu_memory_used_peak",
+        M.GPU_MEMORY_USED_PEAK,
+        "bytes",
+        "highest GPU memory in use at any NVML poll over the collector's window, per GPU",
+    ),
+    _collector(
         "gpu_memory_total", M.GPU_MEMORY_TOTAL, "bytes", "GPU memory in total, per GPU (NVML)"
     ),
     _collector(
@@ -525,6 +581,12 @@ _BASE: tuple[Signal, ...] = (
         "highest minus lowest GPU utilisation among the engine's GPUs",
         Reading(NVML, NVML_POLL),
     ),
+    _collector(
+        "gpu_dram_utilization",
+        M.GPU_DRAM_UTILIZATION,
+        "ratio",
+        "share of time the GPU's memory controller was busy (DRAM read or written), per GPU (NVML)",
+    ),
     _runbooks_only(
         "tensor_parallel_size",
         "GPUs",
@@ -535,6 +597,14 @@ _BASE: tuple[Signal, ...] = (
         "engine_start_time", M.ENGINE_START_TIME, "Unix time", "Unix time the engine started"
     ),
     _runbooks_only("engine_uptime", "seconds", "seconds since the engine started", _LATEST),
+    _collector(
+        "warmup_done",
+        M.WARMUP_DONE,
+        "flag",
+        "1 once the warm-up at engine start finished every planned request; 0 when it was "
+        "off, skipped, failed or cut short (the engine started cold)",
+        _LATEST,
+    ),
 )
 
 

@@ -25,6 +25,7 @@ from vllm_runbook.collector.agent_api import (
     ChangeResult,
     Clamped,
     EngineInfo,
+    Episode,
     Gpus,
     KnobChange,
     Knobs,
@@ -193,6 +194,9 @@ class FakeAgent:
         self.down = False
         self.writes: list[dict[str, Any]] = []
         self.since_steps: list[int | None] = []
+        # The answer's `episode` (None: an agent older than it), and the spans asked.
+        self.episode: Episode | None = None
+        self.episode_asks: list[float | None] = []
 
     @classmethod
     def kv_bound(cls) -> FakeAgent:
@@ -220,8 +224,11 @@ class FakeAgent:
         if self.down:
             raise EngineUnreachable(f"engine {self.url} unreachable: connection refused")
 
-    def state(self, since_step: int | None = None) -> AgentState:
+    def state(
+        self, since_step: int | None = None, episode_seconds: float | None = None
+    ) -> AgentState:
         self._check_up()
+        self.episode_asks.append(episode_seconds)
         values = self._next_stats()
         # `since_<field>` values script the SettledSince's counters (the breaker's tests).
         since_values = {k[6:]: values.pop(k) for k in list(values) if k.startswith("since_")}
@@ -246,7 +253,8 @@ class FakeAgent:
                 engine_e2e_latency_p99=values.get("engine_e2e_latency_p99"),
                 engine_queue_time_p99=None,
             ).model_copy(update=since_values)
-        return agent_state(self.knobs, values, since, self.step)
+        state = agent_state(self.knobs, values, since, self.step)
+        return state.model_copy(update={"episode": self.episode})
 
     def set_knobs(self, clamp: bool = False, dry_run: bool = False, **values: Any) -> ChangeResult:
         self._check_up()

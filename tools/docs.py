@@ -229,10 +229,18 @@ def _revert(runbook: Runbook) -> str:
     r = runbook.revert
     if not r.on_resolve:
         return "—"
+    cause = " and ".join(
+        f"`{c.signal}` {'>' if c.above is not None else '<'} "
+        f"{c.above if c.above is not None else c.below:g}"
+        for c in r.until
+    )
+    hold = f"after the alert resolved: hold {r.hold_seconds} s" + (
+        f" with {cause} on end" if cause else ""
+    )
     if r.stepwise:
         stages = " → ".join(_percent(f) for f in r.stepwise)
-        return f"on resolve, stepwise {stages}, {r.healthy_period_seconds} s apart"
-    return "on resolve"
+        return f"{hold}, then stepwise {stages}, {r.healthy_period_seconds} s apart"
+    return hold
 
 
 def _guardrails(runbook: Runbook) -> str:

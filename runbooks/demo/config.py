@@ -40,9 +40,13 @@ RUNBOOK_TIMINGS: dict[str, dict[str, Any]] = {
         "when_after_seconds": 10,  # shipped: 30
         "verification.deadline_seconds": 40,  # shipped: 120
         "revert.healthy_period_seconds": 8,  # shipped: 600
+        "revert.hold_seconds": 4,  # shipped: 120
     },
-    # latency-spike as shipped: its deadline follows the engine's drain rate
-    # (what the judgement needs), and it ends once the starved requests got in.
+    # latency-spike's verification as shipped: its deadline follows the
+    # engine's drain rate (what the judgement needs), and it ends once the
+    # starved requests got in. Its hold as shipped but shorter: the switch
+    # stays while anything waits over 2 s, then 6 s more.
+    "latency-spike": {"revert.hold_seconds": 6},  # shipped: 120
 }
 
 # Phase lengths (seconds): each phase runs until its event happened (and a
@@ -53,12 +57,16 @@ BURST_AFTER_FIX_S, BURST_MAX_S = 8, 150
 # After the burst, steady traffic until oom-pressure's changes are restored
 # (its finding resolves, the service reverts stepwise). The next phase's load
 # must not meet a revert half-way: its circuit breaker would halt it, rightly.
-SETTLE_MAX_S = 75
+SETTLE_MAX_S = 90
 # The starvation phase: the threshold, `for` and one evaluation after the low
 # ones arrive, the switch, the low ones served, then a few seconds of FCFS.
-STARVATION_AFTER_FIX_S, STARVATION_MAX_S = 10, 180
+STARVATION_AFTER_FIX_S, STARVATION_MAX_S = 10, 240
+# Then the high-priority stream goes on: the finding resolves (the switch
+# works) while its cause lasts, and the switch must hold. The stream ends once
+# the execution was seen holding this long (or after the bound, said so).
+STREAM_HOLDING_S, STREAM_MAX_S = 10, 90
 RECOVERY_MIN_S, RECOVERY_MAX_S = 12, 90
-STORY_DEADLINE_S = 600  # from the start, including engine start-up
+STORY_DEADLINE_S = 720  # from the start, including engine start-up
 
 
 def engine_command(model: Path, port: int) -> list[str]:

@@ -22,7 +22,7 @@ from vllm_runbook.runbooks.run.render import (
     format_verification,
 )
 from vllm_runbook.runbooks.service.api import Execution, Executions, Incidents
-from vllm_runbook.runbooks.store.models import ACTIVE_STATUSES, ExecutionStatus
+from vllm_runbook.runbooks.store.models import ACTIVE_STATUSES, HOLDING, ExecutionStatus
 
 
 def _fmt(value: Any) -> str:
@@ -130,9 +130,14 @@ class EventFeed:
                 f"  #{n} verification: {format_verification(v, parenthesized=True)}"
                 + (f"; guards: {g}" if (g := format_guards(v)) else ""),
             )
-        if e.status not in ACTIVE_STATUSES:
+        if e.display_status == HOLDING:
+            # What it waits on, each time that changes (the cause, the hold, a person).
+            self._once((n, "holding", e.hold_note), f"  #{n} holding: {e.hold_note}")
+        elif e.status not in ACTIVE_STATUSES:
             why = e.error or e.reason or ""
             self._once((n, e.status), f"  #{n} {e.status}" + (f": {why}" if why else ""))
+        if e.premature:
+            self._once((n, "premature"), f"  #{n} premature: {e.reason}")
 
 
 @dataclass
@@ -288,3 +293,51 @@ def runs_of(feed: EventFeed, runbook: str) -> list[Execution]:
 
 def finished(e: Execution) -> bool:
     return e.status not in ACTIVE_STATUSES
+
+
+class StreamAfterFix:
+    """What the demo sees while the high-priority stream outlasts the FCFS
+    switch: whether the execution holds (its finding resolved, its cause
+    not) and whether the policy stayed FCFS all along."""
+
+    def __init__(self, monitor: Monitor, feed: EventFeed, execution_id: int | None) -> None:
+        self.monitor, self.feed, self.id = monitor, feed, execution_id
+        self.started = time.monotonic()
+        self.holding_since: float | None = None
+        self.readings = 0
+        self.not_fcfs = 0  # readings of another policy while the stream lasted
+        self.note: str | None = None
+
+    def update(self) -> float:
+        """Seconds the execution has been seen holding (0 before)."""
+        state = self.monitor.state
+        if state is not None:
+            self.readings += 1
+            if state.knobs.policy != "fcfs":
+                self.not_fcfs += 1
+        e = self.feed.executions.get(self.id) if self.id is not None else None
+        if e is not None and e.display_status == HOLDING:
+            self.note = e.hold_note
+            if self.holding_since is None:
+                self.holding_since = time.monotonic()
+        if self.holding_since is None:
+            return 0.0
+        return time.monotonic() - self.holding_since
+
+    def said(self, bound_s: float) -> str:
+        lasted = time.monotonic() - self.started
+        policy = (
+            "the policy stayed fcfs at every reading"
+            if not self.not_fcfs
+            else f"the policy was not fcfs at {self.not_fcfs} of {self.readings} readings"
+        )
+        if self.holding_since is None:
+            return (
+                f"#{self.id} was not seen holding in {lasted:.0f} s of stream (bound "
+                f"{bound_s:.0f} s): its finding did not resolve while the stream lasted; {policy}"
+            )
+        held = time.monotonic() - self.holding_since
+        return (
+            f"stream after the switch: {lasted:.0f} s; #{self.id} held for {held:.0f} s of it "
+            f"({self.note}); {policy}"
+        )

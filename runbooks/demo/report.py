@@ -373,7 +373,8 @@ _PHASE_COLOURS = ("#e8f1fb", "#fdebd3", "#f6e0f2", "#e3f4e1", "#eeeeee")
 
 
 def _events(executions: Sequence[Mapping[str, Any]]) -> list[tuple[float, str, str]]:
-    """(time, colour, label) of every marked moment: fired, changes, verified, reverted."""
+    """(time, colour, label) of every marked moment: fired, changes, verified,
+    holding (the alert resolved, the cause not yet gone), reverted."""
     out: list[tuple[float, str, str]] = []
     for e in executions:
         name = f"#{e['id']} {e['runbook']}"
@@ -398,6 +399,9 @@ def _events(executions: Sequence[Mapping[str, Any]]) -> list[tuple[float, str, s
             t = ts(e["finished_at"])
             if t is not None:
                 out.append((t, "tab:green", f"{name} verified: {v.get('outcome')}"))
+        held = ts(e.get("hold_since"))
+        if held is not None:  # its alert resolved; the change holds until the cause is gone
+            out.append((held, "tab:orange", f"{name} holding"))
     return sorted(out)
 
 

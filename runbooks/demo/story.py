@@ -32,6 +32,8 @@ from vllm_runbook.runbooks.demo.config import (
     STARVATION_THRESHOLD_S,
     STEADY_S,
     STORY_DEADLINE_S,
+    STREAM_HOLDING_S,
+    STREAM_MAX_S,
     engine_command,
     write_config,
     write_runbooks,
@@ -41,6 +43,7 @@ from vllm_runbook.runbooks.demo.live import (
     EventFeed,
     Monitor,
     PhaseMeasure,
+    StreamAfterFix,
     finished,
     runs_of,
 )
@@ -154,6 +157,9 @@ def run(directory: Path, ci: bool) -> int:
         "VLLM_RUNBOOK_PORT": str(agent_port),
         "VLLM_RUNBOOK_HOST": "127.0.0.1",
         "VLLM_RUNBOOK_WINDOW_SECONDS": str(COLLECTOR_WINDOW_S),
+        # The reports' warm-up at engine start, before /health answers (not the
+        # runbook that warms a cold engine under traffic).
+        "VLLM_RUNBOOK_WARMUP": "on",
         "VLLM_RUNBOOK_RUNTIME_DIR": str(runtime),  # the agent's token, found by the service
         "RUNBOOK_WEBHOOK_TOKEN": os.urandom(16).hex(),  # loopback webhook, unused here
         "TOKENIZERS_PARALLELISM": "false",
@@ -326,10 +332,42 @@ def run(directory: Path, ci: bool) -> int:
                 )
                 + f" and was empty at {backlog.drained} readings"
             )
-        backlog.stop()
+
+        # A run still in flight (the phase's bound came first) is seen to its end here,
+        # not narrated into the next phase.
+        def spike_finished() -> bool:
+            backlog.tick()
+            return all(finished(e) for e in spike_runs())
+
+        _wait(demo, 60, spike_finished)
         starved = batches[-1]
         if backlog.min_waiting is not None:
             demo.say(backlog_said(backlog.min_waiting, backlog.depth, backlog.drained))
+
+        # 3b. The high-priority stream outlasts the fix: the finding resolves (the
+        # switch works), its cause does not, and the switch holds.
+        fixed = [e for e in spike_runs() if e.status == ExecutionStatus.SUCCEEDED]
+        stream = StreamAfterFix(monitor, feed, fixed[-1].id if fixed else None)
+        if fixed:
+            # Under FCFS the queue's head waits as long as the queue holds work:
+            # 10 s of it keeps the cause (over 2 s) and lets the finding (45 s) resolve.
+            backlog.shorten(10.0)
+            demo.say(
+                f"the high-priority stream goes on after the switch ({backlog.depth} kept "
+                f"queued): #{fixed[-1].id} must hold FCFS while it lasts"
+            )
+
+            def seen_holding() -> bool:
+                backlog.tick()
+                return stream.update() >= STREAM_HOLDING_S
+
+            if not _wait(demo, STREAM_MAX_S, seen_holding):
+                measured["not holding"] = stream.said(STREAM_MAX_S)
+        backlog.stop()
+        if fixed:
+            demo.say(stream.said(STREAM_MAX_S))
+            if stream.not_fcfs:
+                measured["flipped"] = stream.said(STREAM_MAX_S)
 
         # 4. recovery until every change is reverted
         enter("recovery", "4 steady clients; the findings resolve, the service reverts")

@@ -184,6 +184,9 @@ def verdict_disagreements(
     return problems
 
 
+HOLD_PROBLEMS = ("not holding", "flipped")
+
+
 def story_problems(
     feed: EventFeed,
     traffic: Traffic,
@@ -208,6 +211,8 @@ def story_problems(
         elif not all(e.status == ExecutionStatus.REVERTED for e in acted):
             states = ", ".join(f"#{e.id} {e.status}" for e in acted)
             problems.append(f"no recovery: {runbook} not reverted ({states})")
+    # The switch held while the stream outlasted it (runbooks/demo/story.py, 3b).
+    problems += [f"{key}: {why}" for key, why in (measured or {}).items() if key in HOLD_PROBLEMS]
     if len(low) < 8 or not all(r.ok for r in low):
         problems.append("the starved low-priority requests did not all complete")
     failed = [r for r in traffic.requests if r.ok is False]

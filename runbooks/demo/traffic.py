@@ -230,6 +230,14 @@ class Backlog:
         want = self.min_depth if rate is None else math.ceil(rate * self.seconds_of_work)
         self.depth = max(self.depth, min(self.max_depth, max(self.min_depth, want)))
 
+    def shorten(self, seconds_of_work: float) -> None:
+        """From now on keep `seconds_of_work` of the measured completion rate
+        queued (at least `min_depth`): a stream the engine still cannot drain."""
+        self.seconds_of_work = seconds_of_work
+        rate = self.completion_rate()
+        want = self.min_depth if rate is None else math.ceil(rate * seconds_of_work)
+        self.depth = min(self.max_depth, max(self.min_depth, want))
+
     def tick(self, lower_waiting: int = 0) -> None:
         """Top the queue up; `lower_waiting`: requests of lower priority still
         waiting behind it (they are in the engine's waiting count too)."""

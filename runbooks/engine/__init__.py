@@ -1,6 +1,6 @@
 """The engine-facing side of the runbooks: the agent's client (client.py), the
 actions a runbook step runs on an engine (operations.py, registered in
-model/actions.py's registry; warmup.py), and the signals read from the engine
+model/actions.py's registry; warmup.py; block_size.py), and the signals read from the engine
 and vLLM's own /metrics for checks and verification (sources.py).
 
 It speaks only to engines, through the agent's wire models

@@ -110,8 +110,11 @@ class Agent(Protocol):
         """Seconds an answer may take (the engine's vLLM /metrics is read with it too)."""
         ...
 
-    def state(self, since_step: int | None = None) -> AgentState:
-        """GET /v1/state; with `since_step`, also what happened from that step on."""
+    def state(
+        self, since_step: int | None = None, episode_seconds: float | None = None
+    ) -> AgentState:
+        """GET /v1/state; with `since_step`, also what happened from that step on;
+        `episode_seconds` widens its `episode` from the collector's window."""
         ...
 
     def set_knobs(self, clamp: bool = False, dry_run: bool = False, **values: Any) -> ChangeResult:
@@ -194,9 +197,17 @@ class EngineClient:
             )
         return payload
 
-    def state(self, since_step: int | None = None) -> AgentState:
-        """`/v1/state`; with `since_step`, also what happened from that step on."""
-        path = "/v1/state" if since_step is None else f"/v1/state?since_step={int(since_step)}"
+    def state(
+        self, since_step: int | None = None, episode_seconds: float | None = None
+    ) -> AgentState:
+        """`/v1/state`; with `since_step`, also what happened from that step on;
+        `episode_seconds` widens its `episode` (an older agent ignores it: null)."""
+        query = []
+        if since_step is not None:
+            query.append(f"since_step={int(since_step)}")
+        if episode_seconds is not None:
+            query.append(f"episode_seconds={max(0.0, float(episode_seconds)):.3f}")
+        path = "/v1/state" + ("?" + "&".join(query) if query else "")
         return self._expect(self._request("GET", path), AgentState)
 
     def set_knobs(self, clamp: bool = False, dry_run: bool = False, **values: Any) -> ChangeResult:

@@ -73,14 +73,18 @@ class SignalReader:
     slo: SloSpec | None = None
     _slo_mark: tuple[float, float] | None = field(default=None, repr=False)
 
-    def read(self, since_step: int | None = None) -> dict[str, Any]:
+    def read(
+        self, since_step: int | None = None, episode_seconds: float | None = None
+    ) -> dict[str, Any]:
         """Fresh signals (raises the client's errors when the agent is down).
 
         With `since_step` (the step a change took effect from), the windowed
         signals (rates, ratios, percentiles over finished requests) are
         measured from that step on only; `last_since` holds the agent's raw
-        answer (None when it kept no mark for that step)."""
-        state = self.client.state(since_step=since_step)
+        answer (None when it kept no mark for that step). `episode_seconds`:
+        the span `last_state.episode` covers (the checks' peak and mean;
+        default the collector's window)."""
+        state = self.client.state(since_step=since_step, episode_seconds=episode_seconds)
         now = self.clock()
         self.last_state = state
         signals = signals_from_state(state)

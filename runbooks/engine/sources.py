@@ -20,6 +20,13 @@ Two kinds of signal matter to a verification:
   cannot tell a fix from no fix;
 - *instant* signals (gauges of the latest step, knobs) read the same way
   before and after.
+
+A check reads the episode, not only the instant: for the gauges the agent
+samples once a second (`EPISODE_SIGNALS`: KV usage and capacity, the queues,
+the longest sequence, fragmentation, budget fill, the GPUs), `/v1/state`'s
+`episode` gives their peak and mean over the finding's span, which
+`check_episode` turns into what the journal keeps beside the value now (or
+why it could not: an agent older than the field, an idle span).
 """
 
 from __future__ import annotations
@@ -28,7 +35,14 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from vllm_runbook.collector.agent_api import AgentState, SettledSince, Stats
+from vllm_runbook.collector.agent_api import (
+    EPISODE_SIGNALS,
+    AgentState,
+    Episode,
+    SettledSince,
+    Stats,
+)
+from vllm_runbook.collector.episode import kv_capacity_seqs as capacity_at
 from vllm_runbook.rules.signals import API, READABLE, Reading
 
 # Where each signal comes from and over what time is part of the one signal registry.
@@ -65,16 +79,45 @@ def _oom_rate(preemptions: Any, finished: Any) -> float | None:
 
 
 def kv_capacity_seqs(stats: Stats) -> int | None:
-    """Sequences the KV cache holds at the running requests' current average footprint.
+    """Sequences the KV cache holds at the running requests' current average footprint
+    (collector/episode.py's kv_capacity_seqs: the agent samples it the same way).
+    None when nothing runs or holds blocks: there is no footprint to scale."""
+    return capacity_at(stats.kv_blocks_used, stats.kv_blocks_free, stats.requests_running)
 
-    floor(usable / (used / running)), in integers so a full cache gives
-    exactly `running` (a float division can land on running - 1). None when
-    nothing runs or holds blocks: there is no footprint to scale.
-    """
-    used, free, running = stats.kv_blocks_used, stats.kv_blocks_free, stats.requests_running
-    if not running or used <= 0:
-        return None
-    return max(1, (used + free) * running // used)
+
+NO_EPISODE: Final = "the engine's agent is older than the episode (no samples to read)"
+
+
+def check_episode(episode: Episode | None, signal: str) -> dict[str, Any]:
+    """A check's peak and mean over the episode, as the journal keeps them beside its
+    value: {"episode": {peak, mean, seconds, samples[, kept_seconds]}}, or
+    {"episode_unavailable": why}; {} for a signal the agent does not sample (knobs,
+    windowed rates: they are over a window already)."""
+    if signal not in EPISODE_SIGNALS:
+        return {}
+    if episode is None:
+        return {"episode_unavailable": NO_EPISODE}
+    extent = getattr(episode, signal)
+    if extent is None:
+        span = f"in the last {episode.seconds:g} s"
+        if not episode.samples:
+            why = f"no scheduler step {span} (the engine was idle)"
+        elif signal.startswith("gpu_"):
+            why = NO_GPU
+        elif signal == "kv_capacity_seqs":
+            why = f"no request running at any sample {span}"
+        else:
+            why = f"not sampled {span}"
+        return {"episode_unavailable": why}
+    read: dict[str, Any] = {
+        "peak": extent.peak,
+        "mean": extent.mean,
+        "seconds": episode.seconds,
+        "samples": episode.samples,
+    }
+    if episode.kept_seconds < episode.seconds:
+        read["kept_seconds"] = episode.kept_seconds
+    return {"episode": read}
 
 
 # The signals the agent's `/v1/state` "stats" carry under their own names (one
@@ -189,6 +232,8 @@ def unavailable(
             why[name] = no_requests
         elif name == "kv_hit_ratio":
             why[name] = "no prefix-cache lookup in the window"
+        elif name == "long_prompt_ratio":
+            why[name] = f"no request reached the engine in the last {window:g} s"
         elif name == "kv_capacity_seqs":
             why[name] = "no request running: no KV footprint to scale"
         elif name == "scheduled_tokens_per_second":

@@ -5,7 +5,8 @@ warm-up goes where traffic goes: vLLM's OpenAI-compatible server (the
 inventory's `vllm:` URL, or `runbook exec --vllm`). Each request is a prompt
 of exactly `prompt_tokens` token ids (no tokenizer needed: the completions
 API takes ids), different per request and per run so the prefix cache does
-not turn the prefill into a lookup, and `output_tokens` tokens are generated with
+not turn the prefill into a lookup (the prompts of the collector's warm-up at
+engine start, collector/warmup.py), and `output_tokens` tokens are generated with
 `ignore_eos` so the decode path runs that many steps. At most `concurrency`
 are in flight. Prompts longer than the model's `max_model_len` allows are
 shortened to fit (reported in the details).
@@ -25,24 +26,16 @@ from typing import Annotated, Any
 
 import httpx
 from pydantic import Field
+from vllm_runbook.collector.warmup import PROMPTS as _PROMPTS
+from vllm_runbook.collector.warmup import warmup_prompt
 from vllm_runbook.runbooks.engine.operations import ActionContext, ActionOutcome
 from vllm_runbook.runbooks.model.actions import ActionError, ActionParams, action
 
-# Token ids every vocabulary has (the tiny test model has 512; 0-2 are special there).
-_FIRST_ID, _ID_SPAN = 3, 500
-_PROMPTS = _ID_SPAN * _ID_SPAN  # distinct prompt heads
+__all__ = ["SendWarmupRequests", "WarmupFailed", "send_warmup_requests", "warmup_prompt"]
 
 
 class WarmupFailed(ActionError):
     """No warm-up request could be served (or the API server is unknown or down)."""
-
-
-def warmup_prompt(index: int, length: int) -> list[int]:
-    """Prompt `index`: `length` token ids whose first two spell `index` (below
-    250,000), so no two prompts share a cached block."""
-    head = [index % _ID_SPAN, (index // _ID_SPAN) % _ID_SPAN]
-    ids = head + [(index * 7919 + j * 104_729 + j * j) % _ID_SPAN for j in range(2, length)]
-    return [_FIRST_ID + t for t in ids[:length]]
 
 
 def _headers() -> dict[str, str]:

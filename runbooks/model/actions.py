@@ -42,6 +42,7 @@ F = TypeVar("F", bound=ActionFn)
 ACTION_MODULES: Final = (
     "vllm_runbook.runbooks.engine.operations",
     "vllm_runbook.runbooks.engine.warmup",
+    "vllm_runbook.runbooks.engine.block_size",
 )
 
 # What a runbook step's `action:` may be (vllm_runbook.runbooks.model.spec `Identifier`).

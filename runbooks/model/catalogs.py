@@ -48,6 +48,15 @@ class Deployment:
     def alert_runbooks(self) -> dict[str, str | None]:
         return {r.alert: r.runbook for r in self.rules}
 
+    @property
+    def alert_for_seconds(self) -> dict[str, float]:
+        """Alert -> its rule's `for` (the longest, where severities differ): how long
+        its condition held before it fired (the checks read the episode from then)."""
+        longest: dict[str, float] = {}
+        for r in self.rules:
+            longest[r.alert] = max(r.for_seconds, longest.get(r.alert, 0.0))
+        return longest
+
 
 def runbook_names(
     directories: Iterable[Path] | None = None, registry: ActionRegistry | None = None

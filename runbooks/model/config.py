@@ -37,6 +37,7 @@
       verify_seconds: 10s                     # verification deadline
       condition_seconds: 2s                   # each step's `when: after_seconds`
       healthy_period_seconds: 5s              # between the stages of a stepwise revert
+      hold_seconds: 10s                       # a fix holds this long after its alert resolved
     limits:                                   # what `runbook serve` takes from a client
       webhook_body: 4MiB                      # a larger delivery: 413
       header_timeout: 10s                     # a request's head must arrive within this
@@ -232,6 +233,9 @@ class ExecutorConfig(Section):
     verify_seconds: Duration | None = None
     condition_seconds: Duration | None = None
     healthy_period_seconds: Duration | None = None
+    hold_seconds: Duration | None = None
+    """Each runbook's `revert.hold_seconds`: how long a fix holds after its
+    alert resolved (its `until` conditions that long on end) before the revert."""
 
 
 class LimitsConfig(Section):

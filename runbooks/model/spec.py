@@ -138,9 +138,29 @@ class Verification(_Strict):
         return self
 
 
+# How long a fix holds after its alert resolved before its first revert stage
+# (and, where the runbook says so, its cause conditions held that long).
+DEFAULT_HOLD_SECONDS: Final = 60
+
+
 class RevertPolicy(_Strict):
-    # Revert when the triggering alert resolves.
+    """When and how an execution's changes are undone.
+
+    With `on_resolve`, the alert's resolution does not revert at once: the
+    execution holds its changes ("holding") until `hold_seconds` have passed
+    since the resolution *and* every `until` condition (the cause's signals,
+    where the fix itself ends the symptom) has held for `hold_seconds` on end.
+    After each revert its trigger is watched for `watch_seconds` (the
+    verification's deadline when unset): a finding back inside it makes the
+    revert premature (re-applied, journaled, notified, counted); a second one
+    holds the fix for a person.
+    """
+
+    # Revert when the triggering alert resolves (after the hold).
     on_resolve: bool = False
+    hold_seconds: Annotated[int, Field(ge=0)] = DEFAULT_HOLD_SECONDS
+    until: tuple[Condition, ...] = ()
+    watch_seconds: Annotated[int, Field(ge=0)] | None = None
     # Restore in stages: fractions of the way back to the before-values,
     # e.g. [0.5, 1.0] = halfway, then all the way, each after a healthy period.
     stepwise: tuple[Annotated[float, Field(gt=0, le=1)], ...] = ()

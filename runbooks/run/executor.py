@@ -11,7 +11,10 @@ One execution, in order:
 2. The per-engine lock: a lease row per engine in the store, so two
    executions on one engine never interleave, across processes and
    replicas. A lock left by a dead process (SIGKILL) is taken over.
-3. Checks: `/v1/state` → the runbook's diagnostics, journaled and shown.
+3. Checks: `/v1/state` → the runbook's diagnostics, journaled and shown:
+   each gauge's value now, and its peak and mean over the alert's episode
+   (from its condition's start, startsAt minus the rule's `for`; the
+   collector's window without an alert).
 4. Admission, serialised by a store-wide lease: approval, cooldown per
    (runbook, engine), max runs per hour, blast radius (engines under
    remediation). A refusal is journaled as `refused` with the reason.
@@ -40,7 +43,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from vllm_runbook.collector.agent_api import AgentState, SettledSince
@@ -62,6 +65,7 @@ from vllm_runbook.runbooks.engine.sources import (
     SLO_BURN_RATE,
     WINDOWED,
     autopilot_position,
+    check_episode,
     runbook_readings,
     signals_from_state,
 )
@@ -76,6 +80,7 @@ from vllm_runbook.runbooks.model.spec import (
 from vllm_runbook.runbooks.run.conditions import (
     alert_slo,
     describe_condition,
+    episode_seconds,
     holds,
     slo_verification,
 )
@@ -99,7 +104,6 @@ from vllm_runbook.runbooks.run.revert import (
     Revert,
     RevertRefused,
     restore_targets,
-    revert_on_resolve,
 )
 from vllm_runbook.runbooks.run.verification import IMPROVED, NO_CHANGE, WORSE, measure
 from vllm_runbook.runbooks.store import Journal, StepRecord
@@ -161,6 +165,11 @@ class Executor:
     # The configuration's `slos:`: an execution one of their burn-rate alerts
     # started verifies on the SLO's burn rate (`slo_verification`).
     slos: Sequence[SloSpec] = ()
+    # Alert name -> its rule's `for` (seconds): an alert's checks read its episode
+    # from startsAt minus it (an alert not here: from startsAt).
+    alert_for_seconds: Mapping[str, float] = field(default_factory=dict)
+    # The wall clock an alert's startsAt is compared with (tests set a fixed one).
+    wall_clock: Callable[[], datetime] = field(default=lambda: datetime.now(UTC))
 
     def __post_init__(self) -> None:
         if self.catalog is None:
@@ -289,30 +298,6 @@ class Executor:
             stepwise, healthy_period_seconds
         )
 
-    def revert_on_resolve(
-        self,
-        runbook: str,
-        engine_url: str,
-        fingerprint: str,
-        starts_at: datetime,
-        *,
-        who: str = "alertmanager",
-        healthy_period_seconds: float | None = None,
-    ) -> ExecutionResult | None:
-        """The service's hook for a resolved alert: revert the episode's
-        execution (stepwise where the runbook says so) if the runbook opts in
-        and it changed something. None when there is nothing to revert.
-        `healthy_period_seconds` overrides the runbook's wait between stages."""
-        return revert_on_resolve(
-            self,
-            runbook,
-            engine_url,
-            fingerprint,
-            starts_at,
-            who=who,
-            healthy_period_seconds=healthy_period_seconds,
-        )
-
     def wait(self, seconds: float, renew: Callable[[], None] | None) -> None:
         """Sleep in poll-sized slices, keeping the engine lock alive."""
         end = self.clock() + seconds
@@ -346,6 +331,7 @@ class Run:
         # An SLO's burn-rate alert started it: verified on the SLO's burn rate.
         record = self.store.get_execution(execution_id)
         self.slo = alert_slo(executor.slos, record.who) if record.trigger == "alert" else None
+        self.alert = (record.who, record.alert_starts_at) if record.trigger == "alert" else None
         if self.slo is not None and spec.verification is not None:
             spec = self.spec = spec.model_copy(
                 update={"verification": slo_verification(spec.verification)}
@@ -447,7 +433,12 @@ class Run:
     # --- the phases --------------------------------------------------------------------
 
     def checks(self) -> None:
-        signals = self.reader.read()
+        span = None
+        if self.alert is not None:
+            who, starts_at = self.alert
+            span = episode_seconds(who, starts_at, self.x.alert_for_seconds, self.x.wall_clock())
+        signals = self.reader.read(episode_seconds=span)
+        episode = None if self.reader.last_state is None else self.reader.last_state.episode
         self.baseline = dict(signals)
         self.baseline_unavailable = dict(self.reader.unavailable)
         if self.slo is not None:
@@ -464,6 +455,9 @@ class Run:
             }
             if signals[c.signal] is None:
                 checks[c.name]["unavailable"] = self.baseline_unavailable.get(c.signal, "not read")
+            # Peak and mean over the episode beside the value now: a read between
+            # two waves of a burst is never shown alone.
+            checks[c.name].update(check_episode(episode, c.signal))
         self.store.record_checks(self.id, checks)
 
     def _required_guards_refusal(self) -> str | None:

@@ -105,11 +105,37 @@ def format_verification(v: Mapping[str, Any], parenthesized: bool = False) -> st
     return f"{signal} {sides[0]} → {sides[1]}{outcome}{tail}"
 
 
-def format_check(check: Mapping[str, Any]) -> str:
-    """A check's value, or `unavailable: why`."""
+def _check_now(check: Mapping[str, Any]) -> str:
     if check.get("value") is None and check.get("unavailable"):
         return f"unavailable: {check['unavailable']}"
     return format_signal(str(check.get("signal", "")), check.get("value"))
+
+
+def format_episode_span(episode: Mapping[str, Any]) -> str:
+    """`over 312 s (95 one-second samples)`: the span a check's peak and mean cover."""
+    text = f"over {format_value(episode.get('seconds'))} s"
+    if isinstance(episode.get("kept_seconds"), int | float):
+        text += f" (samples reach back {episode['kept_seconds']:.0f} s)"
+    return text
+
+
+def format_check(check: Mapping[str, Any]) -> str:
+    """A check's value now, or `unavailable: why`; with the episode's peak and mean
+    beside it where the journal has them (`0 now; peak 812, mean 430 over 312 s`),
+    or why they could not be read: a reading between two waves is never alone."""
+    episode = check.get("episode")
+    if not isinstance(episode, Mapping) and not check.get("episode_unavailable"):
+        return _check_now(check)  # a knob, a windowed rate, a journal from before
+    if check.get("value") is None and check.get("unavailable"):
+        now = f"unavailable now: {check['unavailable']}"
+    else:
+        now = _check_now(check) + " now"
+    if not isinstance(episode, Mapping):
+        return f"{now}; peak/mean unavailable: {check['episode_unavailable']}"
+    signal = str(check.get("signal", ""))
+    peak = format_signal(signal, episode.get("peak"))
+    mean = format_signal(signal, episode.get("mean"))
+    return f"{now}; peak {peak}, mean {mean} {format_episode_span(episode)}"
 
 
 def format_table(rows: Iterable[Sequence[Any]], headers: Sequence[str]) -> str:
@@ -227,6 +253,17 @@ def _context(execution: ExecutionRecord | Mapping[str, Any]) -> dict[str, Any]:
         else (name, c, "", "")
         for name, c in checks.items()
     ]
+    data["check_episode"] = episode_view(checks)
+    # A notification lists the checks once they carry the episode (journals from
+    # before it: none, as before).
+    data["check_lines"] = (
+        [
+            (name, format_check(c if isinstance(c, Mapping) else {"value": c}))
+            for name, c in checks.items()
+        ]
+        if data["check_episode"]["rows"]
+        else []
+    )
     v = data.get("verification") or {}
     data["guard_rows"] = [
         (
@@ -244,6 +281,31 @@ def _context(execution: ExecutionRecord | Mapping[str, Any]) -> dict[str, Any]:
         for s in data.get("steps") or []
     ]
     return data
+
+
+def episode_view(checks: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The checks with their peak and mean, for the report and the page: `rows`
+    (check, now, peak, mean, signal, description), `span` (what the peaks and means
+    cover) and `notes` (why some could not be read, once per reason). Journals from
+    before the episode have none: `rows` is empty and a template keeps its plain table."""
+    rows: list[tuple[Any, ...]] = []
+    span: str | None = None
+    unread: dict[str, list[str]] = {}
+    for name, c in (checks or {}).items():
+        c = c if isinstance(c, Mapping) else {"value": c}
+        signal = str(c.get("signal", ""))
+        episode = c.get("episode")
+        peak = mean = None
+        if isinstance(episode, Mapping):
+            peak, mean = (format_signal(signal, episode.get(k)) for k in ("peak", "mean"))
+            span = span or format_episode_span(episode)
+        elif c.get("episode_unavailable"):
+            unread.setdefault(str(c["episode_unavailable"]), []).append(str(name))
+        rows.append((name, _check_now(c), peak, mean, signal, c.get("description", "")))
+    if span is None and not unread:
+        rows = []
+    notes = [f"{', '.join(names)}: {why}" for why, names in unread.items()]
+    return {"rows": rows, "span": span, "notes": notes}
 
 
 def render_report(execution: ExecutionRecord | Mapping[str, Any]) -> str:

@@ -2,7 +2,7 @@
 
     executor.revert(execution_id)                       # all the way back, at once
     executor.revert(execution_id, stepwise=True)        # in the runbook's stages
-    executor.revert_on_resolve(runbook, engine, fingerprint, starts_at)   # the service
+    (the service reverts once an alert resolved and its cause is gone: hold.py)
 
 A revert is itself an execution (`reverts_id` = the original), journaled like
 a run and holding the engine lock. Stepwise, it moves the knobs back in the
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from datetime import datetime
 from typing import Any, Protocol
 
 from vllm_runbook.runbooks.engine.client import Agent, EngineClientError
@@ -127,41 +126,6 @@ def restore_targets(steps: list[StepRecord]) -> dict[str, Any]:
             if knob in KNOBS:
                 targets.setdefault(knob, value)
     return targets
-
-
-def revert_on_resolve(
-    executor: Executor,
-    runbook: str,
-    engine_url: str,
-    fingerprint: str,
-    starts_at: datetime,
-    *,
-    who: str = "alertmanager",
-    healthy_period_seconds: float | None = None,
-) -> ExecutionResult | None:
-    """The service's hook for a resolved alert: revert the episode's
-    execution (stepwise where the runbook says so) if the runbook opts in
-    and it changed something. None when there is nothing to revert.
-    `healthy_period_seconds` overrides the runbook's wait between stages."""
-    spec = executor.runbook(runbook)
-    engine = executor.client_factory(engine_url).url
-    record = executor.store.find_episode(runbook, engine, fingerprint, starts_at)
-    if (
-        record is None
-        or not spec.revert.on_resolve
-        or record.dry_run
-        or record.status not in (ExecutionStatus.SUCCEEDED, ExecutionStatus.FAILED)
-        or not revertible_steps(record)
-    ):
-        return None
-    return executor.revert(
-        record.id,
-        who=who,
-        trigger="rule",
-        stepwise=bool(spec.revert.stepwise),
-        healthy_period_seconds=healthy_period_seconds,
-        reason=f"alert {fingerprint} (since {starts_at.isoformat()}) resolved",
-    )
 
 
 def _fmt(value: Any) -> str:
@@ -304,7 +268,9 @@ class Revert:
             original.id, ExecutionStatus.REVERTED, reason=f"reverted by execution #{run.id}"
         )
         return run.finish(
-            ExecutionStatus.SUCCEEDED, ExitCode.OK, f"execution #{original.id} reverted"
+            ExecutionStatus.SUCCEEDED,
+            ExitCode.OK,
+            f"execution #{original.id} reverted" + (f": {self.reason}" if self.reason else ""),
         )
 
     def _unhealthy(

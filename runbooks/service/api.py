@@ -101,7 +101,8 @@ class Execution(_Answer):
     """pending, running, verifying, succeeded, failed, rolled_back, reverted or refused."""
     display_status: str
     """The status to show a person: `interrupted` when its process died, `nothing to
-    improve` for a refusal because the condition was gone, else `status`."""
+    improve` for a refusal because the condition was gone, `holding` when its alert
+    resolved and its revert waits for the cause to go, else `status`."""
     interrupted: bool
     reason: str | None
     """Why it is where it is (`awaiting approval` while a person has not answered)."""
@@ -123,6 +124,14 @@ class Execution(_Answer):
     decided_by: str | None
     decided_at: Timestamp | None
     decision_note: str | None
+    hold_since: Timestamp | None = None
+    """When its alert resolved, if it held its changes after (shown `holding`)."""
+    hold_note: str | None = None
+    """What a holding execution waits on (the cause's signals, the hold time, a person)."""
+    hold_for_person: bool = False
+    """Only a person may release its revert (`runbook revert N`, the page)."""
+    premature: bool = False
+    """A revert whose finding came back within its watch: its fix was re-applied."""
 
     @classmethod
     def from_record(cls, record: ExecutionRecord) -> Self:

@@ -121,6 +121,22 @@ BREAKER_TRIPS = _spec(
     "engine",
     "reason",
 )
+EXECUTIONS_HOLDING = _spec(
+    "executions_holding",
+    "gauge",
+    "Executions holding their changes after their alert resolved, until the cause is "
+    "gone (or a person releases them), by engine (inventory name) and runbook.",
+    "engine",
+    "runbook",
+)
+REVERTS_PREMATURE = _spec(
+    "reverts_premature",
+    "counter",
+    "Reverts whose finding fired again within their watch (the fix was re-applied), "
+    "by engine (inventory name) and runbook.",
+    "engine",
+    "runbook",
+)
 
 NOTIFICATIONS = _spec(
     "notifications",
@@ -180,6 +196,8 @@ SERVICE_METRICS: tuple[MetricSpec, ...] = (
     INCIDENTS_FIRING,
     KNOB_CHANGES,
     BREAKER_TRIPS,
+    EXECUTIONS_HOLDING,
+    REVERTS_PREMATURE,
     NOTIFICATIONS,
     ALERTS_REJECTED,
     REQUESTS_REFUSED,

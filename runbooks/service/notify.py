@@ -108,6 +108,9 @@ def events_of(record: ExecutionRecord) -> list[str]:
         error=record.error,
         verification=record.verification,
         interrupted=record.interrupted,
+        hold_since=record.hold_since,
+        hold_for_person=record.hold_for_person,
+        premature=record.premature,
     )
 
 

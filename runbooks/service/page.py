@@ -28,7 +28,12 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import FileSystemLoader, StrictUndefined, select_autoescape
 from jinja2.sandbox import SandboxedEnvironment
 from vllm_runbook.runbooks.run.guardrails import format_duration
-from vllm_runbook.runbooks.run.render import TEMPLATES_DIR, format_change, format_value
+from vllm_runbook.runbooks.run.render import (
+    TEMPLATES_DIR,
+    episode_view,
+    format_change,
+    format_value,
+)
 from vllm_runbook.runbooks.service.breaker import BREAKER_WHO
 from vllm_runbook.runbooks.service.browser import (
     SECURE_SESSION_COOKIE,
@@ -72,6 +77,7 @@ def _environment() -> SandboxedEnvironment:
     )
     env.filters["value"] = format_value
     env.filters["change"] = format_change
+    env.filters["episode_view"] = episode_view
     env.filters["when"] = lambda t: "-" if t is None else t.strftime("%Y-%m-%d %H:%M:%SZ")
     return env
 
@@ -104,6 +110,7 @@ def _view(store: Journal, timeout_s: float) -> dict[str, Any]:
             for r in recent
         ],
         "open_alerts": {(i.alert, i.engine) for i in incidents},
+        "holding": store.holding_executions(),
         "trips": trips,
     }
 
@@ -162,7 +169,8 @@ def mount_page(
             )
         return response
 
-    async def decide(request: Request, execution_id: int, decision: str) -> Response:
+    async def answer(request: Request) -> tuple[dict[str, str], str] | Response:
+        """The form and who answers, or the refusal (token, credentials)."""
         body = await request.body()  # at most 64 KiB: RequestLimits (service/limits.py)
         form = {k: v[0] for k, v in parse_qs(body.decode("utf-8", "replace")).items()}
         name, _ = session_cookie(request)
@@ -172,6 +180,13 @@ def mount_page(
         who = answers_as(request)  # off loopback `page_actor` required an identity
         if who is None:
             return Response("credentials required\n", status_code=401, media_type="text/plain")
+        return form, who
+
+    async def decide(request: Request, execution_id: int, decision: str) -> Response:
+        answered = await answer(request)
+        if isinstance(answered, Response):
+            return answered
+        form, who = answered
         try:
             result = await asyncio.to_thread(
                 store.decide,
@@ -200,3 +215,24 @@ def mount_page(
     @app.post(UI_PREFIX + "executions/{execution_id}/reject", dependencies=act)
     async def reject(request: Request, execution_id: int) -> Response:
         return await decide(request, execution_id, ApprovalState.REJECTED)
+
+    @app.post(UI_PREFIX + "executions/{execution_id}/release", dependencies=act)
+    async def release(request: Request, execution_id: int) -> Response:
+        """A person releases a holding execution: its revert starts now (in the
+        background: a stepwise revert waits between its stages)."""
+        answered = await answer(request)
+        if isinstance(answered, Response):
+            return answered
+        _, who = answered
+        if worker is None:
+            return Response("no worker: release with `runbook revert N`\n", status_code=409)
+        try:
+            record = await asyncio.to_thread(store.get_execution, execution_id)
+        except ExecutionNotFound as exc:
+            return RedirectResponse(f"/?msg={quote(str(exc))}", status_code=303)
+        if not record.holding:
+            message = f"execution #{execution_id} is not holding ({record.display_status})"
+            return RedirectResponse(f"/?msg={quote(message)}", status_code=303)
+        worker.release(execution_id, who[:256])
+        message = f"execution #{execution_id}: revert started, released by {who[:256]}"
+        return RedirectResponse(f"/?msg={quote(message)}", status_code=303)

@@ -153,6 +153,7 @@ def build(
             gone=inventory.gone_reason,
             breaker_hold_seconds=config.breaker.cooldown_seconds if config.breaker.enabled else 0.0,
             slos=config.slos,
+            alert_for_seconds=deployment.alert_for_seconds,
         )
         if config.breaker.enabled:
             breaker = BreakerJob(

@@ -81,6 +81,7 @@ class ServiceMetrics:
         """`engine_names`: agent URL (as executions are keyed) -> inventory name;
         `runbooks` and `scrape_targets` (URLs): the catalog's runbooks and what the
         embedded evaluator scrapes, for the series that start at 0."""
+        runbooks = tuple(runbooks)
         self.registry = registry or CollectorRegistry()
         self.engine_names = dict(engine_names or {})
         built = S.build_all(self.registry)
@@ -97,6 +98,9 @@ class ServiceMetrics:
         self.incidents_firing = cast(Gauge, built[S.INCIDENTS_FIRING])
         self.knob_changes = cast(Counter, built[S.KNOB_CHANGES])
         self.breaker_trips = cast(Counter, built[S.BREAKER_TRIPS])
+        self.executions_holding = cast(Gauge, built[S.EXECUTIONS_HOLDING])
+        self.reverts_premature = cast(Counter, built[S.REVERTS_PREMATURE])
+        self._holding_labels: set[tuple[str, str]] = set()
         self.notifications = cast(Counter, built[S.NOTIFICATIONS])
         self.alerts_rejected = cast(Counter, built[S.ALERTS_REJECTED])
         self.requests_refused = cast(Counter, built[S.REQUESTS_REFUSED])
@@ -130,6 +134,8 @@ class ServiceMetrics:
                 self.knob_changes.labels(name, knob)
             for reason in BREAKER_REASONS:
                 self.breaker_trips.labels(name, reason)
+            for runbook in runbooks:
+                self.reverts_premature.labels(name, runbook)
         for url in scrape_targets:
             for reason in SCRAPE_ERROR_REASONS:
                 self.scrape_errors.labels(url, reason)
@@ -181,6 +187,21 @@ class ServiceMetrics:
         self.executions.labels(original.runbook, status).inc()
         knobs = (k for s in revert.steps for k in knob_changes(s))
         self._count_knobs(revert.engine, knobs, 1)
+
+    def set_holding(self, holding: Iterable[ExecutionRecord]) -> None:
+        """The executions holding now (each worker pass); a pair that held
+        before and holds no more reads 0."""
+        counts: dict[tuple[str, str], int] = {}
+        for record in holding:
+            key = (self.engine_name(record.engine), record.runbook)
+            counts[key] = counts.get(key, 0) + 1
+        for key in self._holding_labels | set(counts):
+            self.executions_holding.labels(*key).set(counts.get(key, 0))
+        self._holding_labels |= set(counts)
+
+    def revert_premature(self, runbook: str, engine_url: str) -> None:
+        """A revert's finding came back within its watch: its fix was re-applied."""
+        self.reverts_premature.labels(self.engine_name(engine_url), runbook).inc()
 
     def breaker_tripped(self, engine_url: str, reason: str) -> None:
         """The circuit breaker rolled a change back (runbooks/service/breaker.py)."""

@@ -1,5 +1,7 @@
 """Runs what the webhook recorded: pending alert executions, and reverts when
-their alerts resolve.
+their alerts resolve and their causes are gone (runbooks/run/hold.py: an
+execution holds its changes after its alert resolved; a finding back right
+after a revert re-applies what held).
 
 Exactly-once is the database's job: the webhook creates one pending execution
 per alert episode (a unique key), and a worker runs one only after taking a
@@ -36,6 +38,8 @@ from apscheduler.job import Job
 from apscheduler.schedulers.base import BaseScheduler
 from vllm_runbook.runbooks.model.config import ExecutorConfig
 from vllm_runbook.runbooks.run.executor import Executor
+from vllm_runbook.runbooks.run.hold import Holds, hold_on_resolve, premature_revert, reapply
+from vllm_runbook.runbooks.run.revert import RevertRefused
 from vllm_runbook.runbooks.service.jobs import WakeableJob
 from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
 from vllm_runbook.runbooks.store import ExecutionRecord, Journal, StoreError
@@ -78,6 +82,11 @@ class Worker:
         self.resolved: queue.Queue[dict[str, str]] = queue.Queue()
         self._stop = threading.Event()
         self._job = WakeableJob(self._pass, job_id=JOB_ID, name="worker")
+        self.holds = Holds(
+            executor,
+            hold_seconds=self.waits.hold_seconds,
+            healthy_period_seconds=self.waits.healthy_period_seconds,
+        )
 
     def schedule(self, scheduler: BaseScheduler) -> Job:
         """Poll every `interval` on `scheduler`, first now; woken by `wake`."""
@@ -134,7 +143,59 @@ class Worker:
                 break
             after = page[-1].id
         self._drain_resolved()
+        self._judge_holds()
         return ran
+
+    def release(self, execution_id: int, who: str) -> None:
+        """A person releases a holding execution (the page): revert it now, in
+        a thread of its own (a stepwise revert waits between its stages)."""
+
+        def revert() -> None:
+            try:
+                record = self.store.get_execution(execution_id)
+                spec = self.executor.runbook(record.runbook)
+                result = self.executor.revert(
+                    execution_id,
+                    who=who,
+                    stepwise=bool(spec.revert.stepwise),
+                    healthy_period_seconds=self.waits.healthy_period_seconds,
+                    reason=f"released by {who} from the page",
+                )
+            except Exception as exc:  # a person's answer: logged, the page shows the journal
+                log.warning("release of execution #%d by %s: %s", execution_id, who, exc)
+                return
+            if self.metrics is not None and result.record.reverts_id is not None:
+                self.metrics.revert_finished(self.store.get_execution(execution_id), result.record)
+
+        threading.Thread(target=revert, name=f"release-{execution_id}", daemon=True).start()
+
+    def _judge_holds(self) -> None:
+        """Revert the holding executions whose hold is over and cause gone."""
+        holding = self.store.holding_executions()
+        if self.metrics is not None:
+            self.metrics.set_holding(holding)
+        for record in holding:
+            if self._stop.is_set():
+                return
+            if not self.store.acquire_lease(f"hold:{record.id}", self.holder, self.lease_seconds):
+                continue  # another replica judges it
+            try:
+                result = self.holds.judge(record)
+            except RevertRefused as refused:  # reverted meanwhile (a person, another replica)
+                log.warning("execution #%d: %s", record.id, refused)
+                continue
+            if result is None:
+                continue
+            if self.metrics is not None and result.record.reverts_id is not None:
+                self.metrics.revert_finished(self.store.get_execution(record.id), result.record)
+            log.warning(
+                "execution #%d (%s on %s): held, then reverted by #%d: %s",
+                record.id,
+                record.runbook,
+                record.engine,
+                result.record.id,
+                result.record.status,
+            )
 
     def _drain_resolved(self) -> None:
         while True:
@@ -142,19 +203,26 @@ class Worker:
                 item = self.resolved.get_nowait()
             except queue.Empty:
                 return
-            self._revert(item)
+            self._hold(item)
 
     def _run_one(self, record: ExecutionRecord) -> int:
         if not self.store.acquire_lease(f"execution:{record.id}", self.holder, self.lease_seconds):
             return 0  # another replica runs it
         if self.store.get_execution(record.id).status != ExecutionStatus.PENDING:
             return 0  # ran or refused meanwhile (the alert resolved, a rejection)
-        result = self.executor.run_pending(
-            record.id,
-            approved=True,
-            verify_seconds=self.waits.verify_seconds,
-            condition_seconds=self.waits.condition_seconds,
-        )
+        revert = premature_revert(self.executor, record)
+        if revert is not None:
+            # The finding came back right after a revert: put back what held.
+            result = reapply(self.executor, record, revert)
+            if self.metrics is not None and result.record.status == ExecutionStatus.SUCCEEDED:
+                self.metrics.revert_premature(record.runbook, record.engine)
+        else:
+            result = self.executor.run_pending(
+                record.id,
+                approved=True,
+                verify_seconds=self.waits.verify_seconds,
+                condition_seconds=self.waits.condition_seconds,
+            )
         if self.metrics is not None:
             self.metrics.execution_finished(result.record)
         log.warning(
@@ -166,7 +234,7 @@ class Worker:
         )
         return 1
 
-    def _revert(self, item: dict[str, Any]) -> None:
+    def _hold(self, item: dict[str, Any]) -> None:
         gone = self.executor.gone(item["engine"]) if self.executor.gone is not None else None
         if gone is not None:
             # Its findings resolved because it left: nothing to restore on it.
@@ -181,27 +249,21 @@ class Worker:
                 self.metrics.execution_finished(waiting)
             log.warning("execution #%d: %s", waiting.id, waiting.reason)
             return
-        lease = (
-            f"revert:{item['runbook']}:{item['engine']}:{item['fingerprint']}:{item['startsAt']}"
-        )
-        if not self.store.acquire_lease(lease, self.holder, self.lease_seconds):
-            return
-        result = self.executor.revert_on_resolve(
+        held = hold_on_resolve(
+            self.executor,
             item["runbook"],
             item["engine"],
             item["fingerprint"],
             starts_at,
-            healthy_period_seconds=self.waits.healthy_period_seconds,
+            hold_seconds=self.waits.hold_seconds,
         )
-        if result is not None:
-            if self.metrics is not None and result.record.reverts_id is not None:
-                original = self.store.get_execution(result.record.reverts_id)
-                self.metrics.revert_finished(original, result.record)
+        if held is not None:
             log.warning(
-                "alert %s resolved: reverted execution on %s: %s",
+                "alert %s resolved: execution #%d on %s holds: %s",
                 item["fingerprint"],
+                held.id,
                 item["engine"],
-                result.record.status,
+                held.hold_note,
             )
 
 

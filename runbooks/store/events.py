@@ -43,6 +43,9 @@ AWAITING: Final = "awaiting approval"
 STARTED: Final = "started"
 NO_CHANGE: Final = "no measurable change"
 INTERRUPTED: Final = "interrupted"
+HOLDING: Final = "holding"
+HELD_FOR_PERSON: Final = "held for a person"
+PREMATURE: Final = "premature revert"
 EVENTS: Final = (
     AWAITING,
     STARTED,
@@ -53,7 +56,10 @@ EVENTS: Final = (
     "refused",
     NOTHING_TO_IMPROVE,
     INTERRUPTED,
+    HOLDING,
+    HELD_FOR_PERSON,
     "reverted",
+    PREMATURE,
 )
 _ORDER: Final = {name: i for i, name in enumerate(EVENTS)}
 
@@ -74,14 +80,22 @@ def derive_events(
     error: str | None,
     verification: dict[str, Any] | None,
     interrupted: bool = False,
+    hold_since: Any = None,
+    hold_for_person: bool = False,
+    premature: bool = False,
 ) -> list[str]:
     """The events an execution's state implies so far, in order.
 
     Dry runs and reverts (executions that restore another) are not
-    remediations: they have no events (the reverted one says `reverted`).
+    remediations: they have no events (the reverted one says `reverted`),
+    but a revert found premature says so (its fix was re-applied). An
+    execution that held its changes after its alert resolved says `holding`
+    (and `held for a person` once only a person may release it).
     """
-    if dry_run or reverts_id is not None:
+    if dry_run:
         return []
+    if reverts_id is not None:
+        return [PREMATURE] if premature else []
     events = []
     if reason == ApprovalState.AWAITING or decision is not None:
         events.append(AWAITING)
@@ -100,7 +114,11 @@ def derive_events(
         events.append(NOTHING_TO_IMPROVE)
     elif status == ExecutionStatus.REFUSED:
         events.append("refused")
-    elif status == ExecutionStatus.REVERTED:
+    if hold_since is not None:
+        events.append(HOLDING)
+    if hold_for_person:
+        events.append(HELD_FOR_PERSON)
+    if status == ExecutionStatus.REVERTED:
         events.append("reverted")
     return events
 
@@ -153,6 +171,9 @@ def append_events(session: Session, ids: list[int]) -> int:
                 Execution.status,
                 Execution.error,
                 Execution.verification,
+                Execution.hold_since,
+                Execution.hold_for_person,
+                Execution.premature,
             ).where(Execution.id.in_(chunk))
         )
         for row in rows:

@@ -33,6 +33,8 @@ from vllm_runbook.runbooks.store.models import (
     EXECUTION_STATUSES,
     EXECUTION_TRANSITIONS,
     FINAL_STATUSES,
+    HOLDABLE_STATUSES,
+    HOLDING,
     INTERRUPTED_REASON,
     NOTHING_TO_IMPROVE,
     RUNNABLE_SQL,
@@ -168,6 +170,13 @@ class ExecutionRecord:
     decided_at: datetime | None = None
     decision_note: str | None = None
     updated_at: datetime | None = None
+    # The revert's hold (status 'holding'): since the alert resolved, what it
+    # waits on, and whether only a person may release it.
+    hold_since: datetime | None = None
+    hold_note: str | None = None
+    hold_for_person: bool = False
+    # A revert whose finding came back inside its watch (it was re-applied).
+    premature: bool = False
 
     @classmethod
     def from_row(cls, row: Execution, *, with_steps: bool = True) -> ExecutionRecord:
@@ -204,6 +213,10 @@ class ExecutionRecord:
             decided_at=row.decided_at,
             decision_note=row.decision_note,
             updated_at=row.updated_at,
+            hold_since=row.hold_since,
+            hold_note=row.hold_note,
+            hold_for_person=bool(row.hold_for_person),
+            premature=bool(row.premature),
         )
 
     @property
@@ -216,11 +229,18 @@ class ExecutionRecord:
         )
 
     @property
+    def holding(self) -> bool:
+        """Its alert resolved; its changes stay until the cause is gone (or a person)."""
+        return self.hold_since is not None and self.status in HOLDABLE_STATUSES
+
+    @property
     def display_status(self) -> str:
         """The status to show a person: 'interrupted' when the run died, 'nothing to
         improve' for a refusal because the condition was gone."""
         if is_nothing_to_improve(self.status, self.reason):
             return NOTHING_TO_IMPROVE
+        if self.holding:
+            return HOLDING
         return INTERRUPTED_REASON if self.interrupted else self.status
 
     def to_dict(self) -> dict[str, Any]:
@@ -252,6 +272,10 @@ class ExecutionRecord:
             "decided_by": self.decided_by,
             "decided_at": iso(self.decided_at),
             "decision_note": self.decision_note,
+            "hold_since": iso(self.hold_since),
+            "hold_note": self.hold_note,
+            "hold_for_person": self.hold_for_person,
+            "premature": self.premature,
         }
 
 
@@ -525,6 +549,97 @@ class ExecutionStore(StoreBase):
         with self.session() as s:
             row = s.scalars(query).first()
             return None if row is None else ExecutionRecord.from_row(row)
+
+    # --- the revert's hold and its judge (runbooks/run/revert.py) --------------------
+
+    def hold(self, execution_id: int, note: str) -> ExecutionRecord:
+        """Its alert resolved: the execution (succeeded or failed, its changes
+        on the engine) holds them until the revert's conditions are met
+        ("holding"); `note` says what it waits on."""
+        with self.session(write=True) as s:
+            row = self._get_locked(s, execution_id)
+            if row.status not in HOLDABLE_STATUSES or row.hold_since is not None:
+                raise IllegalTransition(execution_id, row.status, HOLDING)
+            row.hold_since = utcnow()
+            row.hold_note = note
+            s.flush()
+            return ExecutionRecord.from_row(row)
+
+    def note_hold(
+        self, execution_id: int, note: str, *, for_person: bool | None = None
+    ) -> ExecutionRecord:
+        """What a holding execution waits on now (written only when it changed)."""
+        with self.session(write=True) as s:
+            row = self._get_locked(s, execution_id)
+            if row.hold_note != note:
+                row.hold_note = note
+            if for_person is not None and bool(row.hold_for_person) != for_person:
+                row.hold_for_person = for_person
+            s.flush()
+            return ExecutionRecord.from_row(row)
+
+    def holding_executions(self) -> list[ExecutionRecord]:
+        """Executions holding their changes until their revert's conditions are met."""
+        query = (
+            select(Execution)
+            .where(Execution.status.in_(HOLDABLE_STATUSES), Execution.hold_since.is_not(None))
+            .options(selectinload(Execution.steps))
+            .order_by(Execution.id)
+        )
+        with self.session() as s:
+            return [ExecutionRecord.from_row(r) for r in s.scalars(query)]
+
+    def mark_premature(self, revert_id: int, note: str) -> ExecutionRecord:
+        """A revert whose finding came back inside its watch (it is re-applied)."""
+        with self.session(write=True) as s:
+            row = self._get_locked(s, revert_id)
+            row.premature = True
+            row.reason = f"{row.reason}; {note}" if row.reason else note
+            s.flush()
+            return ExecutionRecord.from_row(row)
+
+    def last_revert(self, runbook: str, engine: str) -> ExecutionRecord | None:
+        """The newest revert of `runbook` on `engine` that finished and changed
+        something (the judge of reverts watches it)."""
+        query = (
+            select(Execution)
+            .where(
+                Execution.runbook == runbook,
+                Execution.engine == engine,
+                Execution.reverts_id.is_not(None),
+                Execution.status == ExecutionStatus.SUCCEEDED,
+            )
+            .options(selectinload(Execution.steps))
+            .order_by(Execution.id.desc())
+            .limit(1)
+        )
+        with self.session() as s:
+            row = s.scalars(query).first()
+            return None if row is None else ExecutionRecord.from_row(row)
+
+    def knob_changes_since(self, runbook: str, engine: str, since: datetime) -> int:
+        """Executions of `runbook` on `engine` started at or after `since` that
+        changed a knob (fixes, reverts and re-applies alike): each one after
+        the first turned the knobs round."""
+        if since.tzinfo is None:
+            raise ValueError("since must be timezone-aware")
+        query = (
+            select(Execution)
+            .where(
+                Execution.runbook == runbook,
+                Execution.engine == engine,
+                Execution.dry_run.is_(False),
+                Execution.started_at >= since,
+            )
+            .options(selectinload(Execution.steps))
+        )
+        changed = (STEP_APPLIED, STEP_REVERTED)
+        with self.session() as s:
+            return sum(
+                1
+                for row in s.scalars(query)
+                if any(step.status in changed and step.before for step in row.steps)
+            )
 
     # --- guardrail queries (asked under the executor's admission lease) ---------------
 

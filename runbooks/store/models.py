@@ -42,6 +42,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     event,
+    false,
     text,
 )
 from sqlalchemy.dialects import postgresql
@@ -85,6 +86,10 @@ class ApprovalState(StrEnum):
 
 
 EXECUTION_STATUSES: Final = tuple(ExecutionStatus)
+# What a person is shown for a succeeded or failed execution whose alert
+# resolved and whose revert waits for its cause to go (`hold_since` set).
+HOLDING: Final = "holding"
+HOLDABLE_STATUSES: Final = frozenset({ExecutionStatus.SUCCEEDED, ExecutionStatus.FAILED})
 ACTIVE_STATUSES: Final = frozenset(
     {ExecutionStatus.PENDING, ExecutionStatus.RUNNING, ExecutionStatus.VERIFYING}
 )
@@ -303,6 +308,15 @@ class Execution(Base):
     decided_by: Mapped[str | None] = mapped_column(String(256))
     decided_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     decision_note: Mapped[str | None] = mapped_column(Text)
+    # The revert's hold: since when its alert resolved (a succeeded or failed
+    # execution with a hold_since is "holding": its changes stay until the
+    # cause is gone), what it waits on now, and whether only a person may
+    # release it.
+    hold_since: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    hold_note: Mapped[str | None] = mapped_column(Text)
+    hold_for_person: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # A revert whose finding came back inside its watch: re-applied.
+    premature: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
     steps: Mapped[list[Step]] = relationship(
         back_populates="execution", order_by="Step.ordinal", cascade="all, delete-orphan"

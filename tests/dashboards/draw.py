@@ -199,7 +199,12 @@ def draw_dashboard(
         singles.append(path)
 
     height_units = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in every)
-    fig = plt.figure(figsize=(16, height_units * 0.2), dpi=72)
+    inches = height_units * 0.2
+    fig = plt.figure(figsize=(16, inches), dpi=72)
+    # The room for a panel's title and tick labels is fixed in inches: as a share of
+    # the figure it shrinks as the dashboard grows (a fixed share would leave a short
+    # panel of a tall dashboard a negative height).
+    below, around = 0.42 / inches, 1.04 / inches
     fig.suptitle(f"{dashboard['title']} — drawn from a real Prometheus", fontsize=12, y=0.999)
     for panel in every:
         g = panel["gridPos"]
@@ -208,7 +213,9 @@ def draw_dashboard(
         if panel["type"] == "row":
             fig.text(0.01, bottom + height * 0.3, panel["title"], fontsize=11, weight="bold")
             continue
-        ax = fig.add_axes((left + 0.03, bottom + 0.012, width - 0.045, height - 0.03))
+        ax = fig.add_axes(
+            (left + 0.03, bottom + below, width - 0.045, max(height - around, height * 0.25))
+        )
         draw_panel(ax, panel, ranges, substitute, start, end, marks)
     composite = out_dir / f"{dashboard['uid']}.png"
     fig.savefig(composite)

@@ -35,6 +35,7 @@ GRAFANA_VARIABLES = {
 }
 _VARIABLE = re.compile(r"\$(\w+)")
 SERVICE_SERIES = frozenset(catalog.known_series(SERVICE_METRICS))
+VLLM_OPTIONAL_SERIES = frozenset(catalog.known_series(catalog.VLLM_OPTIONAL))
 
 
 def substitute(expr: str, values: Mapping[str, str] = GRAFANA_VARIABLES) -> str:
@@ -57,6 +58,14 @@ def load(name: str) -> dict[str, Any]:
 def uses_service(expr: str) -> bool:
     """The query reads a series of `runbook serve` (runbooks/service/metric_specs.py)."""
     return bool(lint.metric_names(expr) & SERVICE_SERIES)
+
+
+def needs_vllm_option(expr: str) -> bool:
+    """The query reads only vLLM series that an option of vLLM turns on
+    (catalog.VLLM_OPTIONAL: --kv-cache-metrics, speculative decoding), which the
+    test engines run without."""
+    names = lint.metric_names(expr)
+    return bool(names) and names <= VLLM_OPTIONAL_SERIES
 
 
 def gpu_only(panel: Mapping[str, Any] | None) -> bool:

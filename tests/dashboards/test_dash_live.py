@@ -39,7 +39,15 @@ from vllm_runbook.dashboards.generate import DASHBOARDS_DIR
 from vllm_runbook.rules.promql import dump_yaml
 from vllm_runbook.rules.slo import SloSpec, slo_rule_groups
 
-from tests.dashboards.live import MODEL, finite, gpu_only, is_finding, substitute, uses_service
+from tests.dashboards.live import (
+    MODEL,
+    finite,
+    gpu_only,
+    is_finding,
+    needs_vllm_option,
+    substitute,
+    uses_service,
+)
 from tests.dashboards.live import load as lint_load
 from tests.engines import PrometheusServer, ServedEngine, require_tool, runbook_cli
 
@@ -191,7 +199,8 @@ def test_every_dashboard_query_returns_data(live: LiveRun) -> None:
             expr = substitute(q.expr)
             if q.kind == "variable":
                 ok = bool(live.series[expr])
-            elif is_finding(q):  # ran without an error; empty while healthy
+            elif is_finding(q) or needs_vllm_option(q.expr):
+                # ran without an error; empty while healthy, or without the vLLM option
                 ok = expr in (live.ranges if q.kind == "annotation" else live.instant)
             elif q.kind == "annotation":
                 ok = finite(live.ranges[expr])

@@ -18,6 +18,7 @@ from vllm_runbook.dashboards.definitions import DASHBOARDS, ENGINE_UID, engine_o
 from vllm_runbook.dashboards.generate import DASHBOARDS_DIR, RULE_FILE, render_all, stale_files
 from vllm_runbook.dashboards.queries import RuleNotes
 from vllm_runbook.rules import load_catalog
+from vllm_runbook.rules.signals import SIGNALS
 from vllm_runbook.runbooks.service import metric_specs as S
 
 KNOBS = (M.MAX_NUM_BATCHED_TOKENS, M.MAX_NUM_SEQS, M.SCHEDULER_POLICY)
@@ -111,10 +112,22 @@ def test_vllm_series_exist_in_the_installed_vllm() -> None:
         if os.environ.get("CI"):
             pytest.fail("vLLM is not installed: its metric names cannot be checked")
         pytest.skip("vLLM is not installed")
-    declared = catalog.vllm_metric_types(path.read_text())
+    declared = dict(catalog.vllm_metric_types(path.read_text()))
     assert len(declared) > 20  # the parser still understands loggers.py
+    spec_decode = catalog.vllm_spec_decode_path()
+    assert spec_decode is not None
+    declared |= catalog.vllm_spec_decode_counters(spec_decode.read_text())
     for spec in catalog.VLLM_METRICS:
         assert declared.get(spec.name) == spec.type, spec.name
+    # The rules read vLLM's series by the signal registry's names: the same check.
+    for signal in SIGNALS.values():
+        for name in (signal.metric, signal.vllm):
+            if name is None or not name.startswith("vllm:"):
+                continue
+            kind = "histogram" if signal.of and signal.how in ("sum", "count") else signal.type
+            base = name.removesuffix(f"_{signal.how}") if kind != signal.type else name
+            base = base.removesuffix("_total") if kind == "counter" else base
+            assert declared.get(base) == kind, (signal.name, name)
 
 
 def test_every_collector_metric_is_on_a_dashboard(dashboards: dict[str, dict[str, Any]]) -> None:

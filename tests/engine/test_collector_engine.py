@@ -71,6 +71,9 @@ def test_fragmentation_and_length_padding_after_the_prefill_step(engine: InProce
     # Nothing runs any more: fragmentation is defined as 0, and the queue
     # gauges follow the finished requests even though no step comes after.
     assert engine.value(M.BLOCK_FRAGMENTATION.name) == 0
+    # Likewise the length padding: an idle engine pads nothing (it used to keep
+    # the last batch's spread for as long as the engine stayed idle).
+    assert engine.value(M.LENGTH_PADDING_RATIO.name) == 0
     assert engine.value(M.REQUESTS_RUNNING.name) == 0
     assert engine.value(M.KV_BLOCKS_USED.name) == 0
 

@@ -3,11 +3,14 @@
 The engine starts with the policy from the plugin's configuration
 (VLLM_RUNBOOK_POLICY=tiered) and small tiers so that prompts stay short:
 hot < 64 prompt tokens <= warm < 256 <= cold, one running request per tier
-at most while another tier waits, aging 10 s per tier.
+at most while another tier waits, aging 10 s per tier, no deadlines (the
+tests below move a fake clock by seconds); the share and deadline tests set
+theirs on the running engine (`_tiers`). Budget 512 tokens, chunked prefill on.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +30,7 @@ TIER_ENV = {
     "VLLM_RUNBOOK_TIER_BOUNDARIES": "64,256",
     "VLLM_RUNBOOK_TIER_LIMITS": "1,1,1",
     "VLLM_RUNBOOK_TIER_AGING_SECONDS": "10",
+    "VLLM_RUNBOOK_TIER_DEADLINES": "none,none,none",
 }
 PROMPT = {"h": 30, "w": 100, "c": 300}  # hot, warm, cold with the tiers above
 
@@ -56,15 +60,27 @@ def eng(tiered_engine: InProcessEngine) -> Iterator[InProcessEngine]:
     _apply(tiered_engine, {}, restore=True)
     tiered_engine.finished.clear()  # the tests reuse request names
     saved = collector.wall_clock
+    saved_tiers = collector.control.tiers
     collector.wall_clock = Clock(time.time())
     try:
         yield tiered_engine
     finally:
         collector.wall_clock = saved
         tiered_engine.run_until_done()
+        _tiers(tiered_engine, saved_tiers)
         _apply(tiered_engine, {}, restore=True)
         if "schedule" in vars(tiered_engine.scheduler):
             del tiered_engine.scheduler.schedule
+
+
+def _tiers(engine: InProcessEngine, config: Any = None, **changes: Any) -> None:
+    """Set the tier configuration on the running engine (the control and both queues)."""
+    control = engine.collector.control
+    config = config or dataclasses.replace(control.tiers, **changes)
+    control.tiers = config
+    for queue in (engine.scheduler.waiting, engine.scheduler.kv_holding_waiting):
+        if hasattr(queue, "config"):
+            queue.config = config
 
 
 def _apply(engine: InProcessEngine, body: dict[str, Any], restore: bool = False) -> Any:
@@ -106,11 +122,23 @@ def add(
     max_tokens: int = 2,
     prompt: int | None = None,
     priority: int = 0,
+    extra_args: dict[str, Any] | None = None,
 ) -> None:
     global _offset
     _offset += 1  # a fresh prompt each time: no prefix-cache hit changes the tokens
     n = prompt if prompt is not None else PROMPT[name[0]]
-    engine.add(name, n, max_tokens=max_tokens, offset=3001 * _offset, priority=priority)
+    if extra_args is None:
+        engine.add(name, n, max_tokens=max_tokens, offset=3001 * _offset, priority=priority)
+        return
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm_runbook.collector.tiny_model import prompt_token_ids
+
+    params = SamplingParams(
+        max_tokens=max_tokens, ignore_eos=True, temperature=0.0, extra_args=extra_args
+    )
+    prompt_ids = TokensPrompt(prompt_token_ids=prompt_token_ids(n, 3001 * _offset))
+    engine.engine.add_request(name, prompt_ids, params, priority=priority)
 
 
 _offset = 0
@@ -121,7 +149,7 @@ def admitted(steps: list[dict[str, Any]]) -> list[str]:
 
 
 def tier_values(engine: InProcessEngine, spec: M.MetricSpec) -> dict[str, float | None]:
-    return {t: engine.value(spec.name, tier=t) for t in M.TIERS}
+    return {t: engine.value(spec.series_name, tier=t) for t in M.TIERS}
 
 
 def test_started_tiered_from_the_plugin_configuration(eng: InProcessEngine) -> None:
@@ -135,6 +163,7 @@ def test_started_tiered_from_the_plugin_configuration(eng: InProcessEngine) -> N
         limits={"hot": 1, "warm": 1, "cold": 1},
         shares={"hot": 0.40, "warm": 0.45, "cold": 0.15},
         aging_seconds=10.0,
+        deadlines={"hot": None, "warm": None, "cold": None},
     )
 
 
@@ -213,43 +242,99 @@ def test_long_requests_never_borrow_the_hot_tiers_free_slots(eng: InProcessEngin
     assert {"c0", "c1", "c2", "h0"} <= set(eng.finished)
 
 
-def test_a_long_prefill_leaves_the_hot_share_of_the_budget(eng: InProcessEngine) -> None:
+def test_a_long_prefill_leaves_the_hot_tier_its_share(eng: InProcessEngine) -> None:
     steps = record(eng)
     add(eng, "c0", prompt=1500)
     eng.step()  # alone: the whole 512-token budget
     assert steps[-1]["tokens"] == {"c0": 512}
     add(eng, "h0")
     eng.step()
-    # A hot request waits: hot and cold have work, shares 0.40 and 0.15, so
-    # prefill chunks are capped at 512 x (1 - 0.40 / 0.55) = 139 tokens.
-    assert steps[-1]["tokens"] == {"c0": 139, "h0": 30}
-    assert steps[-1]["threshold"] == 139
-    eng.step()  # h0 only decodes: the prefill leaves it its one token (c0 runs first)
-    assert steps[-1]["tokens"] == {"c0": 511, "h0": 1}
-    assert steps[-1]["threshold"] == 511
-    eng.step()  # h0 finished: no cap, the rest of c0's prompt (1500 - 512 - 139 - 511)
-    assert steps[-1]["tokens"] == {"c0": 338}
-    assert steps[-1]["threshold"] == 0  # vLLM's own (no threshold)
+    # Hot and cold have work: quotas 512 x 0.40/0.55 = 372 and 139; hot needs
+    # 30 of its 372 and lends the rest: c0's chunk is 482, h0 takes 30.
+    assert steps[-1]["tokens"] == {"c0": 482, "h0": 30}
+    eng.step()  # h0 decodes one token; c0 the rest of its prompt (1500 - 512 - 482)
+    assert steps[-1]["tokens"] == {"c0": 506, "h0": 1}
+    # The per-step chunk limit is vLLM's own throughout: each chunk is cut by its tier.
+    assert {s["threshold"] for s in steps} == {0}
+    assert "_reserve_prefill_lookahead" not in vars(eng.scheduler)  # only inside a step
     _apply(eng, {"policy": "fcfs"})
     add(eng, "c1", prompt=1500)
     add(eng, "h1")
-    eng.run_until_done()
-    assert max(s["threshold"] for s in steps[3:]) == 0  # fcfs: never capped
+    eng.step()
+    # fcfs: no shares; c1 arrived before h1 and takes the rest, h1 waits.
+    assert steps[-1]["tokens"] == {"c0": 1, "c1": 511}
 
 
-def test_the_hot_share_is_split_between_the_running_prefills(eng: InProcessEngine) -> None:
+def test_every_tier_gets_its_share_of_the_step(eng: InProcessEngine) -> None:
+    """A known queue, eight slots per tier: hot 2 x 30 tokens, warm 3 x 200,
+    cold 1 x 1500, all waiting at once; budget 512, shares 40/45/15."""
+    _tiers(eng, limits=(8, 8, 8))
     steps = record(eng)
-    for name in ("c0", "c1"):
-        add(eng, name, prompt=1500)
-    add(eng, "h0")
+    for name, prompt in (
+        ("c0", 1500),
+        ("w0", 200),
+        ("w1", 200),
+        ("w2", 200),
+        ("h0", 30),
+        ("h1", 30),
+    ):
+        add(eng, name, max_tokens=3, prompt=prompt)
     eng.step()
-    # h0 first; nothing ran yet, so each new chunk gets the whole cap of 139.
-    assert steps[-1]["tokens"] == {"h0": 30, "c0": 139, "c1": 139}
+    # Demand hot 60, warm 512 (600, at most the budget), cold 512: hot gets
+    # its 60 (of 204.8); the other 452 split 45:15 -> warm 339, cold 113. The
+    # warm tier admits w0 (200) and a 139-token chunk of w1; w2 waits.
+    assert steps[-1]["tokens"] == {"h0": 30, "h1": 30, "w0": 200, "w1": 139, "c0": 113}
+    assert steps[-1]["admitted"] == ["h0", "h1", "w0", "w1", "c0"]
+    eng.step()
+    # Demand hot 2 (decodes), warm 1 + 61 + 200 = 262, cold 1387: hot 2, warm
+    # its 262 (of 382.5 of the 510 left), cold the other 248.
+    assert steps[-1]["tokens"] == {"h0": 1, "h1": 1, "w0": 1, "w1": 61, "c0": 248, "w2": 200}
+    eng.run_until_done()
+    assert {"c0", "w0", "w1", "w2", "h0", "h1"} <= set(eng.finished)
+
+
+def test_a_missed_deadline_demotes_or_aborts_with_a_reason(eng: InProcessEngine) -> None:
+    """Deadlines hot 0.1 s, warm 1 s; one request runs at a time."""
+    _tiers(eng, deadlines=(0.1, 1.0, None))
+    clock = _clock(eng)
+    _apply(eng, {"max_num_seqs": 1})
+    steps = record(eng)
+    before = {
+        spec.name: tier_values(eng, spec)
+        for spec in (M.TIER_DEADLINE_DEMOTIONS, M.TIER_DEADLINE_ABORTS)
+    }
+    add(eng, "h0", max_tokens=4)
+    eng.step()  # h0 runs; the others wait behind it
     add(eng, "h1")
-    eng.step()
-    # Two prefills run ahead of the waiting h1: 139 split between them.
-    assert steps[-1]["tokens"] == {"h0": 1, "c0": 69, "c1": 69, "h1": 30}
-    assert steps[-1]["threshold"] == 69
+    add(eng, "h2", extra_args={"vllm_runbook_on_deadline": "abort"})
+    add(eng, "w0")
+    clock.now += 0.05
+    eng.step()  # nobody past a deadline yet
+    clock.now += 0.1
+    outputs = eng.step()  # h1 and h2 waited 0.15 s: h1 demoted, h2 aborted (it asked)
+    aborted = [o for o in outputs if o.request_id == "h2"]
+    assert len(aborted) == 1 and aborted[0].finished
+    assert aborted[0].outputs[0].finish_reason == "abort"
+    assert aborted[0].outputs[0].token_ids == []
+    assert aborted[0].outputs[0].stop_reason == (
+        "vllm-runbook: hot tier deadline 0.1 s passed (0.150 s waiting for a first "
+        "schedule); aborted as the request asked"
+    )
+    # The queue holds h1 as warm now (the gauges keep counting by prompt length).
+    assert eng.scheduler.waiting.tier_counts() == [0, 2, 0]
+    eng.run_until_done()
+    # h1 now competes as warm, with w0: by arrival, h1 first.
+    assert admitted(steps) == ["h0", "h1", "w0"]
+    after = {
+        spec.name: tier_values(eng, spec)
+        for spec in (M.TIER_DEADLINE_DEMOTIONS, M.TIER_DEADLINE_ABORTS)
+    }
+    deltas = {
+        name: {t: (after[name][t] or 0) - (before[name][t] or 0) for t in M.TIERS} for name in after
+    }
+    assert deltas[M.TIER_DEADLINE_DEMOTIONS.name] == {"hot": 1, "warm": 0, "cold": 0}
+    assert deltas[M.TIER_DEADLINE_ABORTS.name] == {"hot": 1, "warm": 0, "cold": 0}
+    assert set(eng.finished) >= {"h0", "h1", "h2", "w0"}
 
 
 def test_switching_policies_keeps_every_request_exactly_once(eng: InProcessEngine) -> None:
@@ -345,7 +430,7 @@ def test_a_failing_tiered_step_disables_the_collector_not_the_engine(
     eng.step()
     add(eng, "h0")
     eng.step()
-    assert steps[-1]["threshold"] == 139  # capped while h0 waited
+    assert steps[-1]["tokens"] == {"c0": 482, "h0": 30}  # the shares applied
     collector = eng.collector
 
     def broken() -> None:
@@ -358,11 +443,45 @@ def test_a_failing_tiered_step_disables_the_collector_not_the_engine(
         eng.run_until_done()
         assert {"c0", "h0", "c1", "h1", "w0"} <= set(eng.finished)
         assert collector.enabled is False and "injected tiered fault" in (collector.error or "")
-        # vLLM's own threshold is back from the failing step on; the queue
-        # keeps its order, without limits.
+        # vLLM's own chunks from the failing step on (no per-request cut left
+        # on the scheduler); the queue keeps its order, without limits.
         assert eng.scheduler.scheduler_config.long_prefill_token_threshold == 0
-        assert [s["threshold"] for s in steps[2:]] == [0] * len(steps[2:])
+        assert "_reserve_prefill_lookahead" not in vars(eng.scheduler)
     finally:
         del collector.control.begin_tiered_step
+        del eng.scheduler.schedule
+        collector.enabled, collector.error = True, None
+
+
+def test_a_failing_share_cut_inside_schedule_never_reaches_vllm(
+    tiered_engine: InProcessEngine,
+) -> None:
+    """The per-request cut runs inside vLLM's schedule(): a fault there gives
+    vLLM its own chunk for that request, and the collector disables itself
+    after the step. Last in the module with the test above: it leaves the
+    collector disabled."""
+    eng = tiered_engine
+    _apply(eng, {}, restore=True)
+    eng.finished.clear()
+    collector = eng.collector
+    collector.enabled, collector.error = True, None
+    steps = record(eng)
+
+    def broken(request: Any) -> int:
+        raise RuntimeError("injected share fault")
+
+    collector.control._tier_of_scheduled = broken
+    try:
+        add(eng, "c0", prompt=1500)
+        eng.step()
+        add(eng, "h0")
+        eng.step()  # the cut fails: vLLM's own chunk, the whole budget (h0 waits)
+        assert steps[-1]["tokens"] == {"c0": 512}
+        assert collector.enabled is False and "injected share fault" in (collector.error or "")
+        assert "_reserve_prefill_lookahead" not in vars(eng.scheduler)
+        eng.run_until_done()
+        assert {"c0", "h0"} <= set(eng.finished)
+    finally:
+        del collector.control._tier_of_scheduled
         del eng.scheduler.schedule
         collector.enabled, collector.error = True, None

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import httpx
 from vllm_runbook.runbooks.engine.client import EngineClient
 from vllm_runbook.runbooks.run.executor import ExecutionResult, Executor
+from vllm_runbook.runbooks.run.hold import Holds, hold_on_resolve
 from vllm_runbook.runbooks.store import Journal
 
 from tests.engines import InProcessEngine
@@ -70,6 +71,7 @@ class Bench:
         self.executor = Executor(self.store, poll_seconds=0.2)
         self.starts = datetime.now(UTC)
         self.sent = 0
+        self.held = 0  # the execution `resolve` put on hold
         assert self.knobs() == STARTUP, "the previous scenario left the engine changed"
         Bench.unfinished.append(self)
 
@@ -130,12 +132,21 @@ class Bench:
         return result
 
     def resolve(self, runbook: str, drive: Callable[[], None] | None = None) -> Any:
-        """The alert resolved: the service's revert (stepwise stages without waits)."""
+        """The alert resolved: the service's hold (no hold time here) and, when
+        the runbook's cause conditions hold now, its revert (stepwise stages
+        without waits); None while the cause holds (`judge` again later)."""
+        held = hold_on_resolve(
+            self.executor, runbook, self.url, f"fp-{self.tag}", self.starts, hold_seconds=0
+        )
+        assert held is not None and held.display_status == "holding"
+        self.held = held.id
+        return self.judge(drive)
+
+    def judge(self, drive: Callable[[], None] | None = None) -> Any:
+        """The worker's pass over the held execution: its revert, or None."""
+        holds = Holds(self.executor, hold_seconds=0, healthy_period_seconds=0)
         return self.while_running(
-            lambda: self.executor.revert_on_resolve(
-                runbook, self.url, f"fp-{self.tag}", self.starts, healthy_period_seconds=0
-            ),
-            drive or self.step,
+            lambda: holds.judge(self.store.get_execution(self.held)), drive or self.step
         )
 
     def abort_all(self) -> None:

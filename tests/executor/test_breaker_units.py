@@ -145,7 +145,8 @@ def test_a_change_over_the_limit_is_rolled_back_journaled_counted_and_held(
     assert store.get_execution(original).status == "reverted"
     [revert] = store.list_executions(who=BREAKER_WHO)
     assert (revert.reverts_id, revert.status, revert.trigger) == (original, "succeeded", "rule")
-    assert revert.reason == f"execution #{original} reverted"
+    assert revert.reason is not None
+    assert revert.reason.startswith(f"execution #{original} reverted: circuit breaker: ")
     assert revert.verification is not None
     assert revert.verification["breaker"]["why"] == (
         "circuit breaker: 5 preemptions per 40 finished "
@@ -212,10 +213,10 @@ class PilotAgent(FakeAgent):
 
     last_step = 10
 
-    def state(self, since_step: int | None = None) -> Any:
+    def state(self, since_step: int | None = None, episode_seconds: float | None = None) -> Any:
         from vllm_runbook.collector.agent_api import AutopilotChange
 
-        state = super().state(since_step)
+        state = super().state(since_step, episode_seconds)
         change = AutopilotChange(
             step=self.last_step, max_num_seqs=self.knobs["max_num_seqs"], reason="room"
         )

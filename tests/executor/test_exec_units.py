@@ -20,6 +20,7 @@ from vllm_runbook.runbooks.engine.operations import engine_registry, kv_capacity
 from vllm_runbook.runbooks.model.spec import Catalog, Runbook, load_catalog
 from vllm_runbook.runbooks.run.executor import ExecutionResult, Executor
 from vllm_runbook.runbooks.run.guardrails import engine_lock_name
+from vllm_runbook.runbooks.run.hold import Holds, hold_on_resolve
 from vllm_runbook.runbooks.run.render import format_verification
 from vllm_runbook.runbooks.run.revert import RevertRefused, stage_values
 from vllm_runbook.runbooks.store import Journal
@@ -361,7 +362,10 @@ def test_alert_episode_runs_once_and_reverts_stepwise_on_resolve(make: Any) -> N
     )
     assert dup.created is False and dup.record.id == first.record.id
     assert agent.writes == [{"policy": "fcfs"}]
-    reverted = executor.revert_on_resolve("latency-spike", URL, "abc", starts)
+    agent.stats = [{**PRESSURE, "oldest_waiting": 0.0}]  # the cause is gone
+    held = hold_on_resolve(executor, "latency-spike", URL, "abc", starts, hold_seconds=0)
+    assert held is not None and held.display_status == "holding"
+    reverted = Holds(executor, hold_seconds=0).judge(held)
     assert reverted is not None and reverted.record.status == "succeeded"
     assert agent.knobs == STARTUP
     assert executor.store.get_execution(first.record.id).status == "reverted"
@@ -488,13 +492,13 @@ def test_an_engine_that_leaves_the_inventory_ends_its_execution_engine_gone(make
     reads = 0
     real_state = agent.state
 
-    def state(since_step: int | None = None) -> Any:
+    def state(since_step: int | None = None, episode_seconds: float | None = None) -> Any:
         nonlocal reads
         reads += 1
         if since_step is not None and reads >= 4:  # verifying: the pod goes away
             gone[URL] = "engine gone: cpu-0 left the inventory (prometheus) at T"
             agent.down = True
-        return real_state(since_step)
+        return real_state(since_step, episode_seconds)
 
     agent.state = state
     result = executor.execute(runbook(), URL, approved=True)

@@ -26,6 +26,7 @@ EXPECTED = {
     "memory-leak",
     "oom-pressure",
     "restore",
+    "spec-decode-acceptance-low",
     "throughput-drop",
     "warmup",
 }
@@ -178,6 +179,7 @@ def test_registry_rejects_duplicates_and_validates() -> None:
     registry = catalog_registry()
     assert list(registry) == [
         "advise",
+        "advise_block_size",
         "capture_diagnostics",
         "restore_knobs",
         "scale_max_num_batched_tokens",

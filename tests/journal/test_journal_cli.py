@@ -23,7 +23,7 @@ def test_db_upgrade_then_empty_history(tmp_path: Path, capsys: pytest.CaptureFix
     assert not (tmp_path / "c.db").exists()
     assert run(capsys, "db", "upgrade", "--db", url) == (
         0,
-        f"{url}: at revision 0004 (head 0004)\n",
+        f"{url}: at revision 0005 (head 0005)\n",
         "",
     )
     assert run(capsys, "history", "--db", url) == (0, "no executions recorded\n", "")
@@ -90,6 +90,10 @@ def test_history_table_and_json(sqlite_url: str, capsys: pytest.CaptureFixture[s
             "decided_by",
             "decided_at",
             "decision_note",
+            "hold_since",
+            "hold_note",
+            "hold_for_person",
+            "premature",
         ]
     )
     assert (shown["id"], shown["status"]) == (1, "succeeded")
@@ -135,12 +139,13 @@ def test_list_and_show(capsys: pytest.CaptureFixture[str]) -> None:
         "oom-pressure",
         "padding-high",
         "restore",
+        "spec-decode-acceptance-low",
         "throughput-drop",
         "warmup",
     ]
     code, out, _ = run(capsys, "list", "--json")
     names = [r["name"] for r in json.loads(out)["runbooks"]]
-    assert names[10] == "oom-pressure" and len(names) == 15
+    assert names[10] == "oom-pressure" and len(names) == 16
 
     code, out, _ = run(capsys, "show", "oom-pressure")
     assert code == 0

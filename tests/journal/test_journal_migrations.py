@@ -70,7 +70,7 @@ def test_programmatic_upgrade_is_idempotent_and_reversible(tmp_path: Path) -> No
     url = f"sqlite:///{tmp_path}/p.db"
     assert current_revision(url) is None
     head = head_revision()
-    assert head == "0004"
+    assert head == "0005"
     assert upgrade(url) == head
     assert upgrade(url) == head  # second start of the service: nothing to do
     Journal(url).create_execution("warmup", "e", trigger="cli", who="me")
@@ -99,7 +99,7 @@ def test_programmatic_upgrade_postgres_from_two_processes(fresh_pg_database: str
     ]
     outputs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
-    assert [out.strip() for out, _ in outputs] == ["0004", "0004"]
+    assert [out.strip() for out, _ in outputs] == ["0005", "0005"]
 
 
 def test_upgrade_of_a_newer_database_is_a_clear_error(tmp_path: Path) -> None:
@@ -126,7 +126,7 @@ def test_migrations_located_without_the_repository(tmp_path: Path) -> None:
         env=dict(os.environ),
         timeout=120,
     )
-    assert (out.returncode, out.stdout) == (0, "0004\n"), out.stderr
+    assert (out.returncode, out.stdout) == (0, "0005\n"), out.stderr
 
 
 def _upgrade_from_0002_with_an_outbox(url: str) -> None:
@@ -153,7 +153,7 @@ def _upgrade_from_0002_with_an_outbox(url: str) -> None:
                 f"created_at) VALUES (7, '{event}', '{receiver}', '{status}', {1 - i // 2}, "
                 f"'2026-12-01 10:00:0{i}')"
             )
-    assert upgrade(url) == "0004"
+    assert upgrade(url) == "0005"
     store = Journal(url)
     events = store.events_of_execution(7)
     assert [e.event for e in events] == ["started", "succeeded"]
@@ -200,7 +200,7 @@ def test_0004_sizes_the_deliveries_stored_before(
             "INSERT INTO webhook_events (received_at, group_key, status, payload, processed) "
             "VALUES ('2026-12-01 10:00:00', '{}', 'firing', '{\"alerts\": [\"é\"]}', true)"
         )
-    assert upgrade(url) == "0004"
+    assert upgrade(url) == "0005"
     with engine.connect() as conn:
         stored, size = conn.exec_driver_sql(
             "SELECT CAST(payload AS TEXT), payload_bytes FROM webhook_events"
@@ -211,3 +211,39 @@ def test_0004_sizes_the_deliveries_stored_before(
     assert store.webhook_events_size() == (1, 18)
     assert store.prune_webhook_events(max_age_s=None, max_bytes=17).by_size == 1
     store.close()
+
+
+def test_0005_adds_the_hold_in_place_and_its_downgrade_keeps_the_changes_as_succeeded(
+    tmp_path: Path,
+) -> None:
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    upgrade(url, "0004")
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            'INSERT INTO executions (runbook, engine, "trigger", who, dry_run, status, '
+            "created_at, updated_at) VALUES ('latency-spike', 'e', 'cli', 'me', false, "
+            "'pending', '2026-12-01 10:00:00', '2026-12-01 10:00:00')"
+        )
+    engine.dispose()
+    assert upgrade(url) == "0005"
+    store = Journal(url)
+    (record,) = store.list_executions()
+    before = store.get_execution(record.id)
+    assert (before.hold_since, before.hold_note, before.hold_for_person, before.premature) == (
+        None,
+        None,
+        False,
+        False,
+    )
+    store.transition(record.id, "running")
+    store.transition(record.id, "succeeded")
+    held = store.hold(record.id, "waiting")
+    assert (held.status, held.display_status, held.hold_note) == ("succeeded", "holding", "waiting")
+    assert held.hold_since is not None
+    store.close()
+    command.downgrade(alembic_config(url), "0004")
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        assert conn.exec_driver_sql("SELECT status FROM executions").scalar() == "succeeded"
+    engine.dispose()

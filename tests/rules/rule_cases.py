@@ -18,6 +18,7 @@ from vllm_runbook.collector import metrics as M
 KV_HIT = M.KV_HIT_RATIO.series_name
 FRAG = M.BLOCK_FRAGMENTATION.series_name
 PADDING = M.PADDING_RATIO.series_name
+LENGTH_PADDING = M.LENGTH_PADDING_RATIO.series_name
 SCHED_SUM = M.SCHEDULE_SECONDS.name + "_sum"
 SCHED_COUNT = M.SCHEDULE_SECONDS.name + "_count"
 KV_USAGE = M.KV_CACHE_USAGE_PEAK.series_name
@@ -28,10 +29,15 @@ TIER_OLDEST = M.TIER_OLDEST_WAITING.series_name
 SCHEDULED = M.SCHEDULED_TOKENS.series_name
 BUDGET = M.TOKEN_BUDGET.series_name
 START = M.ENGINE_START_TIME.series_name
+WARMUP_DONE = M.WARMUP_DONE.series_name
 GPU_USED = M.GPU_MEMORY_USED.series_name
 GPU_TOTAL = M.GPU_MEMORY_TOTAL.series_name
 GPU_UTIL = M.GPU_UTILIZATION.series_name
 GEN = "vllm:generation_tokens_total"
+IDLE_BEFORE_EVICT = "vllm:kv_block_idle_before_evict_seconds_bucket"
+REUSE_GAP_COUNT = "vllm:kv_block_reuse_gap_seconds_count"
+DRAFT = "vllm:spec_decode_num_draft_tokens_total"
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 FINISHED = "vllm:request_success_total"
 E2E = "vllm:e2e_request_latency_seconds_bucket"
 H, M2 = 3600.0, 60.0
@@ -46,6 +52,23 @@ def latency(fast_until: int, n: int, slow_bucket: str = "2.5") -> list[tuple[str
         else:
             values = f"0+10x{fast_until} {10 * fast_until}x{n - fast_until - 1}"
         out.append(series(E2E, values, le=le))
+    return out
+
+
+def idle_before_evict(short_from: int, after_step_le: str, n: int) -> list[tuple[str, str]]:
+    """vLLM's idle-before-evict histogram: 10 sampled evictions a scrape idle over 60 s,
+    then from sample `short_from` 12 a scrape in the bucket that ends at `after_step_le`
+    (its lower bound the previous one's). Every bucket starts at 10000, so no rate is
+    clamped at zero and Prometheus 3's left-open ranges scale all buckets alike."""
+    out = []
+    for le in ("1", "5", "10", "30", "60", "+Inf"):
+        if le == "+Inf":
+            values = f"10000+10x{short_from} {10000 + 10 * short_from + 12}+12x{n - short_from - 1}"
+        elif float(le) >= float(after_step_le):
+            values = f"10000x{short_from} 10012+12x{n - short_from - 1}"
+        else:
+            values = f"10000x{n}"
+        out.append(series(IDLE_BEFORE_EVICT, values, le=le))
     return out
 
 
@@ -220,6 +243,57 @@ CASES: tuple[Case, ...] = (
     ),
     # Same slow requests, queue flat: no spike alert (the queue must be growing).
     Case("VllmLatencySpike", "quiet", (*latency(120, 240), series(WAITING, "3x240")), 2 * H, None),
+    # The field report's case: requests take ~2 s from sample 81 (P99 2.36 s at
+    # 2430 s, x4.8 its 0.495 s 30m earlier) while 10 requests finish a scrape
+    # throughout and the queue stays at 3: true from 2430 -> +2m = 2550.
+    Case(
+        "VllmLatencyRiseFlatLoad",
+        "fire",
+        (
+            *latency(80, 120),
+            series(FINISHED, "0+10x120", finished_reason="stop"),
+            series(WAITING, "3x120"),
+        ),
+        H,
+        2550,
+    ),
+    # The same rise with the queue growing from sample 81: VllmLatencySpike's finding.
+    Case(
+        "VllmLatencyRiseFlatLoad",
+        "quiet-queue-grows",
+        (
+            *latency(80, 120),
+            series(FINISHED, "0+10x120", finished_reason="stop"),
+            series(WAITING, "0x80 1+1x39"),
+        ),
+        H,
+        None,
+    ),
+    # The same rise while twice the requests finish: the load rose.
+    Case(
+        "VllmLatencyRiseFlatLoad",
+        "quiet-load-doubles",
+        (
+            *latency(80, 120),
+            series(FINISHED, "0+10x80 820+20x39", finished_reason="stop"),
+            series(WAITING, "3x120"),
+        ),
+        H,
+        None,
+    ),
+    # At flat load, a rise into the 1 s bucket (P99 0.495 s -> 0.99 s, x2.0) is short
+    # of the x3 (a rise of 2.0) the rule needs.
+    Case(
+        "VllmLatencyRiseFlatLoad",
+        "quiet-rise-below",
+        (
+            *latency(80, 120, slow_bucket="1"),
+            series(FINISHED, "0+10x120", finished_reason="stop"),
+            series(WAITING, "3x120"),
+        ),
+        H,
+        None,
+    ),
     # 60 hot requests wait from sample 20 (600 s): `for` 1m -> 660.
     Case(
         "VllmHotPathBacklog",
@@ -395,57 +469,134 @@ CASES: tuple[Case, ...] = (
         2400,
         None,
     ),
-    # 0.5 from sample 20: the 5m average passes 0.25 at k=4 (720 s; k=3, 690 s
-    # left-open) -> +5m = 1020 (990).
+    # Length padding 0.5 from sample 20: the 5m average passes 0.25 at k=4 (720 s;
+    # k=3, 690 s left-open) -> +5m = 1020 (990).
     Case(
         "VllmPaddingHigh",
         "fire",
-        (series(PADDING, "0.1x19 0.5x40"),),
+        (series(LENGTH_PADDING, "0.1x19 0.5x40"),),
         1200,
         1020,
         severity="warning",
         fires_at_left_open=990,
     ),
-    Case("VllmPaddingHigh", "quiet", (series(PADDING, "0.2x40"),), 1200, None, severity="warning"),
-    # Average passes 0.30 at k=5 (750 s) under both semantics (closed: 0.4k+1.5 > 3.3,
-    # left-open: 0.4k+1.4 > 3), P99 2.35 s from sample 21 -> +5m = 1050.
-    Case(
-        "VllmPaddingHigh",
-        "fire",
-        (series(PADDING, "0.1x19 0.5x40"), *latency(20, 40)),
-        1200,
-        1050,
-        severity="critical",
-    ),
     Case(
         "VllmPaddingHigh",
         "quiet",
-        (series(PADDING, "0.1x19 0.5x40"), *fast_latency(40)),
+        (series(LENGTH_PADDING, "0.2x40"),),
         1200,
+        None,
+        severity="warning",
+    ),
+    # CUDA graph padding at 0.5 is not the reports' quantity: the length padding
+    # of the same batches is 0.1.
+    Case(
+        "VllmPaddingHigh",
+        "quiet-cudagraph-padding",
+        (series(PADDING, "0.5x40"), series(LENGTH_PADDING, "0.1x40")),
+        1200,
+        None,
+        severity="warning",
+    ),
+    # Length padding 0.5 from sample 80 (2400 s): the 5m average passes 0.30 at k=5
+    # (2550 s) under both semantics (closed: 0.4k+1.5 > 3.3, left-open: 0.4k+1.4 > 3).
+    # Requests take ~2 s from sample 81: P99 over 5m is 2.36 s at 2430 s, x4.8 its
+    # value 30m earlier (0.495 s; a rise of 0.5 is needed). Both from 2550 -> +5m = 2850.
+    Case(
+        "VllmPaddingHigh",
+        "fire",
+        (series(LENGTH_PADDING, "0.1x79 0.5x40"), *latency(80, 120)),
+        H,
+        2850,
+        severity="critical",
+    ),
+    # The same padding, latency flat: a warning, not critical.
+    Case(
+        "VllmPaddingHigh",
+        "quiet",
+        (series(LENGTH_PADDING, "0.1x79 0.5x40"), *fast_latency(120)),
+        H,
         None,
         severity="critical",
     ),
-    # Throughput quadruples every minute right after start with requests waiting:
-    # earlier/now = 0.25 from 90 s -> +1m = 150.
+    # Latency rising with the length padding at 0.25: below the critical 0.30.
+    Case(
+        "VllmPaddingHigh",
+        "quiet-padding-below",
+        (series(LENGTH_PADDING, "0.1x79 0.25x40"), *latency(80, 120)),
+        H,
+        None,
+        severity="critical",
+    ),
+    # CUDA graph padding 0.5 from sample 20: as VllmPaddingHigh's warning above,
+    # 720 s (690 s) -> +5m = 1020 (990).
+    Case(
+        "VllmCudagraphPaddingHigh",
+        "fire",
+        (series(PADDING, "0.1x19 0.5x40"),),
+        1200,
+        1020,
+        fires_at_left_open=990,
+    ),
+    # Length padding is not graph padding: 0 on a CPU or eager engine.
+    Case(
+        "VllmCudagraphPaddingHigh",
+        "quiet",
+        (series(PADDING, "0x40"), series(LENGTH_PADDING, "0.5x40")),
+        1200,
+        None,
+    ),
+    # A young engine not warmed up at start (warmup_done 0) serving 100 tokens a
+    # scrape with nobody waiting: every part true from 30 s (the first rate of two
+    # samples), `for` 1m -> 90.
     Case(
         "VllmInsufficientWarmup",
         "fire",
         (
             series(START, "0x40"),
-            series(WAITING, "5x40"),
-            series(GEN, doubling(16, 24)),
+            series(WARMUP_DONE, "0x40"),
+            series(WAITING, "0x40"),
+            series(GEN, "0+100x40"),
         ),
         1200,
-        150,
+        90,
     ),
-    # The same ramp on an engine that started an hour ago is not warm-up.
+    # The same engine warmed up at start: nothing to do.
     Case(
         "VllmInsufficientWarmup",
         "quiet",
         (
-            series(START, "-3600x40"),
+            series(START, "0x40"),
+            series(WARMUP_DONE, "1x40"),
+            series(WAITING, "0x40"),
+            series(GEN, "0+100x40"),
+        ),
+        1200,
+        None,
+    ),
+    # Cold but saturated (requests waiting throughout): warm-up requests would
+    # only add load.
+    Case(
+        "VllmInsufficientWarmup",
+        "saturated",
+        (
+            series(START, "0x40"),
+            series(WARMUP_DONE, "0x40"),
             series(WAITING, "5x40"),
             series(GEN, doubling(16, 24)),
+        ),
+        1200,
+        None,
+    ),
+    # Cold, with room, but started an hour ago: past the warm-up period.
+    Case(
+        "VllmInsufficientWarmup",
+        "old",
+        (
+            series(START, "-3600x40"),
+            series(WARMUP_DONE, "0x40"),
+            series(WAITING, "0x40"),
+            series(GEN, "0+100x40"),
         ),
         1200,
         None,
@@ -472,6 +623,71 @@ CASES: tuple[Case, ...] = (
         ),
         1800,
         None,
+    ),
+    # Evicted blocks idle over 60 s, then from sample 40 (1200 s) 12 a scrape idle 5-10 s,
+    # with blocks reused all along. k intervals after the step: the median is in the
+    # 5-10 s bucket once 12k >= half of 10 (10 - k) + 12k (closed ranges; 9 intervals
+    # left-open): k = 5 under both, 1350 s -> `for` 10m = 1950.
+    Case(
+        "VllmKVCacheRetentionShort",
+        "fire",
+        (*idle_before_evict(40, "10", 80), series(REUSE_GAP_COUNT, "0+5x80")),
+        2400,
+        1950,
+    ),
+    # The same evictions with no block ever reused: nothing was lost by evicting them.
+    Case(
+        "VllmKVCacheRetentionShort",
+        "quiet-no-reuse",
+        (*idle_before_evict(40, "10", 80), series(REUSE_GAP_COUNT, "0x80")),
+        2400,
+        None,
+    ),
+    # Reused blocks, evicted 30-60 s after their last use: the median stays above 30 s.
+    Case(
+        "VllmKVCacheRetentionShort",
+        "quiet",
+        (*idle_before_evict(40, "60", 80), series(REUSE_GAP_COUNT, "0+5x80")),
+        2400,
+        None,
+    ),
+    # 95 % of the draft tokens accepted, 79 % from sample 40 (1200 s): the 5m ratio is
+    # below 0.92 two intervals later under both range semantics (closed: 0.918; left-open
+    # 0.914; one interval: 0.934, 0.932): 1260 -> `for` 10m = 1860.
+    Case(
+        "VllmSpecDecodeAcceptanceLow",
+        "fire",
+        (series(DRAFT, "0+1000x90"), series(ACCEPTED, "0+950x40 38790+790x49")),
+        2700,
+        1860,
+        severity="info",
+    ),
+    Case(
+        "VllmSpecDecodeAcceptanceLow",
+        "quiet",
+        (series(DRAFT, "0+1000x90"), series(ACCEPTED, "0+950x90")),
+        2700,
+        None,
+        severity="info",
+    ),
+    # 40 % accepted from sample 40: below 0.7 after five intervals under both (closed
+    # 0.675, left-open 0.644; four: 0.73, 0.706): 1350 -> 1950.
+    Case(
+        "VllmSpecDecodeAcceptanceLow",
+        "fire",
+        (series(DRAFT, "0+1000x90"), series(ACCEPTED, "0+950x40 38400+400x49")),
+        2700,
+        1950,
+        severity="warning",
+    ),
+    # 79 % accepted: below the reports' 92 %, above the validator's 0.7.
+    Case(
+        "VllmSpecDecodeAcceptanceLow",
+        "quiet",
+        (series(DRAFT, "0+1000x90"), series(ACCEPTED, "0+950x40 38790+790x49")),
+        2700,
+        None,
+        severity="warning",
     ),
     # -- baselines end before the comparison window and the `for` period --
     # Each rule that compares with a trailing baseline gets a sustained step at

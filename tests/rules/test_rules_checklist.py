@@ -101,7 +101,93 @@ def test_no_gpu_idle_engine_without_vllm_is_all_n_a() -> None:
                        "/metrics"),
         "GPU memory difference": ("n/a", None, "n/a", "no NVIDIA GPU on the engine's machine "
                                   "(nvml_up 0): NVML exports no GPU series"),
+        "KV block retention": ("n/a", None, "n/a", "give --vllm URL: block residency comes "
+                               "from vLLM's /metrics"),
     }  # fmt: skip
+
+
+RESIDENCY_LE = ("1", "5", "10", "30", "60", "+Inf")
+
+
+def residency_text(idle: tuple[float, ...], lifetime: tuple[float, ...], reuse_gaps: float) -> str:
+    """vLLM's residency histograms (--kv-cache-metrics), cumulative counts per bucket
+    of RESIDENCY_LE; the reuse-gap histogram by its +Inf bucket only."""
+    lines = [
+        f'vllm:kv_block_idle_before_evict_seconds_bucket{{{ENGINE},le="{le}"}} {n}'
+        for le, n in zip(RESIDENCY_LE, idle, strict=True)
+    ]
+    lines += [
+        f'vllm:kv_block_lifetime_seconds_bucket{{{ENGINE},le="{le}"}} {n}'
+        for le, n in zip(RESIDENCY_LE, lifetime, strict=True)
+    ]
+    lines += [
+        f'vllm:kv_block_reuse_gap_seconds_bucket{{{ENGINE},le="+Inf"}} {reuse_gaps}',
+        # another engine's blocks on the same page must be ignored
+        'vllm:kv_block_idle_before_evict_seconds_bucket{model_name="tiny",engine="1",le="1"} 9',
+    ]
+    return vllm_text() + "\n".join(lines) + "\n"
+
+
+def retention(first: str, last: str) -> tuple:
+    return results([agent_text()] * 2, [first, last])["KV block retention"]
+
+
+def test_kv_block_retention_is_the_median_idle_time_of_the_blocks_evicted_meanwhile() -> None:
+    # 100 sampled blocks evicted before, idle over 60 s; 40 more while sampling, idle
+    # 5-10 s (median 5 + 5 x 20/40 = 7.5 s), alive 10-30 s (10 + 20 x 20/40 = 20 s).
+    before = residency_text((0, 0, 0, 0, 0, 100), (0, 0, 0, 0, 0, 100), reuse_gaps=30)
+    short = residency_text((0, 0, 40, 40, 40, 140), (0, 0, 0, 40, 40, 140), reuse_gaps=42)
+    assert retention(before, short) == (
+        "warn", 7.5, "7.5 s idle (P50)",
+        "40 sampled blocks evicted, lifetime P50 20 s, 12 reuse gaps; a prefix back later "
+        "than that is recomputed: more KV cache or a lower max_num_seqs keeps blocks longer",
+    )  # fmt: skip
+    # The same evictions with no block reused meanwhile: nothing was lost.
+    unused = residency_text((0, 0, 40, 40, 40, 140), (0, 0, 0, 40, 40, 140), reuse_gaps=30)
+    assert retention(before, unused)[:3] == ("pass", 7.5, "7.5 s idle (P50)")
+    assert retention(before, unused)[3].endswith("0 reuse gaps; no block was reused: none lost")
+    # Kept 30-60 s after their last use (30 + 30 x 20/40 = 45 s): long enough.
+    kept = residency_text((0, 0, 0, 0, 40, 140), (0, 0, 0, 0, 40, 140), reuse_gaps=42)
+    assert retention(before, kept) == (
+        "pass", 45.0, "45 s idle (P50)",
+        "40 sampled blocks evicted, lifetime P50 45 s, 12 reuse gaps",
+    )  # fmt: skip
+
+
+def test_kv_block_retention_without_evictions_or_without_the_flag() -> None:
+    before = residency_text((0, 0, 40, 40, 40, 40), (0, 0, 0, 40, 40, 40), reuse_gaps=5)
+    # Nothing evicted while sampling: the blocks evicted since the engine started.
+    assert retention(before, before) == (
+        "warn", 7.5, "7.5 s idle (P50)",
+        "no sampled block evicted while sampling: since the engine started; 40 sampled "
+        "blocks evicted, lifetime P50 20 s, 5 reuse gaps; a prefix back later than that is "
+        "recomputed: more KV cache or a lower max_num_seqs keeps blocks longer",
+    )  # fmt: skip
+    never = residency_text((0,) * 6, (0,) * 6, reuse_gaps=0)
+    assert retention(never, never) == (
+        "n/a",
+        None,
+        "n/a",
+        "no sampled KV block has been evicted yet",
+    )
+    assert retention(vllm_text(), vllm_text()) == (
+        "n/a", None, "n/a",
+        "vLLM exports no KV block residency: start it with --kv-cache-metrics",
+    )  # fmt: skip
+
+
+def test_kv_block_retention_limit_is_the_rules() -> None:
+    from vllm_runbook.rules.checklist import KV_RETENTION_SECONDS
+    from vllm_runbook.rules.model import load_catalog
+
+    [rule] = [r for r in load_catalog().bind() if r.alert == "VllmKVCacheRetentionShort"]
+    assert rule.params["idle_seconds"] == KV_RETENTION_SECONDS
+    # A soak keeps the samples the line reads.
+    assert {
+        "vllm:kv_block_idle_before_evict_seconds_bucket",
+        "vllm:kv_block_lifetime_seconds_bucket",
+        "vllm:kv_block_reuse_gap_seconds_bucket",
+    } <= READS
 
 
 def test_gpu_lines() -> None:
@@ -211,10 +297,10 @@ def test_all_n_a_exits_0_with_the_table(agent: Routes, capsys: pytest.CaptureFix
     assert lines[0].startswith(f"engine {agent.url}  model tiny  dp rank 0  (3 scrapes over 0.")
     assert lines[1].split() == ["result", "check", "limit", "measured", "note"]
     assert lines[2].split()[:4] == ["N/A", "GPU", "utilisation", "70-90%"]
-    assert [line.split()[0] for line in lines[2:9]] == ["N/A"] * 7
+    assert [line.split()[0] for line in lines[2:10]] == ["N/A"] * 8
     # Then the configuration checks (rules/config_checks.py; tested there): an agent
     # without `config` and no traffic leaves only the token budget to judge.
-    assert [line.split()[:2] for line in lines[9:15]] == [
+    assert [line.split()[:2] for line in lines[10:16]] == [
         ["PASS", "token"],
         ["N/A", "block"],
         ["N/A", "chunked"],
@@ -222,7 +308,7 @@ def test_all_n_a_exits_0_with_the_table(agent: Routes, capsys: pytest.CaptureFix
         ["N/A", "max_num_seqs"],
         ["N/A", "scheduling"],
     ]
-    assert lines[15] == "0 failed, 1 passed, 12 n/a"
+    assert lines[16] == "0 failed, 1 passed, 13 n/a"
     assert agent.hits["/metrics"] == 3
 
 
@@ -233,7 +319,7 @@ def test_failing_check_exits_1_and_json(agent: Routes, capsys: pytest.CaptureFix
     doc = json.loads(out)
     assert (doc["ok"], doc["summary"], doc["scrapes"]) == (
         False,
-        {"pass": 2, "fail": 1, "n/a": 10},
+        {"pass": 2, "fail": 1, "n/a": 11},
         2,
     )
     by_name = {c["name"]: c for c in doc["checks"]}

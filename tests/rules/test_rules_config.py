@@ -67,7 +67,7 @@ def test_no_file_is_all_defaults() -> None:
     assert (config.database, config.engines, config.evaluation_interval) == (None, (), 5.0)
     assert config.automation.mode("oom-pressure") == "notify"
     assert config.webhook == WebhookConfig()
-    assert len(config.load_rules()) == 19  # the built-in catalog, seed defaults
+    assert len(config.load_rules()) == 24  # the built-in catalog, seed defaults
 
 
 def test_empty_file_is_all_defaults(tmp_path: Path) -> None:
@@ -202,7 +202,7 @@ def test_executor_waits_and_leader_lease(tmp_path: Path) -> None:
         "(2 s): the leader renews it every cycle",
         f"{path}:3: executor.verify_seconds: bad duration 10: give a unit, e.g. '10s'",
         f"{path}:4: unknown key executor.healthy_period (allowed: verify_seconds, "
-        "condition_seconds, healthy_period_seconds)",
+        "condition_seconds, healthy_period_seconds, hold_seconds)",
     ]
 
 

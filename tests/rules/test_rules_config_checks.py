@@ -52,6 +52,7 @@ def state(
     long_ratio: float | None = 0.0,
     what_if: dict[str, float] | None = None,
     running: int = 24,
+    in_engine: tuple[int, float] | None = None,
 ) -> AgentState:
     prompts = prompts or lengths(100, 400, 900, 1500)
     base = agent_state(
@@ -69,6 +70,8 @@ def state(
         output_tokens=lengths(100, 200, 300, 400),
         prompt_length_spread_ratio=None if prompts.p10 is None else prompts.p90 / prompts.p10,  # type: ignore[operator]
         long_prompt_ratio=long_ratio,
+        requests_in_engine_peak=None if in_engine is None else in_engine[0],
+        requests_in_engine_mean=None if in_engine is None else in_engine[1],
     )
     return base.model_copy(
         update={"config": EngineConfig(**{**GPU_CONFIG, **(config or {})}), "workload": workload}
@@ -141,8 +144,100 @@ def test_on_cpu_and_without_traffic_the_checks_say_why() -> None:
 def test_block_size_by_length_mix() -> None:
     assert recommended_block_size(120, 600) == 8  # 50-300-token chat
     assert recommended_block_size(2000, 6000) == 16
+    assert recommended_block_size(3000, 9000) == 16
+    assert recommended_block_size(3200, 12_000) == 32  # documents over 3k tokens
     assert recommended_block_size(20_000, 40_000) == 64
     assert recommended_block_size(50_000, 100_000) == 128
+
+
+def checks_of(s: AgentState) -> dict[str, Any]:
+    return {r.name: r for r in run_config_checks(s)}
+
+
+def test_the_token_budget_warns_above_the_reports_safe_2048() -> None:
+    assert checks_of(state())["token budget"].status == "pass"  # 2048 itself
+    result = checks_of(state(knobs={"max_num_batched_tokens": 2560}))["token budget"]
+    assert (result.status, result.limit, result.note) == (
+        "warn",
+        "<= 2048 (2000-3000)",
+        "above the reports' safe threshold 2048 (their edge: 0% OOM at 2048, 5.2% at 4096), "
+        "though inside their best range 2000-3000",
+    )
+    assert checks_of(state(knobs={"max_num_batched_tokens": 4096}))["token budget"].note == (
+        "above the reports' best range 2000-3000 and their safe threshold 2048: per-step "
+        "activation memory is their first OOM cause"
+    )
+
+
+def test_documents_over_3k_tokens_get_the_reports_32() -> None:
+    docs = state(prompts=lengths(3100, 4000, 8000, 11_000), what_if={"16": 0.01, "32": 0.02})
+    result = checks_of(docs)["block size"]
+    assert (result.status, result.shown) == ("pass", "16 (frag 1%)")
+    assert result.note.endswith(
+        "32 for documents over 3k tokens, 64 for 32k contexts, 128 beyond 64k; this mix "
+        "(P50 prompt 4000, P99 context 11400) → 32 (fragmentation there 2%); restart to change"
+    )
+
+
+def test_block_64_comes_with_its_memory_note() -> None:
+    long = state(prompts=lengths(20_000, 30_000, 33_000, 34_000), what_if={"16": 0.01, "64": 0.02})
+    assert checks_of(long)["block size"].note.endswith(
+        "→ 64 (fragmentation there 2%); restart to change; block size 64 costs about 5% more "
+        "memory (the reports): keep it as headroom, --gpu-memory-utilization 0.8"
+    )
+    # An engine that runs 64: the utilisation the reports call critical is 0.05 lower.
+    at_64 = {"block_size": 64, "gpu_memory_utilization": 0.82}
+    result = checks_of(state(config=at_64))["memory headroom"]
+    assert (result.status, result.note) == (
+        "warn",
+        "above 0.8, the reports' critical point (block size 64: about 5% more memory, the reports)",
+    )
+    result = checks_of(state(config={**at_64, "gpu_memory_utilization": 0.8}))["memory headroom"]
+    assert (result.status, result.note) == (
+        "pass",
+        "at least 20% headroom (block size 64: about 5% more memory, the reports)",
+    )
+    assert (
+        checks_of(state(config={**at_64, "gpu_memory_utilization": 0.86}))["memory headroom"].status
+        == "fail"
+    )
+
+
+def test_max_num_seqs_on_an_a100_is_judged_by_the_reports_measurement() -> None:
+    a100 = "the reports' A100: 72 best (+11% throughput over 64), above 80 the L1 cache hit "
+    a100 += "rate falls (108 SMs x 1.5 = 162 is the rule of thumb it overrides)"
+    for seqs, status in ((72, "pass"), (80, "pass"), (81, "warn"), (160, "warn")):
+        result = checks_of(state(knobs={"max_num_seqs": seqs}))["max_num_seqs"]
+        assert (result.status, result.note) == (status, a100), seqs
+    h100 = {"device_name": "NVIDIA H100 80GB HBM3", "sm_count": 132}
+    result = checks_of(state(config=h100, knobs={"max_num_seqs": 150}))["max_num_seqs"]
+    assert (result.status, result.note) == (
+        "pass",
+        "132 SMs → 198; the reports' only measurement, on an A100, found less: above 80 "
+        "(not 162) the L1 hit rate fell",
+    )
+    result = checks_of(state(config=h100, knobs={"max_num_seqs": 200}))["max_num_seqs"]
+    assert result.status == "warn"
+
+
+def test_tiered_is_advised_only_above_20_requests_at_once() -> None:
+    spread = lengths(100, 400, 900, 1500)  # 9:1
+    few = checks_of(state(prompts=spread, in_engine=(12, 6.5)))["scheduling policy"]
+    assert (few.status, few.note) == (
+        "pass",
+        "lengths spread 4:1 or more, but at most 12 requests in the engine at once (mean 6.5) "
+        "in the window: the reports' hybrid policy costs about 2 ms of scheduling a step "
+        "against 15-30 ms saved, a gain that shows above 20 concurrent requests",
+    )
+    many = checks_of(state(prompts=spread, in_engine=(21, 14.0)))["scheduling policy"]
+    assert (many.status, many.note) == (
+        "warn",
+        "prompt lengths P90/P10 of 4:1 or more hurt batching (the reports), at most 21 "
+        "requests in the engine at once (mean 14.0); `runbook set policy=tiered` groups them",
+    )
+    tiered = checks_of(state(knobs={"policy": "tiered"}, prompts=spread, in_engine=(5, 2.0)))
+    assert tiered["scheduling policy"].status == "pass"
+    assert tiered["scheduling policy"].note.endswith("; fcfs costs less scheduling here")
 
 
 def test_on_an_idle_engine_the_block_size_is_judged_on_the_median_request() -> None:
@@ -170,3 +265,18 @@ def test_vllm_034s_extensible_kv_cache_is_not_judged_as_a_fraction() -> None:
     )
     fixed = state(config={"gpu_memory_utilization": 1.0})
     assert {r.name: r.status for r in run_config_checks(fixed)}["memory headroom"] == "fail"
+
+
+def test_chunked_prefill_on_cites_the_reports_ab_for_the_prompts_that_arrive() -> None:
+    long = checks_of(state(long_ratio=0.02))["chunked prefill"]
+    assert (long.status, long.note) == (
+        "pass",
+        "2.0% of prompts are above 8192 tokens: the reports' A/B measured 8k prefills "
+        "320 → 290 ms, 32k 2,100 → 1,250 ms with it on",
+    )
+    short = checks_of(state())["chunked prefill"]
+    assert (short.status, short.note) == (
+        "pass",
+        "no prompt above 8192 tokens: the reports' A/B measured about 5% less short-prompt "
+        "throughput with it on; `benchmarks/chunked_prefill.py` runs that A/B on two engines",
+    )

@@ -3,11 +3,13 @@ and with bad settings, after a workload whose lengths are known.
 
 Good: block size 32 (the smallest vLLM takes on the CPU), budget 2048 (the
 reports' safe threshold), chunked prefill on, fcfs for a chat mix of
-100-300-token prompts (P90/P10 under 4:1). Bad: block size 128 for the same
-short prompts, a budget of 16,384 (vLLM requires one at least max_model_len
-without chunked prefill), chunked prefill off while a 9,000-token prompt
-arrives, fcfs for prompts of 40 and 400 tokens (10:1). On the CPU the memory
-headroom and the SM count are n/a, and say why.
+100-300-token prompts (P90/P10 under 4:1), and still fcfs once prompts of 40
+and 400 tokens spread it 10:1 with never more than 11 requests at once (the
+reports' hybrid gain shows above 20). Bad: block size 128 for the same short
+prompts, a budget of 16,384 (vLLM requires one at least max_model_len without
+chunked prefill), chunked prefill off while a 9,000-token prompt arrives, fcfs
+for prompts of 40 and 400 tokens (10:1) with all 21 requests in the engine at
+once. On the CPU the memory headroom and the SM count are n/a, and say why.
 """
 
 from __future__ import annotations
@@ -33,10 +35,13 @@ def check(engine: InProcessEngine) -> tuple[int, dict[str, dict[str, Any]], str]
     return done.returncode, {c["name"]: c for c in report["checks"]}, done.stdout
 
 
-def serve(engine: InProcessEngine, prompts: list[int]) -> None:
-    for i, n in enumerate(prompts):
-        engine.add(f"p{i}", n, max_tokens=8, offset=41 * i)
-    engine.run_until_done()
+def serve(engine: InProcessEngine, prompts: list[int], at_once: int | None = None) -> None:
+    """Each prompt for 8 tokens, `at_once` requests in the engine at a time (all: None)."""
+    batch = at_once or len(prompts)
+    for start in range(0, len(prompts), batch):
+        for i, n in enumerate(prompts[start : start + batch], start):
+            engine.add(f"p{engine.collector.stats.steps}-{i}", n, max_tokens=8, offset=41 * i)
+        engine.run_until_done()
 
 
 def statuses(checks: dict[str, dict[str, Any]]) -> dict[str, str]:
@@ -56,10 +61,19 @@ def test_an_engine_started_with_the_reports_settings_passes_them(tiny_model: Pat
         tiny_model, block_size=32, max_num_batched_tokens=2048, enable_chunked_prefill=True
     )
     try:
-        serve(engine, CHAT)
+        serve(engine, CHAT, at_once=11)
         code, checks, out = check(engine)
+        # Then prompts of 40 and 400 tokens (10:1 with the chat's), never more than 11
+        # requests at once: under the reports' 20, tiering is not advised.
+        serve(engine, [40, 400] * 5, at_once=10)
+        _, spread, spread_out = check(engine)
     finally:
         engine.close()
+    policy = spread["scheduling policy"]
+    assert (policy["status"], policy["shown"]) == ("pass", "fcfs (10.0:1)"), spread_out
+    assert policy["note"].startswith(
+        "lengths spread 4:1 or more, but at most 11 requests in the engine at once"
+    )
     assert statuses(checks) == {
         "token budget": "pass",
         "block size": "pass",
@@ -107,4 +121,6 @@ def test_an_engine_started_against_the_reports_warns_and_fails(tiny_model: Path)
     assert "restart to change" in checks["block size"]["note"]
     assert checks["chunked prefill"]["note"].startswith("4.8% of prompts are above 8192 tokens")
     assert checks["scheduling policy"]["shown"] == "fcfs (10.0:1)"
+    # All 21 requests in the engine at once: above the reports' 20, tiered is advised.
+    assert "at most 21 requests in the engine at once" in checks["scheduling policy"]["note"]
     assert code == 1, out  # a fail fails `runbook check`

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from vllm_runbook.rules import condition as C
@@ -133,3 +134,24 @@ def test_range_bounds_follow_prometheus_version() -> None:
     [b] = left_open.engines[("i", "m", "0")].by_name["g"]
     assert closed.bounds(a, 90.0, 30.0) == (6, 10)  # 60, 70, 80, 90
     assert left_open.bounds(b, 90.0, 30.0) == (7, 10)  # 70, 80, 90
+
+
+def test_unless_drops_an_engine_only_where_the_exclusion_holds() -> None:
+    """PromQL's `unless`: the kept condition's value, except where the excluded one
+    holds; an absent or NaN exclusion excludes nothing."""
+    running = SIGNALS["requests_running"]
+    kept = rule(0.0).condition
+    excluded = C.Compare(C.Instant(C.Selector(running)), ">", 8.0)
+    r = dataclasses.replace(rule(0.0), condition=C.Unless(kept, excluded))
+    store = store_for_rules([r])
+    sink = MemoryIncidentSink()
+    for instance, running_now in (("absent", None), ("nan", math.nan), ("low", 2.0), ("high", 9.0)):
+        store.add(instance, WAITING, ENGINE, 0.0, 42.0)
+        if running_now is not None:
+            store.add(instance, running.metric, ENGINE, 0.0, running_now)
+    Evaluator([r], store, sink).evaluate(1.0)
+    assert sorted((e.engine[0], e.value) for e in sink.events) == [
+        ("absent", 42.0),
+        ("low", 42.0),
+        ("nan", 42.0),
+    ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from vllm_runbook.rules import condition as C
 from vllm_runbook.rules.errors import (
     CatalogError,
     DuplicateRuleError,
@@ -16,6 +17,7 @@ from vllm_runbook.rules.errors import (
     UnknownSignalError,
 )
 from vllm_runbook.rules.model import load_catalog
+from vllm_runbook.rules.promql import to_promql
 from vllm_runbook.runbooks.model.spec import load_catalog as load_runbooks
 
 # The shipped runbook catalog's names: what the rules are deployed with.
@@ -157,6 +159,30 @@ def test_unknown_field(tmp_path: Path) -> None:
     assert str(p) == "kv.yaml:9: rule VllmFoo: forr: Extra inputs are not permitted"
 
 
+def test_unless_beside_a_condition_compiles_to_promql_unless(tmp_path: Path) -> None:
+    text = GOOD.replace("      below: $threshold\n", UNLESS)
+    [rule] = load_catalog(write(tmp_path, text)).bind()
+    assert isinstance(rule.condition, C.Unless)
+    assert to_promql(rule.condition) == (
+        "(max by (instance, model_name, engine) (vllm_runbook_kv_hit_ratio) < 0.5) unless "
+        "(max by (instance, model_name, engine) (vllm_runbook_num_requests_waiting) > 0)"
+    )
+
+
+def test_unless_is_checked_like_any_condition(tmp_path: Path) -> None:
+    text = GOOD.replace("      below: $threshold\n", "      below: $threshold\n      unless: 3\n")
+    [p] = problems(tmp_path, text)
+    assert str(p) == "kv.yaml:9: rule VllmFoo: a condition must be a mapping, got 3"
+    text = GOOD.replace("      below: $threshold\n", UNLESS + "      nor: {}\n")
+    [p] = problems(tmp_path, text)
+    assert str(p) == (
+        "kv.yaml:10: rule VllmFoo: unexpected key(s) ['nor']; allowed: ['below', 'expr', 'unless']"
+    )
+
+
+UNLESS = "      below: $threshold\n      unless: {expr: requests_waiting, above: 0}\n"
+
+
 def test_overrides(tmp_path: Path) -> None:
     catalog = load_catalog(write(tmp_path, GOOD), display_root=tmp_path)
     [rule] = catalog.bind({"VllmFoo": {"threshold": 0.25, "for": "30s"}})
@@ -184,8 +210,10 @@ def test_shipped_catalog_covers_design_alerts() -> None:
             "VllmBatchTooLarge",
             "VllmOOMPressure",
             "VllmLatencySpike",
+            "VllmLatencyRiseFlatLoad",
             "VllmThroughputDrop",
             "VllmPaddingHigh",
+            "VllmCudagraphPaddingHigh",
             "VllmBatchUtilizationLow",
             "VllmBlockFragmentationHigh",
             "VllmGPUMemoryLeak",
@@ -197,6 +225,8 @@ def test_shipped_catalog_covers_design_alerts() -> None:
             "VllmEngineStalled",
             "VllmOOMRateHigh",
             "VllmErrorRateHigh",
+            "VllmKVCacheRetentionShort",
+            "VllmSpecDecodeAcceptanceLow",
         ]
     )
     assert {s.spec.runbook for s in catalog.specs} <= {*RUNBOOK_NAMES, None}

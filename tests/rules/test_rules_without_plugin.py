@@ -57,6 +57,7 @@ def test_every_rule_is_marked_by_what_it_needs() -> None:
         ("VllmKVFragmentationSuspected", "warning"): "the plugin",
         ("VllmBlockFragmentationHigh", "warning"): "the plugin",
         ("VllmLatencySpike", "critical"): "vLLM only",
+        ("VllmLatencyRiseFlatLoad", "critical"): "vLLM only",
         ("VllmHotPathBacklog", "warning"): "the plugin",
         ("VllmRequestStarvation", "warning"): "the plugin",
         ("VllmEngineStalled", "critical"): "the plugin",
@@ -70,12 +71,19 @@ def test_every_rule_is_marked_by_what_it_needs() -> None:
         ("VllmBatchUtilizationLow", "info"): "the plugin",
         ("VllmPaddingHigh", "warning"): "the plugin",
         ("VllmPaddingHigh", "critical"): "the plugin",
+        ("VllmCudagraphPaddingHigh", "warning"): "the plugin",
         ("VllmInsufficientWarmup", "warning"): "the plugin",
         ("VllmGPUComputeSkew", "warning"): "the plugin + NVML",
+        ("VllmKVCacheRetentionShort", "info"): "vLLM only",
+        ("VllmSpecDecodeAcceptanceLow", "info"): "vLLM only",
+        ("VllmSpecDecodeAcceptanceLow", "warning"): "vLLM only",
     }
     # What the whole rule reads with the plugin: the most any leaf needs.
     assert {r.alert: needs(r).full for r in RULES if needs(r).full == "vllm"} == {
-        "VllmErrorRateHigh": "vllm"
+        "VllmErrorRateHigh": "vllm",
+        # vLLM's own residency histograms and spec-decode counters: nothing to stand in for
+        "VllmKVCacheRetentionShort": "vllm",
+        "VllmSpecDecodeAcceptanceLow": "vllm",
     }
 
 
@@ -116,6 +124,16 @@ def test_needs_follow_the_expression_not_the_alert(tmp_path: Path) -> None:
     assert isinstance(kept.without_plugin, C.Compare)
     assert isinstance(kept.without_plugin.expr, C.Fallback)
     assert kept.without_plugin.expr.second.sel.metric == "vllm:num_requests_waiting"  # type: ignore[union-attr]
+    # `unless` keeps its exclusion or has no variant: without it the rule would fire
+    # where the full rule does not.
+    waiting = {"expr": "requests_waiting", "above": 1}
+    [readable] = _rule(tmp_path, {**waiting, "unless": {"expr": "requests_running", "above": 8}})
+    variant = needs(readable).without_plugin  # type: ignore[arg-type]
+    assert isinstance(variant, C.Unless) and needs(readable).text == "vLLM only"  # type: ignore[arg-type]
+    [plugin_only] = _rule(tmp_path, {**waiting, "unless": {"expr": "oldest_waiting", "above": 1}})
+    assert needs(plugin_only).without_plugin is None  # type: ignore[arg-type]
+    [narrowed] = _rule(tmp_path, {**waiting, "unless": {"any": both}})
+    assert needs(narrowed).without_plugin is None  # type: ignore[arg-type]
 
 
 def _on_vllm_series(case: Case) -> Case | None:
@@ -179,11 +197,15 @@ WITHOUT_PLUGIN_CASES: tuple[Case, ...] = (
 def test_every_variant_has_a_firing_and_a_quiet_case_on_vllm_series() -> None:
     assert [r.alert for r in VARIANTS] == [
         "VllmKVCacheHitRatioLow",
+        "VllmKVCacheRetentionShort",
         "VllmLatencySpike",
+        "VllmLatencyRiseFlatLoad",
         "VllmErrorRateHigh",
         "VllmBatchTooLarge",
         "VllmOOMPressure",
         "VllmOOMRateHigh",
+        "VllmSpecDecodeAcceptanceLow",
+        "VllmSpecDecodeAcceptanceLow",
         "VllmThroughputDrop",
     ]
     for rule in VARIANTS:
@@ -308,7 +330,8 @@ def test_service_evaluates_an_engine_without_the_plugin_from_its_vllm_metrics(
             assert service.evaluator.without_plugin == {("cpu-0", "tiny", "0")}
             [said] = [m for m in caplog.messages if "has no vllm-runbook plugin" in m]
             assert said.startswith(
-                "engine cpu-0 (model tiny, engine 0) has no vllm-runbook plugin: 7 of 19 rules"
+                "engine cpu-0 (model tiny, engine 0) has no vllm-runbook plugin: "
+                f"{len(VARIANTS)} of {len(RULES)} rules"
             )
             assert routes.hits["/metrics"] == 4
         finally:
@@ -337,8 +360,9 @@ def test_evaluator_tells_engines_with_and_without_the_plugin_apart(
     assert first.startswith("engine stock-0 (model m, engine 0) has no vllm-runbook plugin")
     assert first.endswith("VllmGPUComputeSkew (warning: needs the plugin + NVML)")
     assert second == (
-        "engine stock-1 (model m, engine 0) has no vllm-runbook plugin: 7 of 19 rules evaluated "
-        "on vLLM's own series; not evaluated: as listed for the first such engine"
+        f"engine stock-1 (model m, engine 0) has no vllm-runbook plugin: {len(VARIANTS)} of "
+        f"{len(RULES)} rules evaluated on vLLM's own series; not evaluated: as listed for the "
+        "first such engine"
     )
     # The collector's series stop (the engine restarted without the plugin) while
     # vLLM's go on: past the 5 min look-back it is an engine without the plugin.

@@ -60,6 +60,7 @@ from tests.dashboards.live import (
     every_query,
     gpu_only,
     is_finding,
+    needs_vllm_option,
     run_over_time_range,
     uses_service,
     uses_slo_rules,
@@ -96,6 +97,8 @@ def checked_here(name: str, q: lint.Query) -> bool:
     end of a steady load."""
     if gpu_only(q.panel) and not HAVE_GPU:
         return False
+    if needs_vllm_option(q.expr):
+        return False  # vLLM runs here without --kv-cache-metrics and speculative decoding
     if is_finding(q):
         return False  # a queue-health condition: no data while healthy (test_dash_live)
     if uses_slo_rules(q.expr):
@@ -302,6 +305,8 @@ def service_config(tmp: Path, name: str, served: ServedEngine, rules: bool) -> P
             "verify_seconds": "20s",
             "condition_seconds": "3s",
             "healthy_period_seconds": "1s",
+            # The hold itself is tested in test_exec_hold.py and the matrix.
+            "hold_seconds": "2s",
         },
     }
     if rules:

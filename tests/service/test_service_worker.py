@@ -28,7 +28,9 @@ from vllm_runbook.runbooks.store.models import STEP_APPLIED, ExecutionStatus
 from tests.fake_agent import PRESSURE, STARTUP, URL, Clock, FakeAgent, kv_bound
 from tests.service.test_service_webhooks import AUTH, CONFIG, TOKEN, payload
 
-WAITS = ExecutorConfig(verify_seconds=5.0, condition_seconds=1.0, healthy_period_seconds=2.0)
+WAITS = ExecutorConfig(
+    verify_seconds=5.0, condition_seconds=1.0, healthy_period_seconds=2.0, hold_seconds=0.0
+)
 
 
 class Service:
@@ -337,3 +339,48 @@ def test_serve_wires_the_inventory_into_the_executor_and_the_metrics(tmp_path: P
         assert 'target="http://127.0.0.1:9/metrics"' in text  # the evaluator's scrape errors
     finally:
         store.close()
+
+
+def test_a_finding_back_after_its_revert_is_reapplied_counted_and_the_next_revert_held(
+    service: Service,
+) -> None:
+    """Through the webhook and the worker: fix, resolve (hold 0: reverted at
+    once), the same alert again within the watch (oom-pressure's verification
+    deadline, 120 s): the last stage that held is re-applied, counted, and
+    its own resolution holds for a person (a third turn within the hour)."""
+    agent, worker, v = service.agent, service.worker, service.value
+    first = datetime.now(UTC) - timedelta(seconds=30)
+    assert service.deliver(firing(first)).status_code == 200
+    assert worker.tick() == 1
+    [done] = service.store.list_executions()
+    assert done.status == ExecutionStatus.SUCCEEDED
+    holding = "vllm_runbook_service_executions_holding"
+    assert service.deliver(firing(first, "resolved")).status_code == 200
+    worker.tick()
+    assert agent.knobs == STARTUP
+    revert = service.store.list_executions()[0]
+    assert (revert.reverts_id, revert.who, revert.premature) == (done.id, "hold", False)
+    # Back 5 s after the revert: preemptions again.
+    agent.script = lambda knobs: dict(PRESSURE)
+    again = (revert.finished_at or datetime.now(UTC)) + timedelta(seconds=5)
+    assert service.deliver(firing(again)).status_code == 200
+    assert worker.tick() == 1
+    reapplied = service.store.list_executions()[0]
+    assert reapplied.status == ExecutionStatus.SUCCEEDED
+    assert [s.action for s in reapplied.steps] == ["reapply_knobs"]
+    # The last stage that held: what the revert's final (100 %) stage replaced.
+    assert agent.knobs == {**STARTUP, "max_num_batched_tokens": 384, "max_num_seqs": 22}
+    assert service.store.get_execution(revert.id).premature
+    premature = "vllm_runbook_service_reverts_premature_total"
+    assert v(premature, engine="engine-a", runbook="oom-pressure") == 1
+    # Its alert resolves: fix, revert, re-apply this hour: a person decides.
+    agent.script = kv_bound
+    assert service.deliver(firing(again, "resolved")).status_code == 200
+    worker.tick()
+    held = service.store.get_execution(reapplied.id)
+    assert held.display_status == "holding" and held.hold_for_person
+    assert agent.knobs == {**STARTUP, "max_num_batched_tokens": 384, "max_num_seqs": 22}
+    worker.tick()
+    assert v(holding, engine="engine-a", runbook="oom-pressure") == 1
+    page = service.client.get("/").text
+    assert f'id="holding-{reapplied.id}"' in page and f'id="release-{reapplied.id}"' in page

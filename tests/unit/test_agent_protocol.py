@@ -27,7 +27,9 @@ class Drifted:
     url = "http://127.0.0.1:9"
     timeout = 5.0
 
-    def state(self, since_step: int | None = None) -> AgentState:
+    def state(
+        self, since_step: int | None = None, episode_seconds: float | None = None
+    ) -> AgentState:
         raise NotImplementedError
 
     def set_knobs(self, clamp: bool = False, dry_run: bool = False, **values: Any) -> ChangeResult:

@@ -119,6 +119,8 @@ class FakeNvml:
     def __init__(self, fail_init: bool = False) -> None:
         self.fail_init = fail_init
         self.util = {0: 95, 1: 20}
+        self.memory_util = {0: 78, 1: 45}  # memory-controller (DRAM) busy %
+        self.used_gib = {0: 10, 1: 20}
 
     def nvmlInit(self) -> None:
         if self.fail_init:
@@ -131,26 +133,18 @@ class FakeNvml:
         return i
 
     def nvmlDeviceGetMemoryInfo(self, h: int) -> SimpleNamespace:
-        return SimpleNamespace(used=(h + 1) * 10 * 2**30, total=80 * 2**30)
+        return SimpleNamespace(used=self.used_gib[h] * 2**30, total=80 * 2**30)
 
     def nvmlDeviceGetUtilizationRates(self, h: int) -> SimpleNamespace:
-        return SimpleNamespace(gpu=self.util[h])
+        return SimpleNamespace(gpu=self.util[h], memory=self.memory_util[h])
 
 
-def _poller(nvml: object) -> tuple[NvmlPoller, CollectorRegistry]:
+def _poller(
+    nvml: object, clock: FakeClock | None = None, window: float = 60.0
+) -> tuple[NvmlPoller, CollectorRegistry]:
     reg = CollectorRegistry()
-    g = {
-        s.name: M.build(s, reg)
-        for s in (M.NVML_UP, M.GPU_MEMORY_USED, M.GPU_MEMORY_TOTAL, M.GPU_UTILIZATION)
-    }
-    poller = NvmlPoller(
-        nvml,
-        g[M.NVML_UP.name],
-        g[M.GPU_MEMORY_USED.name],
-        g[M.GPU_MEMORY_TOTAL.name],
-        g[M.GPU_UTILIZATION.name],
-        ("m", "0"),
-    )
+    gauges = {s.name: M.build_gauge(s, reg) for s in M.NVML_METRICS}
+    poller = NvmlPoller(nvml, gauges, ("m", "0"), window_seconds=window, clock=clock or FakeClock())
     return poller, reg
 
 
@@ -165,6 +159,33 @@ def test_nvml_reports_each_visible_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     assert reg.get_sample_value("vllm_runbook_gpu_memory_used_bytes", {**lv, "gpu": "1"}) == (
         20 * 2**30
     )
+    # nvmlDeviceGetUtilizationRates().memory: the memory controller's busy share.
+    dram = M.GPU_DRAM_UTILIZATION.series_name
+    assert reg.get_sample_value(dram, {**lv, "gpu": "0"}) == 0.78
+    assert reg.get_sample_value(dram, {**lv, "gpu": "1"}) == 0.45
+
+
+def test_nvml_peak_memory_keeps_a_short_peak_for_the_window(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    clock, nvml = FakeClock(0.0), FakeNvml()
+    poller, reg = _poller(nvml, clock, window=60.0)
+    peak, used = M.GPU_MEMORY_USED_PEAK.series_name, M.GPU_MEMORY_USED.series_name
+    gpu0 = {"model_name": "m", "engine": "0", "gpu": "0"}
+    assert poller.init() is True  # t=0: 10 GiB
+    for t, gib in ((1, 10), (2, 70), (3, 12), (30, 11)):  # a one-poll peak at t=2
+        clock.t, nvml.used_gib[0] = t, gib
+        poller.poll()
+    # A scrape at t=30 sees 11 GiB in use, and the 70 GiB the poll at t=2 saw.
+    assert reg.get_sample_value(used, gpu0) == 11 * 2**30
+    assert reg.get_sample_value(peak, gpu0) == 70 * 2**30
+    clock.t = 62.5  # the peak (t=2) is now older than the window
+    poller.poll()
+    assert reg.get_sample_value(peak, gpu0) == 12 * 2**30  # t=3 is still inside
+    clock.t = 200.0
+    poller.poll()
+    assert reg.get_sample_value(peak, gpu0) == 11 * 2**30  # only this poll is left
 
 
 def test_nvml_absent_means_nvml_up_0_and_no_gpu_series() -> None:

@@ -63,9 +63,13 @@ def exposition(padded: int, unpadded: int, steps: int, scheduled: int, **gpu: fl
         used = Gauge("vllm_runbook_gpu_memory_used_bytes", "used", g, registry=r)
         total = Gauge("vllm_runbook_gpu_memory_total_bytes", "total", g, registry=r)
         util = Gauge("vllm_runbook_gpu_utilization_ratio", "util", g, registry=r)
+        dram = Gauge("vllm_runbook_gpu_dram_utilization_ratio", "dram", g, registry=r)
+        peak = Gauge("vllm_runbook_gpu_memory_used_peak_bytes", "peak", g, registry=r)
         used.labels(**labels, gpu="0").set(gpu["used"])
         total.labels(**labels, gpu="0").set(gpu["total"])
         util.labels(**labels, gpu="0").set(gpu["util"])
+        dram.labels(**labels, gpu="0").set(gpu.get("dram", 0.5))
+        peak.labels(**labels, gpu="0").set(gpu.get("peak", gpu["used"]))
     return generate_latest(r).decode()
 
 
@@ -119,7 +123,12 @@ def test_nvml_checks() -> None:
     )
     assert all(c.ok for c in G.check_nvml(good, smi))
     far = G.parse_exposition(exposition(0, 0, 0, 0, used=40 * gib, total=143771 * 2**20, util=0.4))
-    assert [c.ok for c in G.check_nvml(far, smi)] == [True, True, False, True]
+    assert [c.ok for c in G.check_nvml(far, smi)] == [True, True, False, True, True]
+    # A peak below the memory in use, or a DRAM share out of [0, 1], is a bug.
+    low_peak = exposition(0, 0, 0, 0, used=20.5 * gib, total=143771 * 2**20, util=0.4, peak=gib)
+    assert [c.ok for c in G.check_nvml(G.parse_exposition(low_peak), smi)][-1] is False
+    dram = exposition(0, 0, 0, 0, used=20.5 * gib, total=143771 * 2**20, util=0.4, dram=78.0)
+    assert [c.ok for c in G.check_nvml(G.parse_exposition(dram), smi)][-1] is False
     none = G.parse_exposition(exposition(0, 0, 0, 0))
     assert not any(c.ok for c in G.check_nvml(none, smi))
 

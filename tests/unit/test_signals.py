@@ -53,6 +53,7 @@ FULL_STATS: dict[str, Any] = {
     "engine_queue_time_p99": 1.0,
     "error_rate": 0.0,
     "length_padding_ratio": 0.2,
+    "long_prompt_ratio": 0.0,
     "padding_ratio": 0.0,
     "window_seconds": 60.0,
     "requests_finished": 10,

@@ -434,3 +434,42 @@ def test_tune_is_refused_by_the_blast_radius_like_a_runbook(
     tune = journal.list_executions()[0]
     assert (tune.runbook, tune.status) == ("tune", "refused")
     journal.close()
+
+
+def test_step_2_is_the_reports_sweep_and_the_restart_flags_follow_it() -> None:
+    """The running requests' what-if fragmentation: 16 is at 18 %, 8 at 6 %: the sweep
+    from 16 down stops at 8, in the report and in the flags. Long contexts sweep from
+    the reports' 64, which costs about 5 % of memory utilisation."""
+    state = FakeEngine(kv_bound).state()
+    what_if = {"8": 0.06, "16": 0.18, "32": 0.31, "64": 0.55, "128": 0.77}
+    stats = state.stats.model_copy(
+        update={"requests_running": 12, "block_fragmentation_at_block_size": what_if}
+    )
+    state = state.model_copy(update={"stats": stats})
+    kept = {"max_num_batched_tokens": 256, "max_num_seqs": 16, "policy": "fcfs"}
+    flags = restart_flags(state, kept)
+    assert "--block-size 8 " in flags["command"]
+    assert flags["notes"][0] == (
+        "block size: the reports' sweep from 16 down, the first size with fragmentation < 15% "
+        "and GPU utilisation > 90% (16: 18%, 8: 6%): 8 (its GPU utilisation is "
+        "measured after the restart)"
+    )
+    assert state.workload is not None
+    long = state.model_copy(
+        update={
+            "workload": state.workload.model_copy(
+                update={"prompt_tokens": lengths(20_000, 30_000, 33_000, 34_000)}
+            ),
+            "stats": stats.model_copy(
+                update={"block_fragmentation_at_block_size": {"16": 0.001, "64": 0.02}}
+            ),
+        }
+    )
+    flags = restart_flags(long, kept)
+    assert "--block-size 64 " in flags["command"]
+    assert flags["command"].endswith("--gpu-memory-utilization 0.8")
+    assert flags["notes"][0].endswith(
+        "(64: 2%): 64 (its GPU utilisation is measured after the restart); block size 64 "
+        "costs about 5% more memory (the reports): keep it as headroom, "
+        "--gpu-memory-utilization 0.8"
+    )

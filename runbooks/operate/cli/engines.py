@@ -16,7 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from vllm_runbook.collector.agent_api import POLICIES, AgentState, AutopilotState, ChangeResult
+from vllm_runbook.collector.agent_api import (
+    POLICIES,
+    AgentState,
+    AutopilotState,
+    ChangeResult,
+    Stats,
+)
 from vllm_runbook.collector.autopilot import parse_switch, parse_target
 from vllm_runbook.runbooks.engine.client import EngineClient, EngineClientError
 from vllm_runbook.runbooks.model.exit_codes import ExitCode
@@ -160,6 +166,7 @@ def format_status(url: str, state: AgentState) -> str:
         show = _onoff if knob == "autopilot" else str
         lines.append(f"  {knob:<24} {show(now)!s:>10} {show(then)!s:>10}  {allowed}{mark}")
     lines.append(format_autopilot(state.autopilot))
+    lines.append(format_warmup(stats))
     lines.append(f"  {'signal':<24} {'value':>10}")
     for label, key, kind in STATUS_SIGNALS:
         if key is None:
@@ -174,6 +181,19 @@ def format_status(url: str, state: AgentState) -> str:
 
 def _onoff(value: Any) -> str:
     return "on" if value is True else "off" if value is False else _fmt(value)
+
+
+def format_warmup(stats: Stats) -> str:
+    """One line: the warm-up at engine start (VLLM_RUNBOOK_WARMUP) and how far it got."""
+    planned = stats.warmup_requests_planned
+    if not planned:
+        return "  warm-up at start: none (VLLM_RUNBOOK_WARMUP off, or skipped: see the engine log)"
+    how = "done" if stats.warmup_done >= 1 else "not finished (the engine started cold)"
+    return (
+        f"  warm-up at start: {how}: {stats.warmup_requests_done}/{planned} requests, "
+        f"{stats.warmup_steps} steps, {stats.warmup_tokens} tokens in "
+        f"{stats.warmup_seconds:.2f} s"
+    )
 
 
 def format_autopilot(pilot: AutopilotState) -> str:

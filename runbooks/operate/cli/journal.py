@@ -333,6 +333,12 @@ def _describe(runbook: Runbook) -> str:
     r, g = runbook.revert, runbook.guardrails
     lines += ["", "Revert"]
     lines.append(f"  on resolve: {format_value(r.on_resolve)}")
+    if r.on_resolve:
+        cause = " and ".join(_condition(c) for c in r.until)
+        lines.append(
+            f"  holds {r.hold_seconds} s after the alert resolved"
+            + (f", with {cause} on end" if cause else "")
+        )
     if r.stepwise:
         stages = " → ".join(f"{f:.0%}" for f in r.stepwise)
         lines.append(f"  stepwise: {stages}, each after {r.healthy_period_seconds} s healthy")

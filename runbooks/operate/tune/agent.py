@@ -236,6 +236,8 @@ def format_report(report: Mapping[str, Any]) -> str:
     block = report.get("block_size")
     if block:
         lines.append(f"block size: {block['shown']} ({block['status']}) {block['note']}".rstrip())
+        if block.get("sweep"):
+            lines.append(f"block size sweep: {block['sweep']}")
     policy = report.get("policy")
     if policy:
         lines.append(f"policy: {policy['why']}" + (f"; {policy['kept']}" if policy["kept"] else ""))

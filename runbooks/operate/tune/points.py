@@ -11,10 +11,12 @@ from typing import Any, Final
 
 from vllm_runbook.collector.agent_api import AgentState
 from vllm_runbook.rules.config_checks import (
+    BLOCK_64_MEMORY,
+    HEADROOM_CRITICAL,
     SPREAD_TIERED,
-    block_size_advice,
     check_chunked_prefill,
     check_memory_headroom,
+    tune_block_size,
 )
 from vllm_runbook.runbooks.model.config import BreakerConfig
 from vllm_runbook.runbooks.model.exit_codes import ExitCode, RunbookError
@@ -262,9 +264,14 @@ def policy_kept(candidate: Point, baseline: Point) -> tuple[bool, str]:
     return False, "throughput lower"
 
 
-def restart_flags(state: AgentState, kept: Mapping[str, Any]) -> dict[str, Any]:
+def restart_flags(
+    state: AgentState,
+    kept: Mapping[str, Any],
+    block_size: tuple[int | None, str] | None = None,
+) -> dict[str, Any]:
     """`vllm serve` flags for the next restart: the kept live values plus the
-    restart-only advice (block size, chunked prefill, memory utilisation) of
+    restart-only advice: the block size of step 2 (`block_size`, else
+    `tune_block_size` on `state`), and chunked prefill and memory utilisation by
     `runbook check`'s configuration checks."""
     flags: list[str] = [
         f"--max-num-batched-tokens {kept['max_num_batched_tokens']}",
@@ -272,11 +279,11 @@ def restart_flags(state: AgentState, kept: Mapping[str, Any]) -> dict[str, Any]:
     ]
     env: list[str] = []
     notes: list[str] = []
-    config, workload = state.config, state.workload
+    config = state.config
     if config is not None:
-        block = config.block_size
-        if workload is not None and workload.prompt_tokens.p50 is not None:
-            block, why = block_size_advice(config, workload)
+        advised, why = block_size if block_size is not None else tune_block_size(state)
+        block = advised if advised is not None else config.block_size
+        if advised is not None:
             notes.append(f"block size: {why}")
         flags.append(f"--block-size {block}")
         chunked = check_chunked_prefill(state)
@@ -287,8 +294,11 @@ def restart_flags(state: AgentState, kept: Mapping[str, Any]) -> dict[str, Any]:
         memory = check_memory_headroom(state)
         util = config.gpu_memory_utilization
         if memory.status in ("warn", "fail"):
-            util = 0.85
+            util = HEADROOM_CRITICAL
             notes.append(f"memory utilisation: {memory.note}")
+        if block == 64 and config.block_size != 64 and config.platform != "cpu":
+            # The reports: 64 costs about 5 % more memory than 32, out of the utilisation.
+            util = round(min(util, HEADROOM_CRITICAL) - BLOCK_64_MEMORY, 2)
         if not config.extensible_kv_cache:  # vLLM 0.34's default sizes itself
             flags.append(f"--gpu-memory-utilization {util:g}")
     if kept["policy"] == "tiered":

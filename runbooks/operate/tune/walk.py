@@ -9,8 +9,8 @@ from typing import Any, Protocol
 
 from vllm_runbook.collector.agent_api import AgentState
 from vllm_runbook.rules.config_checks import (
-    block_size_advice,
     check_block_size,
+    tune_block_size,
 )
 from vllm_runbook.runbooks.engine.client import EngineClientError, EngineUnreachable
 from vllm_runbook.runbooks.model.exit_codes import ExitCode
@@ -74,6 +74,8 @@ class Tuner:
         self.started_with: dict[str, Any] = {}
         self.report: dict[str, Any] = {}
         self.events: list[str] = []
+        # Step 2's block size to restart with, and why (None: none measured).
+        self.block_size: tuple[int | None, str] | None = None
 
     # --- the run -----------------------------------------------------------------
 
@@ -107,19 +109,16 @@ class Tuner:
         baseline = self._measure("baseline", None)
         state = self.engine.state()  # the workload over the baseline's window
         self.report["baseline"] = baseline.to_dict()
-        # 2. block size (advice: it cannot change live)
+        # 2. block size (advice: it cannot change live): the reports' sweep on the
+        # what-if fragmentation; `runbook check`'s length-mix line beside it
         check = check_block_size(state)
+        self.block_size = tune_block_size(state)
         self.report["block_size"] = {
             "status": check.status,
             "shown": check.shown,
             "note": check.note,
-            "advice": (
-                block_size_advice(state.config, state.workload)[0]
-                if state.config is not None
-                and state.workload is not None
-                and state.workload.prompt_tokens.p50 is not None
-                else None
-            ),
+            "advice": self.block_size[0],
+            "sweep": self.block_size[1],
         }
         # 3. policy
         candidate, why = policy_candidate(state, baseline.window)
@@ -313,7 +312,7 @@ class Tuner:
         self.report["sla_broken_share"] = round(min(1.0, broken / total), 4)
         self.report["breaches"] = sum(p.window.breach is not None for p in self.points)
         if read_engine:
-            self.report["restart"] = restart_flags(self.engine.state(), kept)
+            self.report["restart"] = restart_flags(self.engine.state(), kept, self.block_size)
 
 
 def _other(knobs: Mapping[str, Any], current: Mapping[str, Any], knob: str) -> dict[str, Any]:
