@@ -117,6 +117,19 @@ class FakeNvml:
     def nvmlDeviceGetUtilizationRates(self, h: int) -> _Reading:
         return self._Reading(gpu=50, memory=40)
 
+    # The hardware, read once per GPU at its first poll.
+    def nvmlDeviceGetCudaComputeCapability(self, h: int) -> tuple[int, int]:
+        return 9, 0
+
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, h: int) -> int:
+        return 5
+
+    nvmlDeviceGetMaxPcieLinkGeneration = nvmlDeviceGetCurrPcieLinkGeneration
+    nvmlDeviceGetGpuMaxPcieLinkGeneration = nvmlDeviceGetCurrPcieLinkGeneration
+
+    def nvmlDeviceGetCurrPcieLinkWidth(self, h: int) -> int:
+        return 16
+
 
 def _nvml_source(gpus: int) -> tuple[object, str]:
     """pynvml where it finds a GPU, else the fake with `gpus` GPUs."""

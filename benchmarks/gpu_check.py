@@ -13,7 +13,10 @@ known workload and checks:
    equals vLLM's padding for every row it logged;
 3. NVML: `nvml_up` 1, one series per visible GPU, memory used within 5 % of
    nvidia-smi's and ≤ total, utilisation and the memory controller's (DRAM)
-   utilisation in [0, 1], the window's peak memory at least the memory in use.
+   utilisation in [0, 1], the window's peak memory at least the memory in use;
+   one `gpu_hardware_info` series per GPU, the same as /v1/state's
+   `gpus.hardware`, its compute capability and PCIe link maximum nvidia-smi's,
+   the link's generation now and width within what nvidia-smi says they reach.
 
 Prints one line per check and a summary; exits 1 when a check failed, 2 when
 the server did not come up. Run it through gpu_check.sh (which installs
@@ -128,6 +131,32 @@ def parse_nvidia_smi(text: str) -> dict[str, tuple[float, float]]:
     for line in text.strip().splitlines():
         index, used, total_mib = (x.strip() for x in line.split(","))
         out[index] = (float(used) * 2**20, float(total_mib) * 2**20)
+    return out
+
+
+# nvidia-smi's names for what the collector reads once per GPU (`gpu_hardware_info`).
+SMI_HARDWARE_QUERY = "index,compute_cap,pcie.link.gen.max,pcie.link.width.max"
+HARDWARE_LABELS = (
+    "compute_capability",
+    "pcie_link_generation",
+    "pcie_link_generation_max",
+    "pcie_link_generation_gpu_max",
+    "pcie_link_width",
+)
+
+
+def parse_nvidia_smi_hardware(text: str) -> dict[str, tuple[str, int | None, int | None]]:
+    """`nvidia-smi --query-gpu=SMI_HARDWARE_QUERY --format=csv,noheader,nounits` →
+    {index: (compute capability, PCIe link generation max, width max)}; None where
+    nvidia-smi says [N/A]."""
+
+    def number(x: str) -> int | None:
+        return int(x) if x.isdigit() else None
+
+    out = {}
+    for line in text.strip().splitlines():
+        index, cap, gen_max, width_max = (x.strip() for x in line.split(","))
+        out[index] = (cap, number(gen_max), number(width_max))
     return out
 
 
@@ -248,6 +277,58 @@ def check_nvml(after: Samples, smi: dict[str, tuple[float, float]]) -> list[Chec
     ]
 
 
+def check_hardware(
+    after: Samples,
+    state: dict[str, Any],
+    smi: dict[str, tuple[str, int | None, int | None]],
+    gpus: set[str],
+) -> list[Check]:
+    """The hardware read once per GPU: the series, /v1/state and nvidia-smi agree.
+    `smi` is empty where nvidia-smi does not know the query (an old driver)."""
+    info = {
+        labels["gpu"]: {k: labels.get(k, "") for k in HARDWARE_LABELS}
+        for labels in (dict(ls) for ls in series(after, PREFIX + "gpu_hardware_info"))
+    }
+    wire = {
+        gpu: {k: "" if hw.get(k) is None else str(hw[k]) for k in HARDWARE_LABELS}
+        for gpu, hw in state.get("gpus", {}).get("hardware", {}).items()
+    }
+    agree, notes = bool(info) and set(info) == gpus, []
+    for gpu in sorted(info):
+        hw = info[gpu]
+        notes.append(
+            f"gpu {gpu}: cc {hw['compute_capability'] or '?'}, PCIe "
+            f"{hw['pcie_link_generation'] or '?'}/{hw['pcie_link_generation_max'] or '?'}"
+            f"/{hw['pcie_link_generation_gpu_max'] or '?'} x{hw['pcie_link_width'] or '?'}"
+        )
+        if gpu not in smi:
+            agree &= bool(hw["compute_capability"])
+            continue
+        cap, gen_max, width_max = smi[gpu]
+        mine = {k: int(v) if v.isdigit() else None for k, v in hw.items()}
+        now, most, gpu_most, width = (
+            mine["pcie_link_generation"],
+            mine["pcie_link_generation_max"],
+            mine["pcie_link_generation_gpu_max"],
+            mine["pcie_link_width"],
+        )
+        agree &= hw["compute_capability"] == cap
+        agree &= gen_max is None or (most == gen_max and now is not None and 1 <= now <= most)
+        agree &= gpu_most is None or most is None or gpu_most >= most
+        agree &= width_max is None or (width is not None and 1 <= width <= width_max)
+        notes[-1] += f" (smi: cc {cap}, gen max {gen_max}, width max {width_max})"
+    if not smi:
+        notes.append("nvidia-smi gave no hardware fields: the series checked alone")
+    return [
+        Check("nvml: hardware per GPU = nvidia-smi", agree, "; ".join(notes) or "no series"),
+        Check(
+            "nvml: hardware in /v1/state = the series",
+            bool(wire) and wire == info,
+            "same" if wire == info else f"state {wire} vs series {info}",
+        ),
+    ]
+
+
 def summary(checks: list[Check]) -> str:
     width = max(len(c.name) for c in checks)
     lines = [f"{'PASS' if c.ok else 'FAIL'}  {c.name:<{width}}  {c.detail}" for c in checks]
@@ -354,14 +435,23 @@ def run_on_gpu(workdir: Path) -> int:
              "--format=csv,noheader,nounits"],
             capture_output=True, text=True, check=False,
         )  # fmt: skip
+        smi_hardware = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={SMI_HARDWARE_QUERY}", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
     gpus = parse_nvidia_smi(smi.stdout) if smi.returncode == 0 else {}
+    hardware = (
+        parse_nvidia_smi_hardware(smi_hardware.stdout) if smi_hardware.returncode == 0 else {}
+    )
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible:  # nvidia-smi lists every GPU; the engine sees these
         gpus = {i: v for i, v in gpus.items() if i in visible.split(",")}
+        hardware = {i: v for i, v in hardware.items() if i in visible.split(",")}
     checks = [
         *check_async(state, before, after),
         *check_padding(before, after, parse_cudagraph_log(log_path.read_text(errors="replace"))),
         *check_nvml(after, gpus),
+        *check_hardware(after, state, hardware, set(gpus)),
     ]
     print(summary(checks))
     return 0 if all(c.ok for c in checks) else 1

@@ -521,11 +521,31 @@ class GpuReading(_Answer):
     utilization_ratio: float
 
 
+class GpuHardware(_Answer):
+    """One GPU's hardware, read from NVML once at the first poll (metrics'
+    GPU_HARDWARE_LABELS are these fields). null: NVML did not give it (`unread` says why)."""
+
+    compute_capability: str | None = None
+    """CUDA compute capability, "major.minor" (7.5 is Turing, 8.0 Ampere)."""
+    pcie_link_generation: int | None = None
+    """PCIe link generation at the first poll (NVML lowers an idle link's)."""
+    pcie_link_generation_max: int | None = None
+    """The most the link reaches with this GPU and system (the slot included)."""
+    pcie_link_generation_gpu_max: int | None = None
+    """The most the GPU itself supports."""
+    pcie_link_width: int | None = None
+    """PCIe lanes at the first poll."""
+    unread: dict[str, str] = {}
+    """Field name -> NVML's error, for each field NVML did not give."""
+
+
 class Gpus(_Answer):
     nvml_up: bool
     """NVML answered and sees a GPU (False where there is no NVIDIA driver)."""
     per_gpu: dict[str, GpuReading]
     """By NVML index, at the latest poll."""
+    hardware: dict[str, GpuHardware] = {}
+    """By NVML index, read once at the first poll; empty from an agent older than it."""
 
 
 class ScheduleHistogram(_Answer):

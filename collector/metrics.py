@@ -435,6 +435,26 @@ GPU_MEMORY_USED_PEAK = _spec(
     extra_labels=("gpu",),
     gpu_only=True,
 )
+# Per GPU, read once at the first poll (they do not change while the engine runs):
+# what `runbook check`'s hardware line judges. The label names are the fields of
+# /v1/state's `gpus.hardware` (collector/agent_api.py's GpuHardware).
+GPU_HARDWARE_LABELS = (
+    "compute_capability",
+    "pcie_link_generation",
+    "pcie_link_generation_max",
+    "pcie_link_generation_gpu_max",
+    "pcie_link_width",
+)
+GPU_HARDWARE_INFO = _spec(
+    "gpu_hardware_info",
+    "gauge",
+    "Always 1, per GPU; the labels are read from NVML once, at the first poll: the CUDA "
+    "compute capability (7.5 is Turing), the PCIe link generation at that poll (an idle "
+    "link may run slower), the most the link reaches with this GPU and system, the most "
+    "the GPU supports, and the link width (lanes). Empty where NVML did not give one.",
+    extra_labels=("gpu", *GPU_HARDWARE_LABELS),
+    gpu_only=True,
+)
 
 ALL_METRICS: tuple[MetricSpec, ...] = tuple(
     v for v in globals().values() if isinstance(v, MetricSpec)
@@ -448,6 +468,7 @@ NVML_METRICS = (
     GPU_UTILIZATION,
     GPU_DRAM_UTILIZATION,
     GPU_MEMORY_USED_PEAK,
+    GPU_HARDWARE_INFO,
 )
 # The configuration series: in /v1/state's `config`, not in its `stats`.
 CONFIG_METRICS = (

@@ -8,6 +8,14 @@ the window's polls is a gauge of its own, so a peak shorter than the
 Prometheus scrape interval is still seen (benchmarks/collector_overhead.py
 --nvml measures what a poll costs the engine's process).
 
+At the first poll of each GPU it also reads, once, what does not change while
+the engine runs: the CUDA compute capability and the PCIe link (generation now,
+the most the link reaches with this GPU and system, the most the GPU supports,
+its width), exported as one `vllm_runbook_gpu_hardware_info` series per GPU and
+in /v1/state's `gpus.hardware`, where `runbook check`'s hardware line reads
+them. Each of those calls may fail on some devices (MIG, virtual GPUs, old
+drivers): the field is then missing, with NVML's error, and the poll goes on.
+
 Where there is no NVIDIA driver the poller sets `vllm_runbook_nvml_up 0` and
 exports no GPU series: absence is not an error. The NVML module is passed in,
 so tests use a fake.
@@ -55,6 +63,37 @@ def visible_gpu_indices(device_count: int, env: str | None) -> list[int]:
     return indices
 
 
+def _compute_capability(nvml: Any, handle: Any) -> str:
+    major, minor = nvml.nvmlDeviceGetCudaComputeCapability(handle)
+    return f"{int(major)}.{int(minor)}"
+
+
+# The NVML call behind each hardware field (metrics.GPU_HARDWARE_LABELS, in order).
+_HARDWARE_READS: dict[str, Callable[[Any, Any], str | int]] = {
+    "compute_capability": _compute_capability,
+    "pcie_link_generation": lambda nvml, h: int(nvml.nvmlDeviceGetCurrPcieLinkGeneration(h)),
+    "pcie_link_generation_max": lambda nvml, h: int(nvml.nvmlDeviceGetMaxPcieLinkGeneration(h)),
+    "pcie_link_generation_gpu_max": lambda nvml, h: int(
+        nvml.nvmlDeviceGetGpuMaxPcieLinkGeneration(h)
+    ),
+    "pcie_link_width": lambda nvml, h: int(nvml.nvmlDeviceGetCurrPcieLinkWidth(h)),
+}
+
+
+def read_gpu_hardware(nvml: Any, handle: Any) -> dict[str, Any]:
+    """One GPU's hardware fields (agent_api.GpuHardware), each read on its own: a call
+    that fails leaves its field None and says why in `unread`; nothing raises."""
+    fields: dict[str, Any] = {}
+    unread: dict[str, str] = {}
+    for label, read in _HARDWARE_READS.items():
+        try:
+            fields[label] = read(nvml, handle)
+        except Exception as exc:  # not supported on this device, or no such call
+            fields[label] = None
+            unread[label] = str(exc) or type(exc).__name__
+    return {**fields, "unread": unread}
+
+
 @dataclass
 class _GpuSeries:
     """One GPU's labelled gauges, looked up once (a poll only sets them: a label
@@ -100,6 +139,7 @@ class NvmlPoller:
         self.utilization = gauges[M.GPU_UTILIZATION.name]
         self.dram_utilization = gauges[M.GPU_DRAM_UTILIZATION.name]
         self.memory_used_peak = gauges[M.GPU_MEMORY_USED_PEAK.name]
+        self.hardware_info = gauges[M.GPU_HARDWARE_INFO.name]
         self.base_labels = base_labels
         self.interval = interval
         self.window_seconds = window_seconds
@@ -112,6 +152,8 @@ class NvmlPoller:
         self.is_up = False
         # gpu index -> memory used/total bytes and utilisation at the latest poll.
         self.latest: dict[str, dict[str, float]] = {}
+        # gpu index -> its hardware fields, read once at its first poll.
+        self.hardware: dict[str, dict[str, Any]] = {}
 
     @classmethod
     def create(
@@ -128,7 +170,11 @@ class NvmlPoller:
 
     def snapshot(self) -> dict[str, Any]:
         """For /v1/state: whether NVML answered, and the per-GPU values."""
-        return {"nvml_up": self.is_up, "per_gpu": dict(self.latest)}
+        return {
+            "nvml_up": self.is_up,
+            "per_gpu": dict(self.latest),
+            "hardware": dict(self.hardware),
+        }
 
     def init(self) -> bool:
         """Initialise NVML; False (and nvml_up 0) when there is no driver."""
@@ -162,7 +208,9 @@ class NvmlPoller:
             for gpu, handle in self.handles:
                 mem = self.nvml.nvmlDeviceGetMemoryInfo(handle)
                 util = self.nvml.nvmlDeviceGetUtilizationRates(handle)
-                series = self._gpus.get(gpu) or self._gpus.setdefault(gpu, self._series(gpu))
+                series = self._gpus.get(gpu) or self._gpus.setdefault(
+                    gpu, self._series(gpu, handle)
+                )
                 series.used.set(mem.used)
                 series.total.set(mem.total)
                 series.utilization.set(util.gpu / 100.0)
@@ -185,8 +233,17 @@ class NvmlPoller:
         self.is_up = bool(self.handles)
         return True
 
-    def _series(self, gpu: str) -> _GpuSeries:
+    def _series(self, gpu: str, handle: Any) -> _GpuSeries:
+        """The GPU's gauges, at its first poll; its hardware is read then, once."""
         labels = (*self.base_labels, gpu)
+        hardware = read_gpu_hardware(self.nvml, handle)
+        for label, why in hardware["unread"].items():
+            logger.info("vllm-runbook: NVML gave no %s for GPU %s (%s)", label, gpu, why)
+        values = tuple(
+            "" if hardware[k] is None else str(hardware[k]) for k in M.GPU_HARDWARE_LABELS
+        )
+        self.hardware_info.labels(*labels, *values).set(1)
+        self.hardware[gpu] = hardware
         return _GpuSeries(
             self.memory_used.labels(*labels),
             self.memory_total.labels(*labels),

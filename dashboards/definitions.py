@@ -316,6 +316,29 @@ class Panels:
             .min(0)
         )
 
+    def tier_deadlines(self, width: int = 12) -> Graph:
+        by_tier = Q.BY_ENGINE.removesuffix(")") + ", tier)"
+        return (
+            Graph(
+                "Tier deadlines missed (demoted / aborted per second)",
+                f"{M.TIER_DEADLINE_DEMOTIONS.help} {M.TIER_DEADLINE_ABORTS.help}",
+                width,
+            )
+            .targets(
+                [
+                    prom(
+                        f"sum {by_tier} ({Q.rate(spec)})",
+                        f"{what} {{{{tier}}}} " + ENGINE_LEGEND,
+                    )
+                    for what, spec in (
+                        ("demoted", M.TIER_DEADLINE_DEMOTIONS),
+                        ("aborted", M.TIER_DEADLINE_ABORTS),
+                    )
+                ]
+            )
+            .min(0)
+        )
+
     def oldest_waiting(self, width: int = 12) -> Graph:
         return (
             Graph(
@@ -923,6 +946,24 @@ class Panels:
             3,
         ).with_target(prom(Q.gauge(M.CONFIG_GPU_SM_COUNT), "SMs " + ENGINE_LEGEND))
 
+    def gpu_hardware(self) -> Any:
+        labels = ("gpu", *M.GPU_HARDWARE_LABELS)
+        legend = " · ".join(f"{label} {{{{{label}}}}}" for label in labels)
+        return table_panel(
+            "GPU hardware",
+            f"GPU-only: {M.GPU_HARDWARE_INFO.help} One row per GPU; `runbook check`'s "
+            "hardware line warns at compute capability 7.5 (Turing) or lower and at a link "
+            "of PCIe 3.0 or lower (the field reports' hardware limits).",
+            12,
+        ).with_target(
+            prom(
+                f"max by ({', '.join((*ENGINE_LABELS, *labels))}) "
+                f"({selector(M.GPU_HARDWARE_INFO)})",
+                "{{instance}} {{model_name}}/{{engine}}: " + legend,
+                instant=True,
+            )
+        )
+
     def request_lengths(self) -> Graph:
         return (
             Graph(
@@ -1044,7 +1085,13 @@ def engine_overview(notes: Q.RuleNotes) -> dict[str, Any]:
             ),
             (
                 "Tiers: hot < 256 prompt tokens, warm < 1,024, cold (any policy)",
-                [p.tier_waiting(), p.tier_running(), p.tier_oldest_waiting(), p.tier_queue_time()],
+                [
+                    p.tier_waiting(),
+                    p.tier_running(),
+                    p.tier_oldest_waiting(),
+                    p.tier_queue_time(),
+                    p.tier_deadlines(),
+                ],
             ),
             (
                 "KV cache",
@@ -1090,6 +1137,7 @@ def engine_overview(notes: Q.RuleNotes) -> dict[str, Any]:
                     p.engine_config(),
                     p.config_numbers(),
                     p.config_sm_count(),
+                    p.gpu_hardware(),
                     p.request_lengths(),
                     p.length_spread(),
                 ],
@@ -1375,6 +1423,30 @@ def runbook_activity(notes: Q.RuleNotes) -> dict[str, Any]:
                         prom(
                             events(S.BREAKER_TRIPS.series_name, "$__interval", "engine, reason"),
                             "{{engine}} {{reason}}",
+                        )
+                    )
+                    .decimals(0)
+                    .bars(stacked=True),
+                    Graph(
+                        "Fixes holding after their alert resolved",
+                        S.EXECUTIONS_HOLDING.help,
+                        12,
+                    )
+                    .with_target(
+                        prom(
+                            f"sum by (engine, runbook) ({S.EXECUTIONS_HOLDING.name})",
+                            "{{engine}} {{runbook}}",
+                        )
+                    )
+                    .decimals(0)
+                    .min(0),
+                    Graph("Premature reverts (re-applied)", S.REVERTS_PREMATURE.help, 12)
+                    .with_target(
+                        prom(
+                            events(
+                                S.REVERTS_PREMATURE.series_name, "$__interval", "engine, runbook"
+                            ),
+                            "{{engine}} {{runbook}}",
                         )
                     )
                     .decimals(0)

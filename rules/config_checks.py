@@ -18,6 +18,8 @@ never fails `runbook check`; a fail does.
                        falls), elsewhere about SMs x 1.5
     policy             tiered when the prompt length spread P90/P10 is 4:1 or more and more
                        than 20 requests are in the engine at once
+    hardware           compute capability above 7.5 (Turing) and a PCIe link above 3.0
+                       (rules/hardware_check.py)
 
 Block size by measurement, both ways (`block_size_direction`, the throughput-drop
 runbook's advice): smaller blocks when the what-if fragmentation says the KV
@@ -36,6 +38,7 @@ from typing import Literal
 from vllm_runbook.collector.agent_api import AgentState, EngineConfig, Workload
 from vllm_runbook.collector.metrics import WHAT_IF_BLOCK_SIZES
 from vllm_runbook.rules.checklist import CheckResult, Status
+from vllm_runbook.rules.hardware_check import check_hardware
 
 BUDGET_SAFE, BUDGET_BEST = 2048, (2000, 3000)
 FRAGMENTATION_GOAL = 0.15
@@ -589,4 +592,5 @@ def run_config_checks(state: AgentState) -> list[CheckResult]:
         check_memory_headroom(state),
         check_max_num_seqs(state),
         check_policy(state),
+        check_hardware(state),
     ]

@@ -168,7 +168,7 @@ class Holds:
             return None
         self.cause_since.pop(record.id, None)
         held = (now - (record.hold_since or now)).total_seconds()
-        gone = ", ".join(describe_condition(c) for c in spec.revert.until)
+        gone = " and ".join(describe_condition(c) for c in spec.revert.until)
         why = f"its alert resolved {held:.0f} s ago" + (
             f" and {gone} held for {hold:g} s" if gone else f" (hold {hold:g} s)"
         )
@@ -198,8 +198,9 @@ class Holds:
             healthy_period_seconds=self.healthy_period_seconds,
             reason=why,
         )
-        if result.record.status != ExecutionStatus.SUCCEEDED:
-            # A halted (stepwise) or failed revert is not tried again by itself.
+        if result.record.status == ExecutionStatus.FAILED:
+            # A halted (stepwise) or failed revert is not tried again by itself
+            # (one refused because the engine was busy is, at the next pass).
             self.executor.store.note_hold(
                 record.id,
                 f"held for a person: revert #{result.record.id} {result.record.status}"

@@ -136,6 +136,8 @@ class ServiceMetrics:
                 self.breaker_trips.labels(name, reason)
             for runbook in runbooks:
                 self.reverts_premature.labels(name, runbook)
+                self.executions_holding.labels(name, runbook).set(0)
+                self._holding_labels.add((name, runbook))
         for url in scrape_targets:
             for reason in SCRAPE_ERROR_REASONS:
                 self.scrape_errors.labels(url, reason)

@@ -55,6 +55,9 @@ JOB_ID: Final = "vllm-runbook-worker"
 # How long a stop waits for the execution in flight; one still running when the
 # process ends is settled as interrupted by the next run on this host.
 STOP_TIMEOUT_S: Final = 30.0
+# A holding execution is judged by one replica at a time, for this long after
+# its last pass (its revert, when it comes, holds the engine's lock).
+HOLD_LEASE_S: Final = 30.0
 
 
 class Worker:
@@ -177,7 +180,8 @@ class Worker:
         for record in holding:
             if self._stop.is_set():
                 return
-            if not self.store.acquire_lease(f"hold:{record.id}", self.holder, self.lease_seconds):
+            # Renewed at every pass; a replica that stops judges no more after it.
+            if not self.store.acquire_lease(f"hold:{record.id}", self.holder, HOLD_LEASE_S):
                 continue  # another replica judges it
             try:
                 result = self.holds.judge(record)

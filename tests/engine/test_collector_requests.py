@@ -174,7 +174,7 @@ def test_since_step_counts_from_the_step_a_change_applied(
     assert json.loads(http_get(f"{url}/v1/state")[1])["since"] is None
     assert http_get(f"{url}/v1/state?since_step=x")[0] == 400
     # No GPU here: NVML says so, per-GPU values are empty.
-    assert json.loads(body)["gpus"] == {"nvml_up": False, "per_gpu": {}}
+    assert json.loads(body)["gpus"] == {"nvml_up": False, "per_gpu": {}, "hardware": {}}
     collector.control.submit(parse_command({}, restore=True), idle=collector.engine_idle)
 
 

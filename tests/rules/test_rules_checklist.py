@@ -300,15 +300,16 @@ def test_all_n_a_exits_0_with_the_table(agent: Routes, capsys: pytest.CaptureFix
     assert [line.split()[0] for line in lines[2:10]] == ["N/A"] * 8
     # Then the configuration checks (rules/config_checks.py; tested there): an agent
     # without `config` and no traffic leaves only the token budget to judge.
-    assert [line.split()[:2] for line in lines[10:16]] == [
+    assert [line.split()[:2] for line in lines[10:17]] == [
         ["PASS", "token"],
         ["N/A", "block"],
         ["N/A", "chunked"],
         ["N/A", "memory"],
         ["N/A", "max_num_seqs"],
         ["N/A", "scheduling"],
+        ["N/A", "hardware"],
     ]
-    assert lines[16] == "0 failed, 1 passed, 13 n/a"
+    assert lines[17] == "0 failed, 1 passed, 14 n/a"
     assert agent.hits["/metrics"] == 3
 
 
@@ -319,7 +320,7 @@ def test_failing_check_exits_1_and_json(agent: Routes, capsys: pytest.CaptureFix
     doc = json.loads(out)
     assert (doc["ok"], doc["summary"], doc["scrapes"]) == (
         False,
-        {"pass": 2, "fail": 1, "n/a": 11},
+        {"pass": 2, "fail": 1, "n/a": 12},
         2,
     )
     by_name = {c["name"]: c for c in doc["checks"]}

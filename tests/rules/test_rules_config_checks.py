@@ -90,6 +90,8 @@ def test_good_settings_pass() -> None:
         "memory headroom": ("pass", "0.85"),
         "max_num_seqs": ("pass", "64"),
         "scheduling policy": ("pass", "fcfs (3.0:1)"),
+        # The fake agent has no NVML: tests/rules/test_rules_hardware_check.py polls one.
+        "hardware": ("n/a", "n/a"),
     }
 
 
@@ -113,6 +115,7 @@ def test_bad_settings_warn_and_fail_with_the_reports_reasons() -> None:
         "memory headroom": "fail",
         "max_num_seqs": "warn",
         "scheduling policy": "warn",  # P90/P10 = 900/100 = 9:1
+        "hardware": "n/a",
     }
     assert "safe threshold 2048" in results["token budget"].note
     assert results["block size"].shown == "32 (frag 18%)"
@@ -137,6 +140,10 @@ def test_on_cpu_and_without_traffic_the_checks_say_why() -> None:
         "CPU engine: gpu_memory_utilization is the share of RAM for the KV cache",
     )
     assert results["max_num_seqs"] == ("n/a", "CPU engine: no GPU")
+    assert results["hardware"] == (
+        "n/a",
+        "CPU engine: no GPU, no compute capability or PCIe link to judge",
+    )
     assert results["block size"][0] == results["scheduling policy"][0] == "n/a"
     assert results["chunked prefill"] == ("pass", "")  # on: nothing to measure first
 

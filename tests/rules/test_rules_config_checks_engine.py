@@ -9,7 +9,8 @@ reports' hybrid gain shows above 20). Bad: block size 128 for the same short
 prompts, a budget of 16,384 (vLLM requires one at least max_model_len without
 chunked prefill), chunked prefill off while a 9,000-token prompt arrives, fcfs
 for prompts of 40 and 400 tokens (10:1) with all 21 requests in the engine at
-once. On the CPU the memory headroom and the SM count are n/a, and say why.
+once. On the CPU the memory headroom, the SM count and the hardware are n/a, and say
+why.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def statuses(checks: dict[str, dict[str, Any]]) -> dict[str, str]:
         "memory headroom",
         "max_num_seqs",
         "scheduling policy",
+        "hardware",
     )
     return {n: checks[n]["status"] for n in names}
 
@@ -81,12 +83,16 @@ def test_an_engine_started_with_the_reports_settings_passes_them(tiny_model: Pat
         "memory headroom": "n/a",
         "max_num_seqs": "n/a",
         "scheduling policy": "pass",
+        "hardware": "n/a",
     }, out
     assert checks["token budget"]["value"] == 2048
     assert checks["block size"]["value"] == 32
     assert "this mix (P50 prompt" in checks["block size"]["note"]
     assert "on CPU vLLM takes multiples of 32 only" in checks["block size"]["note"]
     assert checks["memory headroom"]["note"].startswith("CPU engine:")
+    assert checks["hardware"]["note"] == (
+        "CPU engine: no GPU, no compute capability or PCIe link to judge"
+    )
     assert checks["scheduling policy"]["shown"].startswith("fcfs (")
     assert checks["scheduling policy"]["value"] < 4
     assert code == 0, out
@@ -114,6 +120,7 @@ def test_an_engine_started_against_the_reports_warns_and_fails(tiny_model: Path)
         "memory headroom": "n/a",
         "max_num_seqs": "n/a",
         "scheduling policy": "warn",
+        "hardware": "n/a",
     }, out
     assert checks["token budget"]["value"] == 16_384
     assert "safe threshold 2048" in checks["token budget"]["note"]

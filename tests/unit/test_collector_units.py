@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -115,12 +116,27 @@ def test_metric_catalog_is_consistent() -> None:
 # -- NVML with a fake module --
 
 
+class NotSupported(Exception):
+    """What pynvml raises for a query the device does not answer (NVMLError_NotSupported)."""
+
+    def __str__(self) -> str:
+        return "Not Supported"
+
+
 class FakeNvml:
     def __init__(self, fail_init: bool = False) -> None:
         self.fail_init = fail_init
         self.util = {0: 95, 1: 20}
         self.memory_util = {0: 78, 1: 45}  # memory-controller (DRAM) busy %
         self.used_gib = {0: 10, 1: 20}
+        # Two A100s, PCIe 4.0 x16 (an idle link: gen 1 now).
+        self.capability = {0: (8, 0), 1: (8, 0)}
+        self.pcie_generation = {0: 1, 1: 1}  # now
+        self.pcie_generation_max = {0: 4, 1: 4}  # with this GPU and system
+        self.pcie_generation_gpu_max = {0: 4, 1: 4}  # the GPU's own
+        self.pcie_width = {0: 16, 1: 16}
+        self.not_supported: set[str] = set()  # NVML calls that raise NotSupported
+        self.hardware_calls = 0
 
     def nvmlInit(self) -> None:
         if self.fail_init:
@@ -137,6 +153,29 @@ class FakeNvml:
 
     def nvmlDeviceGetUtilizationRates(self, h: int) -> SimpleNamespace:
         return SimpleNamespace(gpu=self.util[h], memory=self.memory_util[h])
+
+    def _hardware(self, call: str, values: dict[int, Any], h: int) -> Any:
+        self.hardware_calls += 1
+        if call in self.not_supported:
+            raise NotSupported()
+        return values[h]
+
+    def nvmlDeviceGetCudaComputeCapability(self, h: int) -> tuple[int, int]:
+        return self._hardware("nvmlDeviceGetCudaComputeCapability", self.capability, h)
+
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, h: int) -> int:
+        return self._hardware("nvmlDeviceGetCurrPcieLinkGeneration", self.pcie_generation, h)
+
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, h: int) -> int:
+        return self._hardware("nvmlDeviceGetMaxPcieLinkGeneration", self.pcie_generation_max, h)
+
+    def nvmlDeviceGetGpuMaxPcieLinkGeneration(self, h: int) -> int:
+        return self._hardware(
+            "nvmlDeviceGetGpuMaxPcieLinkGeneration", self.pcie_generation_gpu_max, h
+        )
+
+    def nvmlDeviceGetCurrPcieLinkWidth(self, h: int) -> int:
+        return self._hardware("nvmlDeviceGetCurrPcieLinkWidth", self.pcie_width, h)
 
 
 def _poller(
@@ -195,6 +234,72 @@ def test_nvml_absent_means_nvml_up_0_and_no_gpu_series() -> None:
         assert reg.get_sample_value("vllm_runbook_nvml_up", {"model_name": "m", "engine": "0"}) == 0
         names = {s.name for fam in reg.collect() for s in fam.samples}
         assert not any(n.startswith("vllm_runbook_gpu_") for n in names)
+
+
+def test_nvml_reads_each_gpus_hardware_once_at_its_first_poll(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    nvml = FakeNvml()
+    nvml.capability[1], nvml.pcie_generation_max[1], nvml.pcie_width[1] = (7, 5), 3, 8
+    poller, reg = _poller(nvml)
+    assert poller.init() is True
+    info = {
+        (s.labels["gpu"], *(s.labels[k] for k in M.GPU_HARDWARE_LABELS)): s.value
+        for fam in reg.collect()
+        for s in fam.samples
+        if s.name == M.GPU_HARDWARE_INFO.series_name
+    }
+    # (gpu, compute capability, PCIe generation now, link max, the GPU's max, width)
+    assert info == {("0", "8.0", "1", "4", "4", "16"): 1.0, ("1", "7.5", "1", "3", "4", "8"): 1.0}
+    assert poller.snapshot()["hardware"]["1"] == {
+        "compute_capability": "7.5",
+        "pcie_link_generation": 1,
+        "pcie_link_generation_max": 3,
+        "pcie_link_generation_gpu_max": 4,
+        "pcie_link_width": 8,
+        "unread": {},
+    }
+    # Read once: later polls ask NVML for memory and utilisation only.
+    assert nvml.hardware_calls == 2 * len(M.GPU_HARDWARE_LABELS)
+    nvml.capability[1] = (9, 0)
+    poller.poll()
+    assert nvml.hardware_calls == 2 * len(M.GPU_HARDWARE_LABELS)
+    assert poller.snapshot()["hardware"]["1"]["compute_capability"] == "7.5"
+
+
+def test_a_hardware_call_nvml_refuses_leaves_its_field_empty_and_the_poll_up(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    nvml = FakeNvml()
+    nvml.not_supported = {"nvmlDeviceGetCudaComputeCapability", "nvmlDeviceGetCurrPcieLinkWidth"}
+    poller, reg = _poller(nvml)
+    with caplog.at_level(logging.INFO, logger="vllm_runbook.collector"):
+        assert poller.init() is True
+    lv = {"model_name": "m", "engine": "0"}
+    assert reg.get_sample_value("vllm_runbook_nvml_up", lv) == 1
+    assert reg.get_sample_value("vllm_runbook_gpu_utilization_ratio", {**lv, "gpu": "0"}) == 0.95
+    gpu0 = {**lv, "gpu": "0", "compute_capability": "", "pcie_link_generation": "1",
+            "pcie_link_generation_max": "4", "pcie_link_generation_gpu_max": "4",
+            "pcie_link_width": ""}  # fmt: skip
+    assert reg.get_sample_value(M.GPU_HARDWARE_INFO.series_name, gpu0) == 1
+    hardware = poller.snapshot()["hardware"]["0"]
+    assert (hardware["compute_capability"], hardware["pcie_link_width"]) == (None, None)
+    assert hardware["unread"] == {
+        "compute_capability": "Not Supported",
+        "pcie_link_width": "Not Supported",
+    }
+    assert "NVML gave no compute_capability for GPU 0 (Not Supported)" in caplog.text
+
+
+def test_the_hardware_reads_are_the_exported_labels() -> None:
+    from vllm_runbook.collector.agent_api import GpuHardware
+    from vllm_runbook.collector.nvml import read_gpu_hardware
+
+    fields = read_gpu_hardware(FakeNvml(), 0)
+    assert tuple(k for k in fields if k != "unread") == M.GPU_HARDWARE_LABELS
+    assert set(GpuHardware.model_fields) == {*M.GPU_HARDWARE_LABELS, "unread"}
 
 
 def test_visible_gpu_indices() -> None:

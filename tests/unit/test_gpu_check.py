@@ -133,6 +133,60 @@ def test_nvml_checks() -> None:
     assert not any(c.ok for c in G.check_nvml(none, smi))
 
 
+def hardware_exposition(**gpus: tuple[str, str, str, str, str]) -> str:
+    """gpu_hardware_info as the collector exports it, one series per GPU (gpu0=...)."""
+    from vllm_runbook.collector import metrics as M
+
+    r = CollectorRegistry()
+    info = M.build_gauge(M.GPU_HARDWARE_INFO, r)
+    for gpu, values in gpus.items():
+        info.labels("m", "0", gpu.removeprefix("gpu"), *values).set(1)
+    return generate_latest(r).decode()
+
+
+def state_hardware(**gpus: tuple[str, str, str, str, str]) -> dict[str, object]:
+    """/v1/state's gpus block for the same GPUs."""
+    return {
+        "gpus": {
+            "hardware": {
+                gpu.removeprefix("gpu"): {
+                    k: (int(v) if v.isdigit() else v or None)
+                    for k, v in zip(G.HARDWARE_LABELS, values, strict=True)
+                }
+                for gpu, values in gpus.items()
+            }
+        }
+    }
+
+
+def test_hardware_checks() -> None:
+    from vllm_runbook.collector import metrics as M
+
+    assert G.HARDWARE_LABELS == M.GPU_HARDWARE_LABELS  # the script repeats the names
+    smi = G.parse_nvidia_smi_hardware("0, 9.0, 5, 16\n")
+    assert smi == {"0": ("9.0", 5, 16)}
+    h200 = ("9.0", "1", "5", "5", "16")  # an idle link at gen 1
+    after = G.parse_exposition(hardware_exposition(gpu0=h200))
+    checks = G.check_hardware(after, state_hardware(gpu0=h200), smi, {"0"})
+    assert [c.ok for c in checks] == [True, True], checks
+    assert (
+        checks[0].detail == "gpu 0: cc 9.0, PCIe 1/5/5 x16 (smi: cc 9.0, gen max 5, width max 16)"
+    )
+    # A wrong maximum, a wrong compute capability, a missing series: each fails.
+    for wrong in (("9.0", "1", "4", "5", "16"), ("8.0", "1", "5", "5", "16")):
+        after = G.parse_exposition(hardware_exposition(gpu0=wrong))
+        assert not G.check_hardware(after, state_hardware(gpu0=wrong), smi, {"0"})[0].ok
+    empty = G.parse_exposition(hardware_exposition())
+    assert [c.ok for c in G.check_hardware(empty, {"gpus": {}}, smi, {"0"})] == [False, False]
+    # /v1/state disagreeing with the series fails the second check.
+    after = G.parse_exposition(hardware_exposition(gpu0=h200))
+    other = state_hardware(gpu0=("9.0", "1", "5", "5", "8"))
+    assert [c.ok for c in G.check_hardware(after, other, smi, {"0"})] == [True, False]
+    # An old nvidia-smi without the query: the series alone, and said so.
+    alone = G.check_hardware(after, state_hardware(gpu0=h200), {}, {"0"})
+    assert alone[0].ok and alone[0].detail.endswith("the series checked alone")
+
+
 def test_summary_counts_failures() -> None:
     text = G.summary([G.Check("a", True, "x"), G.Check("bb", False, "y")])
     assert text.splitlines() == ["PASS  a   x", "FAIL  bb  y", "1 passed, 1 failed"]
