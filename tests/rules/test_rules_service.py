@@ -76,7 +76,7 @@ def test_refuses_to_start_with_a_broken_catalog(tmp_path: Path) -> None:
         f"{shown}:6: rule VllmX: unknown runbook 'no-such-runbook' (known: batch-too-large, "
         "batch-utilization-low, engine-stalled, error-rate-high, gpu-compute-skew, "
         "gpu-memory-imbalance, hot-path-backlog, kv-hit-low, latency-spike, memory-leak, "
-        "oom-pressure, padding-high, restore, "
+        "oom-pressure, padding-high, restore, spec-decode-acceptance-low, "
         "throughput-drop, warmup; or null for diagnose-only)",
         f"{shown}:15: rule VllmY: unknown signal 'nope'",
     ]
