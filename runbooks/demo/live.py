@@ -295,6 +295,10 @@ def finished(e: Execution) -> bool:
     return e.status not in ACTIVE_STATUSES
 
 
+# latency-spike's `until`: the cause holds while a request waits this long.
+CAUSE_WAIT_S = 2.0
+
+
 class StreamAfterFix:
     """What the demo sees while the high-priority stream outlasts the FCFS
     switch: whether the execution holds (its finding resolved, its cause
@@ -304,18 +308,32 @@ class StreamAfterFix:
         self.monitor, self.feed, self.id = monitor, feed, execution_id
         self.started = time.monotonic()
         self.holding_since: float | None = None
+        self._last_t = 0.0
+        self.reverted = False  # the hold released it while the stream was on
         self.readings = 0
-        self.not_fcfs = 0  # readings of another policy while the stream lasted
+        # Readings of another policy while the cause held (a request waiting
+        # over the runbook's 2 s for its first schedule): a flip the hold forbids.
+        self.not_fcfs = 0
+        # Readings where the engine's queue had drained anyway (the client could
+        # not keep the stream up): the cause gone, a revert then is right.
+        self.drained = 0
         self.note: str | None = None
 
     def update(self) -> float:
         """Seconds the execution has been seen holding (0 before)."""
-        state = self.monitor.state
-        if state is not None:
-            self.readings += 1
-            if state.knobs.policy != "fcfs":
-                self.not_fcfs += 1
         e = self.feed.executions.get(self.id) if self.id is not None else None
+        if e is not None and e.status == ExecutionStatus.REVERTED:
+            # The hold released it (its cause gone): what follows is not judged here.
+            self.reverted = True
+        state, t = self.monitor.state, self.monitor.state_t
+        if state is not None and t > self._last_t and not self.reverted:
+            self._last_t = t
+            self.readings += 1
+            cause = state.stats.oldest_waiting >= CAUSE_WAIT_S
+            if not cause:
+                self.drained += 1
+            elif state.knobs.policy != "fcfs":
+                self.not_fcfs += 1
         if e is not None and e.display_status == HOLDING:
             self.note = e.hold_note
             if self.holding_since is None:
@@ -327,10 +345,16 @@ class StreamAfterFix:
     def said(self, bound_s: float) -> str:
         lasted = time.monotonic() - self.started
         policy = (
-            "the policy stayed fcfs at every reading"
+            "the policy stayed fcfs at every reading while the cause held"
             if not self.not_fcfs
-            else f"the policy was not fcfs at {self.not_fcfs} of {self.readings} readings"
+            else f"the policy was not fcfs at {self.not_fcfs} of {self.readings} readings "
+            "while the cause held"
         )
+        if self.drained:
+            policy += (
+                f"; the engine's queue drained at {self.drained} of {self.readings} readings "
+                "(the client did not keep the stream up)"
+            )
         if self.holding_since is None:
             return (
                 f"#{self.id} was not seen holding in {lasted:.0f} s of stream (bound "
@@ -340,4 +364,5 @@ class StreamAfterFix:
         return (
             f"stream after the switch: {lasted:.0f} s; #{self.id} held for {held:.0f} s of it "
             f"({self.note}); {policy}"
+            + ("; reverted once the cause was gone" if self.reverted else "")
         )

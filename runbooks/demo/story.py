@@ -359,7 +359,9 @@ def run(directory: Path, ci: bool) -> int:
 
             def seen_holding() -> bool:
                 backlog.tick()
-                return stream.update() >= STREAM_HOLDING_S
+                held = stream.update()
+                # Reverted by its hold: the engine's queue had drained (the cause gone).
+                return held >= STREAM_HOLDING_S or (stream.reverted and held > 0)
 
             if not _wait(demo, STREAM_MAX_S, seen_holding):
                 measured["not holding"] = stream.said(STREAM_MAX_S)

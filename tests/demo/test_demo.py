@@ -33,11 +33,9 @@ STORY = [
     # Judged on the requests starving at the switch (the 8 low-priority ones at most).
     r"#\d+ verification: starving_waiting [1-8] → 0 .*\(improved\)",
     # The stream outlasts the switch: its finding resolves, its cause holds.
-    r"#\d+ holding: the cause holds \(oldest_waiting ≥ 2\)",
+    r"#\d+ holding: ",
     r"stream after the switch: \d+ s; #\d+ held for \d+ s .*the policy stayed fcfs at every",
     r"── recovery:",
-    r"#\d+ succeeded: execution #\d+ reverted: its alert resolved \d+ s ago and "
-    r"oldest_waiting < 2 held for 6 s",
     r"summary",
     r"timeline picture: ",
     r"demo: ok",
@@ -81,6 +79,12 @@ def test_demo_story_detects_fixes_and_reverts(tmp_path: Path) -> None:
     # After the stream ended, the cause was seen gone before the revert.
     assert "the high-priority stream goes on after the switch" in out
     assert re.search(r"#\d+ holding: the cause is gone \(oldest_waiting < 2\)", out)
+    # The switch's revert: once the stream ended (or the engine's queue drained).
+    assert re.search(
+        r"#\d+ succeeded: execution #\d+ reverted: its alert resolved \d+ s ago and "
+        r"oldest_waiting < 2 held for 6 s",
+        out,
+    )
     # Plain lines for CI: no terminal control sequences.
     assert "\033[" not in out
 

@@ -94,3 +94,44 @@ def test_stop_cancels_what_is_in_flight() -> None:
     _finish(traffic.sent, 1, time.time())
     backlog.stop()
     assert [f.cancelled() for _, f in backlog.sent] == [False, True, True]
+
+
+def test_the_stream_after_the_fix_counts_a_flip_only_while_the_cause_held() -> None:
+    """The demo's judge of the hold: another policy while a request waited over
+    2 s is a flip; once the engine's queue drained (the client could not keep
+    the stream up) the revert is right and is said, not failed."""
+    from types import SimpleNamespace
+
+    from vllm_runbook.runbooks.demo.live import StreamAfterFix
+
+    monitor = SimpleNamespace(state=None, state_t=0.0)
+    holding = SimpleNamespace(
+        status="succeeded", display_status="holding", hold_note="the cause holds"
+    )
+    feed = SimpleNamespace(executions={3: holding})
+    stream = StreamAfterFix(monitor, feed, 3)  # type: ignore[arg-type]
+
+    def reading(t: float, policy: str, oldest: float) -> None:
+        monitor.state = SimpleNamespace(
+            knobs=SimpleNamespace(policy=policy), stats=SimpleNamespace(oldest_waiting=oldest)
+        )
+        monitor.state_t = t
+        stream.update()
+        stream.update()  # the same reading twice counts once
+
+    reading(1.0, "fcfs", 9.0)
+    reading(2.0, "fcfs", 2.0)
+    reading(3.0, "priority", 0.4)  # drained, then reverted: right
+    assert (stream.readings, stream.not_fcfs, stream.drained) == (3, 0, 1)
+    said = stream.said(90)
+    assert said.endswith(
+        "(the cause holds); the policy stayed fcfs at every reading while the cause held; "
+        "the engine's queue drained at 1 of 3 readings (the client did not keep the stream up)"
+    )
+    reading(4.0, "priority", 12.0)  # back to priority while a request waits 12 s: a flip
+    assert stream.not_fcfs == 1
+    assert "the policy was not fcfs at 1 of 4 readings while the cause held" in stream.said(90)
+    holding.status = "reverted"  # released by its hold: what follows is not judged
+    reading(5.0, "priority", 30.0)
+    assert (stream.readings, stream.not_fcfs, stream.reverted) == (4, 1, True)
+    assert stream.said(90).endswith("; reverted once the cause was gone")
