@@ -77,7 +77,10 @@ bench: setup
 	$(PY) benchmarks/agent_state.py
 	$(PY) benchmarks/rules_eval.py
 	$(PY) benchmarks/rules_eval.py --engines 1000 --modes concurrent streams --rounds 3
+	$(PY) benchmarks/rules_eval.py --engines 1000 --faults refused --modes full concurrent concurrent --rounds 2
+	$(PY) benchmarks/rules_eval.py --engines 1000 --faults refused --modes wait concurrent split concurrent split --rounds 2
 	$(PY) benchmarks/rules_eval.py --engines 1000 --churn 100
+	$(PY) benchmarks/backtest.py
 	$(PY) benchmarks/webhook_ingest.py --seconds 6 --alerts 10
 	$(PY) benchmarks/webhook_ingest.py --seconds 6 --alerts 1
 	$(PY) benchmarks/tiered.py

@@ -13,8 +13,9 @@ their callbacks, the prefix-cache wrapper), measured as time in the mixin's
 methods minus time in vLLM's methods they call. Three figures, medians of
 the rounds: all of it per step; the steady state, a decode step that admits
 and finishes nothing (the median of such steps: what grows with the batch,
-if anything does); and what is left per request (its arrival, first
-schedule and finish: a workload of more requests has more of it per step).
+if anything does); and the part per request (its arrival, first schedule
+and finish: the steps that admit or finish requests, less a decode step
+each, plus add_request; a workload of more requests has more of it per step).
 Then the share of the engine step's wall time.
 
 `--nvml` measures the NVML poller alone instead (no engine, seconds): what one
@@ -231,7 +232,7 @@ class HookCost:
 
     per_step_us: float  # all hook time / steps (arrivals and finishes included)
     decode_step_us: float  # median over steps that admitted and finished nothing
-    per_request_us: float  # what is left, per request (its arrival, admission, finish)
+    per_request_us: float  # per request: its arrival, admission and finish (see hook_costs)
     share: float  # of the engine step's wall time
     steps: int
 
@@ -307,10 +308,17 @@ def hook_costs(llm, running: int, round_no: int) -> HookCost:  # type: ignore[no
     hook = hook_total()
     decode = statistics.median(t for t, changed in steps if not changed)
     n = WORKLOADS[running][0]
+    # Per request: the steps that admitted or finished requests, less a decode
+    # step each, and the hook outside the steps (add_request, as generate()
+    # queues the prompts). Not the decode steps' spread above their median:
+    # a time slice the OS takes from the hook in one decode step (4-12 ms on
+    # a busy machine) would read as hundreds of µs per request.
+    outside = hook - sum(t for t, _ in steps)
+    per_request = sum(t - decode for t, changed in steps if changed) + outside
     return HookCost(
         per_step_us=hook / len(steps) * 1e6,
         decode_step_us=decode * 1e6,
-        per_request_us=(hook - decode * len(steps)) / n * 1e6,
+        per_request_us=per_request / n * 1e6,
         share=hook / spent["step"],
         steps=len(steps),
     )

@@ -30,9 +30,26 @@ held before aiohttp replaced it. `--rounds N` runs the modes N times in alternat
 machine that others load drifts; each mode sees the same drift) and prints
 one row per mode, the medians over all its cycles, plus `ms/req`: the
 scraping process' CPU per attempted request (median over the rounds).
+`wait` is `concurrent` as it was before the scrape deadline: every cycle
+waits for every target. `late` (a line under the rows) counts the targets a
+cycle did not wait for (rules.scrape_deadline and scrape_grace: the hanging
+ones; their answers, or their timeouts, come in later). Cycles run back to
+back (injected times), so a hanging target's request, late, spans several
+cycles before its timeout.
+
+`split` is the deployed shape past one replica: two `runbook serve` replicas
+with `rules.replicas: split`, two processes running at once, each the
+service's RulesLeader cycle (its lease renewed and the live replicas read from
+PostgreSQL, a scratch database of `--database`; its share by rendezvous
+hashing; then the RulesService scrape and evaluate) over its half of the
+engines. Rows `split:a` and `split:b` are the replicas (targets: their share),
+`split` the fleet: each cycle as long as the slower replica's, its CPU both
+replicas'. The target server is a third process on the same machine (its CPU
+per cycle is printed).
 
     python benchmarks/rules_eval.py [--engines 10 100 1000] [--cycles 9]
-        [--timeout 2] [--slow 1] [--modes concurrent sequential streams] [--rounds 1]
+        [--timeout 2] [--slow 1] [--modes concurrent wait sequential streams split]
+        [--rounds 1] [--database postgresql+psycopg://postgres@127.0.0.1:5432/test]
 """
 
 from __future__ import annotations
@@ -74,10 +91,19 @@ MODEL = "llama-3-8b"
 # -- the expositions (built once, in the parent: it imports vLLM) -----------------------
 
 
-def collector_bodies(engines: int) -> list[bytes]:
+def wanted_names() -> list[str]:
+    """The sample names the bound catalog reads: what the scraper asks each target for."""
+    from vllm_runbook.rules.evaluator import store_for_rules
+    from vllm_runbook.rules.model import load_catalog
+
+    return sorted(store_for_rules(load_catalog().bind()).retention)
+
+
+def collector_bodies(engines: int, names: list[str]) -> list[tuple[bytes, bytes]]:
+    """(whole page, the page asked with `name[]=` for `names`) of each engine's agent."""
     from prometheus_client import CollectorRegistry, generate_latest
     from vllm_runbook.collector import metrics as M
-    from vllm_runbook.collector.exporter import Sample, StatsExporter
+    from vllm_runbook.collector.exporter import OnlySamples, Sample, StatsExporter
 
     rng = random.Random(1)
     out = []
@@ -101,13 +127,17 @@ def collector_bodies(engines: int) -> list[bytes]:
                 samples.append(Sample(spec, rng.uniform(0.05, 0.95)))
         registry = CollectorRegistry()
         registry.register(StatsExporter(lambda s=samples: s, (MODEL, "0")))  # type: ignore[misc]
-        out.append(generate_latest(registry))
+        asked = OnlySamples(registry, names)  # as the agent's /metrics answers name[]=
+        out.append((generate_latest(registry), generate_latest(asked)))  # type: ignore[arg-type]
     return out
 
 
-def vllm_bodies(engines: int) -> list[bytes]:
+def vllm_bodies(engines: int) -> list[tuple[bytes, bytes]]:
     """vLLM's /metrics of one engine: the installed vLLM's PrometheusStatLogger registry
-    (the Python/process collectors left out), every series given values per engine."""
+    (the Python/process collectors left out), every series given values per engine;
+    (whole page, the page asked with `name[]=`): the same, since vLLM's /metrics
+    ignores the filter (vLLM 0.32: the instrumentator's own /metrics route answers
+    before prometheus_client's ASGI app, which would honour it)."""
     import prometheus_client
     from prometheus_client import Counter, Gauge, Histogram
     from vllm.v1.metrics.loggers import PrometheusStatLogger
@@ -145,7 +175,8 @@ def vllm_bodies(engines: int) -> list[bytes]:
                     child.inc(rng.randint(1, 10_000))
                 elif isinstance(metric, Gauge):
                     child.set(rng.uniform(0, 100))
-        out.append(prometheus_client.generate_latest(registry))
+        page = prometheus_client.generate_latest(registry)
+        out.append((page, page))
     return out
 
 
@@ -155,37 +186,55 @@ RESPONSE = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4; charset
 
 
 def serve_targets(folder: str, kinds: list[str], slow: float, conn: Connection) -> None:
+    """A request whose path has a query (`?name[]=...`) gets the filtered page, as
+    prometheus_client answers it; a `refused` target's port is bound, never listened
+    on (the connection is refused)."""
     bodies = [Path(folder, f"{i}.prom").read_bytes() for i in range(len(kinds))]
+    filtered = [Path(folder, f"{i}.filtered.prom").read_bytes() for i in range(len(kinds))]
 
     async def main() -> None:
+        import socket
+
         # At the end the hung handlers are cancelled: not worth a traceback each.
         asyncio.get_running_loop().set_exception_handler(lambda loop, context: None)
-        servers = []
-        for body, kind in zip(bodies, kinds, strict=True):
+        ports: list[int] = []
+        closed = []  # the refused targets' bound sockets, and the servers: kept open
+        for body, part, kind in zip(bodies, filtered, kinds, strict=True):
+            if kind == "refused":
+                sock = socket.socket()
+                sock.bind(("127.0.0.1", 0))
+                closed.append(sock)
+                ports.append(sock.getsockname()[1])
+                continue
             answer = RESPONSE + b"Content-Length: %d\r\n\r\n" % len(body) + body
+            answer_part = RESPONSE + b"Content-Length: %d\r\n\r\n" % len(part) + part
 
             async def handle(
                 reader: asyncio.StreamReader,
                 writer: asyncio.StreamWriter,
                 answer: bytes = answer,
+                answer_part: bytes = answer_part,
                 kind: str = kind,
             ) -> None:
                 try:
                     while True:
-                        await reader.readuntil(b"\r\n\r\n")
+                        head = await reader.readuntil(b"\r\n\r\n")
                         if kind == "dead":
                             await asyncio.sleep(3600)
                         elif kind == "slow":
                             await asyncio.sleep(slow)
-                        writer.write(answer)
+                        asked = b"?" in head.split(b"\r\n", 1)[0]
+                        writer.write(answer_part if asked else answer)
                         await writer.drain()
                 except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
                     pass
                 finally:
                     writer.close()
 
-            servers.append(await asyncio.start_server(handle, "127.0.0.1", 0, backlog=512))
-        conn.send([s.sockets[0].getsockname()[1] for s in servers])
+            server = await asyncio.start_server(handle, "127.0.0.1", 0, backlog=512)
+            ports.append(server.sockets[0].getsockname()[1])
+            closed.append(server)
+        conn.send(ports)
         await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # until told to stop
 
     asyncio.run(main())
@@ -380,40 +429,70 @@ def old_scraper_class() -> type:
 def measure(
     folder: str, ports: list[int], mode: str, cycles: int, timeout: float, conn: Connection
 ) -> None:
-    from vllm_runbook.rules.evaluator import Evaluator, store_for_rules
-    from vllm_runbook.rules.incidents import MemoryIncidentSink
-    from vllm_runbook.rules.model import load_catalog
-    from vllm_runbook.rules.scrape import NO_BACKOFF, Scraper, Target, _line_finder, parse_wanted
+    """`runbook serve`'s rules cycle (RulesService.run_cycle, with the service's metrics)
+    over the engines on `ports`, its scraper as `mode` says: `concurrent` as deployed
+    (each target asked for the wanted names only), `wait` the same but every cycle
+    waits for every target (no scrape deadline, as before), `full` the whole page of every
+    target (the scraper before it asked), `streams` the former HTTP client, `sequential`
+    the former scraper."""
+    from vllm_runbook.rules.config import EngineConfig
+    from vllm_runbook.rules.scrape import NO_BACKOFF, Scraper, _line_finder, parse_wanted
+    from vllm_runbook.runbooks.model.config import Config
+    from vllm_runbook.runbooks.service.discovery import FILE_SD, Inventory
+    from vllm_runbook.runbooks.service.rules_service import RulesService
+    from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
 
-    logging.getLogger("vllm_runbook.rules.scrape").setLevel(logging.ERROR)  # the dead ones
-    rules = load_catalog().bind()
-    store = store_for_rules(rules)
-    targets = [
-        Target(f"http://127.0.0.1:{port}/metrics", f"engine-{i // 2}")
-        for i, port in enumerate(ports)
+    logging.getLogger("vllm_runbook").setLevel(logging.ERROR)  # the dead ones, incidents
+    engines = [
+        EngineConfig(
+            name=f"engine-{i}",
+            agent=f"http://127.0.0.1:{ports[2 * i]}",
+            vllm=f"http://127.0.0.1:{ports[2 * i + 1]}",
+        )
+        for i in range(len(ports) // 2)
     ]
+    inventory = Inventory()
+    inventory.update(FILE_SD, engines)
+    metrics = ServiceMetrics()
+    service = RulesService.from_config(
+        Config(), inventory=inventory, scrape_timeout=timeout, metrics=metrics
+    )
+    store = service.windows
+    targets = service.scraper.targets  # agent, vLLM of each engine: the files' order
     now = 1_700_000_000.0
     series = fill(store, folder, targets, now, _line_finder(store), parse_wanted)
-    evaluator = Evaluator(rules, store, MemoryIncidentSink())
-    evaluator.evaluate(now)
-    if mode == "sequential":
-        scraper = old_scraper_class()(
-            store, targets, timeout=timeout, concurrency=1, backoff=NO_BACKOFF
+    service.evaluate(now)
+    service.scraper.close()
+    hooks: dict[str, Any] = {"on_error": metrics.scrape_failed, "observer": metrics}
+    if mode == "wait":  # as before the scrape deadline: every cycle waits for every target
+        service.scraper.deadline = service.scraper.grace = None
+    elif mode == "sequential":
+        service.scraper = old_scraper_class()(
+            store, targets, timeout=timeout, concurrency=1, backoff=NO_BACKOFF, filter_names=False
         )
-    else:
-        scraper = Scraper(store, targets, timeout=timeout)
+    elif mode not in ("concurrent", "wait"):
+        service.scraper = Scraper(
+            store,
+            targets,
+            timeout=timeout,
+            filter_names=False,
+            deadline=service.scraper.deadline,  # the service's, from its configuration
+            grace=service.scraper.grace,
+            **hooks,
+        )
         if mode == "streams":
-            scraper.client = StreamsFetcher()  # type: ignore[assignment]
+            service.scraper.client = StreamsFetcher()  # type: ignore[assignment]
+    scraper = service.scraper
     rows = []
     with scraper:
         for c in range(1, cycles + 1):
             t = now + c * INTERVAL
             cycle_cpu = time.process_time()
-            results = scraper.scrape_once(t)
+            service.scrape(t)
             cycle = scraper.last_cycle
             assert cycle is not None
             start = time.perf_counter()
-            evaluator.evaluate(t)
+            service.evaluate(t)
             evaluate = time.perf_counter() - start
             rows.append(
                 {
@@ -423,9 +502,9 @@ def measure(
                     "total": cycle.seconds + evaluate,
                     "cpu": time.process_time() - cycle_cpu,
                     "attempted": cycle.attempted,
-                    "ok": sum(r.ok for r in results),
                     "failed": cycle.failed,
                     "skipped": cycle.skipped,
+                    "late": cycle.late,
                 }
             )
     conn.send(
@@ -435,6 +514,168 @@ def measure(
             "rss_mb": peak_rss_mb(),
         }
     )
+
+
+def measure_replica(
+    folder: str,
+    ports: list[int],
+    cycles: int,
+    timeout: float,
+    database: str,
+    holder: str,
+    holders: list[str],
+    conn: Connection,
+) -> None:
+    """One `runbook serve` replica with `rules.replicas: split`: the service's
+    RulesLeader cycle (its lease and the live replicas' read from PostgreSQL, its
+    share by rendezvous hashing, then RulesService's scrape and evaluate) over every
+    engine on `ports`, of which it scrapes and evaluates its share. Tells the parent
+    when its lease is taken, then waits for "go" (the other replica's lease taken)."""
+    from vllm_runbook.rules.config import EngineConfig
+    from vllm_runbook.rules.scrape import _line_finder, parse_wanted
+    from vllm_runbook.runbooks.model.config import Config
+    from vllm_runbook.runbooks.service.discovery import FILE_SD, Inventory
+    from vllm_runbook.runbooks.service.leader import RulesLeader
+    from vllm_runbook.runbooks.service.rules_service import RulesService
+    from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
+    from vllm_runbook.runbooks.store import Journal
+
+    logging.getLogger("vllm_runbook").setLevel(logging.ERROR)
+    engines = [
+        EngineConfig(
+            name=f"engine-{i}",
+            agent=f"http://127.0.0.1:{ports[2 * i]}",
+            vllm=f"http://127.0.0.1:{ports[2 * i + 1]}",
+        )
+        for i in range(len(ports) // 2)
+    ]
+    inventory = Inventory()
+    inventory.update(FILE_SD, engines)
+    metrics = ServiceMetrics()
+    config = Config.model_validate({"rules": {"replicas": "split"}})
+    service = RulesService.from_config(
+        config, inventory=inventory, scrape_timeout=timeout, metrics=metrics
+    )
+    service.set_share(holders, holder)  # what the leader's first cycle does: history for it
+    store = service.windows
+    index = {f"http://127.0.0.1:{port}/metrics": i for i, port in enumerate(ports)}
+    mine = service.scraper.targets
+    now = 1_700_000_000.0
+    series = fill(
+        store, folder, mine, now, _line_finder(store), parse_wanted, [index[t.url] for t in mine]
+    )
+    service.evaluate(now)
+    clock = {"now": now}
+    journal = Journal(database)
+    leader = RulesLeader(
+        journal,
+        lambda: service,
+        120.0,  # outlives the run: the other replica's share stays put
+        metrics=metrics,
+        holder=holder,
+        clock=lambda: clock["now"],
+        split=config.rules.replicas == "split",
+    )
+    assert leader._hold()  # this replica's lease: live for the other from now on
+    conn.send("ready")
+    assert conn.recv() == "go"
+    rows: list[dict[str, float]] = []
+    try:
+        for c in range(1, cycles + 1):
+            clock["now"] = now + c * INTERVAL
+            cycle_cpu = time.process_time()
+            started = time.perf_counter()
+            assert leader.cycle(), "the replica did not evaluate"
+            total = time.perf_counter() - started
+            assert leader.replicas == tuple(sorted(holders)), leader.replicas
+            cycle = service.scraper.last_cycle
+            assert cycle is not None
+            rows.append(
+                {
+                    "scrape": cycle.seconds - cycle.parse_seconds,
+                    "parse": cycle.parse_seconds,
+                    "evaluate": total - cycle.seconds,  # and the lease's renewal
+                    "total": total,
+                    "cpu": time.process_time() - cycle_cpu,
+                    "attempted": cycle.attempted,
+                    "failed": cycle.failed,
+                    "skipped": cycle.skipped,
+                    "late": cycle.late,
+                }
+            )
+        conn.send({"rows": rows, "series": series, "rss_mb": peak_rss_mb(), "targets": len(mine)})
+        conn.recv()  # its lease stays live until the other replica is done too
+    finally:
+        journal.release_lease(leader.lease_name, holder)
+        service.close()
+        journal.close()
+
+
+def measure_split(
+    folder: str, ports: list[int], cycles: int, timeout: float, server: str
+) -> dict[str, dict[str, Any]]:
+    """Two replicas (`measure_replica`, two processes at once) on a scratch database of
+    the PostgreSQL `server`; per replica and the fleet: a fleet cycle is the pair's
+    cycles of the same index, as long as the slower, costing both CPUs."""
+    import uuid
+
+    from sqlalchemy import create_engine, text
+    from vllm_runbook.runbooks.store.schema import upgrade
+
+    name = f"rules_eval_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(server, isolation_level="AUTOCOMMIT")
+    with admin.connect() as c:
+        c.execute(text(f'CREATE DATABASE "{name}"'))
+    url = server.rsplit("/", 1)[0] + "/" + name
+    try:
+        upgrade(url)
+        holders = [f"replica-{x}-{name}" for x in "ab"]
+        ctx = mp.get_context("spawn")
+        pipes, procs = [], []
+        for holder in holders:
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=measure_replica,
+                args=(folder, ports, cycles, timeout, url, holder, holders, child),
+            )
+            proc.start()
+            pipes.append(parent)
+            procs.append(proc)
+        for parent, proc in zip(pipes, procs, strict=True):
+            while not parent.poll(1.0):
+                if not proc.is_alive():
+                    raise SystemExit(f"a replica died: exit code {proc.exitcode}")
+            assert parent.recv() == "ready"
+        for parent in pipes:
+            parent.send("go")
+        runs = []
+        for parent, proc in zip(pipes, procs, strict=True):
+            while not parent.poll(1.0):
+                if not proc.is_alive():
+                    raise SystemExit(f"a replica died: exit code {proc.exitcode}")
+            runs.append(parent.recv())
+        for parent, proc in zip(pipes, procs, strict=True):
+            parent.send("release")
+            proc.join()
+    finally:
+        with admin.connect() as c:
+            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+    a, b = runs
+    fleet = []
+    for x, y in zip(a["rows"], b["rows"], strict=True):
+        row = {k: max(x[k], y[k]) for k in ("scrape", "parse", "evaluate", "total")}
+        row |= {k: x[k] + y[k] for k in ("cpu", "attempted", "failed", "skipped", "late")}
+        fleet.append(row)
+    return {
+        "a": a,
+        "b": b,
+        "": {
+            "rows": fleet,
+            "series": a["series"] + b["series"],
+            "rss_mb": max(a["rss_mb"], b["rss_mb"]),
+        },
+    }
 
 
 def measure_churn(
@@ -608,6 +849,12 @@ def fill_targets(
                 series.adjusted.extend(values)
 
 
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def peak_rss_mb() -> float:
     """VmHWM: this process' own peak (ru_maxrss would carry the parent's over exec)."""
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -616,11 +863,21 @@ def peak_rss_mb() -> float:
     return float("nan")
 
 
-def fill(store: Any, folder: str, targets: list[Any], now: float, lines: Any, parse: Any) -> int:
-    """An hour of history (at the interval) of every series each target exposes."""
+def fill(
+    store: Any,
+    folder: str,
+    targets: list[Any],
+    now: float,
+    lines: Any,
+    parse: Any,
+    files: list[int] | None = None,
+) -> int:
+    """An hour of history (at the interval) of every series each target exposes
+    (target k's page: file `files[k]`, default k)."""
     count = 0
     steps = int(HISTORY / INTERVAL)
-    for i, target in enumerate(targets):
+    for k, target in enumerate(targets):
+        i = k if files is None else files[k]
         text = Path(folder, f"{i}.prom").read_text()
         for name, labels, value in parse(text, lines):
             n = min(steps, int(store.retention[name] / INTERVAL) + 1)
@@ -639,11 +896,35 @@ def fill(store: Any, folder: str, targets: list[Any], now: float, lines: Any, pa
     return count
 
 
+def write_bodies(folder: str, engines: int) -> None:
+    """{2e}.prom / {2e+1}.prom: engine e's agent / vLLM page; .filtered.prom: asked with
+    `name[]=` for the names the catalog reads."""
+    names = wanted_names()
+    agent, vllm = collector_bodies(engines, names), vllm_bodies(engines)
+    for e in range(engines):
+        for i, (whole, part) in ((2 * e, agent[e]), (2 * e + 1, vllm[e])):
+            Path(folder, f"{i}.prom").write_bytes(whole)
+            Path(folder, f"{i}.filtered.prom").write_bytes(part)
+
+
+def fault_kinds(n: int, faults: str) -> list[str]:
+    """1 % of `n` targets hang (accept, never answer), 1 % are `faults` (slow | refused)."""
+    bad = max(1, round(0.01 * n))
+    kinds = ["ok"] * n
+    for k in range(bad):
+        dead = int((k + 0.5) * n / bad)
+        kinds[dead], kinds[(dead + 1) % n] = "dead", faults
+    return kinds
+
+
 def run_child(target: Any, *args: Any) -> Any:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=target, args=(*args, child))
     proc.start()
+    while not parent.poll(1.0):
+        if not proc.is_alive():
+            raise SystemExit(f"the measurement ({target.__name__}) died: exit code {proc.exitcode}")
     result = parent.recv()
     proc.join()
     return result
@@ -655,7 +936,27 @@ def main() -> None:
     parser.add_argument("--cycles", type=int, default=9)
     parser.add_argument("--timeout", type=float, default=2.0, help="per target (s)")
     parser.add_argument("--slow", type=float, default=1.0, help="slow targets answer after (s)")
-    parser.add_argument("--modes", nargs="+", default=["concurrent", "sequential"])
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=["concurrent", "sequential"],
+        help="concurrent (as deployed) | wait (no scrape deadline) | full (whole pages) | "
+        "streams | sequential | "
+        "split (two replicas, rules.replicas: split, two processes at once); "
+        "a mode named twice is measured twice (an A/A control)",
+    )
+    parser.add_argument(
+        "--database",
+        default="postgresql+psycopg://postgres@127.0.0.1:5432/test",
+        help="split mode: a PostgreSQL the replicas share (a scratch database is "
+        "created next to this one, and dropped)",
+    )
+    parser.add_argument(
+        "--faults",
+        choices=["slow", "refused"],
+        default="slow",
+        help="besides the 1 %% hanging targets, 1 %% slow or refusing connections",
+    )
     parser.add_argument(
         "--sequential-cycles", type=int, default=2, help="cycles of the sequential scraper"
     )
@@ -675,67 +976,105 @@ def main() -> None:
         return
     most = max(args.engines)
     folder = tempfile.mkdtemp(prefix="rules-eval-")
-    agent, vllm = collector_bodies(most), vllm_bodies(most)
-    for e in range(most):
-        Path(folder, f"{2 * e}.prom").write_bytes(agent[e])
-        Path(folder, f"{2 * e + 1}.prom").write_bytes(vllm[e])
+    write_bodies(folder, most)
+    agent, vllm = (len(Path(folder, f"{i}.prom").read_bytes()) for i in (0, 1))
+    asked = sum(len(Path(folder, f"{i}.filtered.prom").read_bytes()) for i in (0, 1))
     print(
         f"rules cycle as deployed: {args.timeout:g} s timeout per target, 1 % of targets dead "
-        f"(never answer), 1 % slow ({args.slow:g} s), interval {INTERVAL:g} s, "
-        f"{int(HISTORY / 60)} min of history; agent /metrics {len(agent[0]) / 1024:.0f} KiB, "
-        f"vLLM /metrics {len(vllm[0]) / 1024:.0f} KiB; load average "
+        f"(never answer), 1 % "
+        + (f"slow ({args.slow:g} s)" if args.faults == "slow" else "refusing connections")
+        + f", interval {INTERVAL:g} s, "
+        f"{int(HISTORY / 60)} min of history; agent /metrics {agent / 1024:.0f} KiB, "
+        f"vLLM /metrics {vllm / 1024:.0f} KiB, asked for the wanted names "
+        f"{asked / 1024:.1f} KiB (vLLM's ignores the filter); load average "
         f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
     )
     print(HEADER)
+    labels: list[str] = []  # a mode named twice: measured twice, the second as "mode'"
+    for mode in args.modes:
+        labels.append(mode + "'" * sum(1 for x in labels if x.rstrip("'") == mode))
+    # what each label prints: split, its replicas then the fleet
+    shown = {
+        label: [f"{label}:a", f"{label}:b", label] if label.startswith("split") else [label]
+        for label in labels
+    }
     for engines in args.engines:
         n = 2 * engines
-        bad = max(1, round(0.01 * n))
-        kinds = ["ok"] * n
-        for k in range(bad):
-            dead = int((k + 0.5) * n / bad)
-            kinds[dead], kinds[(dead + 1) % n] = "dead", "slow"
+        kinds = fault_kinds(n, args.faults)
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
         server = ctx.Process(target=serve_targets, args=(folder, kinds, args.slow, child))
         server.start()
         ports = parent.recv()
+        server_pid = server.pid
+        assert server_pid is not None
         try:
-            runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in args.modes}
+            runs: dict[str, list[dict[str, Any]]] = {x: [] for lb in labels for x in shown[lb]}
+            served: dict[str, list[float]] = {label: [] for label in labels}
             for _round in range(args.rounds):
-                for mode in args.modes:  # alternated: each mode sees the machine's drift
+                for label in labels:  # alternated: each mode sees the machine's drift
+                    mode = label.rstrip("'")
                     cycles = args.cycles if mode != "sequential" else args.sequential_cycles
-                    runs[mode].append(run_child(measure, folder, ports, mode, cycles, args.timeout))
+                    before = process_cpu(server_pid)
+                    if mode == "split":
+                        parts = measure_split(folder, ports, cycles, args.timeout, args.database)
+                        for key, part in parts.items():
+                            runs[f"{label}:{key}" if key else label].append(part)
+                    else:
+                        runs[label].append(
+                            run_child(measure, folder, ports, mode, cycles, args.timeout)
+                        )
+                    served[label].append((process_cpu(server_pid) - before) / cycles)
             per_request: dict[str, float] = {}
-            for mode in args.modes:
-                rows = [row for r in runs[mode] for row in r["rows"]]
-                r = runs[mode][0]
+            means: dict[str, float] = {}
+            for label in (x for lb in labels for x in shown[lb]):
+                rows = [row for r in runs[label] for row in r["rows"]]
+                r = runs[label][0]
 
                 def med(key: str, rows: list[dict[str, float]] = rows) -> float:
                     return statistics.median(row[key] for row in rows)
 
-                per_request[mode] = statistics.median(
+                means[label] = statistics.mean(row["total"] for row in rows)
+                per_request[label] = statistics.median(
                     statistics.median(row["cpu"] / max(1, row["attempted"]) for row in run["rows"])
-                    for run in runs[mode]
+                    for run in runs[label]
                 )
                 print(
-                    f"{engines:>7} {n:>7} {mode:>10} {len(rows):>6} {r['series']:>7} "
+                    f"{engines:>7} {r.get('targets', n):>7} {label:>10} {len(rows):>6} "
+                    f"{r['series']:>7} "
                     f"{med('scrape'):>8.2f} {med('parse'):>7.2f} {med('evaluate'):>6.2f} "
                     f"{med('total'):>7.2f} {max(row['total'] for row in rows):>7.2f} "
                     f"{med('cpu'):>6.2f} "
                     f"{sum(row['failed'] for row in rows):>6} "
                     f"{sum(row['skipped'] for row in rows):>7} "
-                    f"{max(run['rss_mb'] for run in runs[mode]):>7.0f}",
+                    f"{max(run['rss_mb'] for run in runs[label]):>7.0f}",
                     flush=True,
                 )
-            if args.rounds > 1 or len(args.modes) > 1:
-                first = args.modes[0]
+            if args.rounds > 1 or len(labels) > 1:
+                first = labels[0]
+                print(
+                    "        target server cpu per cycle (median of rounds; it shares the "
+                    "machine): "
+                    + ", ".join(f"{lb} {statistics.median(v):.2f} s" for lb, v in served.items())
+                )
                 base = per_request[first]
+                print(
+                    "        late (targets a cycle did not wait for, all cycles): "
+                    + ", ".join(
+                        f"{lb} {sum(row.get('late', 0) for r in runs[lb] for row in r['rows'])}"
+                        for lb in means
+                    )
+                )
+                print(
+                    "        mean cycle (all cycles): "
+                    + ", ".join(f"{label} {v:.2f} s" for label, v in means.items())
+                )
                 print(
                     "        cpu per request (median of rounds): "
                     + ", ".join(
-                        f"{mode} {1000 * v:.3f} ms"
-                        + (f" ({v / base:.2f}x {first})" if base and mode != first else "")
-                        for mode, v in per_request.items()
+                        f"{label} {1000 * v:.3f} ms"
+                        + (f" ({v / base:.2f}x {first})" if base and label != first else "")
+                        for label, v in per_request.items()
                     ),
                     flush=True,
                 )
@@ -750,16 +1089,8 @@ def churn(args: argparse.Namespace) -> None:
     engines = args.engines[0]
     pool = engines + int(args.churn * args.minutes) + 10
     folder = tempfile.mkdtemp(prefix="rules-churn-")
-    agent, vllm = collector_bodies(pool), vllm_bodies(pool)
-    for e in range(pool):
-        Path(folder, f"{2 * e}.prom").write_bytes(agent[e])
-        Path(folder, f"{2 * e + 1}.prom").write_bytes(vllm[e])
-    n = 2 * pool
-    bad = max(1, round(0.01 * n))
-    kinds = ["ok"] * n
-    for k in range(bad):
-        dead = int((k + 0.5) * n / bad)
-        kinds[dead], kinds[(dead + 1) % n] = "dead", "slow"
+    write_bodies(folder, pool)
+    kinds = fault_kinds(2 * pool, "slow")
     print(
         f"churn: {engines} discovered engines (file_sd), {args.churn:g} replaced per minute, "
         f"refresh every {REFRESH:g} s, cycle every {INTERVAL:g} s, {args.minutes:g} min "

@@ -288,7 +288,7 @@ class AutopilotState(_Answer):
     high: float
     """The band's upper edge: a peak above it cuts max_num_seqs."""
     limit: int | None
-    """The max_num_seqs it set (null while off)."""
+    """The max_num_seqs it set (null while off); in advisory mode the one it would set."""
     epoch_steps: int
     """Steps per epoch: one request lifetime."""
     epoch_peak_kv_usage: float
@@ -298,6 +298,8 @@ class AutopilotState(_Answer):
     """Why it turned itself off, if it did."""
     ceiling: int
     """The highest max_num_seqs it may set now."""
+    advisory: bool = False
+    """Advisory mode (VLLM_RUNBOOK_AUTOPILOT=advisory): it decides and changes nothing."""
 
 
 # The statistics, split per concern the way vLLM's v1 stats are
@@ -427,6 +429,14 @@ class SchedulerStats(_Answer):
     marks as starving)."""
     admitted_per_second: float | None = None
     """Requests scheduled for the first time, per second over the window."""
+    last_step_age: float = 0.0
+    """The heartbeat: seconds since the scheduler last started or finished a step
+    (read without the scheduler lock; it grows while the engine idles too)."""
+    engine_stalled: float = 0.0
+    """1 while the engine makes no progress with requests waiting or running."""
+    stall_reason: str | None = None
+    """Why (collector/stall.py): step_hung, no_steps or admission_stalled; null
+    while the engine progresses or idles."""
 
 
 class KnobStats(_Answer):
@@ -454,6 +464,9 @@ class AutopilotStats(_Answer):
     autopilot_kv_high_ratio: float
     """The upper edge of the autopilot's band (target + 0.05, at most 1): a peak above
     it cuts max_num_seqs."""
+    autopilot_advised_max_num_seqs: float | None = None
+    """In advisory mode (VLLM_RUNBOOK_AUTOPILOT=advisory): the max_num_seqs it would set
+    now, nothing applied; null otherwise."""
 
 
 class FinishedRequestStats(_Answer):

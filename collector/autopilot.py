@@ -59,6 +59,17 @@ def parse_target(value: object) -> float:
     return target
 
 
+ADVISORY = "advisory"
+
+
+def parse_mode(value: object) -> tuple[bool, bool]:
+    """VLLM_RUNBOOK_AUTOPILOT: on/off (as `parse_switch`) or advisory →
+    (on, advisory); ValueError otherwise."""
+    if str(value).strip().lower() == ADVISORY:
+        return False, True
+    return parse_switch(value), False
+
+
 def parse_switch(value: object) -> bool:
     """on/off (also true/false, 1/0) → bool; ValueError otherwise."""
     if isinstance(value, bool):
@@ -83,6 +94,9 @@ class Autopilot:
 
     def __init__(self, target: float = DEFAULT_TARGET) -> None:
         self.enabled = False
+        # Advisory mode: observes and decides as if on, applies nothing; `limit`
+        # is the max_num_seqs it would have set (exported, never applied).
+        self.advisory = False
         self.target = target
         self.error: str | None = None
         self.epoch_steps = float(INITIAL_EPOCH_STEPS)
@@ -103,8 +117,19 @@ class Autopilot:
     def high(self) -> float:
         return min(1.0, self.target + BAND)
 
+    @property
+    def observing(self) -> bool:
+        """Fed every step: while on, or advising."""
+        return self.enabled or self.advisory
+
+    def advise(self, limit: int, step: int) -> None:
+        """Advisory mode from `limit` (the max_num_seqs in force): decide, apply nothing."""
+        self.enable(limit, step)
+        self.enabled, self.advisory = False, True
+
     def enable(self, limit: int, step: int) -> None:
         self.enabled = True
+        self.advisory = False  # switched on: it acts from now on
         self.error = None
         self.limit = limit
         self.pending = None
@@ -118,7 +143,7 @@ class Autopilot:
         self._reset_epoch(step, 0.0)
 
     def disable(self) -> None:
-        self.enabled = False
+        self.enabled = self.advisory = False
         self.pending = None
 
     def set_target(self, target: float, step: int) -> None:
@@ -226,9 +251,10 @@ class Autopilot:
         last = self.last
         return {
             "enabled": self.enabled,
+            "advisory": self.advisory,
             "target": self.target,
             "high": self.high,
-            "limit": self.limit if self.enabled else None,
+            "limit": self.limit if self.observing else None,
             "epoch_steps": self.epoch_length(),
             "epoch_peak_kv_usage": self.epoch_peak,
             "changes": {"up": self.changes_up, "down": self.changes_down},

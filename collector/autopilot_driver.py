@@ -45,9 +45,11 @@ class AutopilotDriver:
 
     def observe(self, scheduler: VllmScheduler, output: Any, free_before: int) -> None:
         """After schedule() and the step statistics: feed the controller this step."""
+        autopilot = self.autopilot
         self.autopilot.observe(
             self.stats.steps,
-            scheduler.max_num_active_reqs,
+            # Advisory: the limit it would have set is the one it reasons from.
+            autopilot.limit if autopilot.advisory else scheduler.max_num_active_reqs,
             self.control.autopilot_ceiling(),
             len(scheduler.running),
             len(scheduler.waiting) + len(scheduler.kv_holding_waiting),
@@ -59,6 +61,7 @@ class AutopilotDriver:
         """Before schedule(), under the scheduler lock: its pending decision."""
         decision = self.autopilot.pending
         self.autopilot.pending = None
+        # Advisory: the decision is only its `limit`, exported; nothing is applied.
         if decision is not None and self.autopilot.enabled:
             applied = self.control.apply_autopilot(decision.limit)
             self.autopilot.limit = applied
@@ -81,7 +84,7 @@ class AutopilotDriver:
         """Fail open: the autopilot turns off, the knobs stay, the engine and
         the collector go on."""
         autopilot = self.autopilot
-        if not autopilot.enabled:
+        if not autopilot.observing:
             return
         autopilot.disable()
         autopilot.error = f"{type(exc).__name__}: {exc}"
@@ -103,4 +106,9 @@ class AutopilotDriver:
             Sample(M.AUTOPILOT_KV_HIGH, autopilot.high),
             Sample(M.AUTOPILOT_CHANGES, autopilot.changes_up, ("up",)),
             Sample(M.AUTOPILOT_CHANGES, autopilot.changes_down, ("down",)),
+            *(
+                [Sample(M.AUTOPILOT_ADVISED_MAX_NUM_SEQS, float(autopilot.limit))]
+                if autopilot.advisory
+                else []
+            ),
         ]

@@ -10,6 +10,7 @@
     AutopilotDriver      autopilot_driver.py the controller fed after each step
     WarmupProgress       warmup.py          the warm-up at engine start (run by the plugin's hook)
     QueueInspector       queues.py          the queues per tier, the oldest waiting requests
+    StallWatch           stall.py           the heartbeat, and why the engine makes no progress
     NvmlPoller           nvml.py            GPU memory and utilisation
     StatsExporter        exporter.py        every part's samples at scrape time (+ the
     MultiprocessMirror                      PROMETHEUS_MULTIPROC_DIR copy)
@@ -43,6 +44,7 @@ from vllm_runbook.collector.queues import QueueInspector
 from vllm_runbook.collector.request_tracking import ChangeTracker, RequestTracker
 from vllm_runbook.collector.server import AgentServer
 from vllm_runbook.collector.settings import CollectorSettings, EngineIdentity
+from vllm_runbook.collector.stall import StallWatch
 from vllm_runbook.collector.state import build_state
 from vllm_runbook.collector.step_stats import StepStats
 from vllm_runbook.collector.warmup import NOT_RUN, Outcome, WarmupProgress, start_hook_installed
@@ -100,10 +102,13 @@ class EngineCollector:
         self.queues = QueueInspector(
             scheduler, self.control.lock, self.control.tiers, self.requests
         )
+        self.stall = StallWatch(scheduler, self.stats, settings.stall_seconds)
         if settings.policy is not None:
             self.control.start_with_policy(settings.policy)
         if settings.autopilot:
             self.autopilot.enable(int(scheduler.max_num_active_reqs), 0)
+        elif settings.autopilot_advisory:
+            self.autopilot.advise(int(scheduler.max_num_active_reqs), 0)
         # Run by the plugin's start-up hook once the engine core is built (warmup.py).
         self.warmup = WarmupProgress.at_start(settings.warmup, start_hook_installed())
 
@@ -202,6 +207,7 @@ class EngineCollector:
             Sample(M.ENGINE_START_TIME, self.identity.start_time),
             *config_samples(self.config),
             *self.stats.samples(),
+            *self.stall.samples(),
             *self.requests.samples(),
             *self.control.samples(),
             *self.autopilot_driver.samples(),

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -74,6 +74,27 @@ class StatsExporter(Collector):
             else:
                 family.add_metric(labelvalues, s.value)  # type: ignore[attr-defined]
         yield from families.values()
+
+
+class OnlySamples:
+    """`registry` restricted to the samples named in `names` (`/metrics?name[]=...`).
+
+    prometheus_client's own `restricted_registry` finds collectors by the names
+    they describe: a custom collector that describes none (StatsExporter) would
+    be left out, so this filters what every collector yields instead."""
+
+    def __init__(self, registry: CollectorRegistry, names: Iterable[str]) -> None:
+        self.registry = registry
+        self.names = frozenset(names)
+
+    def collect(self) -> Iterator[Metric]:
+        names = self.names
+        for metric in self.registry.collect():
+            samples = [s for s in metric.samples if s.name in names]
+            if samples:
+                kept = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+                kept.samples = samples
+                yield kept
 
 
 class MultiprocessMirror:

@@ -95,7 +95,7 @@ class RunbookSchedulerMixin:
         except Exception as exc:
             collector.disable(exc)
             return output
-        if collector.autopilot.enabled:
+        if collector.autopilot.observing:
             try:
                 collector.autopilot_driver.observe(self, output, free_before)
             except Exception as exc:
@@ -166,7 +166,7 @@ class RunbookSchedulerMixin:
     def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
         collector = self.runbook_collector
         if collector is not None and collector.enabled:
-            if collector.autopilot.enabled:
+            if collector.autopilot.observing:
                 try:
                     collector.autopilot_driver.on_request_finished(request)
                 except Exception as exc:

@@ -66,6 +66,8 @@ class MetricSpec:
     extra_labels: tuple[str, ...] = ()
     buckets: tuple[float, ...] = field(default=())
     gpu_only: bool = False  # series exist only where NVML finds a GPU
+    # series exist only in an advisory mode (VLLM_RUNBOOK_AUTOPILOT=advisory)
+    advisory_only: bool = False
 
     @property
     def series_name(self) -> str:
@@ -191,6 +193,26 @@ OLDEST_WAITING = _spec(
     "Seconds the oldest request still waiting for its first schedule has been in the engine's "
     "queue; 0 when none waits. Grows without bound while a request starves.",
 )
+LAST_STEP_AGE = _spec(
+    "last_step_age_seconds",
+    "gauge",
+    "The scheduler's heartbeat: seconds since it last started or finished a step, read at "
+    "scrape time without the scheduler lock (grows while an engine is idle, too).",
+)
+ENGINE_STALLED = _spec(
+    "engine_stalled",
+    "gauge",
+    "1 while the engine makes no progress with requests waiting or running (a step "
+    "hung, no step at all, or nothing admitted while KV is free: engine_stall_reason "
+    "says which); 0 otherwise. Its /health may still answer 200.",
+)
+ENGINE_STALL_REASON = _spec(
+    "engine_stall_reason",
+    "gauge",
+    "1 for the reason the engine makes no progress now (step_hung, no_steps, "
+    "admission_stalled), 0 for the others.",
+    extra_labels=("reason",),
+)
 PREEMPTIONS = _spec(
     "preemptions", "counter", "Requests preempted (KV blocks freed, request sent back to waiting)."
 )
@@ -305,6 +327,13 @@ AUTOPILOT_ENABLED = _spec(
     "autopilot_enabled",
     "gauge",
     "1 while the autopilot adjusts max_num_seqs; 0 when off (by hand, by a restore, or after an error).",
+)
+AUTOPILOT_ADVISED_MAX_NUM_SEQS = _spec(
+    "autopilot_advised_max_num_seqs",
+    "gauge",
+    "In advisory mode (VLLM_RUNBOOK_AUTOPILOT=advisory): the max_num_seqs the autopilot would "
+    "set now; it changes nothing. Absent otherwise.",
+    advisory_only=True,
 )
 AUTOPILOT_KV_TARGET = _spec(
     "autopilot_kv_target_ratio",

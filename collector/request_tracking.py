@@ -26,7 +26,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from vllm_runbook.collector import metrics as M
 from vllm_runbook.collector.agent_api import Before, DrainingSince, SettledSince
@@ -50,8 +50,11 @@ STARVING_WATCHED: Final = 8
 FINISH_REASONS: Final = ("stop", "length", "abort", "error", "repetition")
 
 
-@dataclass(frozen=True, slots=True)
-class Finished:
+class Finished(NamedTuple):
+    """A finished request. A named tuple, not a frozen dataclass: one is built per
+    request in the engine's step, and a frozen dataclass's __init__ (a
+    object.__setattr__ per field) costs 2 µs there, a tuple 0.3 µs."""
+
     step: int  # the scheduler step count when the request finished
     time: float  # wall time of the finish
     reason: str  # vLLM's finish reason (stop | length | abort | error | repetition)
@@ -119,21 +122,54 @@ class Histogram:
 
 
 class RequestLog:
-    """The latest finished requests (engine thread appends, HTTP threads read)."""
+    """The latest finished requests (engine thread appends, HTTP threads read).
+
+    The histograms are observed by their readers (a scrape), not in the
+    engine's step: `add` queues the entry (deque.append, atomic under the GIL),
+    and reading a histogram first observes what is queued, under a lock (one
+    reader at a time). Nobody reading for `length` finishes: the engine thread
+    observes them itself, so the queue stays bounded."""
 
     def __init__(
         self, length: int = LOG_LENGTH, bounds: Sequence[float] = (1.0, 10.0, 60.0)
     ) -> None:
         self.entries: deque[Finished] = deque(maxlen=length)
         self.by_reason: dict[str, int] = dict.fromkeys(FINISH_REASONS, 0)
-        self.queue_histogram = Histogram(bounds)
-        self.e2e_histogram = Histogram(bounds)
+        self._queue_histogram = Histogram(bounds)
+        self._e2e_histogram = Histogram(bounds)
+        self._unobserved: deque[Finished] = deque()
+        self._observe_at = length
+        self._observe_lock = threading.Lock()
 
     def add(self, entry: Finished) -> None:
-        self.by_reason[entry.reason] = self.by_reason.get(entry.reason, 0) + 1
-        self.queue_histogram.observe(entry.queue_seconds)
-        self.e2e_histogram.observe(entry.e2e_seconds)
+        by_reason = self.by_reason
+        by_reason[entry.reason] = by_reason.get(entry.reason, 0) + 1
         self.entries.append(entry)
+        unobserved = self._unobserved
+        unobserved.append(entry)
+        if len(unobserved) >= self._observe_at:
+            self.observe_queued()
+
+    def observe_queued(self) -> None:
+        """Observe the queued entries into the histograms (any thread)."""
+        with self._observe_lock:
+            unobserved, queue, e2e = self._unobserved, self._queue_histogram, self._e2e_histogram
+            for _ in range(len(unobserved)):  # only this lock's holder pops
+                entry = unobserved.popleft()
+                queue.observe(entry.queue_seconds)
+                e2e.observe(entry.e2e_seconds)
+
+    @property
+    def queue_histogram(self) -> Histogram:
+        """Arrival in the engine → first schedule, every finished request."""
+        self.observe_queued()
+        return self._queue_histogram
+
+    @property
+    def e2e_histogram(self) -> Histogram:
+        """Arrival in the engine → finish, every finished request."""
+        self.observe_queued()
+        return self._e2e_histogram
 
     def _snapshot(self) -> list[Finished]:
         # list(deque) runs in C under the GIL: no concurrent append can interleave.
@@ -237,6 +273,19 @@ def first_wait_statuses() -> frozenset[Any]:
     )
 
 
+def finish_reasons() -> dict[Any, str]:
+    """vLLM's finish reason (its string) of each finished status; a status not
+    in it (not finished) is logged as "abort"."""
+    from vllm.v1.request import RequestStatus
+
+    reasons: dict[Any, str] = {}
+    for status in RequestStatus:
+        reason = RequestStatus.get_finished_reason(status)
+        if reason is not None:
+            reasons[status] = str(reason)
+    return reasons
+
+
 class RequestTracker:
     """Each request from its arrival in the engine to its finish. End-to-end and
     queue times are the engine's: from its add_request, on `clock` (wall time).
@@ -276,7 +325,12 @@ class RequestTracker:
         self.first_schedules = 0
         self._first_schedule_times: deque[float] = deque(maxlen=LOG_LENGTH)
         # Per tier: seconds from arrival in the engine to the first schedule.
-        self.tier_queue_histograms = tuple(Histogram(M.REQUEST_SECONDS_BUCKETS) for _ in M.TIERS)
+        # Observed at scrape like the log's: (prompt tokens, seconds) queued in the step.
+        self._tier_histograms = tuple(Histogram(M.REQUEST_SECONDS_BUCKETS) for _ in M.TIERS)
+        self._tier_unobserved: deque[tuple[int, float]] = deque()
+        self._tier_lock = threading.Lock()
+        # vLLM's finish reason of each finished status, as the log keeps it.
+        self._reason_of = finish_reasons()
 
     # -- engine thread -----------------------------------------------------------
 
@@ -316,42 +370,60 @@ class RequestTracker:
         if output.scheduled_new_reqs:
             now = self.clock()
             arrived, queued = self.arrived, self._queue_seconds
-            requests, tier_of = scheduler.requests, self.tier_of
-            histograms = self.tier_queue_histograms
+            requests, unobserved = scheduler.requests, self._tier_unobserved
+            times = self._first_schedule_times
             for new in output.scheduled_new_reqs:
-                since = arrived.get(new.req_id)
-                if since is not None and new.req_id not in queued:
+                request_id = new.req_id
+                since = arrived.get(request_id)
+                if since is not None and request_id not in queued:
                     self.first_schedules += 1
-                    self._first_schedule_times.append(now)
-                    seconds = queued[new.req_id] = max(0.0, now - since)
-                    request = requests.get(new.req_id)
+                    times.append(now)
+                    seconds = queued[request_id] = max(0.0, now - since)
+                    request = requests.get(request_id)
                     if request is not None:
-                        histograms[tier_of(request.num_prompt_tokens)].observe(seconds)
+                        unobserved.append((request.num_prompt_tokens, seconds))
+            if len(unobserved) >= LOG_LENGTH:  # nobody scraped for that long
+                self.observe_queued()
 
     def on_request_finished(self, request: Request) -> None:
         """A request is being freed (finished, length-capped, aborted, failed)."""
-        from vllm.v1.request import RequestStatus
-
         now = self.clock()
         request_id = request.request_id
         queued = self._queue_seconds.pop(request_id, None)
         arrived = self.arrived.pop(request_id, None)
         if queued is None:  # never scheduled: it waited until now
             queued = max(0.0, now - arrived) if arrived is not None else 0.0
-        reason = RequestStatus.get_finished_reason(request.status)
         self.log.add(
             Finished(
-                step=self.stats.steps,
-                time=now,
-                reason=str(reason) if reason is not None else "abort",
-                e2e_seconds=max(0.0, now - arrived) if arrived is not None else 0.0,
-                queue_seconds=queued,
-                prompt_tokens=request.num_prompt_tokens,
-                output_tokens=request.num_output_tokens,
+                self.stats.steps,
+                now,
+                self._reason_of.get(request.status, "abort"),
+                max(0.0, now - arrived) if arrived is not None else 0.0,
+                queued,
+                request.num_prompt_tokens,
+                request.num_output_tokens,
             )
         )
 
     # -- any thread ----------------------------------------------------------------
+
+    def observe_queued(self) -> None:
+        """Observe the queue times queued by `on_schedule` into the tiers' histograms."""
+        with self._tier_lock:
+            unobserved, histograms, tier_of = (
+                self._tier_unobserved,
+                self._tier_histograms,
+                self.tier_of,
+            )
+            for _ in range(len(unobserved)):  # only this lock's holder pops
+                prompt_tokens, seconds = unobserved.popleft()
+                histograms[tier_of(prompt_tokens)].observe(seconds)
+
+    @property
+    def tier_queue_histograms(self) -> tuple[Histogram, ...]:
+        """Per tier: arrival in the engine → first schedule, every request scheduled."""
+        self.observe_queued()
+        return self._tier_histograms
 
     def waiting_horizon(self) -> tuple[float, float]:
         """(age, admitted_before): how long the oldest request waiting for its first

@@ -4,8 +4,13 @@ added by the control plane).
 A stdlib HTTP server on a daemon thread: no event loop to share with vLLM,
 nothing to install, and a slow client never blocks the scheduler. It runs in
 someone else's serving process, so every client is bounded (`ServerLimits`):
-- at most `max_connections` handler threads; an excess connection waits
-  `queue_seconds` for a slot, then gets a 503 and is closed;
+- at most `max_connections` handler threads, of which one client address
+  holds at most `per_client` (half, at least 1): its next connection gets a
+  503 at once and is closed, so one peer cannot take every slot;
+- one more slot is kept for scrapes: a connection that finds every other slot
+  busy is served there a single request, `GET /metrics`, else 503;
+- when that is busy too, a connection waits `queue_seconds` for a slot, then
+  gets a 503 and is closed;
 - a silent socket times out after `idle_timeout`; a request (line, headers,
   body) that has not fully arrived `request_timeout` after its handler started
   reading is cut off (a client trickling one byte at a time gains nothing);
@@ -24,6 +29,7 @@ import os
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -32,6 +38,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
+from vllm_runbook.collector.exporter import OnlySamples
 
 logger = logging.getLogger("vllm_runbook.collector")
 
@@ -47,6 +54,11 @@ class ServerLimits:
     idle_timeout: float = 10.0
     request_timeout: float = 15.0
     max_body_bytes: int = MAX_BODY_BYTES
+
+    @property
+    def per_client(self) -> int:
+        """The handler slots one client address may hold at once."""
+        return max(1, self.max_connections // 2)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> ServerLimits:
@@ -113,15 +125,26 @@ def body_length(method: str, headers: dict[str, str], limit: int) -> int | Respo
     return length
 
 
+SCRAPE: tuple[str, str] = ("GET", "/metrics")
+
+
 class _BoundedHTTPServer(HTTPServer):
-    """One daemon thread per connection, at most `limits.max_connections` at once."""
+    """One daemon thread per connection, at most `limits.max_connections` at
+    once (`limits.per_client` of one address), and one more for a scrape."""
 
     daemon_threads = True
+    # The accept loop answers an excess connection at once: a flood drains from
+    # the kernel's queue instead of keeping everyone else's connect() waiting.
+    request_queue_size = 128
 
     def __init__(self, address: tuple[str, int], handler: type, limits: ServerLimits) -> None:
         self.limits = limits
         self.refused_connections = 0
         self._slots = threading.BoundedSemaphore(limits.max_connections)
+        self._scrape_slot = threading.Lock()
+        self._scrape_only: set[socket.socket] = set()
+        self._clients: Counter[str] = Counter()
+        self._clients_lock = threading.Lock()
         # Sockets of handlers still reading a request → when to cut them off.
         self._deadlines: dict[socket.socket, float] = {}
         self._deadlines_lock = threading.Lock()
@@ -130,21 +153,57 @@ class _BoundedHTTPServer(HTTPServer):
         super().__init__(address, handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(timeout=self.limits.queue_seconds):
-            self._refuse(request)
+        client = str(client_address[0]) if client_address else ""
+        with self._clients_lock:
+            if self._clients[client] >= self.limits.per_client:
+                full = True
+            else:
+                full = False
+                self._clients[client] += 1
+        if full:
+            self._refuse(request, b"too many connections from this address; retry")
             return
+        scrape_only = False
+        if not self._slots.acquire(blocking=False):
+            scrape_only = self._scrape_slot.acquire(blocking=False)
+            if not scrape_only and not self._slots.acquire(timeout=self.limits.queue_seconds):
+                self._left(client)
+                self._refuse(request)
+                return
+        if scrape_only:
+            self._scrape_only.add(request)
         try:
             threading.Thread(
                 target=self._serve_connection,
-                args=(request, client_address),
+                args=(request, client_address, client, scrape_only),
                 name="vllm-runbook-agent-conn",
                 daemon=True,
             ).start()
         except RuntimeError:  # cannot start a thread: drop this client, keep serving
-            self._slots.release()
+            self._release(request, client, scrape_only)
             self.shutdown_request(request)
 
-    def _serve_connection(self, request: Any, client_address: Any) -> None:
+    def scrape_only(self, sock: socket.socket) -> bool:
+        """Whether `sock` holds the scrape slot: one GET /metrics, nothing else."""
+        return sock in self._scrape_only
+
+    def _left(self, client: str) -> None:
+        with self._clients_lock:
+            self._clients[client] -= 1
+            if self._clients[client] <= 0:
+                del self._clients[client]
+
+    def _release(self, request: socket.socket, client: str, scrape_only: bool) -> None:
+        if scrape_only:
+            self._scrape_only.discard(request)
+            self._scrape_slot.release()
+        else:
+            self._slots.release()
+        self._left(client)
+
+    def _serve_connection(
+        self, request: Any, client_address: Any, client: str, scrape_only: bool
+    ) -> None:
         try:
             self.finish_request(request, client_address)
         except Exception:
@@ -152,11 +211,13 @@ class _BoundedHTTPServer(HTTPServer):
         finally:
             self.disarm(request)
             self.shutdown_request(request)
-            self._slots.release()
+            self._release(request, client, scrape_only)
 
-    def _refuse(self, request: socket.socket) -> None:
+    def _refuse(
+        self, request: socket.socket, message: bytes = b"too many connections; retry"
+    ) -> None:
         self.refused_connections += 1
-        body = b'{"error": "too many connections; retry"}\n'
+        body = b'{"error": "' + message + b'"}\n'
         head = (
             "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n"
@@ -252,7 +313,8 @@ class AgentServer:
 
     @property
     def refused_connections(self) -> int:
-        """Connections answered 503 because every handler slot was busy."""
+        """Connections answered 503 because every handler slot was busy, or
+        their client address held its share of them."""
         return self._httpd.refused_connections
 
     def start(self) -> AgentServer:
@@ -276,7 +338,10 @@ class AgentServer:
         if self.before_scrape is not None:
             self.before_scrape()
         encoder, content_type = choose_encoder(request.headers.get("accept", ""))
-        return Response(200, encoder(self.registry), content_type)
+        names = request.query.get("name[]")
+        # `name[]=...`: only those samples, as prometheus_client's own exposition does
+        registry = OnlySamples(self.registry, names) if names else self.registry
+        return Response(200, encoder(registry), content_type)
 
     def route(self, method: str, path: str) -> Handler | Response:
         """The handler for (method, path), or the 404/405 to answer."""
@@ -337,6 +402,14 @@ class AgentServer:
                     headers={k.lower(): v for k, v in self.headers.items()},
                     body=b"",
                 )
+                if server._httpd.scrape_only(self.connection):
+                    # The slot kept for scrapes: one GET /metrics, then closed.
+                    self.close_connection = True
+                    if (head.method, head.path) != SCRAPE:
+                        busy = Response.json(503, {"error": "too many connections; retry"})
+                        busy.headers = {"Retry-After": "1", "Connection": "close"}
+                        self._send(busy)
+                        return
                 handler = server.route(head.method, head.path)
                 if isinstance(handler, Response):
                     self._refuse(handler, head)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_runbook.collector.auth import TokenError, configured_token, is_loopback
-from vllm_runbook.collector.autopilot import DEFAULT_TARGET, parse_switch, parse_target
+from vllm_runbook.collector.autopilot import DEFAULT_TARGET, parse_mode, parse_target
 from vllm_runbook.collector.metrics import POLICIES
 from vllm_runbook.collector.server import ServerLimits
 from vllm_runbook.collector.tiers import TierConfig
@@ -32,6 +32,8 @@ class CollectorSettings:
     nvml_interval: float = 1.0  # the field reports poll GPU memory every second
     server_limits: ServerLimits = field(default_factory=ServerLimits)
     autopilot: bool = False
+    # VLLM_RUNBOOK_AUTOPILOT=advisory: it decides and exports, changes nothing.
+    autopilot_advisory: bool = False
     autopilot_target: float = DEFAULT_TARGET
     # The scheduling policy to start with (None: vLLM's own --scheduling-policy),
     # and the tiers of the `tiered` policy and of the per-tier signals.
@@ -39,6 +41,8 @@ class CollectorSettings:
     tiers: TierConfig = field(default_factory=TierConfig)
     # The warm-up at engine start (collector/warmup.py): off unless asked for.
     warmup: WarmupSettings = field(default_factory=WarmupSettings)
+    # No step for this long while requests wait or run: stalled (collector/stall.py).
+    stall_seconds: float = 10.0
 
     def __post_init__(self) -> None:
         if self.policy is not None and self.policy not in POLICIES:
@@ -56,6 +60,7 @@ class CollectorSettings:
             port=port,
             window_seconds=float(env.get("VLLM_RUNBOOK_WINDOW_SECONDS", "60")),
             nvml_interval=float(env.get("VLLM_RUNBOOK_NVML_INTERVAL", "1")),
+            stall_seconds=float(env.get("VLLM_RUNBOOK_STALL_SECONDS", "10")),
             server_limits=ServerLimits.from_env(env),
             **_autopilot_settings(env),
             policy=env.get("VLLM_RUNBOOK_POLICY", "").strip().lower() or None,
@@ -68,15 +73,17 @@ def _autopilot_settings(env: dict[str, str]) -> dict[str, Any]:
     """VLLM_RUNBOOK_AUTOPILOT and _TARGET. A bad value leaves the autopilot
     off (one log line) rather than the collector unstarted."""
     try:
+        on, advisory = parse_mode(env.get("VLLM_RUNBOOK_AUTOPILOT", "off"))
         return {
-            "autopilot": parse_switch(env.get("VLLM_RUNBOOK_AUTOPILOT", "off")),
+            "autopilot": on,
+            "autopilot_advisory": advisory,
             "autopilot_target": parse_target(
                 env.get("VLLM_RUNBOOK_AUTOPILOT_TARGET", str(DEFAULT_TARGET))
             ),
         }
     except ValueError as exc:
         logger.error("vllm-runbook: autopilot left off: VLLM_RUNBOOK_AUTOPILOT*: %s", exc)
-        return {"autopilot": False, "autopilot_target": DEFAULT_TARGET}
+        return {"autopilot": False, "autopilot_advisory": False, "autopilot_target": DEFAULT_TARGET}
 
 
 def _warmup_settings(env: dict[str, str]) -> WarmupSettings:

@@ -39,6 +39,7 @@ from vllm_runbook.collector.nvml import NvmlPoller
 from vllm_runbook.collector.queues import QueueInspector
 from vllm_runbook.collector.request_tracking import ChangeTracker, RequestTracker
 from vllm_runbook.collector.settings import CollectorSettings, EngineIdentity, vllm_version
+from vllm_runbook.collector.stall import StallWatch
 from vllm_runbook.collector.step_stats import StepStats
 
 if TYPE_CHECKING:
@@ -60,6 +61,7 @@ class StateSource(Protocol):
     autopilot: Autopilot
     control: EngineControl
     queues: QueueInspector
+    stall: StallWatch
     nvml: NvmlPoller
     config: EngineConfig
 
@@ -75,6 +77,7 @@ SIGNAL_NAMES: Final[dict[M.MetricSpec, str]] = {
     M.REQUESTS_RUNNING: "requests_running",
     M.REQUESTS_WAITING: "requests_waiting",
     M.OLDEST_WAITING: "oldest_waiting",
+    M.LAST_STEP_AGE: "last_step_age",
     M.KV_CACHE_USAGE: "kv_cache_usage",
     M.KV_CACHE_USAGE_PEAK: "kv_cache_usage_peak",
 }
@@ -124,6 +127,7 @@ def build_state(
     stats["preemptions_per_minute"] = c.stats.preemptions_per_minute()
     stats["admitted_before_time"] = c.requests.waiting_horizon()[1]
     stats["starving_waiting"] = len(c.requests.oldest_waiting())
+    stats["stall_reason"] = c.stall.reason()
     stats["admitted_per_second"] = c.requests.admitted_per_second(window)
     stats.update(c.requests.window_summary(window))
     stats["window_seconds"] = window

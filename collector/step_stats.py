@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import accumulate, repeat
 from operator import attrgetter
@@ -80,6 +81,14 @@ class StepStats:
         self.unpadded_tokens = 0
         self.fragmentation = 0.0
         self.length_padding = 0.0
+        # The heartbeat (collector/stall.py reads these from other threads):
+        # time.monotonic() of the latest schedule() and update_from_output(),
+        # of the latest step that admitted a request and that left the queue
+        # empty; update_from_output() calls; the usual schedule-to-update time.
+        self.scheduled_at = self.updated_at = 0.0
+        self.admitted_at = self.queue_empty_at = 0.0
+        self.updates = 0
+        self.step_seconds_usual = 0.0
         # The what-if sizes, then the engine's own if it is not one of them.
         self.what_if_sizes = M.WHAT_IF_BLOCK_SIZES
         sizes = self.what_if_sizes + (
@@ -106,6 +115,7 @@ class StepStats:
         self.schedule_seconds_sum = 0.0
         self.window_seconds = window_seconds
         self.hit_window = SlidingWindowRatio(window_seconds)
+        self._windowed_lookups = (0, 0)  # (queries, hits) the hit window holds so far
         self.padding_window = SlidingWindowRatio(window_seconds)
         self.preemption_window = SlidingWindowRatio(window_seconds)
         self.kv_usage_peak = SlidingWindowMax(window_seconds)
@@ -131,9 +141,10 @@ class StepStats:
     # -- per step (engine thread): plain arithmetic only ---------------------
 
     def on_prefix_lookup(self, num_tokens: int, num_hits: int) -> None:
+        """One request's lookup at its admission (inside schedule()): two sums. The
+        hit window gets the step's lookups at once, in on_schedule."""
         self.prefix_queries += num_tokens
         self.prefix_hits += num_hits
-        self.hit_window.add(num_hits, num_tokens)
 
     def on_schedule(
         self, scheduler: VllmScheduler, output: Any, elapsed: float, free_before: int
@@ -142,10 +153,20 @@ class StepStats:
         `free_before`: free KV blocks when schedule() started."""
         if self._usable_blocks:
             self.kv_usage_peak.add(1.0 - free_before / self._usable_blocks)
+        queries, hits = self.prefix_queries, self.prefix_hits
+        windowed_queries, windowed_hits = self._windowed_lookups
+        if queries != windowed_queries or hits != windowed_hits:  # this step's lookups
+            self.hit_window.add(hits - windowed_hits, queries - windowed_queries)
+            self._windowed_lookups = (queries, hits)
         self.schedule_counts[bisect.bisect_left(self._schedule_bounds, elapsed)] += 1
         self.schedule_seconds_sum += elapsed
         tokens = output.total_num_scheduled_tokens
         budget = scheduler.max_num_scheduled_tokens
+        self.scheduled_at = now = time.monotonic()
+        if output.scheduled_new_reqs:
+            self.admitted_at = now
+        if not len(scheduler.waiting) and not len(scheduler.kv_holding_waiting):
+            self.queue_empty_at = now
         self.steps += 1
         self.scheduled_tokens += tokens
         self.token_budget += budget
@@ -177,12 +198,15 @@ class StepStats:
         cached = output.scheduled_cached_reqs
         cached_ids = cached.req_ids
         new_tokens = sum(scheduled[r.req_id] for r in new_reqs) if new_reqs else 0
-        if (
-            not self._resumed_ids(cached)
-            and len(cached_ids) == len(sums)
-            and tokens - new_tokens == len(cached_ids)
-        ):
-            sums.advance_all()  # every running request decoded exactly one token
+        if not self._resumed_ids(cached) and len(cached_ids) == len(sums):
+            sums.advance_all()  # every running request one token on (a decode)
+            if tokens - new_tokens != len(cached_ids):
+                # A step with prefill chunks (or draft tokens): the few requests
+                # that did not take exactly one token are read; re-reading them
+                # all cost 2.4 µs per running request in every such step.
+                for request_id in cached_ids:
+                    if scheduled[request_id] != 1:
+                        sums.set(request_id, requests[request_id].num_computed_tokens)
         else:
             for request_id in cached_ids:
                 sums.set(request_id, requests[request_id].num_computed_tokens)
@@ -229,6 +253,10 @@ class StepStats:
         self, scheduler: VllmScheduler, scheduler_output: Any, runner_output: Any
     ) -> None:
         """After update_from_output(): padding of the batch just executed."""
+        self.updated_at = now = time.monotonic()
+        self.updates += 1
+        # An exponential average (about the last 20 steps) of schedule-to-update time.
+        self.step_seconds_usual += 0.05 * (now - self.scheduled_at - self.step_seconds_usual)
         stat = runner_output.cudagraph_stats
         if stat is not None:
             unpadded, padded = stat.num_unpadded_tokens, stat.num_padded_tokens

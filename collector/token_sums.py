@@ -62,9 +62,10 @@ class RunningTokenSums:
         max_key = self._max_key
         if (max_key is not None and key > max_key) or (max_key is None and len(counts) == 1):
             self._max_key = key
+        residues, blocks = self.residues, self.blocks
         for i, b in enumerate(self.sizes):
-            self.residues[i][key % b] += 1
-            self.blocks[i] += -(-tokens // b)
+            residues[i][key % b] += 1
+            blocks[i] -= tokens // -b  # ceil(tokens / b)
 
     def discard(self, request_id: str) -> None:
         key = self.keys.pop(request_id, None)
@@ -82,9 +83,10 @@ class RunningTokenSums:
             del counts[key]
             if key == self._max_key:
                 self._max_key = None  # found again when asked
+        residues, blocks = self.residues, self.blocks
         for i, b in enumerate(self.sizes):
-            self.residues[i][key % b] -= 1
-            self.blocks[i] -= -(-tokens // b)
+            residues[i][key % b] -= 1
+            blocks[i] += tokens // -b  # minus ceil(tokens / b)
 
     def advance_all(self) -> None:
         """Every tracked request gained exactly one token."""

@@ -96,6 +96,7 @@ QUEUE_FINDINGS = (
     ("VllmHotPathBacklog", "red"),
     ("VllmRequestStarvation", "yellow"),
     ("VllmEngineStalled", "dark-red"),
+    ("VllmEngineStuck", "purple"),
 )
 
 
@@ -244,6 +245,33 @@ class Panels:
             )
             .with_target(prom(Q.gauge(M.REQUESTS_WAITING), "waiting " + ENGINE_LEGEND))
             .with_target(prom(Q.gauge(M.REQUESTS_RUNNING), "running " + ENGINE_LEGEND))
+        )
+
+    def heartbeat(self, width: int = 12) -> Graph:
+        n = self.n
+        by_reason = Q.BY_ENGINE.removesuffix(")") + ", reason)"
+        return (
+            Graph(
+                "Scheduler heartbeat",
+                f"{M.LAST_STEP_AGE.help} Below it, the stall reason while one holds: "
+                f"{M.ENGINE_STALL_REASON.help} "
+                + n.note(
+                    "VllmEngineStuck",
+                    "fires when the collector says stalled (or, without it, vLLM's token "
+                    "counters stood still for {window} while its gauges said requests run or "
+                    "wait), for {for}; the runbook drains the engine at its router",
+                ),
+                width,
+            )
+            .with_target(prom(Q.gauge(M.LAST_STEP_AGE), "step age " + ENGINE_LEGEND))
+            .with_target(
+                prom(
+                    f"max {by_reason} ({Q.selector(M.ENGINE_STALL_REASON)}) > 0",
+                    "stalled: {{reason}} " + ENGINE_LEGEND,
+                )
+            )
+            .with_target(prom(Q.gauge(M.ENGINE_STALLED), "stalled " + ENGINE_LEGEND))
+            .unit("s")
         )
 
     def tier_waiting(self, width: int = 8) -> Graph:
@@ -751,11 +779,15 @@ class Panels:
                 "The effective limit on running sequences and the startup value (the ceiling). "
                 "oom-pressure caps it at what the KV cache holds, then hands it over to the "
                 "autopilot (steps up and down while it is on); batch-too-large and kv-hit-low "
-                "lower it.",
+                "lower it. An engine whose autopilot is in advisory mode also draws the value "
+                "it would set (nothing applied).",
                 width,
             )
             .with_target(prom(Q.gauge(M.MAX_NUM_SEQS), "effective " + ENGINE_LEGEND))
             .with_target(prom(Q.gauge(M.STARTUP_MAX_NUM_SEQS), "startup " + ENGINE_LEGEND))
+            .with_target(
+                prom(Q.gauge(M.AUTOPILOT_ADVISED_MAX_NUM_SEQS), "autopilot advice " + ENGINE_LEGEND)
+            )
             .stepped()
         )
 
@@ -1077,6 +1109,7 @@ def engine_overview(notes: Q.RuleNotes) -> dict[str, Any]:
                     p.ttft(),
                     p.inter_token(),
                     p.queue(),
+                    p.heartbeat(),
                     p.oldest_waiting(),
                     p.error_rate(),
                     p.finished_by_reason(),
@@ -1484,13 +1517,20 @@ def runbook_activity(notes: Q.RuleNotes) -> dict[str, Any]:
                     Graph(
                         "Limits: alerts and requests refused, deliveries pruned",
                         f"Alerts: {S.ALERTS_REJECTED.help} Requests: {S.REQUESTS_REFUSED.help} "
-                        f"Pruned: {S.WEBHOOK_EVENTS_PRUNED.help} Per second.",
+                        f"Pruned: {S.WEBHOOK_EVENTS_PRUNED.help} "
+                        f"Unmeasured: {S.DETECTION_TO_ACTION_UNMEASURED.help} Per second.",
                         24,
                     )
                     .with_target(
                         prom(
                             service_rate(S.ALERTS_REJECTED, "reason"),
                             "alerts rejected {{reason}}",
+                        )
+                    )
+                    .with_target(
+                        prom(
+                            service_rate(S.DETECTION_TO_ACTION_UNMEASURED, "reason"),
+                            "detection to action unmeasured {{reason}}",
                         )
                     )
                     .with_target(

@@ -27,7 +27,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_runbook.dashboards.lint import problems
+import yaml
+from vllm_runbook.dashboards.catalog import all_known_series
+from vllm_runbook.dashboards.lint import problems, rule_problems
 from vllm_runbook.dashboards.queries import RuleNotes
 from vllm_runbook.rules import export, load_catalog
 
@@ -85,6 +87,9 @@ def render_all() -> dict[str, str]:
             raise DashboardError(f"{name}:\n  " + "\n  ".join(found))
         out[name] = json.dumps(dashboard, indent=2, ensure_ascii=False) + "\n"
     out[RULE_FILE] = export(catalog)
+    found = rule_problems(yaml.safe_load(out[RULE_FILE])["groups"], all_known_series())
+    if found:
+        raise DashboardError(f"{RULE_FILE}:\n  " + "\n  ".join(found))
     return out
 
 

@@ -1,32 +1,31 @@
 """What a dashboard must satisfy to load in Grafana and to query real series.
 
 `queries` lists every PromQL expression of a dashboard (panel targets,
-annotations, variables); `metric_names` finds the series an expression
-names; `problems` returns everything wrong with a dashboard as sentences.
+annotations, variables); `parse` reads one with a real PromQL parser
+(promql-parser), from whose tree `metric_names` and `labels_used` take the
+series and labels it names; `problems` returns everything wrong with a
+dashboard as sentences, `rule_problems` with a rule file's groups.
 The generator refuses to write a dashboard with problems and the tests
 assert there are none.
 """
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import promql_parser
 from vllm_runbook.dashboards import catalog
 
 GRAFANA_BUILTINS = ("__rate_interval", "__interval", "__range")
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
-_MATCHERS = re.compile(r"\{([^{}]*)\}")
-_GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^()]*)\)")
-_RANGE = re.compile(r"\[[^\]]*\]")
-_IDENT = re.compile(r"(?<![\w.$])([A-Za-z_:][A-Za-z0-9_:]*)(\s*\()?")
+_BUILTIN = re.compile(r"\$(?:\{(?:%s)\}|(?:%s)\b)" % (("|".join(GRAFANA_BUILTINS),) * 2))
 _VARIABLE = re.compile(r"\$(\w+)|\$\{(\w+)[^}]*\}")
 _LABEL_VALUES = re.compile(r"^label_values\((.*),\s*(\w+)\)$")
-_KEYWORDS = {"and", "or", "unless", "offset", "bool", "inf", "nan"}
 
 
 @dataclass(frozen=True)
@@ -65,26 +64,95 @@ def queries(dashboard: Mapping[str, Any]) -> list[Query]:
     return out
 
 
+class PromQLSyntaxError(ValueError):
+    """An expression that is not PromQL (the parser's message)."""
+
+
+def parseable(expr: str) -> str:
+    """The expression as Prometheus gets it from Grafana: its interval variables
+    (``$__rate_interval``, ``$__interval``, ``$__range``) as a duration. Dashboard
+    variables stay: they are only used inside label matchers' strings."""
+    return _BUILTIN.sub("5m", expr)
+
+
+@functools.lru_cache(maxsize=4096)
+def parse(expr: str) -> Any:
+    """The expression's syntax tree (promql-parser: Prometheus' grammar, in Rust);
+    PromQLSyntaxError when it is not PromQL."""
+    try:
+        return promql_parser.parse(parseable(expr))
+    except ValueError as exc:
+        raise PromQLSyntaxError(str(exc)) from None
+
+
+def _nodes(expr: str) -> list[Any]:
+    nodes: list[Any] = []
+    promql_parser.walk(parse(expr), nodes.append)
+    return nodes
+
+
+def _name(node: Any) -> str | None:
+    """A selector's metric name, written before the braces or as ``__name__="..."``."""
+    if node.name:
+        return str(node.name)
+    for m in node.matchers.matchers:
+        if m.name == "__name__" and m.op == promql_parser.MatchOp.Equal:
+            return str(m.value)
+    return None
+
+
 def metric_names(expr: str) -> set[str]:
-    """The series names an expression selects (functions, keywords, labels left out)."""
-    text = _STRING.sub('""', expr)
-    text = _MATCHERS.sub("", text)
-    text = _GROUPING.sub("", text)
-    text = _RANGE.sub("", text)
+    """The series names an expression selects, from its syntax tree (none when it
+    is not PromQL: `problems` says so)."""
+    try:
+        nodes = _nodes(expr)
+    except PromQLSyntaxError:
+        return set()
     return {
-        name for name, call in _IDENT.findall(text) if not call and name.lower() not in _KEYWORDS
+        name
+        for node in nodes
+        if isinstance(node, promql_parser.VectorSelector) and (name := _name(node))
     }
 
 
 def labels_used(expr: str) -> set[str]:
-    """Labels named in matchers and in by/without/on/ignoring/group_x lists."""
-    text = _STRING.sub('""', expr)
+    """Labels named in matchers and in by/without/on/ignoring/group_x lists, from the
+    syntax tree."""
+    try:
+        nodes = _nodes(expr)
+    except PromQLSyntaxError:
+        return set()
     used: set[str] = set()
-    for body in _MATCHERS.findall(text):
-        used |= {m.split("=")[0].split("!")[0].strip() for m in body.split(",") if m.strip()}
-    for body in _GROUPING.findall(text):
-        used |= {label.strip() for label in body.split(",") if label.strip()}
+    for node in nodes:
+        if isinstance(node, promql_parser.VectorSelector):
+            used |= {m.name for m in node.matchers.matchers if m.name != "__name__"}
+        elif isinstance(node, promql_parser.AggregateExpr) and node.modifier is not None:
+            used |= set(node.modifier.labels)
+        elif isinstance(node, promql_parser.BinaryExpr) and node.modifier is not None:
+            if node.modifier.matching is not None:
+                used |= set(node.modifier.matching.labels)
+            used |= set(node.modifier.group_labels or ())
     return used
+
+
+def rule_problems(groups: Iterable[Mapping[str, Any]], known: Iterable[str]) -> list[str]:
+    """Every expression of a rule file's groups that is not PromQL, or that selects a
+    series neither `known` nor recorded by one of the groups."""
+    groups = list(groups)
+    rules = [r for g in groups for r in g.get("rules", [])]
+    names = set(known) | {r["record"] for r in rules if "record" in r} | {"ALERTS"}
+    out: list[str] = []
+    for group in groups:
+        for rule in group.get("rules", []):
+            where = f"group {group.get('name')} {rule.get('alert') or rule.get('record')}"
+            try:
+                parse(str(rule["expr"]))
+            except PromQLSyntaxError as exc:
+                out.append(f"{where}: not PromQL ({exc}): {rule['expr']}")
+                continue
+            for name in sorted(metric_names(str(rule["expr"])) - names):
+                out.append(f"{where}: {name} is neither exported nor recorded")
+    return out
 
 
 def variables_used(expr: str) -> set[str]:
@@ -108,6 +176,11 @@ def problems(dashboard: Mapping[str, Any]) -> list[str]:
     known = catalog.all_known_series()
     defined = {v["name"] for v in dashboard.get("templating", {}).get("list", [])}
     for q in queries(dashboard):
+        try:
+            parse(q.expr)
+        except PromQLSyntaxError as exc:
+            out.append(f"{q.where}: not PromQL ({exc}): {q.expr}")
+            continue
         names = metric_names(q.expr)
         if not names:
             out.append(f"{q.where}: names no metric: {q.expr}")

@@ -292,11 +292,15 @@ def _spread(values: list[float]) -> float:
 
 def _avg(values: object) -> float:
     vals = list(values)  # type: ignore[call-overload]
-    return (
-        math.fsum(vals) / len(vals)
-        if not any(math.isinf(v) for v in vals)
-        else sum(vals) / len(vals)
-    )
+    # fsum unless a value is infinite (then sum: Prometheus' plain addition). A finite
+    # fsum had no infinite value to add; an infinite one had (or raised ValueError for
+    # inf + -inf), and then the plain sum is infinite (or NaN) as well: one pass over
+    # the window instead of a scan for infinities before it.
+    try:
+        total = math.fsum(vals)
+    except ValueError:  # inf + -inf
+        return sum(vals) / len(vals)
+    return total / len(vals) if math.isfinite(total) else sum(vals) / len(vals)
 
 
 def _max_over_time(values: object) -> float:

@@ -8,6 +8,9 @@
     rules:
       evaluation_interval: 5s
       leader_lease: 15s                       # replicas on one database: one evaluates
+      replicas: leader                        # or split: each evaluates its share
+      scrape_deadline: 0.5                    # a cycle waits for its targets at most
+      scrape_grace: 250ms                     #   0.5 x interval, or 250 ms without an answer
       catalog: my-rules/                      # default: the built-in catalog
       overrides: {VllmLatencySpike: {p99_sla_seconds: 1.0}}
     automation:                               # per runbook: auto | approve | notify
@@ -191,6 +194,17 @@ def _labels(value: object) -> dict[str, str]:
     return dict(value)
 
 
+class RouterConfig(Section):
+    """The router in front of an engine (vllm-router's admin API): where the
+    drain, undrain and restart actions act (runbooks/engine/router.py)."""
+
+    url: Url
+    """The router's base URL; the engine is its worker by its `vllm:` URL."""
+    restart: tuple[str, ...] = ()
+    """The restart hook: a command as a list of arguments (run with
+    VLLM_RUNBOOK_WORKER_URL set), e.g. a `kubectl rollout restart`; empty: none."""
+
+
 class EngineConfig(Section):
     """One engine of the inventory."""
 
@@ -202,6 +216,8 @@ class EngineConfig(Section):
     """vLLM's API server base URL: its /metrics, warm-up requests."""
     labels: Annotated[dict[str, str], BeforeValidator(_labels)] = Field(default_factory=dict)
     """How Alertmanager alerts find this engine."""
+    router: RouterConfig | None = None
+    """The router in front of it (needs `vllm:`, its worker URL there)."""
 
     def targets(self) -> list[Target]:
         """What the embedded evaluator scrapes for this engine."""
@@ -297,6 +313,16 @@ class RulesSection(Section):
     evaluation_interval: Duration = DEFAULT_EVALUATION_INTERVAL
     leader_lease: float = Field(default=None, validate_default=True)
     """Seconds; default max(15 s, 3 x evaluation_interval)."""
+    replicas: Literal["leader", "split"] = "leader"
+    """Replicas on one database: `leader`, one evaluates every engine; `split`, each
+    its share (rendezvous hashing over the live replicas' leases)."""
+    scrape_deadline: float = Field(default=0.5, gt=0, le=1)
+    """Fraction of evaluation_interval after which a cycle stops waiting for the
+    targets still in flight: they are late, their answers ingested by the next
+    cycle (rules/scrape.py)."""
+    scrape_grace: Duration = Field(default=0.25, gt=0)
+    """Seconds: once every target is asked, a cycle stops waiting after this long
+    without an answer (one longer than the deadline: wait until the deadline)."""
     catalog: RelativePath | None = None
     """None: the built-in catalog."""
     overrides: dict[

@@ -301,6 +301,24 @@ _BASE: tuple[Signal, ...] = (
         _LATEST,
         higher_is_worse=True,
     ),
+    _collector(
+        "last_step_age",
+        M.LAST_STEP_AGE,
+        "seconds",
+        "the scheduler's heartbeat: seconds since it last started or finished a step "
+        "(read without the scheduler lock; grows while the engine idles too)",
+        _LATEST,
+        higher_is_worse=True,
+    ),
+    _collector(
+        "engine_stalled",
+        M.ENGINE_STALLED,
+        "boolean",
+        "1 while the engine makes no progress with requests waiting or running (a hung "
+        "step, no step, or nothing admitted while KV is free); its /health may still say 200",
+        _LATEST,
+        higher_is_worse=True,
+    ),
     _runbooks_only(
         "admitted_before_time",
         "Unix time",

@@ -1,12 +1,13 @@
 """Service-level objectives: the `slos:` section, their error ratios, and the
-multi-window, multi-burn-rate alerts (the SRE workbook's four pairs) in both backends.
+multi-window, multi-burn-rate alerts (four pairs, scaled to the SLO's window) in
+both backends.
 
     slos:
       - name: ttft                 # letters, digits, _ (it names the alerts)
         objective: ttft            # ttft | e2e_latency | availability
         threshold: 1s              # latency objectives: a bucket boundary of vLLM's histogram
         target: 0.99               # the ratio of good requests
-        window: 30d                # the error budget's window (default 30d)
+        window: 30d                # the error budget's window: 7d, 14d, 28d, 30d (default)
         model: llama-8b            # the engines serving this model (default: every engine)
         runbook: hot-path-backlog  # the page pairs hand off to it (`automation:` decides);
                                    # that execution verifies on `slo_burn_rate`
@@ -28,9 +29,10 @@ tree. Each burn-rate pair is an alert: the error ratio over the long window
 and over the short window both above ``factor x (1 - target)``; its value is
 the long window's error ratio (both backends).
 
-The embedded evaluator keeps the samples of the longest alert window (3 d)
-and no more: the budget left over `window` (30 d) is read from Prometheus
-(`runbook slo --prometheus URL`). docs/rules.md ("Memory of the embedded
+The embedded evaluator keeps the samples of the longest alert window (3 d for
+30 days) and no more: the budget left over `window` (30 d) is read from
+Prometheus (`runbook slo --prometheus URL`), where the export records it from
+5-minute rates (`slo_rule_groups`). docs/rules.md ("Memory of the embedded
 evaluator, and the 30-day window") gives the memory.
 """
 
@@ -116,15 +118,56 @@ class BurnPair:
         return "critical" if self.notify == "page" else "warning"
 
 
-# The SRE workbook's four pairs (chapter 5, "Alerting on SLOs", for a 30-day window).
+# The four pairs for a 30-day window: Sloth's defaults (2 % of the budget in 1 h,
+# 5 % in 6 h, 10 % in 1 d, 10 % in 3 d; factor = share x 30 d / long window); the
+# SRE workbook's table ("Alerting on SLOs") has all but the 1 d / 2 h ticket.
 BURN_PAIRS: tuple[BurnPair, ...] = (
     BurnPair(14.4, 3600.0, 300.0, "page"),
     BurnPair(6.0, 6 * 3600.0, 1800.0, "page"),
     BurnPair(3.0, 86400.0, 2 * 3600.0, "ticket"),
     BurnPair(1.0, 3 * 86400.0, 6 * 3600.0, "ticket"),
 )
-# Every window an error ratio is recorded over (the SLO's own window besides).
+BASE_PERIOD = 30 * 86400.0  # the period BURN_PAIRS are set for
+# The SLO windows (`window:`) the pairs are scaled to; any other is refused.
+PERIODS: tuple[float, ...] = tuple(d * 86400.0 for d in (7, 14, 28, 30))
+SHORTEST_WINDOW = 300.0  # a rate window of 5 m at least (several scrapes)
+# Every window an error ratio is recorded over for a 30-day SLO (its own besides).
 WINDOWS: tuple[float, ...] = tuple(sorted({w for p in BURN_PAIRS for w in (p.long, p.short)}))
+# The budget group (the SLO window's error ratio, from 5-minute rates recorded each minute).
+COUNT_WINDOW = 300.0
+BUDGET_INTERVAL = 60.0
+ERRORS_RECORD = "vllm_runbook:slo_errors:rate5m"
+REQUESTS_RECORD = "vllm_runbook:slo_requests:rate5m"
+
+
+def _scaled(seconds: float, scale: float) -> float:
+    """A window of the 30-day table scaled to another period: to the whole minute
+    (half up, as Go's Duration.Round in Pyrra), never below `SHORTEST_WINDOW`."""
+    return max(SHORTEST_WINDOW, math.floor(seconds * scale / 60.0 + 0.5) * 60.0)
+
+
+def burn_pairs(period: float) -> tuple[BurnPair, ...]:
+    """The pairs for an SLO window of `period` seconds: the 30-day ones' windows scaled
+    by period / 30 d as Pyrra scales its 28-day table (slo/rules.go, Windows), the
+    factors kept, so each pair fires after the same share of the budget (2 %, 5 %,
+    10 %, 10 %) whatever the period."""
+    if period == BASE_PERIOD:
+        return BURN_PAIRS
+    scale = period / BASE_PERIOD
+    return tuple(
+        BurnPair(p.factor, _scaled(p.long, scale), _scaled(p.short, scale), p.notify)
+        for p in BURN_PAIRS
+    )
+
+
+def windows(period: float) -> tuple[float, ...]:
+    """Every window the pairs of an SLO window of `period` read (its own not included)."""
+    return tuple(sorted({w for p in burn_pairs(period) for w in (p.long, p.short)}))
+
+
+def clean(value: float) -> float:
+    """`value` to 12 significant digits: 1 - 0.99 is 0.01, not 0.010000000000000009."""
+    return float(f"{value:.12g}")
 
 
 def span(seconds: float) -> str:
@@ -165,11 +208,20 @@ def _window(value: object, info: ValidationInfo) -> float:
     if isinstance(value, int | float) and not isinstance(value, bool):
         if "file" in (info.context or {}):
             raise PydanticCustomError("detail", f"give a unit, e.g. '{value}d'")
-        return float(value)
-    try:
-        return parse_duration(value)
-    except Problem as exc:
-        raise PydanticCustomError("detail", exc.message) from None
+        seconds = float(value)
+    else:
+        try:
+            seconds = parse_duration(value)
+        except Problem as exc:
+            raise PydanticCustomError("detail", exc.message) from None
+    if seconds not in PERIODS:
+        known = ", ".join(span(p) for p in PERIODS)
+        raise PydanticCustomError(
+            "detail",
+            f"{span(seconds)} is not a supported SLO window: use one of {known} (the "
+            "burn-rate windows are the 30-day ones scaled to it)",
+        )
+    return seconds
 
 
 def _target(value: float) -> float:
@@ -269,7 +321,12 @@ class SloSpec(BaseModel):
     @property
     def budget(self) -> float:
         """The error budget: the ratio of requests allowed to be bad."""
-        return 1.0 - self.target
+        return clean(1.0 - self.target)
+
+    @property
+    def pairs(self) -> tuple[BurnPair, ...]:
+        """The burn-rate pairs, scaled to the SLO's window."""
+        return burn_pairs(self.window)
 
     @property
     def le(self) -> str:
@@ -323,17 +380,22 @@ def _counter(metric: str) -> Signal:
     return Signal(metric, "counter", "requests", f"vLLM's {metric}", metric)
 
 
-def error_ratio(slo: SloSpec, window: float) -> C.Expr:
-    """Bad requests / all requests over `window`, per engine."""
+def error_rates(slo: SloSpec, window: float) -> tuple[C.Expr, C.Expr]:
+    """(bad requests, all requests) per second over `window`, per engine."""
     scope: tuple[tuple[str, str], ...] = (("model_name", slo.model),) if slo.model else ()
     if slo.objective == "availability":
         finished = _counter(series_of("availability"))
         bad = C.Rate(C.Selector(finished, (("finished_reason", ERROR_REASON), *scope)), window)
-        return C.Ratio(bad, C.Rate(C.Selector(finished, scope), window))
+        return bad, C.Rate(C.Selector(finished, scope), window)
     histogram = series_of(slo.objective)
     total = C.Rate(C.Selector(_counter(histogram + "_count"), scope), window)
     good = C.Rate(C.Selector(_counter(histogram + "_bucket"), (("le", slo.le), *scope)), window)
-    return C.Ratio(C.Difference(total, good), total)
+    return C.Difference(total, good), total
+
+
+def error_ratio(slo: SloSpec, window: float) -> C.Expr:
+    """Bad requests / all requests over `window`, per engine."""
+    return C.Ratio(*error_rates(slo, window))
 
 
 def alert_name(slo: SloSpec, pair: BurnPair) -> str:
@@ -342,7 +404,7 @@ def alert_name(slo: SloSpec, pair: BurnPair) -> str:
 
 def burn_threshold(slo: SloSpec, pair: BurnPair) -> float:
     """The error ratio above which the budget burns at `pair.factor` times its rate."""
-    return pair.factor * slo.budget
+    return clean(pair.factor * slo.budget)
 
 
 def _labels(slo: SloSpec, pair: BurnPair) -> dict[str, str]:
@@ -377,7 +439,7 @@ def slo_rules(slos: Sequence[SloSpec], *, file: str = "slos", line: int = 0) -> 
     the ticket pairs run nothing."""
     rules: list[Rule] = []
     for slo in slos:
-        for pair in BURN_PAIRS:
+        for pair in slo.pairs:
             threshold = burn_threshold(slo, pair)
             condition = C.AllOf(
                 (
@@ -415,36 +477,37 @@ def slo_rule_groups(
     runbook_url_base: str | None = None,
     annotations: bool = True,
     engine_labels: Sequence[str] = ENGINE_LABELS,
+    budget_interval: float = BUDGET_INTERVAL,
 ) -> list[dict[str, object]]:
-    """One Prometheus rule group per SLO: its error ratio recorded over every window
-    (the burn pairs' and its own), then its four burn-rate alerts on those records.
+    """Two Prometheus rule groups per SLO.
 
-    One group, so the alerts read the records of the same evaluation (a group's
-    rules run in order)."""
+    ``vllm-runbook-slo-<name>``: its error ratio recorded over every window of its
+    burn pairs, the burn rates, then its four burn-rate alerts on those records (one
+    group, so the alerts read the records of the same evaluation: a group's rules
+    run in order).
+
+    ``vllm-runbook-slo-<name>-budget`` (every `budget_interval`): the bad and all
+    requests' 5-minute rates, the SLO window's error ratio as the ratio of their
+    sums over the window (Sloth's ``sum_over_time`` of the 5 m record, weighted by
+    requests), and the budget left: the window is read from two series recorded
+    once a minute, not from the raw series at every evaluation."""
     render = PromQLRenderer(engine_labels)
     groups: list[dict[str, object]] = []
     for slo in slos:
         rules: list[dict[str, object]] = []
-        for window in (*WINDOWS, slo.window):
-            if window == slo.window and window in WINDOWS:
-                continue
+        pairs = slo.pairs
+        labels = {"slo": slo.name}
+        for window in windows(slo.window):
             rules.append(
                 {
                     "record": record_name(window),
                     "expr": render.expr(error_ratio(slo, window)),
-                    "labels": {"slo": slo.name},
+                    "labels": dict(labels),
                 }
             )
         selector = f'{{slo="{slo.name}"}}'
         budget = number(slo.budget)
-        rules.append(
-            {
-                "record": BUDGET_LEFT,
-                "expr": f"1 - {record_name(slo.window)}{selector} / {budget}",
-                "labels": {"slo": slo.name},
-            }
-        )
-        for pair in BURN_PAIRS:
+        for pair in pairs:
             rules.append(
                 {
                     "record": BURN_RATE,
@@ -452,7 +515,7 @@ def slo_rule_groups(
                     "labels": {"slo": slo.name, "window": span(pair.long)},
                 }
             )
-        for rule, pair in zip(slo_rules([slo]), BURN_PAIRS, strict=True):
+        for rule, pair in zip(slo_rules([slo]), pairs, strict=True):
             threshold = number(burn_threshold(slo, pair))
             expr = (
                 f"{record_name(pair.long)}{selector} > {threshold}"
@@ -471,6 +534,30 @@ def slo_rule_groups(
                 out["annotations"] = notes
             rules.append(out)
         groups.append({"name": f"vllm-runbook-slo-{slo.name}", "rules": rules})
+        bad, total = error_rates(slo, COUNT_WINDOW)
+        period = span(slo.window)
+        budget_rules: list[dict[str, object]] = [
+            {"record": ERRORS_RECORD, "expr": render.expr(bad), "labels": dict(labels)},
+            {"record": REQUESTS_RECORD, "expr": render.expr(total), "labels": dict(labels)},
+            {
+                "record": record_name(slo.window),
+                "expr": f"sum_over_time({ERRORS_RECORD}{selector}[{period}])"
+                f" / sum_over_time({REQUESTS_RECORD}{selector}[{period}])",
+                "labels": dict(labels),
+            },
+            {
+                "record": BUDGET_LEFT,
+                "expr": f"1 - {record_name(slo.window)}{selector} / {budget}",
+                "labels": dict(labels),
+            },
+        ]
+        groups.append(
+            {
+                "name": f"vllm-runbook-slo-{slo.name}-budget",
+                "interval": format_duration(budget_interval),
+                "rules": budget_rules,
+            }
+        )
     return groups
 
 
@@ -498,7 +585,7 @@ class SloStatus:
     def firing(self) -> list[BurnPair]:
         """The pairs whose condition holds on these ratios (as both backends decide)."""
         out = []
-        for pair in BURN_PAIRS:
+        for pair in self.slo.pairs:
             limit = burn_threshold(self.slo, pair)
             long, short = self.error_ratios.get(pair.long), self.error_ratios.get(pair.short)
             if long is not None and short is not None and long > limit and short > limit:
@@ -527,7 +614,7 @@ class SloStatus:
 def slo_of_alert(slos: Sequence[SloSpec], alertname: str) -> tuple[SloSpec, BurnPair] | None:
     """The SLO and burn pair of one of its alerts (`alert_name`), or None."""
     for slo in slos:
-        for pair in BURN_PAIRS:
+        for pair in slo.pairs:
             if alert_name(slo, pair) == alertname:
                 return slo, pair
     return None

@@ -76,6 +76,7 @@ def stats(**values: Any) -> Stats:
         block_fragmentation_at_block_size={},
         prompt_length_spread_ratio=None,
         long_prompt_ratio=None,
+        stall_reason=None,
         collector_up=1.0,
         window_seconds=60.0,
         max_num_batched_tokens=STARTUP["max_num_batched_tokens"],

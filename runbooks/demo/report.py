@@ -401,7 +401,8 @@ def _events(executions: Sequence[Mapping[str, Any]]) -> list[tuple[float, str, s
                 out.append((t, "tab:green", f"{name} verified: {v.get('outcome')}"))
         held = ts(e.get("hold_since"))
         if held is not None:  # its alert resolved; the change holds until the cause is gone
-            out.append((held, "tab:orange", f"{name} holding"))
+            what = "resolved by itself" if e.get("display_status") == "advised" else "holding"
+            out.append((held, "tab:orange", f"{name} {what}"))
     return sorted(out)
 
 

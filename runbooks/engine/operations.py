@@ -36,6 +36,7 @@ from vllm_runbook.collector.agent_api import (
 )
 from vllm_runbook.rules.slo import SloSpec, series_of, slo_counts
 from vllm_runbook.runbooks.engine.client import Agent
+from vllm_runbook.runbooks.engine.routing import RouterBinding
 from vllm_runbook.runbooks.engine.sources import (
     NO_SLO,
     SLO_BURN_RATE,
@@ -190,6 +191,8 @@ class ActionContext:
     api_url: str | None = None
     # Sleeps (the executor's: a fake clock in tests, the engine lock kept alive).
     wait: Callable[[float], None] = time.sleep
+    # Where the engine is routed (drain, undrain, restart: engine/router.py), when known.
+    router: RouterBinding | None = None
 
 
 @dataclass(frozen=True)

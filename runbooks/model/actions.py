@@ -43,6 +43,7 @@ ACTION_MODULES: Final = (
     "vllm_runbook.runbooks.engine.operations",
     "vllm_runbook.runbooks.engine.warmup",
     "vllm_runbook.runbooks.engine.block_size",
+    "vllm_runbook.runbooks.engine.router",
 )
 
 # What a runbook step's `action:` may be (vllm_runbook.runbooks.model.spec `Identifier`).

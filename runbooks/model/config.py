@@ -17,6 +17,7 @@
           - {match: {namespace: team-a}, file: secrets/team-a-token}
     rules: {...}                              #   vllm_runbook.rules.config
     automation: {...}
+    mode: act                                 # or advisory: journal and notify, change nothing
     webhook:
       token_file: secrets/webhook-token       # or username + password_file (basic auth)
       token_name: alertmanager                # who an answer with the token is recorded as
@@ -67,7 +68,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Annotated, Literal, get_args
 
@@ -88,6 +89,7 @@ from vllm_runbook.rules.config import (
 )
 from vllm_runbook.rules.model import Catalog, Rule
 from vllm_runbook.rules.slo import Slos
+from vllm_runbook.runbooks.model.spec import Runbook, RunMode
 
 ReceiverType = Literal["webhook", "slack"]
 RECEIVER_TYPES: tuple[str, ...] = get_args(ReceiverType)
@@ -249,6 +251,15 @@ class LimitsConfig(Section):
     body_timeout_seconds: PositiveDuration = Field(default=30.0, validation_alias="body_timeout")
     keep_alive_seconds: PositiveDuration = Field(default=5.0, validation_alias="keep_alive")
     max_connections: Annotated[int, Field(ge=1, strict=True)] = 100
+    # One client's open connections; None: half of max_connections (at least 1).
+    max_client_connections: Annotated[int, Field(ge=1, strict=True)] | None = None
+
+    @property
+    def client_connections(self) -> int:
+        """The most connections one client address may hold open at once."""
+        if self.max_client_connections is not None:
+            return self.max_client_connections
+        return max(1, self.max_connections // 2)
 
 
 class RetentionConfig(Section):
@@ -367,6 +378,9 @@ class Config(Section):
     discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     rules: RulesSection = Field(default_factory=RulesSection)
     automation: Automation = Field(default_factory=Automation)
+    mode: RunMode = "act"
+    """advisory: every runbook's executions are advice (journaled, notified,
+    nothing changed on an engine; runbooks/run/advisory.py); act: each runbook's own `mode`."""
     slos: Slos = ()
     webhook: WebhookConfig = Field(default_factory=WebhookConfig)
     executor: ExecutorConfig = Field(default_factory=ExecutorConfig)
@@ -393,6 +407,15 @@ class Config(Section):
     @property
     def overrides(self) -> dict[str, dict[str, object]]:
         return self.rules.overrides
+
+    def advisory(self, runbooks: Mapping[str, Runbook]) -> frozenset[str]:
+        """The runbooks whose executions are advice: all in advisory mode, else
+        those whose spec says `mode: advisory`."""
+        return frozenset(
+            name
+            for name, spec in runbooks.items()
+            if self.mode == "advisory" or spec.mode == "advisory"
+        )
 
     def load_rules(self) -> list[Rule]:
         return self.rules.load_rules()

@@ -176,6 +176,11 @@ class RevertPolicy(_Strict):
         return fractions
 
 
+# Whether the service acts on a finding or only advises (runbooks/run/advisory.py):
+# a runbook's own `mode`, and the configuration's for every runbook.
+RunMode = Literal["act", "advisory"]
+
+
 class Guardrails(_Strict):
     cooldown_seconds: Annotated[int, Field(ge=0)] = 300
     max_runs_per_hour: Annotated[int, Field(ge=1)] = 3
@@ -197,6 +202,10 @@ class Runbook(_Strict):
     verification: Verification | None = None
     revert: RevertPolicy = RevertPolicy()
     guardrails: Guardrails = Guardrails()
+    # advisory: the service journals and notifies what this runbook would do
+    # (an "advised" execution) and changes nothing; the configuration's
+    # `mode: advisory` does so for every runbook.
+    mode: RunMode = "act"
 
     @field_validator("triggers")
     @classmethod

@@ -33,7 +33,9 @@ the result in outcome.py (its exit codes: exit_codes.py). This module is the run
 
 Dry runs take no lock and pass no guardrail: they read, ask the agent what
 each step would change (`dry_run: true`), journal `planned` steps, and
-change nothing.
+change nothing. An alert's dry run is advisory mode's advice (run/advisory.py):
+it asks the agent nothing (the changes are computed from `/v1/state`) and its
+`reason` says what a real run would have done (acted, or the refusal it met).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from vllm_runbook.runbooks.engine.operations import (
     SignalReader,
     engine_registry,
 )
+from vllm_runbook.runbooks.engine.routing import RouterBinding
 from vllm_runbook.runbooks.engine.sources import (
     API_SIGNALS,
     SLO_BURN_RATE,
@@ -76,6 +79,12 @@ from vllm_runbook.runbooks.model.spec import (
     Runbook,
     StepSpec,
     load_catalog,
+)
+from vllm_runbook.runbooks.run.advisory import (
+    WOULD_ACT,
+    WOULD_REFUSE,
+    AdvisoryAgent,
+    is_advised,
 )
 from vllm_runbook.runbooks.run.conditions import (
     alert_slo,
@@ -152,6 +161,8 @@ class Executor:
     client_factory: Callable[[str], Agent] = EngineClient
     # Agent URL (normalized) -> the engine's vLLM API server, for warm-up requests.
     api_urls: Mapping[str, str] = field(default_factory=dict)
+    # Agent URL (normalized) -> where the engine is routed (drain, undrain, restart).
+    routers: Mapping[str, RouterBinding] = field(default_factory=dict)
     # Agent URL -> why the engine is gone (it left the inventory), None while it
     # is there (service/discovery.py); None: engines never go (the CLI).
     gone: Callable[[str], str | None] | None = None
@@ -322,7 +333,6 @@ class Run:
         self.x = executor
         self.store = executor.store
         self.spec = spec
-        self.client = client
         self.id = execution_id
         self.dry_run = dry_run
         self.approved = approved
@@ -330,6 +340,10 @@ class Run:
         self.condition_seconds: float | None = None
         # An SLO's burn-rate alert started it: verified on the SLO's burn rate.
         record = self.store.get_execution(execution_id)
+        # Advisory mode (run/advisory.py): an alert's dry run, whose writes
+        # are never sent, not even as the agent's dry runs.
+        self.advised = is_advised(record.dry_run, record.trigger)
+        self.client = client = AdvisoryAgent(client) if self.advised else client
         self.slo = alert_slo(executor.slos, record.who) if record.trigger == "alert" else None
         self.alert = (record.who, record.alert_starts_at) if record.trigger == "alert" else None
         if self.slo is not None and spec.verification is not None:
@@ -525,7 +539,7 @@ class Run:
         # The breaker's hold first: while it holds, automatic runs are refused
         # whatever the engine shows (the on-call should see why nothing acts).
         hold = self._breaker_hold()
-        if hold:
+        if hold and not self.advised:
             raise Abort(ExecutionStatus.REFUSED, ExitCode.USAGE, hold)
         nothing = self._nothing_to_improve()
         if nothing:
@@ -533,11 +547,13 @@ class Run:
         refusal = guardrail_refusal(self.store, self.spec, self.client.url, approved=True)
         if refusal:
             self.warnings.append(f"a real run would be refused now: {refusal}")
-        if self.spec.guardrails.requires_approval:
+        if self.spec.guardrails.requires_approval and not self.advised:
             self.warnings.append(f"runbook {self.spec.name} requires approval (--yes)")
         required = self._required_guards_refusal()
         if required:
             self.warnings.append(f"a real run would be refused now: {required}")
+        # Advice names the first refusal a real run would meet, in its order.
+        first = next((r for r in (hold, required, refusal, nothing) if r), None)
         for step in self.spec.steps:
             details: dict[str, Any] = {}
             if step.when is not None:
@@ -558,6 +574,9 @@ class Run:
                     after=outcome.after,
                     status=STEP_PLANNED,
                 )
+        if self.advised:
+            advice = WOULD_ACT if first is None else f"{WOULD_REFUSE}: {first}"
+            return self.finish(ExecutionStatus.SUCCEEDED, ExitCode.OK, advice)
         return self.finish(ExecutionStatus.SUCCEEDED, ExitCode.OK, "dry run: nothing changed")
 
     def _real_run(self) -> ExecutionResult:
@@ -637,6 +656,7 @@ class Run:
             begin,
             self.x.api_urls.get(self.client.url),
             wait=lambda seconds: self.x.wait(seconds, self.renew),
+            router=self.x.routers.get(self.client.url),
         )
         outcome: ActionOutcome = self.x.registry.call(step.action, step.params, ctx)
         return outcome

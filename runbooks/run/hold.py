@@ -59,6 +59,8 @@ DIRECTION_WINDOW: Final = timedelta(hours=1)
 MAX_AUTOMATIC_CHANGES: Final = 3  # knob-changing executions in the window: 2 turns
 WHO: Final = "hold"  # `who` of the reverts a hold releases
 REAPPLY: Final = "reapply_knobs"  # the step of a re-apply after a premature revert
+# An advised execution's note when its finding resolved (its hold_since: when).
+ADVICE_RESOLVED: Final = "advisory mode: the finding resolved by itself; nothing was changed"
 
 
 def _eligible(spec: Runbook, record: ExecutionRecord | None) -> ExecutionRecord | None:
@@ -89,7 +91,14 @@ def hold_on_resolve(
     knob changed)."""
     spec = executor.runbook(runbook)
     engine = executor.client_factory(engine_url).url
-    record = _eligible(spec, executor.store.find_episode(runbook, engine, fingerprint, starts_at))
+    found = executor.store.find_episode(runbook, engine, fingerprint, starts_at)
+    if found is not None and found.advised:
+        # Advisory mode changed nothing: the journal keeps when the finding
+        # resolved by itself (`runbook report` compares it with the advice).
+        if found.status != ExecutionStatus.SUCCEEDED or found.hold_since is not None:
+            return None
+        return executor.store.hold(found.id, ADVICE_RESOLVED)
+    record = _eligible(spec, found)
     if record is None:
         return None
     hold = spec.revert.hold_seconds if hold_seconds is None else hold_seconds

@@ -9,7 +9,8 @@ a run and holding the engine lock. Stepwise, it moves the knobs back in the
 runbook's stages (e.g. 50 % then 100 %), watching a healthy period between
 stages and halting when the verification or a guarded signal gets worse.
 The run's own rollback (a failing step, the circuit breaker) restores with
-`restore_targets` too.
+`restore_targets` too. A drain (engine/router.py) is undone by routing to
+the engine again at its router (`revert_drain`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import Any, Protocol
 
 from vllm_runbook.runbooks.engine.client import Agent, EngineClientError
 from vllm_runbook.runbooks.engine.operations import KNOBS, SignalReader
+from vllm_runbook.runbooks.engine.router import RouterError, undo_drain
+from vllm_runbook.runbooks.engine.routing import RouterBinding
 from vllm_runbook.runbooks.model.exit_codes import ExitCode, RunbookError
 from vllm_runbook.runbooks.model.spec import Catalog, Runbook
 from vllm_runbook.runbooks.run.guardrails import engine_lock, worse
@@ -73,6 +76,9 @@ class Executor(Protocol):
     def poll_seconds(self) -> float: ...
 
     @property
+    def routers(self) -> Mapping[str, RouterBinding]: ...
+
+    @property
     def clock(self) -> Callable[[], float]: ...
 
     def runbook(self, name: str) -> Runbook: ...
@@ -115,6 +121,18 @@ def revertible_steps(record: ExecutionRecord) -> list[StepRecord]:
         if s.status in (STEP_APPLIED, STEP_INTERRUPTED)
         and s.before
         and any(k in KNOBS for k in s.before)
+    ]
+
+
+def drained_steps(record: ExecutionRecord) -> list[StepRecord]:
+    """Steps that took the engine out of its router's rotation (engine/router.py's
+    drain, journaled `{"routed": true}` before): a revert routes to it again."""
+    return [
+        s
+        for s in record.steps
+        if s.status in (STEP_APPLIED, STEP_INTERRUPTED)
+        and s.before is not None
+        and s.before.get("routed") is True
     ]
 
 
@@ -194,7 +212,7 @@ class Revert:
             return f"execution #{original.id} is still {original.status}"
         if original.status not in (ExecutionStatus.SUCCEEDED, ExecutionStatus.FAILED):
             return f"execution #{original.id} is {original.status}: nothing to revert"
-        if not revertible_steps(original):
+        if not revertible_steps(original) and not drained_steps(original):
             return f"execution #{original.id} changed no knob: nothing to revert"
         return None
 
@@ -216,9 +234,16 @@ class Revert:
             if healthy_period_seconds is None
             else healthy_period_seconds
         )
+        drains = drained_steps(original)
+        if not targets:
+            fractions = ()  # only a drain to undo
         store.transition(run.id, ExecutionStatus.RUNNING)
         try:
             run.checks()
+            if drains:
+                problem = self._undrain(run, original)
+                if problem is not None:
+                    return run.finish(ExecutionStatus.FAILED, ExitCode.FAILED, problem)
             assert run.reader.last_state is not None  # checks() read it
             start = {k: getattr(run.reader.last_state.knobs, k) for k in targets}
             for stage, fraction in enumerate(fractions):
@@ -262,7 +287,7 @@ class Revert:
                         )
         except EngineClientError as error:
             return run.finish(ExecutionStatus.FAILED, error.exit_code, one_line(error))
-        for step in steps:
+        for step in [*steps, *drains]:
             store.finish_step(step.id, STEP_REVERTED)
         store.transition(
             original.id, ExecutionStatus.REVERTED, reason=f"reverted by execution #{run.id}"
@@ -272,6 +297,25 @@ class Revert:
             ExitCode.OK,
             f"execution #{original.id} reverted" + (f": {self.reason}" if self.reason else ""),
         )
+
+    def _undrain(self, run: Run, original: ExecutionRecord) -> str | None:
+        """Route to the engine again; a problem (no router known, the router
+        refused) as one line, None when it is back in rotation."""
+        binding = self.x.routers.get(run.client.url)
+        params = {"of_execution": original.id}
+        if binding is None:
+            return (
+                f"execution #{original.id} drained the engine, but no router is configured for it"
+            )
+        row = self.store.add_step(run.id, "revert_drain", params, before={"routed": False})
+        try:
+            added = undo_drain(binding)
+        except RouterError as error:
+            self.store.finish_step(row.id, STEP_FAILED, error=one_line(error))
+            return one_line(error)
+        after = {"routed": True} if added else {"routed": True, "note": "already in rotation"}
+        self.store.finish_step(row.id, STEP_APPLIED, after=after)
+        return None
 
     def _unhealthy(
         self,

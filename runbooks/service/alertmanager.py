@@ -15,12 +15,17 @@ stored payload only (Alertmanager's zero time, 0001-01-01T00:00:00Z, means
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_ALERTS = 10_000
+# RFC 3339's date-time (section 5.6), as Go's time.RFC3339Nano writes it.
+RFC3339 = re.compile(
+    r"\d{4}-\d{2}-\d{2}[Tt]\d{2}:\d{2}:\d{2}(?:\.\d+)?(?:[Zz]|[+-]\d{2}:\d{2})", re.ASCII
+)
 # executions.alert_fingerprint; Alertmanager's fingerprints are 16 hex digits.
 MAX_FINGERPRINT = 64
 
@@ -37,6 +42,15 @@ class Alert(_Lenient):
     endsAt: datetime | None = None
     generatorURL: str = ""
     fingerprint: str = Field(min_length=1, max_length=MAX_FINGERPRINT)
+
+    @field_validator("startsAt", mode="before")
+    @classmethod
+    def _rfc3339(cls, value: Any) -> Any:
+        # pydantic would take a number (or a string of digits) as a Unix time:
+        # Alertmanager sends RFC 3339 text, and anything else is not its payload.
+        if not isinstance(value, str) or RFC3339.fullmatch(value) is None:
+            raise ValueError("startsAt must be an RFC 3339 time (2006-01-02T15:04:05Z)")
+        return value
 
     @field_validator("startsAt")
     @classmethod

@@ -6,7 +6,7 @@ top --server` and the demo's event feed parse the answers with them.
 
     GET  /api/executions                      → Executions       (newest first)
     GET  /api/incidents                       → Incidents
-    GET  /api/pending                         → PendingApprovals (oldest first)
+    GET  /api/pending                         → PendingApprovals (newest first, paged)
     GET  /api/engines                         → Engines          (the inventory)
     GET  /api/engines/state                   → EngineStates     (each agent's state, or why not)
     GET  /api/whoami                          → WhoAmI
@@ -102,7 +102,9 @@ class Execution(_Answer):
     display_status: str
     """The status to show a person: `interrupted` when its process died, `nothing to
     improve` for a refusal because the condition was gone, `holding` when its alert
-    resolved and its revert waits for the cause to go, else `status`."""
+    resolved and its revert waits for the cause to go, `advised` for advisory mode's
+    advice (a finished dry run an alert started: `reason` says what it would have
+    done), else `status`."""
     interrupted: bool
     reason: str | None
     """Why it is where it is (`awaiting approval` while a person has not answered)."""
@@ -149,7 +151,9 @@ class Executions(RootModel[list[Execution]]):
 
 
 class PendingApprovals(RootModel[list[Execution]]):
-    """The executions awaiting a person's answer, oldest first (`GET /api/pending`)."""
+    """The executions awaiting a person's answer, newest first, a page of at
+    most 500 (`GET /api/pending?engine=&runbook=&limit=100&before=ID`; the
+    answer's X-Total-Count and X-Rest-Count headers count all and the older)."""
 
     model_config = ConfigDict(frozen=True)
 

@@ -6,7 +6,7 @@ GET  /metrics                 the service's own metrics
 GET  /openapi.json            the API's schema (no Swagger UI: it would load a CDN's script)
 GET  /api/executions          the journal
 GET  /api/incidents           incidents recorded by the rule evaluator
-GET  /api/pending             executions awaiting approval
+GET  /api/pending             executions awaiting approval, newest first, a page at a time
 GET  /api/engines             the inventory: each engine, its source and when it was last seen
 GET  /api/engines/state       each engine's agent state now, or why not (`runbook top`)
 GET  /api/whoami              who the credentials answer as (the webhook's; 401 otherwise)
@@ -36,6 +36,7 @@ import re
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from typing import Any
+from urllib.parse import urlencode
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
@@ -63,7 +64,12 @@ from vllm_runbook.runbooks.service.api import (
 from vllm_runbook.runbooks.service.auth import Access, Credentials, Refusal, send_refusal
 from vllm_runbook.runbooks.service.browser import BrowserGuard, BrowserPolicy
 from vllm_runbook.runbooks.service.discovery import Inventory
-from vllm_runbook.runbooks.service.limits import BODY_TOO_LARGE, WEBHOOK_PATH, RequestLimits
+from vllm_runbook.runbooks.service.limits import (
+    BODY_TOO_LARGE,
+    WEBHOOK_PATH,
+    Connections,
+    RequestLimits,
+)
 from vllm_runbook.runbooks.service.page import is_page, mount_page
 from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
 from vllm_runbook.runbooks.service.webhooks import GroupCommitter, Router
@@ -83,6 +89,10 @@ __all__ = ["Credentials", "create_app", "store_error"]
 log = logging.getLogger("vllm_runbook.service")
 
 _SUSPECT_ESCAPE = re.compile(rb"\\u(?:0000|[dD][89a-fA-F])")
+
+# GET /api/pending: a page's executions by default, and at most (`limit`).
+PENDING_API_DEFAULT = 100
+PENDING_API_MAX = 500
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
@@ -167,7 +177,6 @@ def create_app(
         openapi_url=None,
         lifespan=serving,
     )
-    app.add_middleware(BrowserGuard, policy=browser)
     app.add_exception_handler(Refusal, send_refusal)
     app.add_exception_handler(StoreError, store_error)
 
@@ -176,8 +185,14 @@ def create_app(
         if path == WEBHOOK_PATH and reason == BODY_TOO_LARGE:
             metrics.webhooks_rejected.labels(T.REJECT_MALFORMED).inc()
 
-    app.add_middleware(RequestLimits, limits=limits or LimitsConfig(), on_refused=refused)
-    app.state.refused = refused  # the server's header timeout counts there too
+    limits = limits or LimitsConfig()
+    connections = Connections(limits)
+    app.add_middleware(RequestLimits, limits=limits, on_refused=refused, connections=connections)
+    # Outermost: its security headers go on every answer, RequestLimits' 413/408/503 too.
+    app.add_middleware(BrowserGuard, policy=browser)
+    # The server's protocol counts the connections and its refusals there too.
+    app.state.refused = refused
+    app.state.connections = connections
 
     def rejected(reason: str, status_code: int, message: str, **extra: Any) -> JSONResponse:
         metrics.webhooks_rejected.labels(reason).inc()
@@ -281,8 +296,26 @@ def create_app(
         return Engines([Engine.from_entry(e) for e in entries])
 
     @app.get("/api/pending", dependencies=read, responses=refusals)
-    def pending() -> PendingApprovals:
-        return PendingApprovals.of(store.pending_approvals())
+    def pending(
+        response: Response,
+        engine: str | None = None,
+        runbook: str | None = None,
+        limit: int = PENDING_API_DEFAULT,
+        before: int | None = None,
+    ) -> PendingApprovals:
+        # Newest first, a page at a time: X-Total-Count (all that match),
+        # X-Rest-Count (older than this page) and, when there are more, a Link
+        # to the next page (`before` = the last id of this one).
+        limit = max(1, min(limit, PENDING_API_MAX))
+        page = store.pending_page(limit=limit, engine=engine, runbook=runbook, before=before)
+        response.headers["X-Total-Count"] = str(page.total)
+        response.headers["X-Rest-Count"] = str(page.rest)
+        if page.rest:
+            query = {"engine": engine, "runbook": runbook, "limit": limit}
+            query["before"] = page.records[-1].id
+            given = urlencode({k: v for k, v in query.items() if v is not None})
+            response.headers["Link"] = f'</api/pending?{given}>; rel="next"'
+        return PendingApprovals.of(page.records)
 
     def engine_state(engine: EngineConfig) -> EngineState:
         current = inventory or router.inventory

@@ -11,6 +11,14 @@ be stale): its alerts go through `for` again, a new episode whose
 remediation the executor's cooldown refuses if the previous leader already
 acted.
 
+With `split` (`rules.replicas: split`) every replica evaluates, each its
+share of the engines: each holds a lease of its own (`rules-replica:...`,
+renewed every cycle), and at every cycle the live leases name the replicas
+among which rendezvous hashing gives each engine to exactly one
+(RulesService.set_share). A replica that stops gracefully gives its lease up
+and the others take its engines at their next cycle; one that crashes is
+rebalanced when its lease lapses (`rules.leader_lease`), at the next cycle.
+
 The cycle is a job of the service's scheduler (`schedule`): every
 `rules.evaluation_interval`, never two at once, missed runs coalesced.
 """
@@ -18,6 +26,7 @@ The cycle is a job of the service's scheduler (`schedule`): every
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import socket
@@ -38,6 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm_runbook.service")
 
 LEASE_NAME = "rules-leader"
+REPLICA_LEASE_PREFIX = "rules-replica:"  # split: one lease per live replica
 # How long a stop waits for a cycle in flight (scrapes have their own timeout).
 STOP_TIMEOUT_S: Final = 60.0
 
@@ -52,6 +62,7 @@ class RulesLeader:
         metrics: ServiceMetrics | None = None,
         holder: str | None = None,
         clock: Callable[[], float] = time.time,
+        split: bool = False,
     ) -> None:
         self.store = store
         self.make_service = make_service
@@ -59,6 +70,13 @@ class RulesLeader:
         self.metrics = metrics
         self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
         self.clock = clock
+        self.split = split
+        self.lease_name = (
+            REPLICA_LEASE_PREFIX + hashlib.blake2b(self.holder.encode(), digest_size=12).hexdigest()
+            if split
+            else LEASE_NAME
+        )
+        self.replicas: tuple[str, ...] = ()  # split: the live replicas at the latest cycle
         self.service: RulesService | None = None
         self.cycles = 0  # cycles evaluated as the leader
         self._job = WakeableJob(self._pass, job_id=JOB_ID, name="rules")
@@ -77,7 +95,7 @@ class RulesLeader:
 
     def _hold(self) -> bool:
         try:
-            return self.store.acquire_lease(LEASE_NAME, self.holder, self.ttl_seconds)
+            return self.store.acquire_lease(self.lease_name, self.holder, self.ttl_seconds)
         except StoreError as exc:
             # Leadership cannot be asserted without the database: stop evaluating
             # (another replica that can reach it takes over after the TTL).
@@ -93,6 +111,9 @@ class RulesLeader:
         if self.service is None:
             log.warning("rules leader: this replica (%s) evaluates the rules now", self.holder)
             self.service = self.make_service()
+        if self.split and not self._share(self.service):
+            self._step_down()
+            return False
         now = self.clock()
         started = time.perf_counter()
         self.service.scrape(now)
@@ -105,12 +126,29 @@ class RulesLeader:
             self.metrics.rules_cycle.observe(time.perf_counter() - started)
         return True
 
+    def _share(self, service: RulesService) -> bool:
+        """Give `service` this replica's share of the engines; False without the store."""
+        try:
+            live = self.store.live_holders(REPLICA_LEASE_PREFIX)
+        except StoreError as exc:
+            log.warning("rules replica: store unavailable, stepping down: %s", exc)
+            return False
+        replicas = tuple(sorted({*live, self.holder}))
+        if replicas != self.replicas:
+            log.warning(
+                "rules replica %s: %d live replicas split the engines", self.holder, len(replicas)
+            )
+        self.replicas = replicas
+        service.set_share(replicas, self.holder)
+        return True
+
     def _step_down(self) -> None:
         if self.service is None:
             return
         log.warning("rules leader: %s no longer evaluates the rules", self.holder)
         self.service.close()
         self.service = None
+        self.replicas = ()
         if self.metrics is not None:
             self.metrics.clear_firing()
 
@@ -123,4 +161,4 @@ class RulesLeader:
         self._step_down()
         if was_leader:
             with contextlib.suppress(StoreError):
-                self.store.release_lease(LEASE_NAME, self.holder)
+                self.store.release_lease(self.lease_name, self.holder)

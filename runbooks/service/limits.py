@@ -16,9 +16,17 @@ Two layers, because uvicorn calls the app only once a request's head is in:
   `Connection: close`, so nothing more is read from that client. A client that
   hangs up mid-upload is one log line, not a traceback.
 
-The connection limit is uvicorn's `limit_concurrency` (requests beyond it are
-answered 503, which Alertmanager retries); `serve_cli` passes it and the
-keep-alive timeout from the configuration's `limits` section.
+Connections (`Connections`, counted by the protocol, read by the middleware):
+- one client address holds at most `limits.client_connections` open at once
+  (`max_client_connections`, by default half of `max_connections`): a
+  connection beyond it is answered 503 and closed before anything is read, so
+  one peer cannot take every slot;
+- while more than `limits.max_connections` are open in all, every request but
+  the health check (`/healthz`, the liveness and readiness probes' path) is
+  answered 503 (Alertmanager retries): the probes answer whatever the load.
+`serve_cli` passes the protocol and the keep-alive timeout from the
+configuration's `limits` section (not uvicorn's `limit_concurrency`, which
+counts a probe's connection like any other and answers it 503 too).
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
@@ -33,10 +43,13 @@ from typing import Any, Final
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from vllm_runbook.runbooks.model.config import KIB, LimitsConfig
+from vllm_runbook.runbooks.service.browser import SECURITY_HEADERS
 
 log = logging.getLogger("vllm_runbook.service")
 
 WEBHOOK_PATH: Final = "/webhooks/alertmanager"
+# Answered whatever the connections' load (the Kubernetes probes' path).
+HEALTH_PATHS: Final = frozenset({"/healthz"})
 # Every other route: approve/reject (a JSON body or the page's form) carry a
 # note of at most 4096 characters, which escaped (\\uXXXX, %XX) stays under this;
 # the rest read no body at all.
@@ -49,9 +62,56 @@ BODY_TOO_LARGE: Final = "body_too_large"
 BODY_TIMEOUT: Final = "body_timeout"
 HEADER_TIMEOUT: Final = "header_timeout"
 CLIENT_DISCONNECTED: Final = "client_disconnected"
-REFUSAL_REASONS: Final = (BODY_TOO_LARGE, BODY_TIMEOUT, HEADER_TIMEOUT, CLIENT_DISCONNECTED)
+CLIENT_CONNECTIONS: Final = "client_connections"
+TOO_MANY_CONNECTIONS: Final = "too_many_connections"
+REFUSAL_REASONS: Final = (
+    BODY_TOO_LARGE,
+    BODY_TIMEOUT,
+    HEADER_TIMEOUT,
+    CLIENT_DISCONNECTED,
+    CLIENT_CONNECTIONS,
+    TOO_MANY_CONNECTIONS,
+)
 
 OnRefused = Callable[[str, str], None]  # (path or "", reason)
+
+
+class Connections:
+    """The server's open connections, in all and per client address: the
+    protocol counts them (`opened`/`closed`), RequestLimits reads `busy`."""
+
+    def __init__(self, limits: LimitsConfig) -> None:
+        self.max_connections = limits.max_connections
+        self.per_client = limits.client_connections
+        self.open = 0
+        self._by_client: Counter[str] = Counter()
+        self._lock = threading.Lock()  # the event loop's thread only, but cheap
+
+    def opened(self, client: str) -> bool:
+        """Count a new connection from `client`; False (not counted) when that
+        client already holds its share."""
+        with self._lock:
+            if self._by_client[client] >= self.per_client:
+                return False
+            self._by_client[client] += 1
+            self.open += 1
+            return True
+
+    def closed(self, client: str) -> None:
+        with self._lock:
+            self.open -= 1
+            self._by_client[client] -= 1
+            if self._by_client[client] <= 0:
+                del self._by_client[client]
+
+    def held_by(self, client: str) -> int:
+        with self._lock:
+            return self._by_client[client]
+
+    @property
+    def busy(self) -> bool:
+        """More connections are open than `limits.max_connections`."""
+        return self.open > self.max_connections
 
 
 class _BodyTooLarge(Exception):
@@ -77,7 +137,7 @@ def _content_length(scope: Scope) -> int | None:
     return None
 
 
-async def _answer(send: Send, status: int, message: str) -> None:
+async def _answer(send: Send, status: int, message: str, *, retry_after: bool = False) -> None:
     body = json.dumps({"error": message}).encode()
     await send(
         {
@@ -88,6 +148,7 @@ async def _answer(send: Send, status: int, message: str) -> None:
                 (b"content-length", str(len(body)).encode()),
                 # Read nothing more from this client: the rest of its body is refused.
                 (b"connection", b"close"),
+                *([(b"retry-after", b"1")] if retry_after else []),
             ],
         }
     )
@@ -103,14 +164,22 @@ class _Upload:
 
 
 class RequestLimits:
-    """Body limits and the body-read timeout, for every route of the app it wraps."""
+    """Body limits and the body-read timeout, for every route of the app it
+    wraps, and 503 for every route but the health check while `connections`
+    is busy."""
 
     def __init__(
-        self, app: ASGIApp, *, limits: LimitsConfig, on_refused: OnRefused | None = None
+        self,
+        app: ASGIApp,
+        *,
+        limits: LimitsConfig,
+        on_refused: OnRefused | None = None,
+        connections: Connections | None = None,
     ) -> None:
         self.app = app
         self.limits = limits
         self.on_refused = on_refused
+        self.connections = connections
 
     def _refused(self, path: str, reason: str) -> None:
         if self.on_refused is not None:
@@ -121,6 +190,17 @@ class RequestLimits:
             await self.app(scope, receive, send)
             return
         path, method = scope["path"], scope["method"]
+        if self.connections is not None and self.connections.busy and path not in HEALTH_PATHS:
+            log.warning(
+                "%s %s: refused, %d connections open (limit %d)",
+                method,
+                path,
+                self.connections.open,
+                self.connections.max_connections,
+            )
+            self._refused(path, TOO_MANY_CONNECTIONS)
+            await _answer(send, 503, "too many connections; retry later", retry_after=True)
+            return
         limit = body_limit(path, self.limits)
         declared = _content_length(scope)
         if declared is not None and declared > limit:
@@ -199,32 +279,63 @@ def _chunked(scope: Scope) -> bool:
     )
 
 
-_HEAD_TIMEOUT_BODY: Final = b'{"error": "request head not received in time"}'
-_HEAD_TIMEOUT_RESPONSE: Final = (
-    b"HTTP/1.1 408 Request Timeout\r\n"
-    b"content-type: application/json\r\n"
-    b"connection: close\r\n"
-    b"content-length: " + str(len(_HEAD_TIMEOUT_BODY)).encode() + b"\r\n\r\n" + _HEAD_TIMEOUT_BODY
+def _raw_answer(status_line: bytes, message: bytes, *extra: bytes) -> bytes:
+    """A whole HTTP/1.1 answer that closes the connection, with the security
+    headers every other answer carries (service/browser.py)."""
+    body = b'{"error": "' + message + b'"}'
+    headers = [
+        b"content-type: application/json",
+        b"connection: close",
+        *extra,
+        *(name + b": " + value for name, value in SECURITY_HEADERS),
+        b"content-length: " + str(len(body)).encode(),
+    ]
+    return b"HTTP/1.1 " + status_line + b"\r\n" + b"\r\n".join(headers) + b"\r\n\r\n" + body
+
+
+_HEAD_TIMEOUT_RESPONSE: Final = _raw_answer(
+    b"408 Request Timeout", b"request head not received in time"
+)
+_CLIENT_CONNECTIONS_RESPONSE: Final = _raw_answer(
+    b"503 Service Unavailable", b"too many connections from this address; retry", b"retry-after: 1"
 )
 
 
 def timed_h11_protocol(
-    header_timeout_s: float, on_refused: OnRefused | None = None
+    header_timeout_s: float,
+    on_refused: OnRefused | None = None,
+    connections: Connections | None = None,
 ) -> type[asyncio.Protocol]:
     """uvicorn's h11 protocol whose connections must send each request head
     within `header_timeout_s` (from the connection's start, and from each
-    response); pass it as `uvicorn.run(..., http=...)`."""
+    response), counted in `connections` (a client beyond its share is
+    answered 503 and closed at once); pass it as `uvicorn.run(..., http=...)`."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class TimedH11Protocol(H11Protocol):
         _head_timer: asyncio.TimerHandle | None = None
+        _counted: str | None = None
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
+            if connections is not None:
+                peer = self.client[0] if self.client else ""
+                if not connections.opened(peer):
+                    if on_refused is not None:
+                        on_refused("", CLIENT_CONNECTIONS)
+                    held = connections.held_by(peer)
+                    log.info("%s: refused, it holds %d connections already", peer, held)
+                    self.transport.write(_CLIENT_CONNECTIONS_RESPONSE)
+                    self.transport.close()
+                    return
+                self._counted = peer
             self._arm()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            if connections is not None and self._counted is not None:
+                connections.closed(self._counted)
+                self._counted = None
             super().connection_lost(exc)
 
         def handle_events(self) -> None:

@@ -58,6 +58,16 @@ DETECTION_TO_ACTION = _spec(
     "runbook",
     buckets=DETECTION_TO_ACTION_BUCKETS,
 )
+DETECTION_TO_ACTION_UNMEASURED = _spec(
+    "detection_to_action_unmeasured",
+    "counter",
+    "Executions that acted whose alert's startsAt gives no sensible detection-to-action "
+    "time, so detection_to_action_seconds did not observe it, by runbook and reason "
+    "(starts_at_after_action: startsAt more than a minute after the first action; "
+    "starts_at_too_old: more than a day before it).",
+    "runbook",
+    "reason",
+)
 RULE_EVALUATION = _spec(
     "rule_evaluation_seconds",
     "histogram",
@@ -158,7 +168,8 @@ REQUESTS_REFUSED = _spec(
     "requests_refused",
     "counter",
     "Requests refused or cut by the service's limits, by reason "
-    "(body_too_large|body_timeout|header_timeout|client_disconnected).",
+    "(body_too_large|body_timeout|header_timeout|client_disconnected|"
+    "client_connections|too_many_connections).",
     "reason",
 )
 WEBHOOK_EVENTS_PRUNED = _spec(
@@ -187,6 +198,7 @@ SERVICE_METRICS: tuple[MetricSpec, ...] = (
     WEBHOOKS_REJECTED,
     EXECUTIONS,
     DETECTION_TO_ACTION,
+    DETECTION_TO_ACTION_UNMEASURED,
     RULE_EVALUATION,
     SCRAPE_ERRORS,
     SCRAPE_DURATION,

@@ -111,6 +111,7 @@ def events_of(record: ExecutionRecord) -> list[str]:
         hold_since=record.hold_since,
         hold_for_person=record.hold_for_person,
         premature=record.premature,
+        trigger=record.trigger,
     )
 
 

@@ -21,7 +21,7 @@ import asyncio
 import math
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Final
-from urllib.parse import parse_qs, quote
+from urllib.parse import parse_qs, quote, urlencode
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
@@ -59,6 +59,11 @@ PAGE_CSS: Final = TEMPLATES_DIR / "page.css"
 ANONYMOUS: Final = "anonymous (loopback)"
 REFRESH_SECONDS: Final = 10
 RECENT: Final = 20
+# Executions awaiting approval shown at once, newest first; the rest are counted
+# and paged (`?before=ID`), and filtered by engine and runbook.
+PENDING_PAGE: Final = 50
+# Engine/runbook pairs offered as filters (the most awaiting first).
+PENDING_FILTERS: Final = 50
 UI_PREFIX: Final = "/ui/"
 
 
@@ -82,9 +87,17 @@ def _environment() -> SandboxedEnvironment:
     return env
 
 
-def _view(store: Journal, timeout_s: float) -> dict[str, Any]:
+def _view(
+    store: Journal,
+    timeout_s: float,
+    engine: str | None = None,
+    runbook: str | None = None,
+    before: int | None = None,
+) -> dict[str, Any]:
     incidents = store.list_incidents(open_only=True)
-    pending = store.pending_approvals()
+    page = store.pending_page(limit=PENDING_PAGE, engine=engine, runbook=runbook, before=before)
+    pending = page.records
+    filters = {k: v for k, v in (("engine", engine), ("runbook", runbook)) if v}
     recent = store.list_executions(limit=RECENT)
     trips = store.list_executions(who=BREAKER_WHO, limit=RECENT)
     failures = store.notifications([r.id for r in recent], status="failed")
@@ -100,6 +113,14 @@ def _view(store: Journal, timeout_s: float) -> dict[str, Any]:
         "refresh": REFRESH_SECONDS,
         "incidents": incidents,
         "pending": [{"e": r, "alert": alert_name(r), "expires": expires(r)} for r in pending],
+        "pending_total": page.total,
+        "pending_rest": page.rest,
+        "pending_next": (
+            "/?" + urlencode({**filters, "before": pending[-1].id}) if page.rest else None
+        ),
+        "pending_filters": filters,
+        "pending_pairs": store.pending_counts()[:PENDING_FILTERS],
+        "self_url": "/?" + urlencode(filters) if filters else "/",
         "recent": [
             {
                 "e": r,
@@ -146,8 +167,14 @@ def mount_page(
         return Response(stylesheet, media_type="text/css", headers={"Cache-Control": "no-cache"})
 
     @app.get("/", response_class=HTMLResponse, dependencies=[Depends(access.page_reader)])
-    def page(request: Request, msg: str | None = None) -> Response:
-        view = _view(store, approval_timeout_s)
+    def page(
+        request: Request,
+        msg: str | None = None,
+        engine: str | None = None,
+        runbook: str | None = None,
+        before: int | None = None,
+    ) -> Response:
+        view = _view(store, approval_timeout_s, engine or None, runbook or None, before)
         name, secure = session_cookie(request)
         cookie = request.cookies.get(name)
         fresh = not browser.session_valid(cookie)

@@ -13,14 +13,20 @@ to start rather than run with a rule silently dropped.
 With `metrics` (the service's, vllm_runbook.runbooks.service.telemetry) each evaluation's
 wall time, the scrape errors and durations per target and the firing incidents per alert
 are exported.
-Several replicas run the cycle through vllm_runbook.runbooks.service.leader: one at a time.
+Several replicas run the cycle through vllm_runbook.runbooks.service.leader: one at a
+time (`rules.replicas: leader`), or each on its share of the engines (`split`): the
+engines rendezvous hashing (`rendezvous_owner`) gives it among the live replicas
+(`set_share`). An engine handed to another replica leaves this one's scrapes and
+windows, and its open alerts are dropped without a resolve (the new owner
+evaluates it from then on, through `for` again, as a new leader would).
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -56,6 +62,7 @@ class RulesService:
     metrics: ServiceMetrics | None = None
     inventory: Inventory | None = None
     _inventory_version: int = -1
+    _share: tuple[tuple[str, ...], str] | None = None  # (live replicas, this one)
 
     @classmethod
     def from_config(
@@ -86,6 +93,9 @@ class RulesService:
             windows,
             targets,
             timeout=scrape_timeout,
+            # A hanging target does not hold the cycle: late, not failed (rules/scrape.py).
+            deadline=config.rules.scrape_deadline * config.evaluation_interval,
+            grace=config.rules.scrape_grace,
             clock=clock,
             on_error=metrics.scrape_failed if metrics is not None else None,
             observer=metrics,
@@ -120,9 +130,34 @@ class RulesService:
         if inventory is None or inventory.version == self._inventory_version:
             return
         self._inventory_version = inventory.version
-        engines = inventory.engines()
-        self.scraper.set_targets([t for engine in engines for t in engine.targets()])
+        self._retarget()
+
+    def set_share(self, replicas: Sequence[str], me: str) -> None:
+        """From now on scrape and evaluate only the engines `rendezvous_owner` gives
+        `me` among the live `replicas` (between cycles, on the cycle's thread)."""
+        share = (tuple(sorted({*replicas, me})), me)
+        if share != self._share:
+            self._share = share
+            self._retarget()
+
+    def owns(self, engine: str) -> bool:
+        """Whether this replica evaluates `engine` (always, unless the fleet is split)."""
+        if self._share is None:
+            return True
+        replicas, me = self._share
+        return rendezvous_owner(engine, replicas) == me
+
+    def _retarget(self) -> None:
+        engines = self.inventory.engines() if self.inventory is not None else self.config.engines
+        mine = {e.name for e in engines if self.owns(e.name)}
+        self.scraper.set_targets([t for e in engines if e.name in mine for t in e.targets()])
         self.dispatcher.engines = {e.name: e for e in engines}
+        # Handed to another replica (still in the inventory): dropped without a
+        # resolve; an engine that left the inventory resolves as before.
+        handed = {e.name for e in engines} - mine
+        active = self.evaluator.active
+        for key in [k for k in active if k[1][0] in handed]:
+            del active[key]
 
     def scrape(self, now: float) -> None:
         self.follow_inventory()
@@ -148,3 +183,13 @@ class RulesService:
     def start(self, scheduler: BaseScheduler) -> Job:
         """Run the cycle every `rules.evaluation_interval` on `scheduler`."""
         return schedule_cycle(scheduler, self.run_cycle, self.config.evaluation_interval)
+
+
+def rendezvous_owner(engine: str, replicas: Sequence[str]) -> str:
+    """The replica that evaluates `engine`: the highest hash of (replica, engine).
+    Every replica computes the same from the same live set; one that leaves moves
+    only its own engines, each to the next highest (no migration, no table)."""
+    return max(
+        replicas,
+        key=lambda r: hashlib.blake2b(f"{r}\n{engine}".encode(), digest_size=8).digest(),
+    )

@@ -81,6 +81,7 @@ def build(
     the app's lifespan starts them); raises the errors the CLI maps."""
     from vllm_runbook.runbooks.engine.client import normalize_url
     from vllm_runbook.runbooks.engine.operations import engine_registry
+    from vllm_runbook.runbooks.engine.router import router_bindings
     from vllm_runbook.runbooks.model.catalogs import load_deployment
     from vllm_runbook.runbooks.service.app import create_app
     from vllm_runbook.runbooks.service.browser import BrowserPolicy
@@ -113,6 +114,7 @@ def build(
         alert_runbooks=deployment.alert_runbooks,
         known_runbooks=frozenset(runbooks),
         inventory=inventory,
+        advisory=config.advisory(runbooks),
     )
     metrics = ServiceMetrics(
         engine_names={normalize_url(e.agent): e.name for e in config.engines},
@@ -150,6 +152,7 @@ def build(
             registry,
             client_factory=lambda url: EngineClient(url, token=inventory.token(url)),
             api_urls=ApiUrls(inventory),
+            routers=router_bindings(config.engines),
             gone=inventory.gone_reason,
             breaker_hold_seconds=config.breaker.cooldown_seconds if config.breaker.enabled else 0.0,
             slos=config.slos,
@@ -178,7 +181,7 @@ def build(
         from vllm_runbook.runbooks.service.rules_service import RulesService
         from vllm_runbook.runbooks.service.worker import ExecutorHook
 
-        hook = ExecutorHook(store, runner) if runner is not None else None
+        hook = ExecutorHook(store, runner, router.advisory) if runner is not None else None
         names = list(runbooks)
         # a broken catalog fails the start, not a cycle
         RulesService.from_config(config, runbooks=names).close()
@@ -195,6 +198,7 @@ def build(
             ),
             config.leader_lease,
             metrics=metrics,
+            split=config.rules.replicas == "split",
         )
     credentials = credentials_from(config, host)
     notifier = None
@@ -313,13 +317,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             log_level="warning",
-            # h11 with a deadline on each request head (service/limits.py); the
-            # body's limit and deadline are the app's RequestLimits.
-            http=timed_h11_protocol(limits.header_timeout_seconds, app.state.refused),
+            # h11 with a deadline on each request head and the connections counted
+            # per client (service/limits.py); the body's limit and deadline and the
+            # connection limit's 503 (not on /healthz) are the app's RequestLimits.
+            # No limit_concurrency: uvicorn's would answer the probes 503 as well.
+            http=timed_h11_protocol(
+                limits.header_timeout_seconds, app.state.refused, app.state.connections
+            ),
             h11_max_incomplete_event_size=MAX_HEAD_BYTES,
             # Hinted int, used as a float (call_later): a fraction of a second is kept.
             timeout_keep_alive=limits.keep_alive_seconds,  # type: ignore[arg-type]
-            limit_concurrency=limits.max_connections,
         )
     finally:
         service.stop()

@@ -56,6 +56,24 @@ SCRAPE_ERROR_REASONS = ("unreachable", "http_status", "parse")
 NOTIFY_OUTCOMES = (NOTIFY_DELIVERED, NOTIFY_FAILED)
 # Why an alert of a stored delivery was not stored (ALERTS_REJECTED `reason`).
 ALERT_STARTS_AT_OUT_OF_RANGE = "starts_at_out_of_range"
+# detection_to_action_seconds observes -SKEW … MAX seconds (a negative one as 0:
+# the sender's clock ahead of ours); the rest is counted apart, by reason.
+DETECTION_TO_ACTION_SKEW_S = 60.0
+DETECTION_TO_ACTION_MAX_S = 86400.0
+STARTS_AT_AFTER_ACTION = "starts_at_after_action"
+STARTS_AT_TOO_OLD = "starts_at_too_old"
+UNMEASURED_REASONS = (STARTS_AT_AFTER_ACTION, STARTS_AT_TOO_OLD)
+
+
+def unmeasured_reason(seconds: float) -> str | None:
+    """Why a detection-to-action time of `seconds` is not a measurement (None: it is)."""
+    if seconds < -DETECTION_TO_ACTION_SKEW_S:
+        return STARTS_AT_AFTER_ACTION
+    if seconds > DETECTION_TO_ACTION_MAX_S:
+        return STARTS_AT_TOO_OLD
+    return None
+
+
 # The retention's limits (WEBHOOK_EVENTS_PRUNED `limit`).
 PRUNED_MAX_AGE, PRUNED_MAX_SIZE = "max_age", "max_size"
 
@@ -89,6 +107,7 @@ class ServiceMetrics:
         self.webhooks_rejected = cast(Counter, built[S.WEBHOOKS_REJECTED])
         self.executions = cast(Counter, built[S.EXECUTIONS])
         self.detection_to_action = cast(Histogram, built[S.DETECTION_TO_ACTION])
+        self.detection_to_action_unmeasured = cast(Counter, built[S.DETECTION_TO_ACTION_UNMEASURED])
         self.rule_evaluation = cast(Histogram, built[S.RULE_EVALUATION])
         self.scrape_errors = cast(Counter, built[S.SCRAPE_ERRORS])
         self.scrape_duration = cast(Gauge, built[S.SCRAPE_DURATION])
@@ -127,6 +146,8 @@ class ServiceMetrics:
             self.webhooks_received.labels(status)
         for runbook in runbooks:
             self.detection_to_action.labels(runbook)
+            for reason in UNMEASURED_REASONS:
+                self.detection_to_action_unmeasured.labels(runbook, reason)
             for status in COUNTED_STATUSES:
                 self.executions.labels(runbook, status)
         for name in sorted(set(self.engine_names.values())):
@@ -177,7 +198,13 @@ class ServiceMetrics:
             first = changed[0][0]
             acted = first.finished_at or first.started_at
             seconds = (acted - record.alert_starts_at).total_seconds()
-            self.detection_to_action.labels(record.runbook).observe(max(0.0, seconds))
+            unmeasured = unmeasured_reason(seconds)
+            if unmeasured is not None:
+                # A clock (Prometheus', Alertmanager's, a sender's) that is wrong:
+                # counted apart, not averaged in (year 1 would read 2000 years).
+                self.detection_to_action_unmeasured.labels(record.runbook, unmeasured).inc()
+            else:
+                self.detection_to_action.labels(record.runbook).observe(max(0.0, seconds))
 
     def revert_finished(self, original: ExecutionRecord, revert: ExecutionRecord) -> None:
         """A revert of `original` finished: the original is `reverted` if it worked."""

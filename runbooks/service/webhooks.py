@@ -67,6 +67,8 @@ class Router:
     alert_runbooks: Mapping[str, str | None] = field(default_factory=dict)
     known_runbooks: frozenset[str] = frozenset()
     inventory: Inventory | None = None
+    # Runbooks in advisory mode (`Config.advisory`): their executions are advice.
+    advisory: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if self.inventory is None:
@@ -189,16 +191,19 @@ def plan(router: Router, payload: WebhookPayload, raw: dict[str, Any], size: int
             )
             skip("automation: notify")
             continue
-        planned.modes.append(mode)
+        # Advice waits for no one: it changes nothing (run/advisory.py).
+        advisory = runbook in router.advisory
+        planned.modes.append("advisory" if advisory else mode)
         planned.executions.append(
             NewExecution(
                 runbook,
                 engine_url,
                 trigger="alert",
                 who=f"alertmanager:{alert.alertname}"[:WHO_MAX],
+                dry_run=advisory,
                 alert_fingerprint=alert.fingerprint,
                 alert_starts_at=alert.startsAt,
-                reason=ApprovalState.AWAITING if mode == "approve" else None,
+                reason=ApprovalState.AWAITING if mode == "approve" and not advisory else None,
             )
         )
     return planned

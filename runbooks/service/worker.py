@@ -276,9 +276,13 @@ class ExecutorHook:
     pending execution (one per episode, whatever the number of replicas),
     which the worker runs; its resolution queues the revert."""
 
-    def __init__(self, store: Journal, worker: Worker) -> None:
+    def __init__(
+        self, store: Journal, worker: Worker, advisory: frozenset[str] = frozenset()
+    ) -> None:
         self.store = store
         self.worker = worker
+        # Runbooks in advisory mode (`Config.advisory`): their executions are advice.
+        self.advisory = advisory
 
     @staticmethod
     def _episode(handoff: Any) -> tuple[str, datetime]:
@@ -304,6 +308,7 @@ class ExecutorHook:
             )
             return
         fingerprint, starts_at = self._episode(handoff)
+        advisory = handoff.runbook in self.advisory  # advice waits for no one
         _record, created = self.store.create_execution(
             handoff.runbook,
             normalize_url(handoff.engine.agent),
@@ -311,9 +316,10 @@ class ExecutorHook:
             # by episode for trigger 'alert' only); `who` tells the two apart.
             trigger="alert",
             who=f"rules:{handoff.incident.alert}",
+            dry_run=advisory,
             alert_fingerprint=fingerprint,
             alert_starts_at=starts_at,
-            reason=ApprovalState.AWAITING if handoff.mode == "approve" else None,
+            reason=ApprovalState.AWAITING if handoff.mode == "approve" and not advisory else None,
         )
         if created and self.worker.metrics is not None:
             self.worker.metrics.execution_created(handoff.runbook)

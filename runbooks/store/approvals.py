@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Final
+from typing import Any, Final
 
-from sqlalchemy import bindparam, select, text
+from sqlalchemy import bindparam, func, select, text
 from sqlalchemy.orm import selectinload
 from vllm_runbook.runbooks.store.base import StoreBase
 from vllm_runbook.runbooks.store.errors import ExecutionNotFound, InvalidInput
@@ -48,6 +48,17 @@ MAX_NOTE_CHARS: Final = 4096
 DECIDED: Final = "decided"
 TOO_LATE: Final = "too late"
 NOT_AWAITING: Final = "not awaiting approval"
+
+
+@dataclass(frozen=True)
+class PendingPage:
+    """One page of the executions awaiting a person (`pending_page`)."""
+
+    records: list[ExecutionRecord]
+    total: int
+    """How many await a person under the same filters, this page included."""
+    rest: int
+    """How many of them come after this page (older)."""
 
 
 @dataclass(frozen=True)
@@ -109,7 +120,7 @@ class ApprovalStore(StoreBase):
     """Executions awaiting approval and the decisions on them."""
 
     def pending_approvals(self) -> list[ExecutionRecord]:
-        """Executions awaiting a person's answer, oldest first."""
+        """Executions awaiting a person's answer, oldest first (all of them)."""
         query = (
             select(Execution)
             .where(text(AWAITING_SQL), Execution.decision.is_(None))
@@ -118,6 +129,61 @@ class ApprovalStore(StoreBase):
         )
         with self.session() as s:
             return [ExecutionRecord.from_row(r) for r in s.scalars(query)]
+
+    @staticmethod
+    def _awaiting(engine: str | None, runbook: str | None, before: int | None) -> Any:
+        where = [text(AWAITING_SQL), Execution.decision.is_(None)]
+        if engine is not None:
+            where.append(Execution.engine == engine)
+        if runbook is not None:
+            where.append(Execution.runbook == runbook)
+        if before is not None:
+            # Row ids are 1 … 2³¹−1: a larger bound is no bound (and SQLite's
+            # integers end at 2⁶³).
+            where.append(Execution.id < max(0, min(before, 2**31)))
+        return where
+
+    def pending_page(
+        self,
+        *,
+        limit: int,
+        engine: str | None = None,
+        runbook: str | None = None,
+        before: int | None = None,
+    ) -> PendingPage:
+        """At most `limit` executions awaiting a person's answer, newest first,
+        of `engine` and `runbook` when given, with ids below `before` when
+        given (the next page: `before` = the last id shown); and how many
+        match in all and after this page."""
+        where = self._awaiting(engine, runbook, before)
+        query = (
+            select(Execution)
+            .where(*where)
+            .options(selectinload(Execution.steps))
+            .order_by(Execution.id.desc())
+            .limit(limit)
+        )
+        with self.session() as s:
+            records = [ExecutionRecord.from_row(r) for r in s.scalars(query)]
+            total = s.scalar(select(func.count()).where(*self._awaiting(engine, runbook, None)))
+            rest = 0
+            if len(records) == limit:
+                after = self._awaiting(engine, runbook, records[-1].id)
+                rest = s.scalar(select(func.count()).where(*after)) or 0
+        return PendingPage(records, total or 0, rest)
+
+    def pending_counts(self) -> list[tuple[str, str, int]]:
+        """(engine, runbook, how many await a person) for every pair with one,
+        the most first."""
+        count = func.count().label("n")
+        query = (
+            select(Execution.engine, Execution.runbook, count)
+            .where(*self._awaiting(None, None, None))
+            .group_by(Execution.engine, Execution.runbook)
+            .order_by(count.desc(), Execution.engine, Execution.runbook)
+        )
+        with self.session() as s:
+            return [(e, r, int(n)) for e, r, n in s.execute(query)]
 
     def decide(
         self,

@@ -2,7 +2,8 @@
 
 An execution's events follow from its row: awaiting approval, started, then
 one outcome (succeeded | no measurable change | failed | rolled back |
-refused | nothing to improve | interrupted), and reverted (`derive_events`). Every transaction of
+refused | nothing to improve | interrupted), and reverted (`derive_events`);
+advisory mode's advice has one: advised. Every transaction of
 the store that touched an execution appends the events its rows now imply
 and that are not recorded yet, just before it commits (`install` hooks the
 store's sessions). So whatever writes the journal — the webhook, the worker,
@@ -29,12 +30,14 @@ from sqlalchemy import select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, UOWTransaction, sessionmaker
 from vllm_runbook.runbooks.store.models import (
+    ADVISED,
     INTERRUPTED_REASON,
     NOTHING_TO_IMPROVE,
     ApprovalState,
     Execution,
     ExecutionEvent,
     ExecutionStatus,
+    is_advised,
     is_nothing_to_improve,
     utcnow,
 )
@@ -60,6 +63,7 @@ EVENTS: Final = (
     HELD_FOR_PERSON,
     "reverted",
     PREMATURE,
+    ADVISED,
 )
 _ORDER: Final = {name: i for i, name in enumerate(EVENTS)}
 
@@ -83,6 +87,7 @@ def derive_events(
     hold_since: Any = None,
     hold_for_person: bool = False,
     premature: bool = False,
+    trigger: str = "cli",
 ) -> list[str]:
     """The events an execution's state implies so far, in order.
 
@@ -90,8 +95,11 @@ def derive_events(
     remediations: they have no events (the reverted one says `reverted`),
     but a revert found premature says so (its fix was re-applied). An
     execution that held its changes after its alert resolved says `holding`
-    (and `held for a person` once only a person may release it).
+    (and `held for a person` once only a person may release it). Advisory
+    mode's advice (an alert's dry run) says `advised` once it is decided.
     """
+    if is_advised(dry_run, trigger):
+        return [ADVISED] if status == ExecutionStatus.SUCCEEDED else []
     if dry_run:
         return []
     if reverts_id is not None:
@@ -174,6 +182,7 @@ def append_events(session: Session, ids: list[int]) -> int:
                 Execution.hold_since,
                 Execution.hold_for_person,
                 Execution.premature,
+                Execution.trigger,
             ).where(Execution.id.in_(chunk))
         )
         for row in rows:

@@ -30,6 +30,7 @@ from vllm_runbook.runbooks.store.events import touch_executions
 from vllm_runbook.runbooks.store.liveness import HOSTNAME, process_alive, process_start
 from vllm_runbook.runbooks.store.models import (
     ACTIVE_STATUSES,
+    ADVISED,
     EXECUTION_STATUSES,
     EXECUTION_TRANSITIONS,
     FINAL_STATUSES,
@@ -52,6 +53,7 @@ from vllm_runbook.runbooks.store.models import (
     ExecutionStatus,
     Step,
     episode_key,
+    is_advised,
     is_nothing_to_improve,
     is_row_id,
     utcnow,
@@ -231,7 +233,7 @@ class ExecutionRecord:
     @property
     def holding(self) -> bool:
         """Its alert resolved; its changes stay until the cause is gone (or a person)."""
-        return self.hold_since is not None and self.status in HOLDABLE_STATUSES
+        return self.hold_since is not None and self.status in HOLDABLE_STATUSES and not self.advised
 
     @property
     def display_status(self) -> str:
@@ -241,7 +243,14 @@ class ExecutionRecord:
             return NOTHING_TO_IMPROVE
         if self.holding:
             return HOLDING
+        if self.advised and self.status == ExecutionStatus.SUCCEEDED:
+            return ADVISED
         return INTERRUPTED_REASON if self.interrupted else self.status
+
+    @property
+    def advised(self) -> bool:
+        """Advisory mode's advice: an alert's dry run (runbooks/run/advisory.py)."""
+        return is_advised(self.dry_run, self.trigger)
 
     def to_dict(self) -> dict[str, Any]:
         """Stable JSON shape for `--json` and the service's API."""
@@ -583,6 +592,8 @@ class ExecutionStore(StoreBase):
         query = (
             select(Execution)
             .where(Execution.status.in_(HOLDABLE_STATUSES), Execution.hold_since.is_not(None))
+            # Advice's hold_since is when its finding resolved: it holds nothing.
+            .where(Execution.dry_run.is_(False))
             .options(selectinload(Execution.steps))
             .order_by(Execution.id)
         )

@@ -61,6 +61,19 @@ class LeaseStore(StoreBase):
             )
             return released.rowcount == 1  # type: ignore[attr-defined]
 
+    def live_holders(self, prefix: str) -> list[str]:
+        """The holders of the live leases whose names start with `prefix`, sorted
+        (e.g. the rules replicas that split the fleet, one lease each)."""
+        with self.session() as s:
+            return sorted(
+                s.scalars(
+                    select(Lease.holder).where(
+                        Lease.name.startswith(prefix, autoescape=True),
+                        Lease.expires_at > utcnow(),
+                    )
+                )
+            )
+
     def lease_holder(self, name: str) -> str | None:
         """The current holder of a live lease, or None."""
         with self.session() as s:

@@ -89,6 +89,17 @@ EXECUTION_STATUSES: Final = tuple(ExecutionStatus)
 # What a person is shown for a succeeded or failed execution whose alert
 # resolved and whose revert waits for its cause to go (`hold_since` set).
 HOLDING: Final = "holding"
+# What a person is shown for advisory mode's advice (runbooks/run/advisory.py):
+# a dry run an alert or a rule started, finished; it changed nothing.
+ADVISED: Final = "advised"
+ADVISORY_TRIGGERS: Final = frozenset({"alert", "rule"})
+
+
+def is_advised(dry_run: bool, trigger: str) -> bool:
+    """An alert's or a rule's dry run: advisory mode's advice."""
+    return dry_run and trigger in ADVISORY_TRIGGERS
+
+
 HOLDABLE_STATUSES: Final = frozenset({ExecutionStatus.SUCCEEDED, ExecutionStatus.FAILED})
 ACTIVE_STATUSES: Final = frozenset(
     {ExecutionStatus.PENDING, ExecutionStatus.RUNNING, ExecutionStatus.VERIFYING}

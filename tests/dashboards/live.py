@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_runbook.collector import metrics as M
 from vllm_runbook.dashboards import catalog, lint
 from vllm_runbook.dashboards.definitions import DASHBOARDS
 from vllm_runbook.dashboards.generate import DASHBOARDS_DIR
@@ -78,6 +79,21 @@ SLO_SERIES = frozenset(catalog.known_series(catalog.SLO_SERIES))
 def uses_slo_rules(expr: str) -> bool:
     """The query reads what an SLO rule file records (test_dash_live loads one)."""
     return bool(lint.metric_names(expr) & SLO_SERIES)
+
+
+def advisory_only(expr: str) -> bool:
+    """The query reads only what an autopilot in advisory mode exports, which
+    the test engines run without (tests/engine/test_autopilot_engine.py reads it)."""
+    names = lint.metric_names(expr)
+    return bool(names) and names <= {M.AUTOPILOT_ADVISED_MAX_NUM_SEQS.name}
+
+
+def only_while_stalled(expr: str) -> bool:
+    """The query reads only the stall reason, filtered to the one that holds
+    (`> 0`): no data while the engine steps (tests/engine/test_router_served.py
+    stalls one and reads it)."""
+    names = lint.metric_names(expr)
+    return bool(names) and names <= {M.ENGINE_STALL_REASON.name}
 
 
 def is_finding(q: lint.Query) -> bool:

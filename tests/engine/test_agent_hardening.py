@@ -7,6 +7,7 @@ import contextlib
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -95,12 +96,16 @@ def test_hostile_clients_do_not_stop_the_engine_or_the_scrape(
         assert {f"hostile-{i}" for i in range(16)} <= set(eng.finished)
         assert all(len(eng.finished[f"hostile-{i}"].outputs[0].token_ids) == 8 for i in range(16))
 
-        # The scrape answers (once the hostile clients' time is up, if it queued).
-        for _ in range(3):
+        # The scrape from the same address answers once the hostile clients'
+        # time is up (1 s idle, 1.5 s a request): until then that address holds
+        # its share of the slots and is refused at once.
+        deadline = time.monotonic() + 20
+        while True:
             r = httpx.get(server.url + "/metrics", timeout=60)
-            if r.status_code == 200:
+            if r.status_code == 200 or time.monotonic() > deadline:
                 break
-            assert r.status_code == 503  # refused while every slot was busy
+            assert r.status_code == 503  # refused while its slots were busy
+            time.sleep(0.25)
         assert r.status_code == 200
         assert f"{M.SCHEDULE_SECONDS.name}_count" in r.text
         assert eng.collector.stats.steps > steps_before
@@ -192,3 +197,52 @@ def test_policy_switch_while_paused_loses_no_request(guarded_engine: InProcessEn
     assert set(ids) <= set(eng.finished)  # each exactly once (InProcessEngine checks)
     assert all(len(eng.finished[i].outputs[0].token_ids) == 6 for i in ids)
     assert _post(eng, "/v1/restore", {}).json()["after"]["policy"] == "fcfs"
+
+
+def test_one_client_holding_every_connection_leaves_the_scrape_and_control_served(
+    guarded_engine: InProcessEngine,
+) -> None:
+    # 64 idle connections from 127.0.0.1 (16 times the slots): the agent keeps
+    # half its slots for other clients and refuses that client's excess at once.
+    eng = guarded_engine
+    server = eng.collector.server
+    address = (server.host, server.port)
+    steps_before = eng.collector.stats.steps
+    flood: list[socket.socket] = []
+    try:
+        for _ in range(64):
+            flood.append(
+                socket.create_connection(address, timeout=10, source_address=("127.0.0.1", 0))
+            )
+        # Another client (all of 127/8 is this host's): a scrape and a control
+        # call, answered at once (2 s is the socket's timeout, not a measurement).
+        other = httpx.HTTPTransport(local_address="127.0.0.2")
+        with httpx.Client(transport=other, timeout=2) as client:
+            r = client.get(server.url + "/metrics")
+            assert r.status_code == 200, r.text
+            assert f"{M.SCHEDULE_SECONDS.name}_count" in r.text
+            r = client.post(
+                server.url + "/v1/knobs",
+                json={"max_num_seqs": 32, "dry_run": True},
+                headers=_auth(eng),
+            )
+            assert r.status_code == 200, r.text
+            assert r.json()["dry_run"] is True
+        # The engine keeps stepping meanwhile.
+        for i in range(4):
+            eng.add(f"flooded-{i}", 32, max_tokens=4, offset=7 * i)
+        eng.run_until_done()
+        assert {f"flooded-{i}" for i in range(4)} <= set(eng.finished)
+        assert eng.collector.stats.steps > steps_before
+        answers = [_answer(s) for s in flood]
+    finally:
+        for sock in flood:
+            sock.close()
+    # The client's excess was answered 503 at once; its own share (2 slots) was
+    # closed at the idle timeout (1 s) without an answer, and a slot so freed
+    # while the flood opened went to the next of its connections.
+    refused = [a for a in answers if a.startswith(b"HTTP/1.1 503 ")]
+    assert all(b"too many connections from this address" in a for a in refused)
+    assert answers.count(b"") + len(refused) == 64
+    assert len(refused) >= 64 - 4 * (MAX_CONNECTIONS // 2)
+    assert eng.collector.control.knobs()["max_num_seqs"] == 64

@@ -242,3 +242,44 @@ def test_switched_on_from_the_environment_at_start(
         assert eng.value(M.AUTOPILOT_ENABLED.name) == 0
     finally:
         eng.close()
+
+
+def test_advisory_from_the_environment_exports_its_target_and_changes_nothing(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """VLLM_RUNBOOK_AUTOPILOT=advisory: the controller is fed every step and
+    decides as if on; the max_num_seqs it would set is exported (and on
+    /v1/state), the knobs stay where they are."""
+    monkeypatch.setenv("VLLM_RUNBOOK_AUTOPILOT", "advisory")
+    eng = InProcessEngine.start(tiny_model, max_num_seqs=8, num_gpu_blocks_override=64)
+    try:
+        c = eng.collector
+        assert eng.value(M.AUTOPILOT_ENABLED.name) == 0
+        assert eng.value(M.AUTOPILOT_ADVISED_MAX_NUM_SEQS.name) == 8
+        load = ClosedLoop(eng, 12, 300, 100, "advisory")
+        while load.trace == [] or load.trace[-1][2] == 0:
+            load.run(1)  # until the first preemption: 8 × 400 tokens overflow 64 × 32
+        limits = {limit for limit, _, _ in load.trace}
+        assert limits == {8}  # the scheduler's limit never moved
+        state = httpx.get(c.server.url + "/v1/state").json()
+        pilot = state["autopilot"]
+        assert (pilot["enabled"], pilot["advisory"], state["knobs"]["autopilot"]) == (
+            False,
+            True,
+            False,
+        )
+        last = pilot["last_change"]
+        assert last["reason"] == "preemption" and 1 <= last["max_num_seqs"] < 8
+        assert pilot["limit"] == last["max_num_seqs"]
+        assert eng.value(M.AUTOPILOT_ADVISED_MAX_NUM_SEQS.name) == last["max_num_seqs"]
+        assert eng.value(M.AUTOPILOT_CHANGES.series_name, direction="down") == 1
+        load.run(40)  # the storm goes on: still nothing applied
+        assert {limit for limit, _, _ in load.trace} == {8}
+        assert eng.scheduler.max_num_active_reqs == 8
+        assert state["knobs"]["max_num_seqs"] == 8
+        # Switched on by hand, it acts from where the engine is; no advice is exported.
+        post_while_stepping(eng, "/v1/knobs", {"autopilot": "on"})
+        assert eng.value(M.AUTOPILOT_ADVISED_MAX_NUM_SEQS.name) is None
+        assert eng.value(M.AUTOPILOT_ENABLED.name) == 1
+    finally:
+        eng.close()

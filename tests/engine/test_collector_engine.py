@@ -132,6 +132,8 @@ def test_endpoint_serves_every_metric(engine: InProcessEngine) -> None:
         wanted = spec.name + "_count" if spec.type == "histogram" else spec.series_name
         if spec.gpu_only:
             assert wanted not in names, "no GPU here: GPU series must be absent"
+        elif spec.advisory_only:
+            assert wanted not in names, "the autopilot is not advisory here"
         else:
             assert wanted in names, wanted
     # No NVIDIA driver on this machine: nvml_up 0 and no error.

@@ -28,7 +28,7 @@ def _expected_names() -> list[str]:
     return [
         spec.name + "_count" if spec.type == "histogram" else spec.series_name
         for spec in M.ALL_METRICS
-        if not spec.gpu_only
+        if not spec.gpu_only and not spec.advisory_only
     ]
 
 
@@ -102,6 +102,31 @@ def _http_error_rate_is_read_from_the_api_server(served: ServedEngine, tmp_path:
     assert checks["error_rate"]["value"] == 0.0
 
 
+def _name_filters_and_the_rules_scrape(served: ServedEngine) -> None:
+    """`/metrics?name[]=...` (what the rules' scraper asks): the agent answers those
+    samples only; vLLM's own /metrics ignores the filter (its instrumentator's
+    /metrics route answers before prometheus_client's app, which would honour it)
+    and sends its whole page, which the scraper reads as it is: the filter loses
+    nothing there, so no target is marked to be read whole."""
+    from vllm_runbook.rules.evaluator import store_for_rules
+    from vllm_runbook.rules.model import load_catalog
+    from vllm_runbook.rules.scrape import Scraper, Target
+
+    up = M.COLLECTOR_UP.name
+    status, text = http_get(f"{served.agent_url}/metrics?name[]={up}&name[]=nothing")
+    assert status == 200
+    assert list(_samples(text)) == [up]
+    status, text = http_get(served.api_url + "/metrics?name[]=vllm%3Anum_requests_running")
+    theirs = _samples(text)
+    assert status == 200
+    assert {"vllm:num_requests_running", "vllm:num_requests_waiting"} <= set(theirs)
+    targets = [Target(f"{url}/metrics", "served") for url in (served.agent_url, served.api_url)]
+    with Scraper(store_for_rules(load_catalog().bind()), targets) as scraper:
+        results = scraper.scrape_once(time.time())
+    assert [(r.ok, r.samples > 0) for r in results] == [(True, True), (True, True)]
+    assert scraper.unfiltered == set()
+
+
 def test_served_engine_exports_every_metric_on_both_endpoints(
     tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -137,6 +162,7 @@ def test_served_engine_exports_every_metric_on_both_endpoints(
             assert name in theirs, name
         assert theirs[M.PREFIX_CACHE_QUERIES.series_name][0][1] == 200
         _http_error_rate_is_read_from_the_api_server(served, tmp_path)
+        _name_filters_and_the_rules_scrape(served)
 
         # Control of an EngineCore in its own process, token found locally.
         cli = runbook_cli(

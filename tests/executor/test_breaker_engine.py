@@ -194,9 +194,21 @@ def test_oom_pressures_fix_is_not_rolled_back_into_the_storm_it_stopped(setup: S
             setup.engine.step()
 
     # The storm: 40 long requests at 32 sequences (768 blocks wanted, 256 there).
+    # At least 8 s of it (the history the fix is compared with), and until it
+    # preempted: a loaded machine steps slower, and the cache fills later.
     start = setup.client.state().stats.preemptions_total
-    storm_end = time.monotonic() + 8  # the history the fix is compared with
-    loaded_while(lambda: time.monotonic() < storm_end)
+    storm_end = time.monotonic() + 8
+    give_up = time.monotonic() + 120
+    preempted = {"at": 0.0, "seen": False}
+
+    def storming() -> bool:
+        now = time.monotonic()
+        if not preempted["seen"] and now - preempted["at"] >= 1.0:
+            preempted["at"] = now
+            preempted["seen"] = setup.client.state().stats.preemptions_total > start
+        return now < give_up and (now < storm_end or not preempted["seen"])
+
+    loaded_while(storming)
     assert setup.client.state().stats.preemptions_total > start  # the storm is real
     # The fix lands between steps, and the engine steps until its cap is in
     # effect (the running above it drained); then it waits while the fix

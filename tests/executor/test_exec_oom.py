@@ -499,3 +499,181 @@ def test_a_fix_that_works_is_not_rolled_back_by_a_reading_from_before_it(
     code, _, err = cli_json("revert", str(execution["id"]), "--db", db_url)
     assert code == 0, err
     assert knobs(eng) == STARTUP
+
+
+class _Hook:
+    """A notification receiver on loopback: every JSON body it got."""
+
+    def __init__(self) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.bodies: list[dict[str, Any]] = []
+        bodies = self.bodies
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_advisory_mode_a_storm_is_advised_notified_and_no_knob_changes(
+    oom_engine: InProcessEngine,
+    db_url: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`mode: advisory` in the service's configuration: the storm's alert becomes
+    an advised execution (checks, the would-be changes computed from the engine's
+    knobs, the decision), a notification, and no call of the agent's control
+    endpoint; the knobs read back unchanged. Its resolution is journaled and
+    `runbook report` sets the advice beside it."""
+    import threading
+    from datetime import UTC
+
+    from vllm_runbook.runbooks.engine.client import EngineClient
+    from vllm_runbook.runbooks.engine.operations import engine_registry
+    from vllm_runbook.runbooks.model.catalogs import load_deployment
+    from vllm_runbook.runbooks.operate.cli import main
+    from vllm_runbook.runbooks.run.executor import Executor
+    from vllm_runbook.runbooks.service.alertmanager import WebhookPayload
+    from vllm_runbook.runbooks.service.notify import Notifier
+    from vllm_runbook.runbooks.service.webhooks import Router, ingest
+    from vllm_runbook.runbooks.service.worker import Worker
+
+    eng, url = oom_engine, url_of(oom_engine)
+    assert knobs(eng) == STARTUP
+    control_calls: list[Any] = []
+    submit = eng.collector.control.submit
+    monkeypatch.setattr(
+        eng.collector.control, "submit", lambda *a, **k: control_calls.append(a) or submit(*a, **k)
+    )
+    hook = _Hook()
+    cfg = tmp_path / "runbook.yaml"
+    cfg.write_text(
+        f"database: {db_url}\n"
+        "mode: advisory\n"
+        "engines:\n"
+        f"  - {{name: cpu-0, agent: '{url}', labels: {{instance: 'cpu-0:8000'}}}}\n"
+        "automation: {oom-pressure: auto}\n"
+        f"notifications:\n  receivers:\n    - {{name: ops, type: webhook, url: '{hook.url}'}}\n"
+    )
+    registry = engine_registry()
+    deployment = load_deployment(cfg, None, registry)
+    config, runbooks = deployment.config, deployment.runbooks
+    assert "oom-pressure" in config.advisory(runbooks)
+    router = Router(
+        engines=config.engines,
+        automation=config.automation,
+        alert_runbooks=deployment.alert_runbooks,
+        known_runbooks=frozenset(runbooks),
+        advisory=config.advisory(runbooks),
+    )
+    store = Journal(db_url)
+    executor = Executor(store, runbooks, registry, alert_for_seconds=deployment.alert_for_seconds)
+    worker = Worker(store, executor)
+    notifier = Notifier.from_config(store, config.notifications)
+    starts_at = datetime.now(UTC).isoformat()
+
+    def deliver(status: str) -> Any:
+        labels = {"alertname": "VllmOOMPressure", "instance": "cpu-0:8000"}
+        alert = {"status": status, "labels": labels, "startsAt": starts_at, "fingerprint": "f1"}
+        raw = {"version": "4", "groupKey": "g", "status": status, "receiver": "r"}
+        raw["alerts"] = [alert]
+        return ingest(store, router, WebhookPayload.model_validate(raw), raw)
+
+    try:
+        storm = Workload(eng, "advised", 200_000)
+        while storm.preemptions == 0:
+            assert storm.step(STEP_PACE_S)
+        [created] = deliver("firing").executions
+        assert (created["mode"], created["runbook"]) == ("advisory", "oom-pressure")
+        ran = threading.Thread(target=worker.tick)
+        ran.start()
+        while ran.is_alive():  # the storm goes on while the service decides
+            storm.step(STEP_PACE_S)
+        ran.join()
+        advised = store.get_execution(created["id"])
+        assert (advised.status, advised.dry_run, advised.display_status) == (
+            "succeeded",
+            True,
+            "advised",
+        )
+        assert advised.reason == "advisory: would act"
+        assert advised.checks is not None and advised.checks["preemption_rate"]["value"] > 0
+        halve, cap, hand_over = advised.steps
+        assert [s.status for s in advised.steps] == ["planned"] * 3
+        assert (halve.before, halve.after) == (
+            {"max_num_batched_tokens": 512},
+            {"max_num_batched_tokens": 256},
+        )
+        capacity = cap.params["kv_capacity_seqs"]
+        assert (cap.before, cap.after) == ({"max_num_seqs": 32}, {"max_num_seqs": capacity // 2})
+        assert cap.params["when"] == "preemptions_per_minute > 0 after 30 s"
+        assert hand_over.after == {"autopilot": True, "max_num_seqs": 32}
+        assert control_calls == []  # not even a dry run reached the control endpoint
+        eng.engine.abort_request([f"advised-{i}" for i in range(64)])
+        assert not eng.engine.has_unfinished_requests()
+        assert knobs(eng) == STARTUP  # read back through the agent: unchanged
+        # What was computed from /v1/state is what the agent answers to the same dry run.
+        agent = EngineClient(url)
+        for step in (halve, cap):
+            request = {"max_num_seqs": capacity // 2} if step is cap else {}
+            if step is halve:
+                request = {"scale_max_num_batched_tokens": 0.5, "clamp": True}
+            answer = agent.set_knobs(dry_run=True, **request)
+            assert answer.would_be is not None
+            assert {k: getattr(answer.would_be, k) for k in step.after} == step.after
+
+        # The notification: one "advised" event, what it would do and why.
+        notifier.poll()
+        for receiver in notifier.receivers:
+            notifier.send_queued(receiver)
+        [body] = hook.bodies
+        assert (body["event"], body["execution_id"]) == ("advised", advised.id)
+        assert "advisory mode: nothing changed" in body["text"].splitlines()[0]
+        assert "Reason: advisory: would act" in body["text"]
+        assert (
+            "scale_max_num_batched_tokens planned: max_num_batched_tokens: 512 → 256"
+            in (body["text"])
+        )
+
+        # The finding resolves by itself: journaled; nothing held, nothing reverted.
+        [resolution] = deliver("resolved").resolved
+        worker.resolved.put(resolution)  # as the app hands it over
+        worker.tick()
+        resolved = store.get_execution(advised.id)
+        assert resolved.hold_since is not None and resolved.display_status == "advised"
+        assert store.holding_executions() == []
+        assert [e.reverts_id for e in store.list_executions()] == [None]
+        assert knobs(eng) == STARTUP
+
+        assert main(["history", "--db", db_url]) == 0
+        history = capsys.readouterr().out
+        assert "advised" in history and "advisory: would act" in history
+        assert "(dry run)" not in history
+        main(["report", str(advised.id), "--db", db_url, "-o", str(tmp_path / "r.png")])
+        report = capsys.readouterr().out
+        assert "advisory mode: would act" in report
+        assert "would have: scale_max_num_batched_tokens: max_num_batched_tokens 512 → 256" in (
+            report
+        )
+        assert "the finding resolved by itself at" in report
+    finally:
+        hook.close()
+        notifier.stop()
+        store.close()

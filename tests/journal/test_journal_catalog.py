@@ -16,6 +16,7 @@ EXPECTED = {
     "batch-too-large",
     "batch-utilization-low",
     "engine-stalled",
+    "engine-stuck",
     "error-rate-high",
     "gpu-compute-skew",
     "gpu-memory-imbalance",
@@ -181,12 +182,16 @@ def test_registry_rejects_duplicates_and_validates() -> None:
         "advise",
         "advise_block_size",
         "capture_diagnostics",
+        "drain",
+        "restart_engine",
         "restore_knobs",
         "scale_max_num_batched_tokens",
         "send_warmup_requests",
         "set_autopilot",
         "set_max_num_seqs",
         "set_policy",
+        "undrain",
+        "wait_for_progress",
     ]
     with pytest.raises(DuplicateAction, match="'advise' is already registered"):
         registry.register(advise, mutating=False)
@@ -198,6 +203,9 @@ def test_registry_rejects_duplicates_and_validates() -> None:
         registry.validate("halve", {})
     mutating = {name for name in registry if registry.get(name).mutating}
     assert mutating == {
+        "drain",
+        "restart_engine",
+        "undrain",
         "restore_knobs",
         "scale_max_num_batched_tokens",
         "set_autopilot",

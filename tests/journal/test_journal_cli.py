@@ -129,6 +129,7 @@ def test_list_and_show(capsys: pytest.CaptureFixture[str]) -> None:
         "batch-too-large",
         "batch-utilization-low",
         "engine-stalled",
+        "engine-stuck",
         "error-rate-high",
         "gpu-compute-skew",
         "gpu-memory-imbalance",
@@ -145,7 +146,7 @@ def test_list_and_show(capsys: pytest.CaptureFixture[str]) -> None:
     ]
     code, out, _ = run(capsys, "list", "--json")
     names = [r["name"] for r in json.loads(out)["runbooks"]]
-    assert names[10] == "oom-pressure" and len(names) == 16
+    assert names[11] == "oom-pressure" and len(names) == 17
 
     code, out, _ = run(capsys, "show", "oom-pressure")
     assert code == 0

@@ -54,7 +54,7 @@ def test_every_catalog_alert_routes_to_the_webhook(tmp_path: Path) -> None:
     amtool = require_tool("amtool")
     config = _write_config(tmp_path)
     alerts = sorted(load_catalog().alerts)
-    assert len(alerts) == 22
+    assert len(alerts) == 23
     for alert in alerts:
         got = _route(amtool, config, f"alertname={alert}", f"namespace={NAMESPACE}")
         assert got == RECEIVER, alert

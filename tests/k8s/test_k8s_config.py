@@ -44,7 +44,7 @@ def test_the_configuration_passes_runbook_rules_check(
     path = tmp_path / "runbook.yaml"
     path.write_text(text, encoding="utf-8")
     assert main(["rules", "check", "--config", str(path)]) == 0
-    assert capsys.readouterr().out == "ok: 24 rules (22 alerts) in 5 files\n"
+    assert capsys.readouterr().out == "ok: 25 rules (23 alerts) in 5 files\n"
 
 
 def test_the_webhook_token_file_is_the_mounted_secret(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from tests.engines import require_tool
 from tests.k8s.manifests import DEPLOY, one, render
 
 RULE_RESOURCE = DEPLOY / "components" / "prometheusrule" / "prometheusrule.yaml"
-CATALOG_RULES = 24
+CATALOG_RULES = 25
 
 
 def test_the_checked_in_prometheusrule_is_fresh() -> None:

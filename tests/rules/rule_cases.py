@@ -24,6 +24,8 @@ SCHED_COUNT = M.SCHEDULE_SECONDS.name + "_count"
 KV_USAGE = M.KV_CACHE_USAGE_PEAK.series_name
 PREEMPT = M.PREEMPTIONS.series_name
 WAITING = M.REQUESTS_WAITING.series_name
+RUNNING = M.REQUESTS_RUNNING.series_name
+STALLED = M.ENGINE_STALLED.series_name
 TIER_WAITING = M.TIER_REQUESTS_WAITING.series_name
 TIER_OLDEST = M.TIER_OLDEST_WAITING.series_name
 SCHEDULED = M.SCHEDULED_TOKENS.series_name
@@ -34,6 +36,7 @@ GPU_USED = M.GPU_MEMORY_USED.series_name
 GPU_TOTAL = M.GPU_MEMORY_TOTAL.series_name
 GPU_UTIL = M.GPU_UTILIZATION.series_name
 GEN = "vllm:generation_tokens_total"
+PROMPT = "vllm:prompt_tokens_total"
 IDLE_BEFORE_EVICT = "vllm:kv_block_idle_before_evict_seconds_bucket"
 REUSE_GAP_COUNT = "vllm:kv_block_reuse_gap_seconds_count"
 DRAFT = "vllm:spec_decode_num_draft_tokens_total"
@@ -367,6 +370,91 @@ CASES: tuple[Case, ...] = (
         "VllmEngineStalled",
         "quiet-progressing",
         (series(SCHEDULED, "0+500x40"), series(WAITING, "5x40")),
+        1200,
+        None,
+    ),
+    # The collector says stalled from sample 20 (600 s): pending at 600, `for` 15s
+    # -> firing at the next evaluation, 630.
+    Case(
+        "VllmEngineStuck",
+        "fire-heartbeat",
+        (
+            series(STALLED, "0x19 1x20"),
+            series(GEN, "0+100x40"),
+            series(PROMPT, "0+50x40"),
+            series(RUNNING, "3x40"),
+        ),
+        1200,
+        630,
+    ),
+    # One scrape stalled (600 s), progressing again at 630: shorter than `for`.
+    Case(
+        "VllmEngineStuck",
+        "quiet-blip",
+        (
+            series(STALLED, "0x19 1 0x20"),
+            series(GEN, "0+100x40"),
+            series(PROMPT, "0+50x40"),
+            series(RUNNING, "3x40"),
+        ),
+        1200,
+        None,
+    ),
+    # No heartbeat series (a stock engine's shape): vLLM's counters stop at sample 19
+    # (570 s) while 3 requests stay running. Closed ranges: the 1m window at 600 s
+    # still holds the rise from 540 s, so both rates are 0 from 630 s, `for` 15s ->
+    # 660; left-open ranges: from 600 s -> 630.
+    Case(
+        "VllmEngineStuck",
+        "fire-counters",
+        (
+            series(GEN, "0+100x19 1900x20"),
+            series(PROMPT, "0+50x19 950x20"),
+            series(RUNNING, "3x40"),
+            series(WAITING, "0x40"),
+        ),
+        1200,
+        660,
+        fires_at_left_open=630,
+    ),
+    # Only waiting requests (running 0), counters flat from 570 s: the same timing.
+    Case(
+        "VllmEngineStuck",
+        "fire-counters-waiting",
+        (
+            series(GEN, "0+100x19 1900x20"),
+            series(PROMPT, "0+50x19 950x20"),
+            series(RUNNING, "0x40"),
+            series(WAITING, "4x40"),
+        ),
+        1200,
+        660,
+        fires_at_left_open=630,
+    ),
+    # The engine went idle at 570 s: counters flat, nothing running or waiting.
+    Case(
+        "VllmEngineStuck",
+        "quiet-idle",
+        (
+            series(STALLED, "0x40"),
+            series(GEN, "0+100x19 1900x20"),
+            series(PROMPT, "0+50x19 950x20"),
+            series(RUNNING, "3x19 0x20"),
+            series(WAITING, "0x40"),
+        ),
+        1200,
+        None,
+    ),
+    # Decode only (no new prompt) with requests running: generation keeps moving.
+    # No heartbeat series: the case also runs on vLLM's series alone.
+    Case(
+        "VllmEngineStuck",
+        "quiet-decoding",
+        (
+            series(GEN, "0+100x40"),
+            series(PROMPT, "500x40"),
+            series(RUNNING, "3x40"),
+        ),
         1200,
         None,
     ),

@@ -20,7 +20,7 @@ def run(argv: list[str]) -> int:
 
 def test_check_ok(capsys: pytest.CaptureFixture[str]) -> None:
     assert run(["rules", "check"]) == 0
-    assert capsys.readouterr().out == "ok: 24 rules (22 alerts) in 5 files\n"
+    assert capsys.readouterr().out == "ok: 25 rules (23 alerts) in 5 files\n"
 
 
 def test_check_broken_directory_exits_2_with_one_line_per_problem(
@@ -74,7 +74,7 @@ def test_export_passes_promtool_check_rules(tmp_path: Path) -> None:
         ["promtool", "check", "rules", str(out)], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 24 rules found" in result.stdout
+    assert "SUCCESS: 25 rules found" in result.stdout
 
 
 def test_rule_labels_are_checked_against_the_runbook_catalog_given(
@@ -90,13 +90,13 @@ def test_rule_labels_are_checked_against_the_runbook_catalog_given(
             text = f.read_text(encoding="utf-8").replace("oom-pressure", "kv-relief")
             (dst / f.name).write_text(text, encoding="utf-8")
     assert run(["rules", "check", str(rules), "--catalog", str(runbooks)]) == 0
-    assert capsys.readouterr().out == "ok: 24 rules (22 alerts) in 5 files\n"
+    assert capsys.readouterr().out == "ok: 25 rules (23 alerts) in 5 files\n"
     # Against the shipped runbook catalog the renamed label names nothing.
     assert run(["rules", "check", str(rules)]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and all(
         "unknown runbook 'kv-relief' (known: batch-too-large, batch-utilization-low, "
-        "engine-stalled, error-rate-high," in line
+        "engine-stalled, engine-stuck, error-rate-high," in line
         for line in err
     )
     assert run(["rules", "export", "--rules", str(rules), "--catalog", str(runbooks)]) == 0

@@ -67,7 +67,7 @@ def test_no_file_is_all_defaults() -> None:
     assert (config.database, config.engines, config.evaluation_interval) == (None, (), 5.0)
     assert config.automation.mode("oom-pressure") == "notify"
     assert config.webhook == WebhookConfig()
-    assert len(config.load_rules()) == 24  # the built-in catalog, seed defaults
+    assert len(config.load_rules()) == 25  # the built-in catalog, seed defaults
 
 
 def test_empty_file_is_all_defaults(tmp_path: Path) -> None:
@@ -142,8 +142,8 @@ def test_every_problem_named_with_file_and_line(tmp_path: Path) -> None:
     )
     assert problems(path) == [
         f"{path}:1: unknown key databse (allowed: database, engines, discovery, rules, "
-        "automation, slos, webhook, executor, approvals, notifications, page, limits, retention, "
-        "breaker)",
+        "automation, mode, slos, webhook, executor, approvals, notifications, page, limits, "
+        "retention, breaker)",
         f"{path}:4: engines[0].agent must be an http(s) URL, got 'localhost:9360'",
         f"{path}:5: engines[1].name 'llama-0' already used at line 3",
         f"{path}:7: engines[1].labels: keys and values must be strings (['instance'])",
@@ -216,7 +216,7 @@ def test_invalid_yaml_and_wrong_shapes(tmp_path: Path) -> None:
     ]
     path = write(tmp_path, "engines: {name: x}\nrules: 5\nwebhook: {username: u}\n")
     assert problems(path) == [
-        f"{path}:1: engines must be a list of {{name, agent, vllm, labels}}",
+        f"{path}:1: engines must be a list of {{name, agent, vllm, labels, router}}",
         f"{path}:2: rules must be a mapping",
         f"{path}:3: webhook: basic auth needs both username and password_file",
     ]
@@ -251,7 +251,7 @@ def test_shapes_and_values_inside_sections(tmp_path: Path) -> None:
         f"{path}:1: database must be a non-empty string, got 5",
         f"{path}:3: engines[0] must be a mapping with name and agent",
         f"{path}:4: engines[1].name 'bad name': use letters, digits, _ . : -",
-        f"{path}:6: unknown key engines[1].port (allowed: name, agent, vllm, labels)",
+        f"{path}:6: unknown key engines[1].port (allowed: name, agent, vllm, labels, router)",
         f"{path}:7: engines[2].agent must be a non-empty string, got '  '",
         f"{path}:7: engines[2].labels must be a mapping",
         f"{path}:9: rules.catalog must be a non-empty string, got ''",
@@ -296,10 +296,10 @@ def test_null_values_are_the_defaults(tmp_path: Path) -> None:
     path = write(tmp_path, "databse:\nrules: {catalgo: null}\n")
     assert problems(path) == [  # a misspelt key is an error even with no value
         f"{path}:1: unknown key databse (allowed: database, engines, discovery, rules, "
-        "automation, slos, webhook, executor, approvals, notifications, page, limits, retention, "
-        "breaker)",
+        "automation, mode, slos, webhook, executor, approvals, notifications, page, limits, "
+        "retention, breaker)",
         f"{path}:2: unknown key rules.catalgo (allowed: evaluation_interval, leader_lease, "
-        "catalog, overrides)",
+        "replicas, scrape_deadline, scrape_grace, catalog, overrides)",
     ]
 
 
@@ -452,6 +452,7 @@ def test_limits_and_retention(tmp_path: Path) -> None:
           body_timeout: 1m
           keep_alive: 500ms
           max_connections: 32
+          max_client_connections: 4
         retention: {max_age: 2d, max_size: 1GB, interval: 30s}
         """,
     )
@@ -462,7 +463,9 @@ def test_limits_and_retention(tmp_path: Path) -> None:
         body_timeout_seconds=60.0,
         keep_alive_seconds=0.5,
         max_connections=32,
+        max_client_connections=4,
     )
+    assert config.limits.client_connections == 4
     assert config.retention == RetentionConfig(
         max_age_seconds=2 * 86400.0, max_bytes=10**9, interval_seconds=30.0
     )
@@ -474,6 +477,7 @@ def test_limits_and_retention(tmp_path: Path) -> None:
         keep_alive_seconds=5.0,
         max_connections=100,
     )
+    assert defaults.limits.client_connections == 50  # half of max_connections
     assert defaults.retention == RetentionConfig(
         max_age_seconds=7 * 86400.0, max_bytes=256 * 1024**2, interval_seconds=600.0
     )
@@ -502,7 +506,7 @@ def test_bad_limits_and_retention_are_named_with_file_and_line(tmp_path: Path) -
         f"{path}:3: limits.header_timeout: bad duration '0s': must be positive",
         f"{path}:4: limits.max_connections: Input should be greater than or equal to 1",
         f"{path}:5: unknown key limits.max_body (allowed: webhook_body, header_timeout, "
-        "body_timeout, keep_alive, max_connections)",
+        "body_timeout, keep_alive, max_connections, max_client_connections)",
         f"{path}:7: retention.max_age: bad duration 'forever': expected e.g. '30s', '5m', '1h30m'",
         f"{path}:8: retention.max_size must be positive",
     ]

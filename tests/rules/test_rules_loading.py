@@ -223,6 +223,7 @@ def test_shipped_catalog_covers_design_alerts() -> None:
             "VllmHotPathBacklog",
             "VllmRequestStarvation",
             "VllmEngineStalled",
+            "VllmEngineStuck",
             "VllmOOMRateHigh",
             "VllmErrorRateHigh",
             "VllmKVCacheRetentionShort",

@@ -8,22 +8,29 @@ that fetched one target after another would time out on them).
 
 from __future__ import annotations
 
+import collections
 import math
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import parse_qs
+from urllib.request import urlopen
 
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 from vllm_runbook.collector import metrics as M
+from vllm_runbook.collector.server import AgentServer
 from vllm_runbook.rules.evaluator import store_for_rules
 from vllm_runbook.rules.model import load_catalog
 from vllm_runbook.rules.scrape import (
     BACKOFF,
+    LATE,
     NO_BACKOFF,
     Backoff,
     ExpositionError,
@@ -37,15 +44,15 @@ from vllm_runbook.rules.scrape import (
 from vllm_runbook.rules.signals import SIGNALS
 from vllm_runbook.rules.window import Series, WindowStore
 from vllm_runbook.runbooks.model.config import load_config
-from vllm_runbook.runbooks.service.leader import RulesLeader
-from vllm_runbook.runbooks.service.rules_service import RulesService
+from vllm_runbook.runbooks.service.leader import REPLICA_LEASE_PREFIX, RulesLeader
+from vllm_runbook.runbooks.service.rules_service import RulesService, rendezvous_owner
 from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
 from vllm_runbook.runbooks.store import Journal
 
 RULES = load_catalog().bind()
 GOOD = b'vllm_runbook_kv_cache_usage_peak_ratio{engine="0",model_name="m"} 0.5\n'
 
-Behaviour = Callable[[str], tuple[int, bytes] | None]  # path -> (status, body); None: hang
+Behaviour = Callable[[str], tuple[int, bytes] | None]  # path?query -> (status, body); None: hang
 
 
 class Fleet:
@@ -54,7 +61,8 @@ class Fleet:
     def __init__(self) -> None:
         self.behaviour: dict[str, Behaviour] = {}
         self.lock = threading.Lock()
-        self.requests: dict[str, int] = {}
+        self.requests: dict[str, int] = {}  # path (without the query) -> requests
+        self.queries: list[str] = []  # of every request, in order
         self.release = threading.Event()  # lets hanging handlers go at teardown
         fleet = self
 
@@ -62,9 +70,11 @@ class Fleet:
             protocol_version = "HTTP/1.1"
 
             def do_GET(self) -> None:
+                path, _, query = self.path.partition("?")  # the scraper's name[]= filter
                 with fleet.lock:
-                    fleet.requests[self.path] = fleet.requests.get(self.path, 0) + 1
-                answer = fleet.behaviour[self.path](self.path)
+                    fleet.requests[path] = fleet.requests.get(path, 0) + 1
+                    fleet.queries.append(query)
+                answer = fleet.behaviour[path](self.path)
                 if answer is None:
                     fleet.release.wait(30)
                     return
@@ -127,15 +137,18 @@ def test_slow_target_answers_only_if_the_others_are_fetched_meanwhile(fleet: Fle
     others = 7  # 6 healthy + 1 that never answers
     asked = threading.Semaphore(0)
 
+    # Only the filtered asks count: each target's whole page, read once at its first
+    # answer to check the filter, comes after it.
     def counted(behaviour: Behaviour) -> Behaviour:
         def serve(path: str) -> tuple[int, bytes] | None:
-            asked.release()
+            if "?" in path:
+                asked.release()
             return behaviour(path)
 
         return serve
 
-    def slow(_path: str) -> tuple[int, bytes]:
-        for _ in range(others):
+    def slow(path: str) -> tuple[int, bytes]:
+        for _ in range(others if "?" in path else 0):
             assert asked.acquire(timeout=20)
         return 200, GOOD.replace(b"0.5", b"0.75")
 
@@ -178,7 +191,10 @@ def test_parallelism_is_bounded(fleet: Fleet) -> None:
 
     targets = [fleet.target(f"e{i}", gated) for i in range(count)]
     observer = _Recorder(on_target=finished)
-    with Scraper(store_for_rules(RULES), targets, concurrency=limit, observer=observer) as scraper:
+    # one request per target (no filter, so no check of it): in flight = requests
+    with Scraper(
+        store_for_rules(RULES), targets, concurrency=limit, observer=observer, filter_names=False
+    ) as scraper:
         results = scraper.scrape_once(now=1.0)
     assert [r.ok for r in results] == [True] * count
     assert (state["most"], state["arrived"]) == (limit, count)
@@ -218,7 +234,7 @@ def test_dead_target_is_backed_off_exponentially_and_retried(fleet: Fleet) -> No
     assert attempted_at == [0, 10, 30, 70, 110, 150]
     assert [backoff.delay(n) for n in range(1, 6)] == [10.0, 20.0, 40.0, 40.0, 40.0]
     assert errors(scraper, dead.url, "unreachable") == len(attempted_at)
-    assert fleet.requests["/live/metrics"] == 31
+    assert fleet.requests["/live/metrics"] == 31 + 1  # + its whole page, checked at first
     assert [(c.attempted, c.failed, c.skipped) for c in recorder.cycles[:3]] == [
         (2, 1, 0),
         (1, 0, 1),
@@ -242,7 +258,7 @@ def test_a_target_that_answers_again_leaves_backoff(fleet: Fleet) -> None:
         mode["answer"] = True
         assert scraper.scrape_once(now=10.0)[0].ok
         assert scraper.scrape_once(now=15.0)[0].ok  # not backed off any more
-    assert fleet.requests["/flaky/metrics"] == 3
+    assert fleet.requests["/flaky/metrics"] == 3 + 1  # + its whole page, at its first answer
 
 
 def test_answering_targets_are_not_backed_off_and_errors_count_per_target(
@@ -401,6 +417,7 @@ def test_sequential_mode_is_concurrency_one(fleet: Fleet) -> None:
         concurrency=1,
         backoff=NO_BACKOFF,
         observer=recorder,
+        filter_names=False,  # one request per target: in flight = requests
     ) as scraper:
         scraper.scrape_once(now=0.0)
         scraper.scrape_once(now=5.0)
@@ -459,7 +476,7 @@ def test_the_leader_exports_cycle_time_and_per_target_scrape_durations(
         assert value(prefix + "scrape_targets_backed_off") == 1.0
         errors = {"target": dead, "reason": "unreachable"}
         assert value(prefix + "scrape_errors_total", errors) == 1.0
-        assert fleet.requests["/live/metrics"] == 2
+        assert fleet.requests["/live/metrics"] == 2 + 1  # + its whole page, checked at first
     finally:
         leader.stop()
     assert durations() == set()  # a follower reports no scrapes
@@ -511,3 +528,336 @@ def test_known_series_are_stored_as_a_full_parse_would(fleet: Fleet) -> None:
     assert contents(store) == contents(reference)
     # The fixture stores 9 series (its unlabelled counter names no engine), + 1 relabelled.
     assert len(contents(store)) == 10
+
+
+# -- asking for the wanted names only ------------------------------------------------------
+
+
+def test_each_target_is_asked_for_the_names_the_rules_read(fleet: Fleet) -> None:
+    target = fleet.target("e", ok)
+    store = store_for_rules(RULES)
+    with Scraper(store, [target]) as scraper:
+        for now in (0.0, 5.0):
+            assert scraper.scrape_once(now=now)[0].ok
+    # at its first answer the whole page is read too: the filter loses nothing
+    assert [bool(q) for q in fleet.queries] == [True, False, True]
+    assert scraper.unfiltered == set()
+    asked = parse_qs(fleet.queries[0])
+    assert set(asked) == {"name[]"}
+    assert sorted(asked["name[]"]) == sorted(store.retention)  # the sample names kept
+    assert "vllm:e2e_request_latency_seconds_bucket" in asked["name[]"]
+
+
+WAITING = b'vllm:num_requests_waiting{engine="0",model_name="m"} 3\n'
+
+
+@pytest.mark.parametrize(
+    "filtered",
+    [(400, b"no such parameter\n"), (200, b""), (200, GOOD)],
+    # empty: prometheus_client's multiprocess registry; partial: a registry that
+    # finds some collectors by name, not others
+    ids=["refused", "empty", "partial"],
+)
+def test_a_target_that_does_not_take_the_filter_is_asked_for_the_whole_page(
+    fleet: Fleet, filtered: tuple[int, bytes]
+) -> None:
+    def page(path: str) -> tuple[int, bytes]:
+        return filtered if "?" in path else (200, GOOD + WAITING)
+
+    target = fleet.target("e", page)
+    store = store_for_rules(RULES)
+    with Scraper(store, [target]) as scraper:
+        first, second = scraper.scrape_once(now=0.0)[0], scraper.scrape_once(now=5.0)[0]
+    assert (first.ok, first.samples, second.ok, second.samples) == (True, 2, True, 2)
+    assert scraper.unfiltered == {target.url}
+    # the filtered ask, the whole page, then only the whole page
+    assert [bool(q) for q in fleet.queries] == [True, False, False]
+    assert scraper.error_counts == {}
+
+
+def test_without_the_filter_every_target_is_asked_for_its_whole_page(fleet: Fleet) -> None:
+    target = fleet.target("e", ok)
+    with Scraper(store_for_rules(RULES), [target], filter_names=False) as scraper:
+        assert scraper.scrape_once(now=0.0)[0].ok
+    assert fleet.queries == [""]
+
+
+def test_the_agent_answers_name_filters_with_those_samples_only() -> None:
+    """The collector agent's /metrics honours `name[]=` as prometheus_client's own
+    exposition does, custom collectors (which describe no names) included."""
+    registry = CollectorRegistry()
+    Gauge("g_one", "one", registry=registry).set(1)
+    Counter("c_two", "two", registry=registry).inc(2)
+
+    class Custom:
+        def describe(self) -> list[object]:
+            return []
+
+        def collect(self) -> Iterator[object]:
+            family = GaugeMetricFamily("custom_three", "three", labels=["x"])
+            family.add_metric(["a"], 3.0)
+            yield family
+
+    registry.register(Custom())  # type: ignore[arg-type]
+    server = AgentServer("127.0.0.1", 0, registry).start()
+    try:
+
+        def get(query: str) -> dict[str, float]:
+            with urlopen(f"{server.url}/metrics{query}", timeout=10) as response:
+                text = response.read().decode()
+            return {
+                s.name: s.value
+                for family in text_string_to_metric_families(text)
+                for s in family.samples
+            }
+
+        assert get("?name[]=c_two_total&name[]=custom_three") == {
+            "c_two_total": 2.0,
+            "custom_three": 3.0,
+        }
+        assert get("?name[]=nothing") == {}
+        assert {"g_one", "c_two_total", "c_two_created", "custom_three"} <= set(get(""))
+    finally:
+        server.close()
+
+
+# -- replicas that split the fleet -----------------------------------------------------------
+
+
+@pytest.mark.service
+def test_two_replicas_split_the_engines_and_one_takes_all_when_the_other_dies(
+    tmp_path: Path, fleet: Fleet, rules_pg_database: str
+) -> None:
+    """Two `split` replicas on PostgreSQL: each engine scraped and evaluated by exactly
+    one (rendezvous hashing over the live replicas' leases); one killed (its lease
+    left to lapse), the other evaluates every engine from its first cycle after."""
+    names = [f"e{i}" for i in range(12)]
+    targets = {name: fleet.target(name, ok) for name in names}
+    config_path = tmp_path / "runbook.yaml"
+    config_path.write_text(
+        yaml.safe_dump(
+            {
+                "engines": [
+                    {"name": n, "agent": t.url.removesuffix("/metrics")} for n, t in targets.items()
+                ],
+                "rules": {"evaluation_interval": "5s", "replicas": "split"},
+            }
+        ),
+        encoding="utf-8",
+    )
+    config = load_config(config_path)
+    assert config.rules.replicas == "split"
+    store = Journal(rules_pg_database)
+    ttl = 4.0  # seconds: far longer than a cycle of 12 engines on loopback
+    a, b = (
+        RulesLeader(
+            store,
+            lambda: RulesService.from_config(config),
+            ttl,
+            holder=f"replica-{x}-{tmp_path.name}",
+            split=True,
+        )
+        for x in "ab"
+    )
+
+    def share(leader: RulesLeader) -> set[str]:
+        assert leader.service is not None
+        scraped = {t.instance for t in leader.service.scraper.targets}
+        evaluated = {key[0] for key in leader.service.windows.engines}
+        assert evaluated == scraped  # what it scraped is all it evaluates
+        return scraped
+
+    try:
+        assert a.cycle()
+        assert share(a) == set(names)  # alone
+        assert b.cycle() and a.cycle()
+        expected = {n: rendezvous_owner(n, sorted([a.holder, b.holder])) for n in names}
+        assert share(a) == {n for n in names if expected[n] == a.holder}
+        assert share(b) == {n for n in names if expected[n] == b.holder}
+        assert share(a) and share(b)
+        before = dict(fleet.requests)
+        assert a.cycle() and b.cycle()
+        assert {p: fleet.requests[p] - before[p] for p in before} == {
+            f"/{n}/metrics": 1
+            for n in names  # each engine once per cycle of the pair
+        }
+        # b dies: no stop, no release; a keeps its share until b's lease lapses
+        assert a.cycle()
+        assert share(a) == {n for n in names if expected[n] == a.holder}
+        deadline = time.monotonic() + 2 * ttl
+        while b.holder in store.live_holders(REPLICA_LEASE_PREFIX):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert a.cycle()
+        assert share(a) == set(names)
+        assert a.replicas == (a.holder,)
+    finally:
+        a.stop()
+        b.stop()
+        store.close()
+
+
+def test_rendezvous_moves_only_the_engines_of_the_replica_that_left() -> None:
+    engines = [f"engine-{i}" for i in range(300)]
+    three = ["r1", "r2", "r3"]
+    before = {e: rendezvous_owner(e, three) for e in engines}
+    after = {e: rendezvous_owner(e, ["r1", "r3"]) for e in engines}
+    assert {e for e in engines if before[e] != after[e]} == {
+        e for e in engines if before[e] == "r2"
+    }
+    assert all(60 <= list(before.values()).count(r) <= 140 for r in three)
+
+
+# -- a cycle deadline: hanging targets do not hold the cycle --------------------------
+
+
+def _series_times(store: WindowStore, instance: str) -> list[float]:
+    [series] = store.engines[(instance, "m", "0")].by_name["vllm_runbook_kv_cache_usage_peak_ratio"]
+    return list(series.ts[series.start :])
+
+
+def _wait_for_late_answer(scraper: Scraper) -> None:
+    """Until the loop, driven between cycles, has received the late answer (or its timeout)."""
+    until = time.monotonic() + 20
+    while not scraper._late and time.monotonic() < until:
+        time.sleep(0.01)
+    assert scraper._late, "the late request got nothing between cycles"
+
+
+@pytest.mark.parametrize(
+    ("deadline", "grace"), [(2.0, None), (None, 0.2)], ids=["deadline", "grace"]
+)
+def test_a_hanging_target_does_not_hold_the_cycle_and_its_late_answer_keeps_its_time(
+    fleet: Fleet, deadline: float | None, grace: float | None
+) -> None:
+    """The cycle stops waiting at its deadline (or after `grace` without an answer)
+    while the held target still holds its request: the others' samples are in, the
+    held one is late, not failed. Its request goes on between cycles; its answer is
+    ingested by the next cycle at the time of the cycle that asked, and it is not
+    asked again before it answered."""
+    gate = threading.Event()
+
+    def held(path: str) -> tuple[int, bytes]:
+        assert gate.wait(20)
+        return 200, GOOD.replace(b"0.5", b"0.25")
+
+    targets = [fleet.target("a", ok), fleet.target("held", held), fleet.target("b", ok)]
+    targets += [fleet.target(f"ok{i}", ok) for i in range(8)]  # 10 of 11 answer: the grace
+    store = store_for_rules(RULES)
+    recorder = _Recorder()
+    with Scraper(
+        store, targets, timeout=30.0, deadline=deadline, grace=grace, observer=recorder
+    ) as scraper:
+        results = scraper.scrape_once(now=100.0)
+        assert not gate.is_set()  # it returned while the target still held its answer
+        assert [(r.ok, r.reason) for r in results] == [
+            (True, None),
+            (False, LATE),
+        ] + [(True, None)] * 9
+        cycle = scraper.last_cycle
+        assert cycle is not None
+        assert (cycle.attempted, cycle.failed, cycle.skipped, cycle.late) == (11, 0, 0, 1)
+        assert _series_times(store, "a") == _series_times(store, "b") == [100.0]
+        assert ("held", "m", "0") not in store.engines
+        assert scraper.error_counts == collections.Counter()
+        gate.set()
+        _wait_for_late_answer(scraper)
+        assert ("held", "m", "0") not in store.engines  # kept for the next cycle
+        results = scraper.scrape_once(now=105.0)
+        # settled first (late), then asked again: this cycle's result is the new one
+        assert [(r.ok, r.late) for r in results] == [(True, False)] * 11
+        # ingested at the time of the cycle that asked for it; asked again at 105
+        assert _series_times(store, "held") == [100.0, 105.0]
+        [held_series] = store.engines[("held", "m", "0")].by_name[
+            "vllm_runbook_kv_cache_usage_peak_ratio"
+        ]
+        assert list(held_series.values) == [0.25, 0.25]
+        assert _series_times(store, "a") == [100.0, 105.0]
+        cycle = scraper.last_cycle
+        assert cycle is not None and (cycle.attempted, cycle.failed, cycle.late) == (11, 0, 0)
+    assert fleet.requests["/held/metrics"] == 2 + 1  # + its whole page, at its first answer
+    assert [r.late for r in recorder.targets if r.target.instance == "held"] == [True, False]
+    assert scraper.error_counts == collections.Counter()
+
+
+def test_a_late_target_that_never_answers_fails_at_its_timeout_and_is_backed_off(
+    fleet: Fleet,
+) -> None:
+    """Late at the deadline, not asked again while in flight; its own timeout then
+    makes it a failure (counted once, with the time of the cycle that asked), backed
+    off from that time as any other."""
+    dead = fleet.target("dead", hang)
+    live = fleet.target("live", ok)
+    store = store_for_rules(RULES)
+    backoff = Backoff(base=10.0, cap=40.0)
+    with Scraper(store, [dead, live], timeout=2.5, deadline=1.0, backoff=backoff) as scraper:
+        first = scraper.scrape_once(now=0.0)
+        assert [(r.ok, r.reason) for r in first] == [(False, LATE), (True, None)]
+        assert errors(scraper, dead.url, "unreachable") == 0
+        _wait_for_late_answer(scraper)  # its 2.5 s timeout passed between cycles
+        dead_result, live_result = scraper.scrape_once(now=5.0)
+        assert (dead_result.ok, dead_result.reason, dead_result.late) == (
+            False,
+            "unreachable",
+            True,
+        )
+        assert dead_result.error == "no answer within 2.5 s"
+        assert live_result.ok
+        cycle = scraper.last_cycle
+        assert cycle is not None
+        assert (cycle.attempted, cycle.failed, cycle.skipped, cycle.late) == (1, 1, 0, 0)
+        assert errors(scraper, dead.url, "unreachable") == 1
+        assert scraper.up[dead.url] is False
+        assert scraper.state[dead.url].retry_at == 0.0 + backoff.delay(1)
+        assert scraper.scrape_once(now=9.0)[0].reason == BACKOFF
+        assert scraper.scrape_once(now=10.0)[0].reason == LATE  # tried again: late again
+        assert fleet.requests["/dead/metrics"] == 2
+        assert _series_times(store, "live") == [0.0, 5.0, 9.0, 10.0]
+    assert errors(scraper, dead.url, "unreachable") == 1  # the one in flight at close: neither
+
+
+def test_close_drops_late_requests_and_stops_the_thread_that_drives_them(fleet: Fleet) -> None:
+    gate = threading.Event()
+
+    def held(_path: str) -> tuple[int, bytes]:
+        assert gate.wait(20)
+        return 200, GOOD
+
+    target = fleet.target("held", held)
+    scraper = Scraper(store_for_rules(RULES), [target], timeout=30.0, deadline=0.2)
+    assert scraper.scrape_once(now=1.0)[0].reason == LATE
+    driver = scraper._drainer
+    assert driver is not None and driver.is_alive()
+    scraper.close()
+    assert not driver.is_alive() and scraper._inflight == {} and scraper._loop is None
+    gate.set()
+    [result] = scraper.scrape_once(now=2.0)  # asked again, on a new loop
+    assert result.ok and not result.late
+    scraper.close()
+    assert fleet.requests["/held/metrics"] == 2 + 1
+
+
+def test_without_a_deadline_or_grace_a_cycle_waits_for_every_target(fleet: Fleet) -> None:
+    def slowish(path: str) -> tuple[int, bytes]:
+        time.sleep(0.3)
+        return ok(path)
+
+    with Scraper(store_for_rules(RULES), [fleet.target("s", slowish)], timeout=10.0) as scraper:
+        assert scraper.scrape_once(now=1.0)[0].ok
+        assert scraper._drainer is None and scraper._inflight == {}
+
+
+def test_the_grace_waits_for_stragglers_only(fleet: Fleet) -> None:
+    """One of two targets answered: too few for the grace (GRACE_AFTER), so the cycle
+    waits for the other, here until its timeout: a failure of this cycle, not late."""
+    targets = [fleet.target("live", ok), fleet.target("dead", hang)]
+    with Scraper(store_for_rules(RULES), targets, timeout=1.0, grace=0.05) as scraper:
+        live, dead = scraper.scrape_once(now=1.0)
+    assert live.ok and (dead.reason, dead.late) == ("unreachable", False)
+    assert scraper.last_cycle is not None and scraper.last_cycle.late == 0
+
+
+@pytest.mark.parametrize("field", ["deadline", "grace"])
+def test_deadline_and_grace_must_be_positive(field: str) -> None:
+    with pytest.raises(ValueError, match=f"{field} must be positive"):
+        Scraper(store_for_rules(RULES), [], **{field: 0.0})  # type: ignore[arg-type]

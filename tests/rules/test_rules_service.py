@@ -74,7 +74,7 @@ def test_refuses_to_start_with_a_broken_catalog(tmp_path: Path) -> None:
     # Every broken rule is named; none is dropped silently; nothing was scheduled.
     assert [str(p) for p in info.value.problems] == [
         f"{shown}:6: rule VllmX: unknown runbook 'no-such-runbook' (known: batch-too-large, "
-        "batch-utilization-low, engine-stalled, error-rate-high, gpu-compute-skew, "
+        "batch-utilization-low, engine-stalled, engine-stuck, error-rate-high, gpu-compute-skew, "
         "gpu-memory-imbalance, hot-path-backlog, kv-hit-low, latency-spike, memory-leak, "
         "oom-pressure, padding-high, restore, spec-decode-acceptance-low, "
         "throughput-drop, warmup; or null for diagnose-only)",
@@ -244,3 +244,28 @@ def test_the_service_counts_scrape_errors_into_its_exported_metric(tmp_path: Pat
     )
     assert sample("vllm_runbook_service_scrape_errors_total", {**labels, "reason": "parse"}) == 0
     assert service.scraper.error_counts == {(url + "/metrics", "unreachable"): 2}
+
+
+def test_the_scrape_deadline_and_grace_come_from_the_configuration(tmp_path: Path) -> None:
+    """A hanging target does not hold the cycle: the scraper stops waiting at
+    rules.scrape_deadline x evaluation_interval, or after rules.scrape_grace."""
+    default = RulesService.from_config(load_config(write_config(tmp_path, {})))
+    assert (default.scraper.deadline, default.scraper.grace) == (2.5, 0.25)
+    doc = {"rules": {"evaluation_interval": "2s", "scrape_deadline": 0.2, "scrape_grace": "1s"}}
+    set_ = RulesService.from_config(load_config(write_config(tmp_path, doc)))
+    assert (set_.scraper.deadline, set_.scraper.grace) == (0.4, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("rules", "message"),
+    [
+        ({"scrape_deadline": 1.5}, "rules.scrape_deadline: Input should be less than or equal"),
+        ({"scrape_deadline": 0}, "rules.scrape_deadline: Input should be greater than 0"),
+        ({"scrape_grace": "0s"}, "rules.scrape_grace: bad duration '0s': must be positive"),
+    ],
+)
+def test_a_bad_scrape_deadline_or_grace_is_refused(
+    tmp_path: Path, rules: dict[str, object], message: str
+) -> None:
+    with pytest.raises(CatalogError, match=message.replace("(", r"\(")):
+        load_config(write_config(tmp_path, {"rules": rules}))

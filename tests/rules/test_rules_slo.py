@@ -34,10 +34,9 @@ from vllm_runbook.rules.incidents import MemoryIncidentSink
 from vllm_runbook.rules.promql import GENERATED_HEADER, dump_yaml
 from vllm_runbook.rules.slo import (
     BUDGET_LEFT,
-    BURN_PAIRS,
     BURN_RATE,
+    PERIODS,
     VLLM_BUCKETS,
-    WINDOWS,
     SloSpec,
     alert_name,
     error_ratio,
@@ -46,6 +45,7 @@ from vllm_runbook.rules.slo import (
     slo_rule_groups,
     slo_rules,
     span,
+    windows,
 )
 
 PROMTOOL = promtool_version()
@@ -56,6 +56,12 @@ TTFT = SloSpec(name="ttft", objective="ttft", threshold=1.0, target=0.99)
 AVAILABILITY = SloSpec(name="avail", objective="availability", target=0.99)
 # End-to-end latency: 99.9 % of requests done within 5 s (a bucket bound of vLLM's).
 E2E = SloSpec(name="e2e", objective="e2e_latency", threshold=5.0, target=0.999)
+# TTFT over every other supported SLO window (the pairs' windows scaled to it).
+OTHER_PERIODS = [
+    SloSpec(name=f"ttft_{span(p)}", objective="ttft", threshold=1.0, target=0.99, window=p)
+    for p in PERIODS
+    if p != TTFT.window
+]
 
 
 def burning(slo: SloSpec, burn: float, samples: int) -> list[tuple[str, str]]:
@@ -108,7 +114,7 @@ def run_evaluator(
         out[t] = {rule.alert for rule, _engine, _value in evaluator.firing()}
     if ratios is not None:
         (engine,) = list(store)
-        for window in (*WINDOWS, slo.window):
+        for window in (*windows(slo.window), slo.window):
             ratios[window] = compiler.expr(error_ratio(slo, window))(engine, max(times), {})
     return out
 
@@ -149,7 +155,7 @@ def run_promtool(
                 "labels": _labels("", {**labels, "window": span(p.long)}),
                 "value": rounded(ratios[p.long] / slo.budget),
             }
-            for p in BURN_PAIRS
+            for p in slo.pairs
         ]
         left = rounded(1 - ratios[slo.window] / slo.budget)
         records = [
@@ -194,17 +200,18 @@ def need_promtool() -> None:
         pytest.skip("promtool not installed (apt-get install prometheus); CI fails instead")
 
 
-# Each pair at 1.1x and 0.9x its factor: the pairs expected to fire.
+# Each pair at 1.1x and 0.9x its factor: the pairs expected to fire (every
+# objective over 30 days, TTFT over each other supported window).
 CONSTANT = [
     (slo, pair.factor * scale)
-    for slo in (TTFT, E2E, AVAILABILITY)
-    for pair in BURN_PAIRS
+    for slo in (TTFT, E2E, AVAILABILITY, *OTHER_PERIODS)
+    for pair in slo.pairs
     for scale in (1.1, 0.9)
 ]
 
 
 def _expected(slo: SloSpec, burn: float) -> set[str]:
-    return {alert_name(slo, p) for p in BURN_PAIRS if p.factor < burn}
+    return {alert_name(slo, p) for p in slo.pairs if p.factor < burn}
 
 
 def _id(case: tuple[SloSpec, float]) -> str:
@@ -220,11 +227,15 @@ def test_evaluator_fires_each_pair_above_its_rate_only(case) -> None:
 
 
 def test_evaluator_is_quiet_below_the_slowest_pair() -> None:
-    for slo in (TTFT, E2E, AVAILABILITY):
+    for slo in (TTFT, E2E, AVAILABILITY, *OTHER_PERIODS):
         assert run_evaluator(slo, burning(slo, 0.9, 20), [600.0]) == {600.0: set()}
 
 
-@pytest.mark.parametrize("case", [*CONSTANT, (TTFT, 0.9), (E2E, 0.9), (AVAILABILITY, 0.9)], ids=_id)
+@pytest.mark.parametrize(
+    "case",
+    [*CONSTANT, *((slo, 0.9) for slo in (TTFT, E2E, AVAILABILITY, *OTHER_PERIODS))],
+    ids=_id,
+)
 def test_prometheus_agrees_on_a_constant_burn(case, tmp_path: Path) -> None:
     need_promtool()
     slo, burn = case
@@ -265,7 +276,7 @@ def test_evaluator_catches_a_late_burn_after_long_window_x_factor_over_burn() ->
     times = [start + m * SCRAPE for m in range(BURN_MINUTES + 1)]
     timeline = run_evaluator(TTFT, _late_burn(), times)
     burn = 1 / TTFT.budget  # every request bad: 100x
-    for pair in BURN_PAIRS:
+    for pair in TTFT.pairs:
         fired = _first_firing(timeline, alert_name(TTFT, pair))
         assert fired is not None, pair
         ideal = start + pair.long * pair.factor / burn  # 8.64 min, 21.6, 43.2, 43.2
@@ -281,7 +292,7 @@ def test_prometheus_agrees_on_a_late_burn(tmp_path: Path) -> None:
     times = [start + m * SCRAPE for m in range(BURN_MINUTES + 1)]
     timeline = run_evaluator(TTFT, data, times)
     checked = {start: timeline[start]}
-    for pair in BURN_PAIRS:  # the minute each pair starts firing, and the minute before
+    for pair in TTFT.pairs:  # the minute each pair starts firing, and the minute before
         fired = _first_firing(timeline, alert_name(TTFT, pair))
         assert fired is not None
         checked[fired] = timeline[fired]
@@ -323,3 +334,75 @@ def test_the_evaluator_keeps_only_the_bucket_the_slo_reads() -> None:
         ("vllm:time_to_first_token_seconds_bucket", "1.0"),
     }
     assert store.retention["vllm:time_to_first_token_seconds_bucket"] == 3 * 86400 + 60
+
+
+# -- the SLO window's error ratio, from the 5-minute records ------------------------------
+
+
+def _steps(base: float, increments: list[float]) -> str:
+    """A counter from `base`, one value per minute, growing by each increment."""
+    values = [base]
+    for step in increments:
+        values.append(values[-1] + step)
+    return " ".join(f"{v:g}" for v in values)
+
+
+def test_prometheus_reads_the_windows_ratio_from_the_records(tmp_path: Path) -> None:
+    """20 minutes at 1 % errors (1000 requests a minute), 15 idle minutes, 10 minutes at
+    25 % (200 a minute): over the SLO's window, 700 bad of 22000 requests. The budget
+    group's ratio (sums of the 5-minute rates) is exactly that, idle minutes and all
+    (a mean of 5-minute ratios, as Sloth records, would be NaN after an idle 5 minutes);
+    so is the budget left."""
+    need_promtool()
+    slo = SloSpec(name="avail", objective="availability", target=0.99, window=7 * 86400.0)
+    quiet = [0.0] * 5
+    errors = quiet + [10.0] * 20 + [0.0] * 15 + [50.0] * 10 + quiet
+    served = quiet + [990.0] * 20 + [0.0] * 15 + [150.0] * 10 + quiet
+    name = "vllm:request_success_total"
+    data = [
+        series(name, _steps(100000, served), finished_reason="stop"),
+        series(name, _steps(1000, errors), finished_reason="error"),
+        series(name, _steps(0, [0.0] * len(served)), finished_reason="abort"),
+    ]
+    ratio = sum(errors) / (sum(errors) + sum(served))
+    assert ratio == 700 / 22000
+    groups = slo_rule_groups([slo], annotations=False)
+    (tmp_path / "slo.yml").write_text(GENERATED_HEADER + dump_yaml({"groups": groups}))
+    labels = {**ENGINE, "slo": slo.name}
+    at = format_duration(len(served) * SCRAPE)
+
+    def expect(expr: str, value: float) -> dict:
+        inverse = 1e9
+        exact = math.floor(value * inverse + 0.5) / inverse
+        sample = {"labels": _labels("", labels), "value": exact}
+        return {"expr": f"round({expr}, 1e-9)", "eval_time": at, "exp_samples": [sample]}
+
+    doc = {
+        "rule_files": ["slo.yml"],
+        "evaluation_interval": format_duration(SCRAPE),
+        "tests": [
+            {
+                "interval": format_duration(SCRAPE),
+                "input_series": [{"series": s, "values": v} for s, v in data],
+                "promql_expr_test": [
+                    expect("vllm_runbook:slo_error_ratio:rate7d", ratio),
+                    expect(BUDGET_LEFT, 1 - ratio / slo.budget),
+                ],
+            }
+        ],
+    }
+    (tmp_path / "test.yml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    result = subprocess.run(
+        ["promtool", "test", "rules", "test.yml"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    # the budget group reads two recorded series, not the raw ones
+    (budget,) = [g for g in groups if str(g["name"]).endswith("-budget")]
+    assert budget["interval"] == "1m"
+    window_rule = next(r for r in budget["rules"] if r["record"].endswith("rate7d"))
+    assert "vllm:" not in window_rule["expr"] and "sum_over_time" in window_rule["expr"]

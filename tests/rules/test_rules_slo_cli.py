@@ -173,3 +173,26 @@ def test_errors_are_one_line_with_their_exit_codes(prometheus, tmp_path: Path) -
         assert text in done.stderr, done.stderr
         assert "Traceback" not in done.stderr
         assert done.stderr.count("\n") == 1, done.stderr
+
+
+def test_the_table_reads_each_slos_own_scaled_pairs() -> None:
+    """A 7-day SLO's burn rates are over its own long windows (14m, 1h24m, ...): the
+    columns are named by them when every SLO shown has that window, by the pair when
+    the windows differ."""
+    from vllm_runbook.rules.slo import SloSpec, SloStatus, windows
+    from vllm_runbook.runbooks.operate.cli.slo import table
+
+    week = SloSpec(name="week", objective="availability", target=0.99, window=7 * 86400.0)
+    month = SloSpec(name="month", objective="availability", target=0.99)
+    engine = {"instance": "i-0", "model_name": "m", "engine": "0"}
+
+    def status(slo: SloSpec) -> SloStatus:
+        ratios = {w: (0.2 if w == slo.pairs[0].long else 0.01) for w in windows(slo.window)}
+        return SloStatus(slo, engine, {**ratios, slo.window: 0.005})
+
+    alone = table([status(week)]).splitlines()
+    assert alone[0].endswith("BURN 14m  BURN 1h24m  BURN 5h36m  BURN 16h48m  FIRING")
+    # budget left 1 - 0.005 / 0.01; the 14m window burns at 20, the others at 1
+    assert alone[1].split()[-6:] == ["50.0%", "20.00", "1.00", "1.00", "1.00", "-"]
+    mixed = table([status(week), status(month)]).splitlines()
+    assert mixed[0].endswith("BURN PAIR 1  BURN PAIR 2  BURN PAIR 3  BURN PAIR 4  FIRING")

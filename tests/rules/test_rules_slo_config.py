@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import textwrap
@@ -16,9 +17,12 @@ from vllm_runbook.rules.errors import CatalogError
 from vllm_runbook.rules.slo import (
     BURN_PAIRS,
     DEFAULT_WINDOW,
+    PERIODS,
     VLLM_BUCKETS,
     SloSpec,
+    burn_pairs,
     slo_rules,
+    span,
 )
 from vllm_runbook.runbooks.model.catalogs import load_deployment
 from vllm_runbook.runbooks.model.config import load_config
@@ -154,7 +158,7 @@ def test_four_pairs_per_slo_and_the_page_pairs_hand_off_to_its_runbook() -> None
         assert isinstance(rule.condition, C.AllOf)
         long, short = rule.condition.terms
         assert isinstance(long, C.Compare) and isinstance(short, C.Compare)
-        assert long.value == short.value == pair.factor * (1 - 0.99)
+        assert long.value == short.value == round(pair.factor * 0.01, 12)
         assert C.reach(long.expr) == pair.long and C.reach(short.expr) == pair.short
     # `automation:` decides what a fast burn does, by the runbook's name
     automation = Automation({"latency-spike": "approve"})
@@ -191,9 +195,19 @@ def test_export_holds_the_slo_groups_and_passes_promtool(tmp_path: Path, capsys)
     ok = groups["vllm-runbook-slo-ok"]
     records = [r["record"] for r in ok if "slo_error_ratio" in r.get("record", "")]
     assert records == [
-        f"vllm_runbook:slo_error_ratio:rate{w}"
-        for w in ("5m", "30m", "1h", "2h", "6h", "1d", "3d", "30d")
+        f"vllm_runbook:slo_error_ratio:rate{w}" for w in ("5m", "30m", "1h", "2h", "6h", "1d", "3d")
     ]
+    # the 30-day ratio: from the budget group's two 5-minute records, once a minute
+    assert [r["record"] for r in groups["vllm-runbook-slo-ok-budget"]] == [
+        "vllm_runbook:slo_errors:rate5m",
+        "vllm_runbook:slo_requests:rate5m",
+        "vllm_runbook:slo_error_ratio:rate30d",
+        "vllm_runbook:slo_budget_left:ratio",
+    ]
+    assert groups["vllm-runbook-slo-ok-budget"][2]["expr"] == (
+        'sum_over_time(vllm_runbook:slo_errors:rate5m{slo="ok"}[30d]) / '
+        'sum_over_time(vllm_runbook:slo_requests:rate5m{slo="ok"}[30d])'
+    )
     assert ok[0]["expr"] == (
         "sum by (instance, model_name, engine) (rate(vllm:request_success_total"
         '{finished_reason="error",model_name="llama"}[5m])) / sum by (instance, model_name, '
@@ -201,9 +215,9 @@ def test_export_holds_the_slo_groups_and_passes_promtool(tmp_path: Path, capsys)
     ).join("()")
     alerts = [r for r in ok if "alert" in r]
     assert alerts[0]["expr"] == (
-        'vllm_runbook:slo_error_ratio:rate1h{slo="ok"} > 0.0144000000000001 and '
-        'vllm_runbook:slo_error_ratio:rate5m{slo="ok"} > 0.0144000000000001'
-    ).replace("0.0144000000000001", repr(14.4 * (1 - 0.999)))
+        'vllm_runbook:slo_error_ratio:rate1h{slo="ok"} > 0.0144 and '
+        'vllm_runbook:slo_error_ratio:rate5m{slo="ok"} > 0.0144'
+    )
     ttft_alerts = [r for r in groups["vllm-runbook-slo-ttft"] if "alert" in r]
     assert ttft_alerts[0]["annotations"]["runbook_url"] == "runbooks/catalog/latency-spike"
     if shutil.which("promtool") is None:
@@ -216,3 +230,84 @@ def test_export_holds_the_slo_groups_and_passes_promtool(tmp_path: Path, capsys)
                  "-o", str(op)]) == 0  # fmt: skip
     spec = yaml.safe_load(op.read_text())["spec"]["groups"]
     assert [g["name"] for g in spec] == list(groups)
+
+
+def test_other_windows_are_refused_with_the_supported_ones(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """\
+        slos:
+          - {name: a, objective: availability, target: 0.99, window: 7d}
+          - {name: b, objective: availability, target: 0.99,
+             window: 10d}
+          - {name: c, objective: availability, target: 0.99, window: 90d}
+        """,
+    )
+    assert problems(path) == [
+        f"{path}:4: slos[1].window: 10d is not a supported SLO window: use one of 7d, 14d, "
+        "28d, 30d (the burn-rate windows are the 30-day ones scaled to it)",
+        f"{path}:5: slos[2].window: 90d is not a supported SLO window: use one of 7d, 14d, "
+        "28d, 30d (the burn-rate windows are the 30-day ones scaled to it)",
+    ]
+
+
+# The share of the budget each pair has spent when it fires (factor x long / period).
+SHARES = (0.02, 0.05, 0.10, 0.10)
+
+
+@pytest.mark.parametrize("days", [7, 14, 28, 30])
+def test_each_pair_fires_after_the_same_share_of_the_budget_whatever_the_window(days) -> None:
+    """The 7-day 1 h page of the unscaled table fired after 14.4 x 1 h / 7 d = 8.6 %."""
+    period = days * 86400.0
+    assert period in PERIODS
+    pairs = burn_pairs(period)
+    assert [p.factor for p in pairs] == [p.factor for p in BURN_PAIRS]
+    for pair, share, base in zip(pairs, SHARES, BURN_PAIRS, strict=True):
+        assert pair.factor * pair.long / period == pytest.approx(share, rel=1e-12)
+        # the short window: 1/12 of the long one (1/4 for the slow pairs), to the
+        # minute, at least 5 minutes
+        assert pair.short == max(300.0, round(base.short * period / (30 * 86400) / 60) * 60)
+        assert pair.short < pair.long
+
+
+def test_the_7_day_windows() -> None:
+    slo = SloSpec(name="w", objective="availability", target=0.99, window=7 * 86400.0)
+    assert [(span(p.long), span(p.short)) for p in slo.pairs] == [
+        ("14m", "5m"),
+        ("1h24m", "7m"),
+        ("5h36m", "28m"),
+        ("16h48m", "1h24m"),
+    ]
+    assert [r.alert for r in slo_rules([slo])] == [
+        "VllmSloBurn_w_14m",
+        "VllmSloBurn_w_1h24m",
+        "VllmSloBurn_w_5h36m",
+        "VllmSloBurn_w_16h48m",
+    ]
+
+
+_FLOAT = re.compile(r"(?<![\w.])\d+\.\d+(?:e[-+]?\d+)?")
+
+
+@pytest.mark.parametrize("target", [0.99, 0.999, 0.95, 0.9, 0.9995, 0.97])
+def test_no_float_is_spelled_with_binary_noise_in_the_export(tmp_path: Path, target) -> None:
+    """1 - 0.99 is 0.010000000000000009 in binary: every number of the whole export
+    (the catalogs' rules and the SLO groups, expressions, labels and annotations) is
+    written with at most 12 significant digits."""
+    path = write(
+        tmp_path,
+        f"""\
+        slos:
+          - {{name: ttft, objective: ttft, threshold: 0.25s, target: {target}}}
+          - {{name: ok, objective: availability, target: {target}, window: 28d}}
+          - {{name: e2e, objective: e2e_latency, threshold: 2.5s, target: {target},
+             window: 7d}}
+        """,
+    )
+    out = tmp_path / "rules.yml"
+    assert main(["rules", "export", "--config", str(path), "-o", str(out)]) == 0
+    text = out.read_text()
+    numbers = _FLOAT.findall(text)
+    assert "0.01" in numbers or target != 0.99
+    noisy = sorted({n for n in numbers if len(n.split("e")[0].replace(".", "").lstrip("0")) > 12})
+    assert noisy == []

@@ -73,7 +73,7 @@ def test_a_list_of_the_wrong_shape_names_its_own_items_keys() -> None:
     error = config_file("notifications:\n  receivers: {name: ops}\nengines: 3\n")
     assert [str(p) for p in error.problems] == [
         "x.yaml:2: notifications.receivers must be a list of {name, type, url, token_file}",
-        "x.yaml:3: engines must be a list of {name, agent, vllm, labels}",
+        "x.yaml:3: engines must be a list of {name, agent, vllm, labels, router}",
     ]
     error = config_file("notifications:\n  receivers:\n    - 7\n")
     assert [str(p) for p in error.problems] == [

@@ -217,8 +217,9 @@ def test_real_answers_validate_against_their_models_and_keep_the_journals_json(
     }
 
     pending = answer("get", "/api/pending")
-    _same(pending, [r.to_dict() for r in store.pending_approvals()])
-    assert [e.id for e in PendingApprovals.model_validate(pending).root] == [awaiting, other]
+    # Newest first (a page at a time: tests/service/test_service_pending_pages.py).
+    _same(pending, [r.to_dict() for r in reversed(store.pending_approvals())])
+    assert [e.id for e in PendingApprovals.model_validate(pending).root] == [other, awaiting]
 
     inventory = served.router.inventory
     assert inventory is not None

@@ -57,10 +57,12 @@ from vllm_runbook.runbooks.store.models import STEP_APPLIED, ExecutionStatus
 from tests.dashboards.live import (
     MODEL,
     TimeRangeResults,
+    advisory_only,
     every_query,
     gpu_only,
     is_finding,
     needs_vllm_option,
+    only_while_stalled,
     run_over_time_range,
     uses_service,
     uses_slo_rules,
@@ -99,6 +101,12 @@ def checked_here(name: str, q: lint.Query) -> bool:
         return False
     if needs_vllm_option(q.expr):
         return False  # vLLM runs here without --kv-cache-metrics and speculative decoding
+    if advisory_only(q.expr):
+        return False  # its autopilot is not in advisory mode (test_autopilot_engine.py)
+    if only_while_stalled(q.expr):
+        return False  # no engine stalls here (tests/engine/test_router_served.py)
+    if "detection_to_action_unmeasured" in q.expr:
+        return False  # no alert here has a clock out of range (test_service_clocks.py)
     if is_finding(q):
         return False  # a queue-health condition: no data while healthy (test_dash_live)
     if uses_slo_rules(q.expr):

@@ -160,7 +160,7 @@ def test_the_store_s_errors_are_answered_by_one_handler(tmp_path: Path) -> None:
 
     store = service.store
     try:
-        for method in ("probe_write", "list_executions", "pending_approvals", "list_incidents"):
+        for method in ("probe_write", "list_executions", "pending_page", "list_incidents"):
             setattr(store, method, down)
         expected = {"error": "store unavailable: store sqlite:///j.db unavailable: disk I/O error"}
         for path in ("/healthz", "/api/executions", "/api/pending", "/api/incidents"):

@@ -8,6 +8,7 @@ The server tests speak raw HTTP/1.1 over sockets to a real `runbook serve`
 from __future__ import annotations
 
 import contextlib
+import json
 import select
 import socket
 import time
@@ -19,7 +20,7 @@ from urllib.parse import urlsplit
 import pytest
 from fastapi.testclient import TestClient
 from vllm_runbook.runbooks.service.app import Credentials
-from vllm_runbook.runbooks.service.browser import SESSION_COOKIE, BrowserPolicy
+from vllm_runbook.runbooks.service.browser import SECURITY_HEADERS, SESSION_COOKIE, BrowserPolicy
 from vllm_runbook.runbooks.store import Journal
 from vllm_runbook.runbooks.store.approvals import MAX_NOTE_CHARS
 
@@ -112,6 +113,9 @@ def test_a_declared_body_over_the_limit_is_refused_before_a_byte_of_it(
     assert b"connection: close" in response.lower() and how == "eof"
     assert f"request body larger than {limit} bytes".encode() in response
     assert seconds < 5
+    # The same security headers as every other answer (service/browser.py).
+    for name, value in SECURITY_HEADERS:
+        assert (name + b": " + value).lower() in response.lower(), name
 
 
 @pytest.mark.parametrize(("path", "limit"), ROUTES)
@@ -144,6 +148,7 @@ def test_incomplete_requests_time_out(served: Served) -> None:
         response, how, seconds = read_all(sock, 15)
     assert (status_of(response), how) == (408, "eof"), response
     assert HEADER_TIMEOUT_S - 0.1 < seconds < HEADER_TIMEOUT_S + 3
+    assert b"x-frame-options: DENY" in response
 
     with served.connect() as sock:
         start = time.monotonic()
@@ -176,27 +181,120 @@ def test_incomplete_requests_time_out(served: Served) -> None:
     assert "POST /webhooks/alertmanager: body not received within 2.5 s (12 bytes came)" in log
 
 
-def test_connections_beyond_the_limit_get_503(served: Served) -> None:
-    idle = [served.connect() for _ in range(MAX_CONNECTIONS)]
-    try:
-        time.sleep(0.2)
-        with served.connect() as sock:
-            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-            response, _, _ = read_all(sock, 5)
-        assert status_of(response) == 503, response
-    finally:
-        for sock in idle:
+def connect_from(served: Served, source: str) -> socket.socket:
+    """A connection from another loopback address (all of 127/8 is this host's)."""
+    return socket.create_connection(
+        ("127.0.0.1", served.port), timeout=10, source_address=(source, 0)
+    )
+
+
+def ask(sock: socket.socket, request: bytes) -> bytes:
+    sock.sendall(request)
+    return read_all(sock, 10)[0]
+
+
+HEALTHZ = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+PARTIAL = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Partial: "
+
+
+def delivery(fingerprint: str) -> bytes:
+    # latency-spike awaits approval: nothing runs (and logs) behind the other tests
+    body = json.dumps(
+        payload("VllmLatencySpike", "latency-spike", fingerprint=fingerprint)
+    ).encode()
+    return (
+        head(
+            "/webhooks/alertmanager",
+            f"Authorization: Bearer {TOKEN}",
+            "Content-Type: application/json",
+            f"Content-Length: {len(body)}",
+            "Connection: close",
+        )
+        + body
+    )
+
+
+def open_held(served: Served, source: str, count: int) -> tuple[list[socket.socket], int]:
+    """`count` connections from `source`, each with a partial request: (those the
+    server kept open, how many it refused with 503 at once)."""
+    held, refused = [], 0
+    for _ in range(count):
+        sock = connect_from(served, source)
+        sock.sendall(PARTIAL)
+        held.append(sock)
+    time.sleep(0.3)  # the refusals arrive
+    kept = []
+    for sock in held:
+        if select.select([sock], [], [], 0)[0]:
+            answer = read_all(sock, 2)[0]
+            assert status_of(answer) == 503, answer
+            assert b"too many connections from this address" in answer
+            refused += 1
             sock.close()
-    # The connections closed: served again (once the server has seen them go).
+        else:
+            kept.append(sock)
+    return kept, refused
+
+
+def still_held(socks: list[socket.socket]) -> bool:
+    """Nothing came back on any of them: the server still holds them open."""
+    return not select.select(socks, [], [], 0)[0]
+
+
+def test_a_flood_from_one_address_leaves_health_and_others_served(served: Served) -> None:
+    # 120 connections from 127.0.0.1, each a partial request: the server keeps
+    # half of limits.max_connections (3), the rest get 503 at once.
+    per_client = MAX_CONNECTIONS // 2
+    held, refused = open_held(served, "127.0.0.1", 120)
+    try:
+        assert (len(held), refused) == (per_client, 120 - per_client)
+        with connect_from(served, "127.0.0.2") as sock:
+            assert status_of(ask(sock, HEALTHZ)) == 200
+        with connect_from(served, "127.0.0.2") as sock:
+            answer = ask(sock, delivery("flood-1"))
+        assert status_of(answer) == 200, answer
+        assert still_held(held)  # all this while the flood was held
+    finally:
+        for sock in held:
+            sock.close()
+    store = Journal(served.db_url)
+    assert [e.alert_fingerprint for e in store.list_executions(limit=5)].count("flood-1") == 1
+    store.close()
+    assert "127.0.0.1: refused, it holds 3 connections already" in served.log()
+
+
+def test_beyond_the_connection_limit_the_webhook_gets_503_and_health_200(served: Served) -> None:
+    # Three addresses of three connections each: 9 open, over the limit of 6.
+    held: list[socket.socket] = []
+    try:
+        for source in ("127.0.0.3", "127.0.0.4", "127.0.0.5"):
+            kept, refused = open_held(served, source, 3)
+            assert refused == 0
+            held += kept
+        with connect_from(served, "127.0.0.2") as sock:
+            answer = ask(sock, delivery("over-limit-1"))
+        assert status_of(answer) == 503, answer
+        assert b"too many connections; retry later" in answer
+        assert b"x-content-type-options: nosniff" in answer.lower()
+        with connect_from(served, "127.0.0.2") as sock:
+            assert status_of(ask(sock, HEALTHZ)) == 200
+        assert still_held(held)
+    finally:
+        for sock in held:
+            sock.close()
+    # The connections closed: the webhook is served again (once the server has seen them go).
     deadline = time.monotonic() + 10
     while True:
-        with served.connect() as sock:
-            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
-            status = status_of(read_all(sock, 5)[0])
+        with connect_from(served, "127.0.0.2") as sock:
+            status = status_of(ask(sock, delivery("over-limit-2")))
         if status == 200 or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     assert status == 200
+    store = Journal(served.db_url)
+    fingerprints = [e.alert_fingerprint for e in store.list_executions(limit=10)]
+    assert "over-limit-2" in fingerprints and "over-limit-1" not in fingerprints
+    store.close()
 
 
 def test_a_client_gone_mid_upload_is_one_log_line(served: Served) -> None:

@@ -238,6 +238,12 @@ def test_basic_auth_as_alertmanager_sends_it(sqlite_url: str) -> None:
         (lambda p: p["alerts"][0].pop("fingerprint"), 422),
         (lambda p: p["alerts"][0].update(startsAt="yesterday"), 422),
         (lambda p: p["alerts"][0].update(startsAt="2026-11-29T10:00:00"), 422),  # no zone
+        # Not RFC 3339: pydantic alone would read these as Unix times or midnight.
+        (lambda p: p["alerts"][0].update(startsAt=1764410400), 422),
+        (lambda p: p["alerts"][0].update(startsAt=1764410400.5), 422),
+        (lambda p: p["alerts"][0].update(startsAt="1764410400"), 422),
+        (lambda p: p["alerts"][0].update(startsAt="2026-11-29"), 422),
+        (lambda p: p["alerts"][0].update(startsAt="2026-11-29 10:00:00Z"), 422),
         (lambda p: p["alerts"][0].update(status="exploded"), 422),
         (lambda p: p["alerts"][0]["labels"].update(x=1), 422),
     ],

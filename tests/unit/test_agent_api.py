@@ -31,6 +31,7 @@ def test_stats_declare_every_collector_series_and_the_windowed_outcomes() -> Non
         "admitted_before_time",
         "starving_waiting",
         "admitted_per_second",
+        "stall_reason",  # engine_stall_reason's label: not an unlabelled series
         "window_seconds",
         "requests_finished",
         "finished_by_reason",

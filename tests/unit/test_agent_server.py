@@ -7,6 +7,7 @@ import contextlib
 import logging
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -199,6 +200,19 @@ def test_idle_and_trickling_clients_are_cut_off() -> None:
         assert metrics_ok(server)
 
 
+def exchange_from(server: AgentServer, source: str, raw: bytes) -> bytes:
+    """`exchange` from another loopback address (all of 127/8 is this host's)."""
+    with socket.create_connection(
+        (server.host, server.port), timeout=30, source_address=(source, 0)
+    ) as sock:
+        sock.sendall(raw)
+        sock.shutdown(socket.SHUT_WR)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def test_connections_beyond_the_slots_are_refused_then_served() -> None:
     with running(ServerLimits(max_connections=3, queue_seconds=0.2)) as (server, _):
         release, entered = threading.Event(), threading.Semaphore(0)
@@ -208,21 +222,59 @@ def test_connections_beyond_the_slots_are_refused_then_served() -> None:
             release.wait(60)
             return Response.json(200, {})
 
+        def get_from(source: str) -> None:
+            transport = httpx.HTTPTransport(local_address=source)
+            with httpx.Client(transport=transport, timeout=60) as client:
+                client.get(server.url + "/hold")
+
         server.routes[("GET", "/hold")] = hold
-        holders = [
-            threading.Thread(target=httpx.get, args=(server.url + "/hold",), kwargs={"timeout": 60})
-            for _ in range(3)
-        ]
+        holders = [threading.Thread(target=get_from, args=(f"127.0.0.{2 + i}",)) for i in range(3)]
         for t in holders:
             t.start()
         for _ in range(3):
             assert entered.acquire(timeout=60)  # every slot is busy now
+        # The slot kept for scrapes: a scrape is served, anything else refused.
         answer = exchange(server, b"GET /metrics HTTP/1.1\r\n\r\n")
-        assert status_of(answer) == 503 and server.refused_connections == 1
+        assert status_of(answer) == 200 and b"probe_total 1.0" in answer
+        while server._httpd._scrape_slot.locked():  # its thread leaves after the answer
+            time.sleep(0.01)
+        answer = exchange(server, b"GET /hold HTTP/1.1\r\n\r\n")
+        assert status_of(answer) == 503 and server.refused_connections == 0
+        # The scrape slot held too (an idle connection): refused after queue_seconds.
+        with socket.create_connection((server.host, server.port), timeout=30) as idle:
+            time.sleep(0.2)  # accepted into the scrape slot
+            answer = exchange_from(server, "127.0.0.9", b"GET /metrics HTTP/1.1\r\n\r\n")
+            assert status_of(answer) == 503 and server.refused_connections == 1
+            idle.close()
         release.set()
         for t in holders:
             t.join(60)
         assert metrics_ok(server)  # slots come back
+
+
+def test_one_client_holds_at_most_half_the_slots() -> None:
+    with running(ServerLimits(max_connections=4, queue_seconds=5)) as (server, _):
+        assert server.limits.per_client == 2
+        idle = [socket.create_connection((server.host, server.port), timeout=30) for _ in range(2)]
+        try:
+            time.sleep(0.2)  # both accepted
+            # The same address again: refused at once, not after queue_seconds,
+            # before anything is read (so this client sends nothing: data sent
+            # to a socket the server already closed is answered with a reset,
+            # which can drop the answer before it is read).
+            with socket.create_connection((server.host, server.port), timeout=30) as sock:
+                chunks = []
+                while chunk := sock.recv(65536):
+                    chunks.append(chunk)
+            answer = b"".join(chunks)
+            assert status_of(answer) == 503
+            assert b"too many connections from this address" in answer
+            # Another address: served.
+            answer = exchange_from(server, "127.0.0.2", b"GET /metrics HTTP/1.1\r\n\r\n")
+            assert status_of(answer) == 200
+        finally:
+            for sock in idle:
+                sock.close()
 
 
 def test_answers_are_sent_at_once_not_held_back_by_nagle(

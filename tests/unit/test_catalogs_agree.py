@@ -22,8 +22,8 @@ TOKEN = "catalogs-token"
 def test_the_shipped_catalogs_load_together_and_name_each_other() -> None:
     deployment = load_deployment(None)
     rules, runbooks = deployment.rules, deployment.runbooks
-    assert set(runbooks) == set(load_runbooks()) and len(runbooks) == 16
-    assert deployment.alerts == load_rules().alerts and len(deployment.alerts) == 22
+    assert set(runbooks) == set(load_runbooks()) and len(runbooks) == 17
+    assert deployment.alerts == load_rules().alerts and len(deployment.alerts) == 23
     for rule in rules:
         if rule.runbook is not None:
             assert rule.alert in runbooks[rule.runbook].triggers, (rule.alert, rule.runbook)
@@ -34,7 +34,7 @@ def test_the_shipped_catalogs_load_together_and_name_each_other() -> None:
 
 def test_without_names_nothing_is_checked_with_them_each_name_is() -> None:
     runbooks = load_runbooks(alerts=None)  # no alert names given: triggers unchecked
-    assert len(runbooks) == 16
+    assert len(runbooks) == 17
     with pytest.raises(CatalogError) as info:
         load_runbooks(alerts=["VllmLatencySpike"])
     assert "unknown alert 'VllmOOMPressure'" in str(info.value)

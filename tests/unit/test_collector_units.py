@@ -335,3 +335,20 @@ def test_auto_scheduler_builds_the_class_of_the_engines_scheduling_mode(
         obj = S.RunbookAutoScheduler(vllm_config=config(mode), log_stats=False)
         assert type(obj).__name__ == name
         assert built == [(name, {"vllm_config": config(mode), "log_stats": False})]
+
+
+def test_request_log_histograms_are_observed_by_their_reader_and_bounded() -> None:
+    from vllm_runbook.collector.request_tracking import Finished, RequestLog
+
+    log = RequestLog(length=4, bounds=(1.0, 10.0))
+    for i, seconds in enumerate((0.5, 5.0, 50.0)):
+        log.add(Finished(i, 100.0 + i, "stop", seconds * 2, seconds))
+    assert log.by_reason["stop"] == 3  # counted in the step
+    assert log._queue_histogram.counts == [0, 0, 0]  # observed by the reader, not the step
+    assert log.queue_histogram.counts == [1, 1, 1] and log.queue_histogram.sum == 55.5
+    assert log.e2e_histogram.counts == [1, 1, 1] and log.e2e_histogram.sum == 111.0
+    # Nobody reads for `length` finishes: the step observes them itself.
+    for i in range(4):
+        log.add(Finished(3 + i, 200.0, "length", 2.0, 2.0))
+    assert log._queue_histogram.counts == [1, 5, 1]
+    assert len(log._unobserved) == 0 and len(log.entries) == 4

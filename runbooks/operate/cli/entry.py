@@ -24,6 +24,7 @@ def command_groups() -> tuple[Any, ...]:
     """The command groups, in `runbook --help`'s order."""
     from vllm_runbook.runbooks.operate.cli import (
         approvals,
+        backtest,
         check,
         demo,
         engines,
@@ -37,7 +38,21 @@ def command_groups() -> tuple[Any, ...]:
         tune,
     )
 
-    return (engines, journal, execute, approvals, top, rules, slo, check, tune, serve, report, demo)
+    return (
+        engines,
+        journal,
+        execute,
+        approvals,
+        top,
+        rules,
+        slo,
+        backtest,
+        check,
+        tune,
+        serve,
+        report,
+        demo,
+    )
 
 
 class _Parser(argparse.ArgumentParser):

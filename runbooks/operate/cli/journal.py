@@ -151,7 +151,7 @@ def cmd_history(args: argparse.Namespace) -> int:
             r.id,
             r.runbook,
             r.engine,
-            r.display_status + (" (dry run)" if r.dry_run else ""),
+            r.display_status + (" (dry run)" if r.dry_run and not r.advised else ""),
             r.trigger,
             r.who,
             _when(r.started_at or r.created_at),

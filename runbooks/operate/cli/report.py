@@ -1,6 +1,7 @@
 """`runbook report ID [--db URL] [--signals FILE] [-o FILE]`: one execution, summarised and drawn.
 
-The summary comes from the journal (checks, changes, verification, revert);
+The summary comes from the journal (checks, changes, verification, revert;
+for advisory mode's advice, what it would have done beside what happened after);
 the picture and the measured effect need the signal history the demo
 records beside its SQLite database (see vllm_runbook.runbooks.demo.report). Exit codes: OK;
 FAILED no picture (no signal history for that time); USAGE unknown execution;
@@ -14,9 +15,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from vllm_runbook.rules.durations import format_duration
 from vllm_runbook.runbooks.model.exit_codes import ExitCode
 from vllm_runbook.runbooks.operate.cli.errors import UsageError
 from vllm_runbook.runbooks.operate.cli.journal import add_db_option
+from vllm_runbook.runbooks.store import ExecutionRecord
+from vllm_runbook.runbooks.store.models import STEP_PLANNED, STEP_SKIPPED
 
 # History drawn around the execution, before its finding and after its revert.
 MARGIN_S = 60.0
@@ -38,6 +42,38 @@ def add_subcommands(subparsers: Any) -> None:
         "-o", "--output", metavar="FILE", type=Path, help="PNG to write (default: report-ID.png)"
     )
     p.set_defaults(func=cmd_report)
+
+
+def advice_lines(record: ExecutionRecord) -> list[str]:
+    """Advisory mode's advice beside what happened after it: what the service
+    would have done (acted, or the refusal it met, and the changes), and
+    whether the finding resolved by itself, and when."""
+    lines = [f"advisory mode: {(record.reason or '').removeprefix('advisory: ')}"]
+    for step in record.steps:
+        if step.status == STEP_PLANNED and step.after is not None:
+            before = step.before or {}
+            change = ", ".join(f"{k} {before.get(k)} → {v}" for k, v in step.after.items())
+            condition = (step.params or {}).get("when")
+            lines.append(
+                f"  would have: {step.action}: {change}"
+                + (f" (if {condition})" if condition else "")
+            )
+        elif step.status == STEP_SKIPPED:
+            lines.append(f"  would skip: {step.action} ({(step.params or {}).get('note', '')})")
+    advised_at = record.finished_at or record.created_at
+    if record.hold_since is not None:
+        after = (record.hold_since - advised_at).total_seconds()
+        lines.append(
+            f"what happened: nothing was changed and the finding resolved by itself at "
+            f"{record.hold_since:%Y-%m-%d %H:%M:%SZ}, {format_duration(max(0, round(after)))} "
+            f"after the advice"
+        )
+    else:
+        lines.append(
+            "what happened: nothing was changed; no resolution of its finding is in the "
+            "journal (still firing, or its resolution was not delivered)"
+        )
+    return lines
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -86,6 +122,10 @@ def cmd_report(args: argparse.Namespace) -> int:
     print()
     for line in execution_lines(subject, revert, history, origin):
         print("  " + line)
+    if record.advised:
+        print()
+        for line in advice_lines(record):
+            print("  " + line)
     if history is None:
         where = path if path is not None else "(none beside a server database: use --signals)"
         print(

@@ -22,21 +22,17 @@ import httpx
 from vllm_runbook.rules.promql import PromQLRenderer
 from vllm_runbook.rules.signals import ENGINE_LABELS
 from vllm_runbook.rules.slo import (
-    BURN_PAIRS,
-    WINDOWS,
     SloSpec,
     SloStatus,
     alert_name,
     error_ratio,
     span,
+    windows,
 )
 from vllm_runbook.runbooks.model.catalogs import runbook_names
 from vllm_runbook.runbooks.model.config import load_config
 from vllm_runbook.runbooks.model.exit_codes import ExitCode, RunbookError
 from vllm_runbook.runbooks.operate.cli.errors import UsageError
-
-# The burn rates the table shows: each pair's long window.
-SHOWN_WINDOWS: tuple[float, ...] = tuple(p.long for p in BURN_PAIRS)
 
 
 class PrometheusError(RunbookError):
@@ -103,14 +99,14 @@ def statuses(
     out: list[SloStatus] = []
     for slo in slos:
         by_engine: dict[tuple[str, ...], dict[float, float | None]] = {}
-        windows = sorted({*WINDOWS, slo.window})
-        for window in windows:
+        needed = sorted({*windows(slo.window), slo.window})
+        for window in needed:
             for sample in query(url, render.expr(error_ratio(slo, window)), at, timeout):
                 key = tuple(sample["metric"].get(k, "") for k in ENGINE_LABELS)
                 value = float(sample["value"][1])
                 by_engine.setdefault(key, {})[window] = None if math.isnan(value) else value
         for key in sorted(by_engine):
-            ratios = {w: by_engine[key].get(w) for w in windows}
+            ratios = {w: by_engine[key].get(w) for w in needed}
             out.append(SloStatus(slo, dict(zip(ENGINE_LABELS, key, strict=True)), ratios))
     return out
 
@@ -120,8 +116,12 @@ def _num(value: float | None, fmt: str) -> str:
 
 
 def table(rows: list[SloStatus]) -> str:
+    # The burn rate over each pair's long window (scaled to the SLO's window): named
+    # by the window when every SLO shown has the same ones, else by the pair.
+    longs = {tuple(p.long for p in row.slo.pairs) for row in rows}
+    shown = [f"BURN {span(w)}" for w in next(iter(longs))] if len(longs) == 1 else []
     head = ["SLO", "ENGINE", "OBJECTIVE", "BUDGET LEFT"]
-    head += [f"BURN {span(w)}" for w in SHOWN_WINDOWS] + ["FIRING"]
+    head += (shown or [f"BURN PAIR {i}" for i in range(1, 5)]) + ["FIRING"]
     lines = [head]
     for row in rows:
         left = row.budget_left
@@ -131,7 +131,7 @@ def table(rows: list[SloStatus]) -> str:
                 f"{row.engine['instance']}/{row.engine['model_name']}/{row.engine['engine']}",
                 row.slo.describe(),
                 "-" if left is None else f"{left * 100:.1f}%",
-                *(_num(row.burn_rate(w), ".2f") for w in SHOWN_WINDOWS),
+                *(_num(row.burn_rate(p.long), ".2f") for p in row.slo.pairs),
                 ", ".join(alert_name(row.slo, p) for p in row.firing()) or "-",
             ]
         )
