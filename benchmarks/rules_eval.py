@@ -91,6 +91,26 @@ MODEL = "llama-3-8b"
 # -- the expositions (built once, in the parent: it imports vLLM) -----------------------
 
 
+def fleet_inventory(ports: list[int]) -> Any:
+    """The fleet's engines (agent and vLLM ports in pairs) as discovery would list them."""
+    from vllm_runbook.rules.config import EngineConfig
+    from vllm_runbook.runbooks.service.discovery import FILE_SD, Inventory
+
+    inventory = Inventory()
+    inventory.update(
+        FILE_SD,
+        [
+            EngineConfig(
+                name=f"engine-{i}",
+                agent=f"http://127.0.0.1:{ports[2 * i]}",
+                vllm=f"http://127.0.0.1:{ports[2 * i + 1]}",
+            )
+            for i in range(len(ports) // 2)
+        ],
+    )
+    return inventory
+
+
 def wanted_names() -> list[str]:
     """The sample names the bound catalog reads: what the scraper asks each target for."""
     from vllm_runbook.rules.evaluator import store_for_rules
@@ -435,24 +455,13 @@ def measure(
     waits for every target (no scrape deadline, as before), `full` the whole page of every
     target (the scraper before it asked), `streams` the former HTTP client, `sequential`
     the former scraper."""
-    from vllm_runbook.rules.config import EngineConfig
     from vllm_runbook.rules.scrape import NO_BACKOFF, Scraper, _line_finder, parse_wanted
     from vllm_runbook.runbooks.model.config import Config
-    from vllm_runbook.runbooks.service.discovery import FILE_SD, Inventory
     from vllm_runbook.runbooks.service.rules_service import RulesService
     from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
 
     logging.getLogger("vllm_runbook").setLevel(logging.ERROR)  # the dead ones, incidents
-    engines = [
-        EngineConfig(
-            name=f"engine-{i}",
-            agent=f"http://127.0.0.1:{ports[2 * i]}",
-            vllm=f"http://127.0.0.1:{ports[2 * i + 1]}",
-        )
-        for i in range(len(ports) // 2)
-    ]
-    inventory = Inventory()
-    inventory.update(FILE_SD, engines)
+    inventory = fleet_inventory(ports)
     metrics = ServiceMetrics()
     service = RulesService.from_config(
         Config(), inventory=inventory, scrape_timeout=timeout, metrics=metrics
@@ -531,26 +540,15 @@ def measure_replica(
     share by rendezvous hashing, then RulesService's scrape and evaluate) over every
     engine on `ports`, of which it scrapes and evaluates its share. Tells the parent
     when its lease is taken, then waits for "go" (the other replica's lease taken)."""
-    from vllm_runbook.rules.config import EngineConfig
     from vllm_runbook.rules.scrape import _line_finder, parse_wanted
     from vllm_runbook.runbooks.model.config import Config
-    from vllm_runbook.runbooks.service.discovery import FILE_SD, Inventory
     from vllm_runbook.runbooks.service.leader import RulesLeader
     from vllm_runbook.runbooks.service.rules_service import RulesService
     from vllm_runbook.runbooks.service.telemetry import ServiceMetrics
     from vllm_runbook.runbooks.store import Journal
 
     logging.getLogger("vllm_runbook").setLevel(logging.ERROR)
-    engines = [
-        EngineConfig(
-            name=f"engine-{i}",
-            agent=f"http://127.0.0.1:{ports[2 * i]}",
-            vllm=f"http://127.0.0.1:{ports[2 * i + 1]}",
-        )
-        for i in range(len(ports) // 2)
-    ]
-    inventory = Inventory()
-    inventory.update(FILE_SD, engines)
+    inventory = fleet_inventory(ports)
     metrics = ServiceMetrics()
     config = Config.model_validate({"rules": {"replicas": "split"}})
     service = RulesService.from_config(
