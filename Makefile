@@ -72,13 +72,13 @@ lint: setup typecheck-tree
 
 # Exactly the commands docs/benchmarks.md shows above its tables (a test compares them).
 bench: setup
-	$(PY) benchmarks/collector_overhead.py --rounds 5 --e2e-rounds 15
+	$(PY) benchmarks/collector_overhead.py --rounds 5 --e2e-rounds 15 --same-engine-rounds 60
 	$(PY) benchmarks/collector_overhead.py --nvml --rounds 5
 	$(PY) benchmarks/agent_state.py
 	$(PY) benchmarks/rules_eval.py
 	$(PY) benchmarks/rules_eval.py --engines 1000 --modes concurrent streams --rounds 3
 	$(PY) benchmarks/rules_eval.py --engines 1000 --faults refused --modes full concurrent concurrent --rounds 2
-	$(PY) benchmarks/rules_eval.py --engines 1000 --faults refused --modes wait concurrent split concurrent split --rounds 2
+	$(PY) benchmarks/rules_eval.py --engines 1000 --faults refused --modes concurrent thawed split concurrent split --rounds 2
 	$(PY) benchmarks/rules_eval.py --engines 1000 --churn 100
 	$(PY) benchmarks/backtest.py
 	$(PY) benchmarks/webhook_ingest.py --seconds 6 --alerts 10

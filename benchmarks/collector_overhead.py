@@ -34,7 +34,16 @@ VLLM_PLUGINS="" (the A/A control). Rounds of 128 prompts of 16-300 tokens,
 output tokens/s with ÷ without the plugin (the mean of the two), and the two
 without against each other, medians of the per-round ratios.
 
-    .venv/bin/python benchmarks/collector_overhead.py [--rounds 5] [--e2e-rounds 9]
+Then the same on one engine (`--same-engine-rounds`, 0 skips it): its
+EngineCore in its own process with the plugin as installed, the hook switched
+on and off between batches (benchmarks/hook_toggle.py), so no two processes'
+own speeds enter the ratio. Rounds of three batches (on, off A, off B) in
+rotated order, each with prompts of its own; output tokens/s on ÷ the mean of
+the two off, off A ÷ off B, medians of the per-round ratios, and the
+interquartile range of on ÷ off (how much one round says).
+
+    .venv/bin/python benchmarks/collector_overhead.py [--rounds 5] [--e2e-rounds 9] \
+        [--same-engine-rounds 60]
     .venv/bin/python benchmarks/collector_overhead.py --nvml [--gpus 8] [--rounds 5]
 """
 
@@ -49,7 +58,8 @@ import tempfile
 import time
 from pathlib import Path
 
-if "--e2e-child" in sys.argv:  # its engines' cores in their own (spawned) processes
+if "--e2e-child" in sys.argv or "--same-engine-child" in sys.argv:
+    # its engines' cores in their own (spawned) processes
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
 else:  # in-process cores: the hook's methods are timed in this process
@@ -88,6 +98,9 @@ E2E_ENGINE_ARGS = dict(
     seed=0,
 )
 E2E_PROMPTS, E2E_OUTPUT = 128, 128
+SAME_ENGINE_HEADER = (
+    " rounds | tok/s hook on | tok/s hook off (A, B) | on ÷ off | A/A (A ÷ B) | IQR of on ÷ off"
+)
 
 NVML_HEADER = " poll interval | NVML   | GPUs | µs/poll | poller µs/s | main-thread loops/s | ratio"
 NVML_INTERVALS: tuple[float | None, ...] = (None, 5.0, 1.0, 0.1, 0.01)
@@ -368,22 +381,95 @@ def e2e_main(rounds: int) -> None:
     print("E2E " + json.dumps(tps))
 
 
-def e2e_table(rounds: int) -> list[str]:
-    """Runs e2e_main in a fresh interpreter (this one runs its engines in-process)."""
+def same_engine_main(rounds: int) -> None:
+    """Runs in its own process: one engine (its EngineCore in a process of its
+    own, the plugin as installed) whose hook is switched on and off between
+    rounds (benchmarks/hook_toggle.py). Each round runs three batches, "on",
+    "off A" and "off B", in rotated order; every batch has prompts of its own
+    (the same lengths), so none hits the prefix cache another one filled.
+    Prints one JSON line of per-round tok/s."""
+    import json
+
+    from hook_toggle import FLAG_ENV
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm_runbook.collector.tiny_model import create_tiny_model, prompt_token_ids
+
+    # Cores apart: this process and the EngineCore (spawned from it) on the
+    # first, the model's worker threads on the rest. Unpinned, three busy
+    # processes share two cores and one round's on ÷ off varied by ±3.5 %
+    # (interquartile range, 60 rounds); pinned, by ±1.8–3 % (three runs).
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= 2:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus[1:])))
+        os.sched_setaffinity(0, cpus[:1])
+    tmp = Path(tempfile.mkdtemp(prefix="vllm-runbook-bench-"))
+    flag = tmp / "hook"
+    flag.write_text("on")
+    os.environ[FLAG_ENV] = str(flag)
+    model = create_tiny_model(Path(tempfile.gettempdir()) / "vllm-runbook-bench-model")
+    # The kind of class vLLM picks itself (async or not), with the switch; the
+    # plugin wraps it as it wraps vLLM's own.
+    llm = LLM(model=str(model), scheduler_cls="hook_toggle.ToggledScheduler", **E2E_ENGINE_ARGS)
+    if llm.llm_engine.vllm_config.scheduler_config.async_scheduling:
+        llm.llm_engine.engine_core.shutdown()
+        llm = LLM(
+            model=str(model), scheduler_cls="hook_toggle.ToggledAsyncScheduler", **E2E_ENGINE_ARGS
+        )
+    params = SamplingParams(max_tokens=E2E_OUTPUT, ignore_eos=True, temperature=0.0)
+    names = ["on", "off A", "off B"]
+    tps: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds + 1):  # round 0 warms up
+        order = names[r % 3 :] + names[: r % 3]
+        for position, name in enumerate(order):
+            seed = 1009 * r + 100_003 * position
+            prompts = [
+                TokensPrompt(prompt_token_ids=prompt_token_ids(n, seed + 7 * i))
+                for i, n in enumerate(e2e_prompt_lengths(r))
+            ]
+            flag.write_text("on" if name == "on" else "off")
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            elapsed = time.perf_counter() - start
+            if r:
+                tps[name].append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
+    print("SAME " + json.dumps(tps))
+
+
+def _child(flag: str, rounds: int, prefix: str) -> dict[str, list[float]]:
+    """Runs this script with `flag rounds` in a fresh interpreter; its JSON line."""
     import json
     import subprocess
 
     env = dict(os.environ)
     env.pop("VLLM_PLUGINS", None)
     proc = subprocess.run(
-        [sys.executable, __file__, "--e2e-child", str(rounds)],
+        [sys.executable, __file__, flag, str(rounds)],
         env=env,
         capture_output=True,
         text=True,
         check=True,
     )
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("E2E "))
-    tps = json.loads(line[4:])
+    line = next(x for x in proc.stdout.splitlines() if x.startswith(prefix))
+    return dict(json.loads(line[len(prefix) :]))
+
+
+def same_engine_table(rounds: int) -> list[str]:
+    tps = _child("--same-engine-child", rounds, "SAME ")
+    on, a, b = tps["on"], tps["off A"], tps["off B"]
+    ratios = sorted(p / ((x + y) / 2) for p, x, y in zip(on, a, b, strict=True))
+    control = statistics.median(x / y for x, y in zip(a, b, strict=True))
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    return [
+        f"{rounds:>7} | {statistics.median(on):>13.0f} | "
+        f"{statistics.median(a):>10.0f}, {statistics.median(b):>9.0f} | "
+        f"{statistics.median(ratios):>8.3f} | {control:>11.3f} | {q1:>7.3f} – {q3:.3f}"
+    ]
+
+
+def e2e_table(rounds: int) -> list[str]:
+    """Runs e2e_main in a fresh interpreter (this one runs its engines in-process)."""
+    tps = _child("--e2e-child", rounds, "E2E ")
     plugin, a, b = tps["plugin"], tps["without A"], tps["without B"]
     ratio = statistics.median(p / ((x + y) / 2) for p, x, y in zip(plugin, a, b, strict=True))
     control = statistics.median(x / y for x, y in zip(a, b, strict=True))
@@ -399,11 +485,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--e2e-rounds", type=int, default=9)
     parser.add_argument("--e2e-child", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--same-engine-rounds", type=int, default=0)
+    parser.add_argument("--same-engine-child", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--nvml", action="store_true", help="the NVML poller alone")
     parser.add_argument("--gpus", type=int, default=8, help="--nvml without a GPU: fake GPUs")
     args = parser.parse_args()
     if args.e2e_child is not None:
         e2e_main(args.e2e_child)
+        return
+    if args.same_engine_child is not None:
+        same_engine_main(args.same_engine_child)
         return
     if args.nvml:
         rows_nvml = nvml_table(args.rounds, args.gpus)
@@ -466,6 +557,16 @@ def main() -> None:
         print(E2E_HEADER)
         print("-" * len(E2E_HEADER))
         print(*rows_e2e, sep="\n")
+    if args.same_engine_rounds:
+        rows_same = same_engine_table(args.same_engine_rounds)
+        print(
+            "\nend to end, one engine (its EngineCore process), the hook switched on and off "
+            f"between batches, {args.same_engine_rounds} rotated rounds "
+            "(medians of per-round ratios)"
+        )
+        print(SAME_ENGINE_HEADER)
+        print("-" * len(SAME_ENGINE_HEADER))
+        print(*rows_same, sep="\n")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ commands refuse them.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Annotated, Any, Final, Literal, get_args
 
 from pydantic import (
@@ -47,6 +48,37 @@ KNOBS: Final[tuple[str, ...]] = (
 # A share of something, 0 excluded: a scale factor or a target usage.
 Fraction = Annotated[float, Field(strict=True, gt=0, le=1)]
 Count = Annotated[int, Field(ge=0)]
+
+
+# The knobs a bound is checked on, in order: max_num_batched_tokens' floor follows
+# the new max_num_seqs.
+CHECKED_KNOBS: Final = ("max_num_seqs", "max_num_batched_tokens")
+
+
+def knob_target(
+    before: dict[str, Any],
+    values: dict[str, Any],
+    check: Callable[[str, int, dict[str, Any], dict[str, Any]], int],
+) -> dict[str, Any]:
+    """The knob values after a change of `values` (a command's, as
+    `KnobsCommand.values` gives them) on `before`: the agent's rule, which the
+    service's advisory mode computes the same way. `scale_max_num_batched_tokens`
+    scales the budget in force; setting max_num_seqs by hand turns the autopilot
+    off. `check(knob, value, target, requested)` returns each of CHECKED_KNOBS
+    within its bounds (or raises), in that order; `requested`: what was asked
+    for, the scale resolved (a knob missing from it moved through the other)."""
+    target = dict(before)
+    requested = dict(values)
+    if "scale_max_num_batched_tokens" in requested:
+        scale = requested.pop("scale_max_num_batched_tokens")
+        budget = max(1, int(before["max_num_batched_tokens"] * scale))
+        requested["max_num_batched_tokens"] = budget
+    target.update(requested)
+    if "max_num_seqs" in requested and "autopilot" not in requested:
+        target["autopilot"] = False  # set by hand: the operator takes over
+    for knob in CHECKED_KNOBS:
+        target[knob] = check(knob, target[knob], target, requested)
+    return target
 
 
 class _Answer(BaseModel):

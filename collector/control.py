@@ -39,6 +39,7 @@ from vllm_runbook.collector.agent_api import (
     KnobsCommand,
     RestoreCommand,
     command_error,
+    knob_target,
 )
 from vllm_runbook.collector.autopilot import Autopilot
 from vllm_runbook.collector.exporter import Sample
@@ -496,35 +497,21 @@ class EngineControl:
 
     def _target(self, command: Command) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """The knob values after `command`, checked against the bounds."""
-        before = self.knobs()
         if command.restore:
             return dict(self.startup), []
-        target = dict(before)
-        values = dict(command.values)
-        if "scale_max_num_batched_tokens" in values:
-            scale = values.pop("scale_max_num_batched_tokens")
-            values["max_num_batched_tokens"] = max(1, int(before["max_num_batched_tokens"] * scale))
-        target.update(values)
-        if "max_num_seqs" in values and "autopilot" not in values:
-            target["autopilot"] = False  # set by hand: the operator takes over
-        clamped = []
-        seq_bound = self.bounds()["max_num_seqs"]
-        target["max_num_seqs"], note = self._check(
-            "max_num_seqs", target["max_num_seqs"], seq_bound, command.clamp, values
-        )
-        if note:
-            clamped.append(note)
-        tok_bound = self.bounds(target["max_num_seqs"])["max_num_batched_tokens"]
-        target["max_num_batched_tokens"], note = self._check(
-            "max_num_batched_tokens",
-            target["max_num_batched_tokens"],
-            tok_bound,
-            command.clamp,
-            values,
-        )
-        if note:
-            clamped.append(note)
-        return target, clamped
+        clamped: list[dict[str, Any]] = []
+
+        def check(knob: str, value: int, target: dict[str, Any], requested: dict[str, Any]) -> int:
+            # the budget's floor follows the new max_num_seqs
+            seqs = None if knob == "max_num_seqs" else target["max_num_seqs"]
+            value, note = self._check(
+                knob, value, self.bounds(seqs)[knob], command.clamp, requested
+            )
+            if note:
+                clamped.append(note)
+            return value
+
+        return knob_target(self.knobs(), command.values, check), clamped
 
     @staticmethod
     def _check(

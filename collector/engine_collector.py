@@ -160,16 +160,21 @@ class EngineCollector:
     def on_schedule(
         self, scheduler: VllmScheduler, output: Any, elapsed: float, free_before: int
     ) -> None:
-        self.stats.on_schedule(scheduler, output, elapsed, free_before)
-        if self.warmup.outcome == Outcome.PENDING:  # the start-up hook never ran: say so, once
+        stats = self.stats
+        stats.on_schedule(scheduler, output, elapsed, free_before)
+        # At the first step the start-up hook either ran or never will: say so.
+        if stats.steps == 1 and self.warmup.outcome == Outcome.PENDING:
             self.warmup.skip(NOT_RUN)
         changes = self.changes
         if changes.settling is not None:
             changes.on_schedule(scheduler)
-        self.requests.on_schedule(scheduler, output)
-        sampled_at = changes.sample()
-        if sampled_at is not None:
-            self.episode.sample(sampled_at)
+        requests = self.requests
+        if output.scheduled_new_reqs or requests.never_scheduled:
+            requests.on_schedule(scheduler, output)
+        if stats.scheduled_at >= changes.next_sample_at:  # about once a second
+            sampled_at = changes.sample(stats.scheduled_at)
+            if sampled_at is not None:
+                self.episode.sample(sampled_at)
 
     def _wrap_prefix_cache_stats(self, kv_manager: KVCacheManager) -> None:
         """Count prefix-cache lookups at admission, whatever vLLM's log_stats."""

@@ -314,7 +314,7 @@ class RequestTracker:
         # (request id, wall time of add_request). Only the head is looked at,
         # once per step; entries behind it that were scheduled or aborted
         # meanwhile are dropped when they reach it.
-        self._never_scheduled: deque[tuple[str, float]] = deque()
+        self.never_scheduled: deque[tuple[str, float]] = deque()
         # (wall time, prompt tokens) of the latest arrivals: the workload's lengths.
         self.arrivals: deque[tuple[float, int]] = deque(maxlen=LOG_LENGTH)
         self.first_wait = first_wait_statuses()
@@ -337,7 +337,7 @@ class RequestTracker:
     def on_add_request(self, request: Request) -> None:
         """A request reached the engine: it waits for its first schedule from now."""
         since = self.clock()
-        self._never_scheduled.append((request.request_id, since))
+        self.never_scheduled.append((request.request_id, since))
         self.arrived[request.request_id] = since
         self.arrivals.append((since, request.num_prompt_tokens))
         if self.oldest_waiting_since is None:
@@ -347,12 +347,12 @@ class RequestTracker:
         """Requests aborted (finish_requests): a queued one may have been the oldest,
         and the engine may go idle with no step to notice; a stale head would read
         as a request starving."""
-        if self._never_scheduled:
+        if self.never_scheduled:
             self._advance_oldest_waiting(scheduler)
 
     def _advance_oldest_waiting(self, scheduler: VllmScheduler) -> None:
         """Drop the head while it is no longer waiting for its first schedule."""
-        queue, requests = self._never_scheduled, scheduler.requests
+        queue, requests = self.never_scheduled, scheduler.requests
         while queue:
             request_id, since = queue[0]
             request = requests.get(request_id)
@@ -365,7 +365,7 @@ class RequestTracker:
     def on_schedule(self, scheduler: VllmScheduler, output: Any) -> None:
         """After schedule(): the head of the never-scheduled queue, and the queue
         time of each request scheduled for the first time."""
-        if self._never_scheduled:
+        if self.never_scheduled:
             self._advance_oldest_waiting(scheduler)
         if output.scheduled_new_reqs:
             now = self.clock()
@@ -447,7 +447,7 @@ class RequestTracker:
         in the engine), oldest first. Any thread (a copy of the queue is walked)."""
         requests, first_wait = self.scheduler.requests, self.first_wait
         oldest: list[tuple[str, float]] = []
-        for request_id, since in list(self._never_scheduled):
+        for request_id, since in list(self.never_scheduled):
             request = requests.get(request_id)
             if request is not None and request.status in first_wait:
                 oldest.append((request_id, since))
@@ -549,7 +549,7 @@ class ChangeTracker:
         self.scheduler = scheduler
         self.stats = stats
         self.requests = requests
-        self.clock = clock
+        self.clock = clock  # sets next_sample_at
         self.window_seconds = window_seconds
         self.marks = ChangeMarks()
         # The applied step of a lower admission limit still draining, if any.
@@ -559,13 +559,29 @@ class ChangeTracker:
         self.history: deque[tuple[float, int, int, int]] = deque(maxlen=HISTORY_KEPT)
         self._next_sample = 0.0
 
-    def sample(self) -> float | None:
-        """After each step (engine thread): one clock read, a sample once a second.
-        The time sampled at, None when not sampled (the episode's gauges ride on it)."""
+    @property
+    def clock(self) -> Callable[[], float]:
+        return self._clock
+
+    @clock.setter
+    def clock(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        # The step's time.monotonic() from which `sample` is called again: the
+        # engine thread skips the call (and its clock read) until then. Only on
+        # the real wall clock: a test's clock may run faster than the steps.
+        self._gated = clock is time.time
+        self.next_sample_at = 0.0
+
+    def sample(self, step_time: float | None = None) -> float | None:
+        """After a step (engine thread): one clock read, a sample once a second.
+        The time sampled at, None when not sampled (the episode's gauges ride on it).
+        `step_time`: the step's time.monotonic(), which sets `next_sample_at`."""
         now = self.clock()
         # (A wall clock set back more than a sample starts the samples again.)
         if now >= self._next_sample or now < self._next_sample - 2 * HISTORY_INTERVAL_S:
             self._next_sample = now + HISTORY_INTERVAL_S
+            if step_time is not None and self._gated:
+                self.next_sample_at = step_time + HISTORY_INTERVAL_S
             self.history.append((now, self.stats.preemptions, *self._finished()))
             return now
         return None

@@ -138,7 +138,7 @@ def build_state(
     control = c.control
     bounds = control.bounds()
     identity = c.identity
-    histogram_bounds, cumulative = c.stats.schedule_histogram()
+    histogram_bounds, cumulative, schedule_seconds = c.stats.schedule_histogram()
     max_num_seqs = int(c.scheduler.max_num_active_reqs)
     tiers = c.queues.tier_counts()
     return AgentState(
@@ -171,7 +171,7 @@ def build_state(
         schedule_histogram=ScheduleHistogram(
             bounds=list(histogram_bounds),
             cumulative=cumulative,
-            sum_seconds=c.stats.schedule_seconds_sum,
+            sum_seconds=schedule_seconds,
         ),
         since=None if since_step is None else c.changes.since(since_step),
         tiers=Tiers(

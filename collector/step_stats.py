@@ -13,14 +13,18 @@ import bisect
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from itertools import accumulate, repeat
+from itertools import repeat
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from vllm_runbook.collector import metrics as M
 from vllm_runbook.collector.exporter import Sample
 from vllm_runbook.collector.token_sums import RunningTokenSums
-from vllm_runbook.collector.window import SlidingWindowMax, SlidingWindowRatio
+from vllm_runbook.collector.window import (
+    QueuedHistogram,
+    SlidingWindowMax,
+    SlidingWindowRatio,
+)
 
 if TYPE_CHECKING:
     from vllm_runbook.collector.vllm_types import KVCacheBlock, VllmScheduler
@@ -110,9 +114,10 @@ class StepStats:
         self.max_sequence_tokens = 0
         # (steps, preemptions, scheduled tokens) after the latest step, as one tuple.
         self.progress = (0, 0, 0)
-        self._schedule_bounds = M.SCHEDULE_SECONDS.buckets
-        self.schedule_counts = [0] * (len(self._schedule_bounds) + 1)  # last: +Inf
-        self.schedule_seconds_sum = 0.0
+        # schedule()'s wall time: the step only queues it; the reader files it.
+        self.schedule_seconds = QueuedHistogram(M.SCHEDULE_SECONDS.buckets)
+        self._schedule_queue = self.schedule_seconds.queue
+        self._schedule_limit = self.schedule_seconds.limit
         self.window_seconds = window_seconds
         self.hit_window = SlidingWindowRatio(window_seconds)
         self._windowed_lookups = (0, 0)  # (queries, hits) the hit window holds so far
@@ -134,9 +139,12 @@ class StepStats:
         preempted, _ = self.preemption_window.sums()
         return preempted * 60.0 / self.window_seconds
 
-    def schedule_histogram(self) -> tuple[tuple[float, ...], list[int]]:
-        """(bounds, cumulative counts with +Inf last) of schedule()'s wall time."""
-        return self._schedule_bounds, list(accumulate(self.schedule_counts))
+    def schedule_histogram(self) -> tuple[tuple[float, ...], list[int], float]:
+        """(bounds, cumulative counts with +Inf last, sum of seconds) of
+        schedule()'s wall time, every step so far (any thread)."""
+        histogram = self.schedule_seconds
+        cumulative, total = histogram.read()
+        return histogram.bounds, cumulative, total
 
     # -- per step (engine thread): plain arithmetic only ---------------------
 
@@ -151,18 +159,20 @@ class StepStats:
     ) -> None:
         """After schedule(): `request.num_computed_tokens` includes this step.
         `free_before`: free KV blocks when schedule() started."""
+        self.scheduled_at = now = time.monotonic()  # the windows' clock too
         if self._usable_blocks:
-            self.kv_usage_peak.add(1.0 - free_before / self._usable_blocks)
+            self.kv_usage_peak.add(1.0 - free_before / self._usable_blocks, now)
         queries, hits = self.prefix_queries, self.prefix_hits
         windowed_queries, windowed_hits = self._windowed_lookups
         if queries != windowed_queries or hits != windowed_hits:  # this step's lookups
-            self.hit_window.add(hits - windowed_hits, queries - windowed_queries)
+            self.hit_window.add(hits - windowed_hits, queries - windowed_queries, now)
             self._windowed_lookups = (queries, hits)
-        self.schedule_counts[bisect.bisect_left(self._schedule_bounds, elapsed)] += 1
-        self.schedule_seconds_sum += elapsed
+        queued = self._schedule_queue  # QueuedHistogram.add, inline
+        queued.append(elapsed)
+        if len(queued) >= self._schedule_limit:  # nobody read it for that long
+            self.schedule_seconds.file()
         tokens = output.total_num_scheduled_tokens
         budget = scheduler.max_num_scheduled_tokens
-        self.scheduled_at = now = time.monotonic()
         if output.scheduled_new_reqs:
             self.admitted_at = now
         if not len(scheduler.waiting) and not len(scheduler.kv_holding_waiting):
@@ -175,7 +185,7 @@ class StepStats:
         preempted = len(output.preempted_req_ids)
         if preempted:
             self.preemptions += preempted
-            self.preemption_window.add(preempted, 0)
+            self.preemption_window.add(preempted, 0, now)
         # One consistent triple for readers on other threads (one assignment).
         self.progress = (self.steps, self.preemptions, self.scheduled_tokens)
 
@@ -262,11 +272,12 @@ class StepStats:
             unpadded, padded = stat.num_unpadded_tokens, stat.num_padded_tokens
         else:
             unpadded = scheduler_output.total_num_scheduled_tokens
-            padded = predicted_padded_tokens(unpadded, self.capture_sizes)
+            sizes = self.capture_sizes  # none captured (eager, CPU): no padding
+            padded = predicted_padded_tokens(unpadded, sizes) if sizes else unpadded
         if padded:
             self.padded_tokens += padded
             self.unpadded_tokens += unpadded
-            self.padding_window.add(padded - unpadded, padded)
+            self.padding_window.add(padded - unpadded, padded, now)
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         if spec_tokens:  # rejected draft tokens were taken back from num_computed_tokens
             requests, sums = scheduler.requests, self.running_sums
@@ -290,7 +301,7 @@ class StepStats:
         sched = self.scheduler
         usable = self._usable_blocks
         free = self.block_pool.get_num_free_blocks()
-        _, cumulative = self.schedule_histogram()
+        _, cumulative, schedule_seconds = self.schedule_histogram()
         return [
             Sample(M.PREFIX_CACHE_QUERIES, self.prefix_queries),
             Sample(M.PREFIX_CACHE_HITS, self.prefix_hits),
@@ -303,7 +314,7 @@ class StepStats:
             ),
             Sample(M.PADDING_RATIO, self.padding_window.ratio()),
             Sample(M.LENGTH_PADDING_RATIO, self.length_padding),
-            Sample(M.SCHEDULE_SECONDS, self.schedule_seconds_sum, buckets=tuple(cumulative)),
+            Sample(M.SCHEDULE_SECONDS, schedule_seconds, buckets=tuple(cumulative)),
             Sample(M.STEPS, self.steps),
             Sample(M.SCHEDULED_TOKENS, self.scheduled_tokens),
             Sample(M.TOKEN_BUDGET, self.token_budget),

@@ -1608,7 +1608,8 @@ def runbook_activity(notes: Q.RuleNotes) -> dict[str, Any]:
                     .unit("s"),
                     Graph(
                         f"Slowest scrape targets (top {TOP_N})",
-                        f"{S.SCRAPE_DURATION.help} The cycle waits for its slowest target.",
+                        f"{S.SCRAPE_DURATION.help} The cycle waits for its slowest "
+                        "target, up to its deadline or grace (then the target is late).",
                         8,
                     )
                     .with_target(
@@ -1618,8 +1619,14 @@ def runbook_activity(notes: Q.RuleNotes) -> dict[str, Any]:
                         )
                     )
                     .unit("s"),
-                    Graph("Scrape targets backed off", S.SCRAPE_TARGETS_BACKED_OFF.help, 8)
+                    Graph(
+                        "Scrape targets backed off and late",
+                        f"Backed off: {S.SCRAPE_TARGETS_BACKED_OFF.help} "
+                        f"Late: {S.SCRAPE_TARGETS_LATE.help}",
+                        8,
+                    )
                     .with_target(prom(f"sum({S.SCRAPE_TARGETS_BACKED_OFF.name})", "backed off"))
+                    .with_target(prom(f"sum({S.SCRAPE_TARGETS_LATE.name})", "late"))
                     .decimals(0)
                     .stepped(),
                 ],

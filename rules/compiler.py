@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import operator
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable
 from typing import Union
 
@@ -71,15 +72,17 @@ class Compiler:
                 return compare
             case C.AllOf(terms):
                 fns = [self.condition(x) for x in terms]
+                # The cheapest terms first (an engine fails most conditions on a
+                # gauge before a quantile is needed); the value is the first term's
+                # (`and` keeps the left-hand value), from the cycle's cache.
+                ordered = [fns[i] for i in sorted(range(len(terms)), key=lambda i: cost(terms[i]))]
+                left = fns[0]
 
                 def all_of(eng: EngineSeries, t: float, cache: Cache) -> Value:
-                    first = fns[0](eng, t, cache)  # `and` keeps the left-hand value
-                    if first is None:
-                        return None
-                    for f in fns[1:]:
+                    for f in ordered:
                         if f(eng, t, cache) is None:
                             return None
-                    return first
+                    return left(eng, t, cache)
 
                 return all_of
             case C.AnyOf(terms):
@@ -96,13 +99,22 @@ class Compiler:
             case C.Unless(kept, excluded):
                 kept_fn, excluded_fn = self.condition(kept), self.condition(excluded)
 
-                def unless(eng: EngineSeries, t: float, cache: Cache) -> Value:
+                if cost(excluded) < cost(kept):  # the cheaper side first; the same answer
+
+                    def unless(eng: EngineSeries, t: float, cache: Cache) -> Value:
+                        if excluded_fn(eng, t, cache) is not None:
+                            return None
+                        return kept_fn(eng, t, cache)  # `unless` keeps the left-hand value
+
+                    return unless
+
+                def unless_(eng: EngineSeries, t: float, cache: Cache) -> Value:
                     value = kept_fn(eng, t, cache)  # `unless` keeps the left-hand value
                     if value is None or excluded_fn(eng, t, cache) is not None:
                         return None
                     return value
 
-                return unless
+                return unless_
         raise TypeError(node)
 
     # -- expressions -----------------------------------------------------------
@@ -135,6 +147,17 @@ class Compiler:
                 return time_since
             case C.Rate(sel, window):
                 name, matchers, per = sel.metric, sel.matchers, sel.signal.per
+                if per is None:  # one value per engine: the sum of the series' rates
+
+                    def rate_sum(eng: EngineSeries, t: float, cache: Cache) -> Value:
+                        acc: float | None = None
+                        for s in eng.matching(name, matchers):
+                            r = _rate(store, s, t, window)
+                            if r is not None:
+                                acc = r if acc is None else acc + r
+                        return acc
+
+                    return rate_sum
 
                 def rate(eng: EngineSeries, t: float, cache: Cache) -> Value:
                     return _group(
@@ -162,14 +185,25 @@ class Compiler:
                 per = sel.signal.per
 
                 def quantile(eng: EngineSeries, t: float, cache: Cache) -> Value:
+                    # a rate per bucket: _rate inlined (a histogram has tens of them)
                     groups: dict[str, dict[float, float]] = {}
+                    start, left_open = t - window, store.left_open
                     for s in eng.matching(name, matchers):
-                        r = _rate(store, s, t, window)
-                        le = s.labels.get("le")
-                        if r is None or le is None:
+                        upper = s.le
+                        if upper is None:
+                            continue
+                        ts, first = s.ts, s.start
+                        hi = len(ts) if ts and ts[-1] <= t else bisect_right(ts, t, first)
+                        if left_open:
+                            lo = bisect_right(ts, start, first, hi)
+                        else:
+                            lo = bisect_left(ts, start, first, hi)
+                        if hi - lo < 2:
+                            continue
+                        r = extrapolated_rate(ts, s.values, s.adjusted, lo, hi, start, t)  # type: ignore[arg-type]
+                        if r is None:
                             continue
                         g = groups.setdefault(s.labels.get(per, "") if per else "", {})
-                        upper = float(le)
                         g[upper] = g.get(upper, 0.0) + r
                     if not groups:
                         return None
@@ -240,6 +274,21 @@ class Compiler:
 
                 return fallback
         raise TypeError(node)
+
+
+# What reading a leaf costs on one engine, relative (a quantile: a rate per bucket).
+_LEAF_COST: dict[type, int] = {
+    C.Instant: 1,
+    C.TimeSince: 1,
+    C.OverTime: 3,
+    C.Rate: 3,
+    C.Quantile: 30,
+}
+
+
+def cost(node: C.Expr | C.Condition) -> int:
+    """The relative cost of evaluating `node` on one engine (the order of an `all`)."""
+    return sum(_LEAF_COST[type(leaf)] for leaf, _ in C.leaves(node))
 
 
 def _rate(store: WindowStore, s: Series, t: float, window: float) -> float | None:

@@ -22,9 +22,11 @@ import ssl
 from urllib.parse import urlsplit
 
 import aiohttp
+from yarl import URL
 
 MAX_BODY = 64 * 2**20  # an exposition larger than this is an error, not a scrape
 KEEP_ALIVE_S = 120.0  # an idle connection outlives a scrape interval and a refresh
+MAX_URLS = 100_000  # parsed URLs kept (a fleet's targets, filtered and whole)
 
 
 class FetchError(Exception):
@@ -53,6 +55,7 @@ class Fetcher:
         )
         self.accept = accept
         self._session: aiohttp.ClientSession | None = None
+        self._urls: dict[str, URL] = {}  # URL text -> parsed, for the URLs asked before
 
     def _open(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -81,11 +84,18 @@ class Fetcher:
     async def get(self, url: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
         """(status, body). OSError (connect: refused, unreachable) or FetchError when
         it fails; cancelling it (a timeout) closes the connection."""
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise FetchError(f"not an http(s) URL: {url}")
+        parsed = self._urls.get(url)
+        if parsed is None:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise FetchError(f"not an http(s) URL: {url}")
+            if len(self._urls) >= MAX_URLS:
+                self._urls.clear()
+            # parsed once: a scrape asks the same URLs every cycle (each parse of a
+            # filtered one costs ~20 us, 40 ms a cycle at 2,000 targets)
+            parsed = self._urls[url] = URL(url)
         try:
-            async with self._open().get(url, headers=headers, allow_redirects=False) as response:
+            async with self._open().get(parsed, headers=headers, allow_redirects=False) as response:
                 length = response.content_length
                 if length is not None and length > MAX_BODY:
                     raise FetchError(f"body of {length} bytes (at most {MAX_BODY})")

@@ -54,12 +54,16 @@ it (6 of its 27 KiB). vLLM's own /metrics (0.32) ignores the filter (its
 instrumentator's route answers before prometheus_client's app) and sends its
 whole page, which the parse below reads as before. A target that refuses the
 filter (HTTP 400, 404, 405, 414, 422 or 431 to the filtered URL) is asked
-again without it in the same attempt. At a target's first answer, and every
-CHECK_FILTER_EVERY attempts after, its whole page is read too: a target that
-refused the filter, or whose whole page has series the rules read that its
-filtered one lacks (prometheus_client's multiprocess registry finds no
-collector by name and answers the filter with an empty page), is asked for
-its whole page from then on (`unfiltered`).
+again without it in the same attempt. An answer with a metric family that no
+wanted name belongs to (a `# TYPE` line: a filter sends only the families it
+matched) is a whole page: the filter was ignored, and the target is asked for
+its whole page from then on (`unfiltered`), with no second request. Otherwise,
+at a target's first answer, and every CHECK_FILTER_EVERY attempts after (each
+target at its own phase, so that a fleet started at once does not check in
+the same cycle again), its whole page is read too: a target that refused the
+filter, or whose whole page has series the rules read that its filtered one
+lacks (prometheus_client's multiprocess registry finds no collector by name
+and answers the filter with an empty page), is `unfiltered` from then on.
 
 The parse never splits the text into metric families: one regular expression
 (the wanted names as a trie, anchored after a newline) finds the lines whose
@@ -80,6 +84,7 @@ import math
 import re
 import threading
 import time
+import zlib
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -159,7 +164,9 @@ class _TargetState:
     failures: int = 0  # unanswered attempts in a row
     retry_at: float = -math.inf
     attempts: int = 0
-    checked_at: int = -1  # the attempt that last compared the filtered and the whole page
+    # the attempt that last compared the filtered and the whole page, plus a phase of
+    # the target's own (so that a fleet's checks spread over the cycles); None: never
+    checked_at: int | None = None
 
 
 @dataclass
@@ -234,6 +241,7 @@ class Scraper:
         self._failing: dict[str, str] = {}
         self._lines = _line_finder(store)
         self._query = wanted_query(store) if filter_names else ""
+        self._families = wanted_families(store)
         self.unfiltered: set[str] = set()  # target URLs that refused the filter
         # target URL -> (name, labels text) -> (series, its engine, the engine's version)
         self._known: dict[str, dict[tuple[str, str], tuple[Series, EngineSeries, int]]] = {}
@@ -400,7 +408,13 @@ class Scraper:
             return await self._get_text(url)
         status, text = await self._get_text(self.filtered_url(url))
         state = self.state.setdefault(url, _TargetState())
-        check = state.checked_at < 0 or state.attempts - state.checked_at >= CHECK_FILTER_EVERY
+        check = state.checked_at is None or state.attempts - state.checked_at >= CHECK_FILTER_EVERY
+        if status == 200 and check and self._ignores_filter(text):
+            # A family no wanted name belongs to: the filter was not applied, this is
+            # the whole page (vLLM's own /metrics): no second request, now or later.
+            self.unfiltered.add(url)
+            log.info("%s ignores name[]= filters: its whole page", url)
+            return status, text
         if status in FILTER_REFUSED or (status == 200 and check):
             # Refused, or time to check (a target's first answer, then every
             # CHECK_FILTER_EVERY attempts): the whole page too, and if the filter
@@ -409,7 +423,11 @@ class Scraper:
             # from now on.
             whole_status, whole = await self._get_text(url)
             if whole_status == 200:
-                state.checked_at = state.attempts
+                # the first check sets the target's phase (its second check comes
+                # CHECK_FILTER_EVERY + phase attempts later): a fleet started at
+                # once does not read every whole page again in the same cycle
+                phase = 0 if state.checked_at is not None else _phase(url)
+                state.checked_at = state.attempts + phase
                 if status != 200 or self._wanted(whole) - self._wanted(text):
                     self.unfiltered.add(url)
                     log.info("%s does not answer name[]= filters: its whole page", url)
@@ -417,6 +435,11 @@ class Scraper:
             if status != 200:
                 return whole_status, whole
         return status, text
+
+    def _ignores_filter(self, text: str) -> bool:
+        """Whether `text`, the answer to the filtered URL, has a metric family that no
+        wanted sample name belongs to (a filter sends only families it matched)."""
+        return any(m.group(1) not in self._families for m in _TYPE_LINE.finditer(text))
 
     async def _get_text(self, url: str) -> tuple[int, str]:
         status, body = await self.client.get(url)
@@ -480,12 +503,13 @@ class Scraper:
             known.clear()  # series that went away: forget them
         fresh: list[tuple[str, str, dict[str, str], float]] = []
         hits: list[tuple[Series, EngineSeries, float]] = []
-        for name, block, value, line in samples:  # nothing stored before all parsed
+        for name, block, value in samples:  # nothing stored before all parsed
             hit = known.get((name, block))
             if hit is not None and hit[1].version == hit[2]:
                 hits.append((hit[0], hit[1], value))
             else:
-                fresh.append((name, block, _labels(block[1:-1], line) if block else {}, value))
+                labels = _labels(block[1:-1], name + block) if block else {}
+                fresh.append((name, block, labels, value))
         for series, engine, value in hits:
             series.append(now, value)
             if now > engine.last_ts:
@@ -617,12 +641,14 @@ class ExpositionError(ValueError):
     """A line the rules need does not parse."""
 
 
-# name{labels} value [timestamp]; a label value may hold any escaped character.
-_SAMPLE = re.compile(
-    r'(?P<labels>\{(?:[^"}]|"(?:[^"\\\n]|\\.)*")*\})?[ \t]+(?P<value>\S+)(?:[ \t]+-?\d+)?[ \t]*\r?$'
+# name{labels} value [timestamp]; a label value may hold any escaped character. What
+# follows the name on a line: the labels block (group), the value (group), the end.
+_SAMPLE_REST = (
+    r'(\{(?:[^"}\n]++|"(?:[^"\\\n]++|\\.)*+")*+\})?[ \t]+(\S+)(?:[ \t]+-?\d+)?[ \t]*\r?(?=\n|\Z)'
 )
 _LABEL = re.compile(r'[ \t]*([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\\n]|\\.)*)"[ \t]*(,|$)')
 _UNESCAPE = re.compile(r"\\(.)")
+_TYPE_LINE = re.compile(r"^# TYPE (\S+)", re.MULTILINE)
 _ESCAPES = {"n": "\n", "\\": "\\", '"': '"'}
 
 
@@ -636,6 +662,21 @@ GRACE_AFTER = 0.9
 CHECK_FILTER_EVERY = 120
 
 
+def _phase(url: str) -> int:
+    """A target's own offset among CHECK_FILTER_EVERY attempts (stable across restarts)."""
+    return zlib.crc32(url.encode()) % CHECK_FILTER_EVERY
+
+
+def wanted_families(store: WindowStore) -> frozenset[str]:
+    """The metric family names a wanted sample name may belong to: the name itself
+    and every prefix of it that ends before an underscore (`x` of `x_bucket`)."""
+    out = set()
+    for name in store.retention:
+        out.add(name)
+        out.update(name[:i] for i, ch in enumerate(name) if ch == "_")
+    return frozenset(out)
+
+
 def wanted_query(store: WindowStore) -> str:
     """The query string asking for the sample names the store keeps (prometheus_client's
     exposition filter: repeated `name[]`, matched against sample names)."""
@@ -643,13 +684,15 @@ def wanted_query(store: WindowStore) -> str:
 
 
 def _line_finder(store: WindowStore) -> re.Pattern[str]:
-    """A newline, a sample name the store keeps, then the rest of that line. The
-    names are one trie-shaped alternation: the regex engine jumps from newline to
-    newline (a literal prefix) and rejects most lines on their first characters."""
+    """A newline, a sample name the store keeps, then that line read as a sample:
+    groups (name, labels block or None, value, None), or (name, None, None, the rest
+    of the line) for a line that does not parse. The names are one trie-shaped
+    alternation: the regex engine jumps from newline to newline (a literal prefix)
+    and rejects most lines on their first characters."""
     names = list(store.retention)
     if not names:
         return re.compile(r"(?!)")
-    return re.compile(rf"\n({_trie(names)})(?=[{{ \t])([^\n]*)")
+    return re.compile(rf"\n({_trie(names)})(?:{_SAMPLE_REST}|(?=[{{ \t])([^\n]*))")
 
 
 def _trie(words: list[str]) -> str:
@@ -670,32 +713,32 @@ def _trie(words: list[str]) -> str:
     return walk(tree)
 
 
-def raw_samples(text: str, lines: re.Pattern[str]) -> list[tuple[str, str, float, str]]:
-    """(name, labels block as written, value, line) of every sample on the lines `lines`
+def raw_samples(text: str, lines: re.Pattern[str]) -> list[tuple[str, str, float]]:
+    """(name, labels block as written, value) of every sample on the lines `lines`
     finds; the rest of the text (comments, other families) is skipped unparsed.
     ExpositionError on the first wanted line that does not parse (the inside of the
     labels block is checked by `_labels`, which the caller runs on a block it has not
-    seen before)."""
-    out = []
-    for match in lines.finditer("\n" + text):
-        name, rest = match.group(1), match.group(2)
-        sample = _SAMPLE.match(rest)
-        if sample is None:
-            raise ExpositionError(f"bad sample line: {name + rest[:200]!r}")
-        try:
-            value = float(sample.group("value"))
-        except ValueError:
-            raise ExpositionError(f"bad value in line: {name + rest[:200]!r}") from None
-        block = sample.group("labels") or ""
-        out.append((name, block, value, name + rest))
+    seen before). One regular expression reads each line: no second match per line."""
+    out: list[tuple[str, str, float]] = []
+    append = out.append
+    for name, block, value, bad in lines.findall("\n" + text):
+        if value:
+            try:
+                append((name, block, float(value)))
+                continue
+            except ValueError:
+                raise ExpositionError(
+                    f"bad value in line: {name + block + ' ' + value!r}"
+                ) from None
+        raise ExpositionError(f"bad sample line: {name + bad[:200]!r}")
     return out
 
 
 def parse_wanted(text: str, lines: re.Pattern[str]) -> list[tuple[str, dict[str, str], float]]:
     """(name, labels, value) of every sample `raw_samples` finds."""
     return [
-        (name, _labels(block[1:-1], line) if block else {}, value)
-        for name, block, value, line in raw_samples(text, lines)
+        (name, _labels(block[1:-1], name + block) if block else {}, value)
+        for name, block, value in raw_samples(text, lines)
     ]
 
 

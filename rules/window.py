@@ -25,10 +25,13 @@ LOOKBACK_SECONDS = 300.0
 
 
 class Series:
-    __slots__ = ("adjusted", "labels", "offset", "stale_at", "start", "ts", "values")
+    __slots__ = ("adjusted", "labels", "le", "offset", "stale_at", "start", "ts", "values")
 
     def __init__(self, labels: Mapping[str, str], counter: bool) -> None:
         self.labels = dict(labels)
+        # a histogram bucket's upper bound, read once (None: not a bucket, or an `le`
+        # that is no number: histogram_quantile leaves such a bucket out)
+        self.le = _upper_bound(self.labels.get("le"))
         self.ts = array("d")
         self.values = array("d")
         self.adjusted: array[float] | None = array("d") if counter else None
@@ -59,6 +62,15 @@ class Series:
 
     def __len__(self) -> int:
         return len(self.ts) - self.start
+
+
+def _upper_bound(le: str | None) -> float | None:
+    if le is None:
+        return None
+    try:
+        return float(le)
+    except ValueError:
+        return None
 
 
 @dataclass

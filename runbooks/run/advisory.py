@@ -24,6 +24,7 @@ from vllm_runbook.collector.agent_api import (
     ChangeResult,
     KnobsCommand,
     command_error,
+    knob_target,
 )
 from vllm_runbook.runbooks.engine.client import Agent, CommandRefused
 from vllm_runbook.runbooks.store.models import is_advised
@@ -75,42 +76,29 @@ class AdvisoryAgent:
 
 
 def would_change(state: AgentState, values: dict[str, Any], clamp: bool) -> ChangeResult:
-    """The agent's dry-run answer to a knob change, computed from `state`
-    (collector/control.py `_target`, on the bounds `/v1/state` reports).
+    """The agent's dry-run answer to a knob change, computed from `state` by the
+    agent's own rule (`knob_target`), on the bounds `/v1/state` reports.
 
     One estimate: the budget's floor for a new max_num_seqs. `/v1/state` shows
     the floor at the max_num_seqs in force, the highest of the engine's fixed
     floors and max_num_seqs; a fixed floor at or below max_num_seqs now (e.g.
     speculative draft slots) is not visible there and is taken as 1."""
     before = state.knobs.model_dump()
-    target = dict(before)
-    values = dict(values)
-    if "scale_max_num_batched_tokens" in values:
-        scale = values.pop("scale_max_num_batched_tokens")
-        values["max_num_batched_tokens"] = max(1, int(before["max_num_batched_tokens"] * scale))
-    target.update(values)
-    if "max_num_seqs" in values and "autopilot" not in values:
-        target["autopilot"] = False  # set by hand: the operator takes over
     clamped: list[dict[str, Any]] = []
-    seqs = state.bounds.max_num_seqs
-    target["max_num_seqs"] = _check(
-        "max_num_seqs", target["max_num_seqs"], seqs.min, seqs.max, clamp, values, clamped
-    )
-    tokens = state.bounds.max_num_batched_tokens
-    # The budget's floor is the highest of the engine's fixed floors and
-    # max_num_seqs; a floor above max_num_seqs now is a fixed one.
-    fixed = tokens.min if tokens.min > before["max_num_seqs"] else 1
-    floor = max(fixed, target["max_num_seqs"])
-    target["max_num_batched_tokens"] = _check(
-        "max_num_batched_tokens",
-        target["max_num_batched_tokens"],
-        floor,
-        tokens.max,
-        clamp,
-        values,
-        clamped,
-    )
-    return _answer(state, target, clamped)
+    bounds = state.bounds
+
+    def check(knob: str, value: int, target: dict[str, Any], requested: dict[str, Any]) -> int:
+        if knob == "max_num_seqs":
+            low, high = bounds.max_num_seqs.min, bounds.max_num_seqs.max
+        else:
+            # The budget's floor is the highest of the engine's fixed floors and
+            # max_num_seqs; a floor above max_num_seqs now is a fixed one.
+            tokens = bounds.max_num_batched_tokens
+            fixed = tokens.min if tokens.min > before["max_num_seqs"] else 1
+            low, high = max(fixed, target["max_num_seqs"]), tokens.max
+        return _check(knob, value, low, high, clamp, requested, clamped)
+
+    return _answer(state, knob_target(before, values, check), clamped)
 
 
 def _check(

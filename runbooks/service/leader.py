@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Final
 from apscheduler.job import Job
 from apscheduler.schedulers.base import BaseScheduler
 from vllm_runbook.rules.scheduling import JOB_ID
+from vllm_runbook.runbooks.service import heap
 from vllm_runbook.runbooks.service.jobs import WakeableJob
 from vllm_runbook.runbooks.store import Journal, StoreError
 
@@ -63,7 +64,10 @@ class RulesLeader:
         holder: str | None = None,
         clock: Callable[[], float] = time.time,
         split: bool = False,
+        freeze_heap: bool = False,
     ) -> None:
+        """`freeze_heap`: once the first cycle filled the windows, leave what is alive
+        then out of garbage collection (`runbook serve`: service/heap.py)."""
         self.store = store
         self.make_service = make_service
         self.ttl_seconds = ttl_seconds
@@ -71,6 +75,7 @@ class RulesLeader:
         self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
         self.clock = clock
         self.split = split
+        self.freeze_heap = freeze_heap
         self.lease_name = (
             REPLICA_LEASE_PREFIX + hashlib.blake2b(self.holder.encode(), digest_size=12).hexdigest()
             if split
@@ -122,6 +127,8 @@ class RulesLeader:
             return False
         self.service.evaluate(now)
         self.cycles += 1
+        if self.freeze_heap and self.cycles == 1:
+            heap.freeze("the rules' first cycle")
         if self.metrics is not None:
             self.metrics.rules_cycle.observe(time.perf_counter() - started)
         return True

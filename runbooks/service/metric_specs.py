@@ -97,6 +97,13 @@ SCRAPE_TARGETS_BACKED_OFF = _spec(
     "Targets the rules leader skipped in its latest cycle: they stopped answering and are "
     "tried again after a backoff (10 s doubling to at most 2 min).",
 )
+SCRAPE_TARGETS_LATE = _spec(
+    "scrape_targets_late",
+    "gauge",
+    "Targets whose answer the rules leader's latest cycle did not wait for "
+    "(rules.scrape_deadline, rules.scrape_grace): a later cycle takes it in at the time "
+    "it was asked for, or counts the timeout as a failure.",
+)
 RULES_CYCLE = _spec(
     "rules_cycle_seconds",
     "histogram",
@@ -203,6 +210,7 @@ SERVICE_METRICS: tuple[MetricSpec, ...] = (
     SCRAPE_ERRORS,
     SCRAPE_DURATION,
     SCRAPE_TARGETS_BACKED_OFF,
+    SCRAPE_TARGETS_LATE,
     RULES_CYCLE,
     RULES_EVALUATION_INTERVAL,
     INCIDENTS_FIRING,

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_runbook.collector.auth import TokenError, is_loopback, runtime_dir
 from vllm_runbook.runbooks.model.exit_codes import ExitCode
+from vllm_runbook.runbooks.service import heap
 
 if TYPE_CHECKING:
     from vllm_runbook.runbooks.service.lifecycle import Service
@@ -76,9 +77,12 @@ def build(
     worker: bool = True,
     rules: bool = True,
     catalog: list[Path] | None = None,
+    freeze_heap: bool = False,
 ) -> Service:
     """The service: config, store (migrated), app, and its jobs (none started:
-    the app's lifespan starts them); raises the errors the CLI maps."""
+    the app's lifespan starts them); raises the errors the CLI maps.
+    `freeze_heap`: the process is the service's own (`runbook serve`): its
+    long-lived objects leave garbage collection (service/heap.py)."""
     from vllm_runbook.runbooks.engine.client import normalize_url
     from vllm_runbook.runbooks.engine.operations import engine_registry
     from vllm_runbook.runbooks.engine.router import router_bindings
@@ -199,6 +203,7 @@ def build(
             config.leader_lease,
             metrics=metrics,
             split=config.rules.replicas == "split",
+            freeze_heap=freeze_heap,
         )
     credentials = credentials_from(config, host)
     notifier = None
@@ -303,9 +308,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logging.getLogger(chatty).setLevel(logging.WARNING)
     # A broken catalog or configuration, a token, the store: raised to the CLI's `main`.
     service = build(
-        args.config, args.db, args.host, not args.no_worker, not args.no_rules, args.catalog
+        args.config,
+        args.db,
+        args.host,
+        not args.no_worker,
+        not args.no_rules,
+        args.catalog,
+        freeze_heap=True,
     )
     log_unreadable_at_start(service.config.engines, service.runbooks)
+    heap.freeze("built")  # the imports and the app: alive as long as the process
     # The jobs start and stop with the app (its lifespan: service/lifecycle.py).
     # uvicorn re-raises SIGTERM/SIGINT after its shutdown (the default action
     # ends the process), so the `finally` below is for a start that failed.

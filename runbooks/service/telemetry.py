@@ -112,6 +112,7 @@ class ServiceMetrics:
         self.scrape_errors = cast(Counter, built[S.SCRAPE_ERRORS])
         self.scrape_duration = cast(Gauge, built[S.SCRAPE_DURATION])
         self.scrape_targets_backed_off = cast(Gauge, built[S.SCRAPE_TARGETS_BACKED_OFF])
+        self.scrape_targets_late = cast(Gauge, built[S.SCRAPE_TARGETS_LATE])
         self.rules_cycle = cast(Histogram, built[S.RULES_CYCLE])
         self.rules_evaluation_interval = cast(Gauge, built[S.RULES_EVALUATION_INTERVAL])
         self.incidents_firing = cast(Gauge, built[S.INCIDENTS_FIRING])
@@ -253,6 +254,7 @@ class ServiceMetrics:
         self.incidents_firing.clear()
         self.scrape_duration.clear()
         self.scrape_targets_backed_off.set(0)
+        self.scrape_targets_late.set(0)
 
     # The scraper's observer (vllm_runbook.rules.scrape.ScrapeObserver).
     def target_scraped(self, result: ScrapeResult) -> None:
@@ -260,3 +262,4 @@ class ServiceMetrics:
 
     def cycle_scraped(self, cycle: ScrapeCycle) -> None:
         self.scrape_targets_backed_off.set(cycle.skipped)
+        self.scrape_targets_late.set(cycle.late)

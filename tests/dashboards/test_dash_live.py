@@ -71,6 +71,7 @@ class LiveRun:
     series: dict[str, list[dict[str, str]]] = field(default_factory=dict)  # variable expr
     rules: list[dict[str, Any]] = field(default_factory=list)
     instances: dict[str, set[str]] = field(default_factory=dict)  # job -> instance labels
+    failed_scrapes: dict[str, int] = field(default_factory=dict)  # job -> failed scrapes
 
 
 # The SLO row reads the records of a configuration's slos: the live Prometheus
@@ -155,6 +156,30 @@ def _drive_and_collect(
     return run
 
 
+def _last_complete_scrape(prom: PrometheusServer, start: float) -> tuple[float, dict[str, int]]:
+    """The latest time at which every job's latest scrape had succeeded, and
+    each job's failed scrapes so far.
+
+    One failed scrape (a 1 s timeout on a loaded 2-core machine) writes
+    staleness markers for every series of its target: until the next scrape,
+    an instant query sees none of them, as Grafana would show a gap. The
+    instant queries are asked at this time instead of "now". Scrapes that
+    started up to `scrape_timeout` ago are still being written, so the
+    search ends 2 s back."""
+    now = time.time()
+    frame = prom.query_range("min(up)", start, now - 2.0, 0.1)
+    ok = [float(t) for t, v in frame[0]["values"] if float(v) == 1.0] if frame else []
+    since = f"{now - start:.0f}s"  # `up` is 1 or 0: its samples less its sum are the failures
+    failed = {
+        s["metric"]["job"]: int(float(s["value"][1]))
+        for s in prom.query(
+            f"sum by (job) (count_over_time(up[{since}]) - sum_over_time(up[{since}]))", time=now
+        )
+    }
+    assert ok, f"no time since the start with every scrape up; failed scrapes: {failed}"
+    return ok[-1], failed
+
+
 def _collect(served: ServedEngine, prom: PrometheusServer, start: float) -> LiveRun:
     # A `runbook` command takes seconds on a busy machine: time the phases
     # from when each command returned, so every phase is long enough to see.
@@ -167,8 +192,10 @@ def _collect(served: ServedEngine, prom: PrometheusServer, start: float) -> Live
     assert cli.returncode == 0, cli.stderr
     time.sleep(max(6.0, LOAD_SECONDS - (time.time() - start)))
     # Queried while the load goes on: rates over the last seconds have data.
-    nvml = prom.query("max(vllm_runbook_nvml_up)")
-    run = LiveRun(start, time.time(), gpu=bool(nvml and float(nvml[0]["value"][1]) == 1))
+    end, failed = _last_complete_scrape(prom, start)
+    nvml = prom.query("max(vllm_runbook_nvml_up)", time=end)
+    run = LiveRun(start, end, gpu=bool(nvml and float(nvml[0]["value"][1]) == 1))
+    run.failed_scrapes = failed
     for name in DASHBOARDS:
         dashboard = lint_load(name)
         for q in lint.queries(dashboard):
@@ -185,11 +212,10 @@ def _collect(served: ServedEngine, prom: PrometheusServer, start: float) -> Live
                     run.ranges[expr] = prom.query_range(expr, start - 2, run.end, 1)
     run.rules = [r for g in prom.api("rules")["groups"] for r in g["rules"]]
     for job in ("vllm", "vllm-runbook-agent"):
-        found = prom.query(f'count by (instance) ({{job="{job}"}})')
+        found = prom.query(f'count by (instance) ({{job="{job}"}})', time=run.end)
         run.instances[job] = {s["metric"]["instance"] for s in found}
-    run.instances["agent series on the vllm job"] = {
-        s["metric"]["instance"] for s in prom.query(f'{M.COLLECTOR_UP.name}{{job="vllm"}}')
-    }
+    doubled = prom.query(f'{M.COLLECTOR_UP.name}{{job="vllm"}}', time=run.end)
+    run.instances["agent series on the vllm job"] = {s["metric"]["instance"] for s in doubled}
     return run
 
 
@@ -220,7 +246,7 @@ def test_every_dashboard_query_returns_data(live: LiveRun) -> None:
             checked += 1
             if not ok:
                 missing.append(f"{name}: {q.where}: {expr}")
-    assert not missing, "no data:\n" + "\n".join(missing)
+    assert not missing, f"no data (failed scrapes: {live.failed_scrapes}):\n" + "\n".join(missing)
     assert checked > 80
 
 

@@ -15,7 +15,8 @@ runbook then runs on A: drain at the router, the restart hook (here vLLM's
 Oracles: every request the clients sent got an HTTP status (none hangs) and
 the engines' own success counters add up to the 200s exactly (none lost); A
 finished nothing while frozen; the router did not list A between drain and
-undrain and lists it at the end; A serves again after.
+undrain and lists it at the end; a request sent while it listed B alone was
+answered; A serves again after.
 """
 
 from __future__ import annotations
@@ -178,6 +179,11 @@ class Clients:
                 self.statuses.append(status)
             time.sleep(0.05)
 
+    def probe(self) -> int:
+        """One completion through the router, outside the clients' counts."""
+        body = {"model": self.fleet.model, "prompt": [9] * 16, "max_tokens": 1, "temperature": 0}
+        return post(self.fleet.router_url + "/v1/completions", body, timeout=150)
+
 
 class Fired:
     def __init__(self) -> None:
@@ -254,6 +260,8 @@ def test_stuck_engine_is_drained_and_returns(
     )
 
     clients = Clients(fleet)
+    probed: list[int] = []
+    probe = threading.Thread(target=lambda: probed.append(clients.probe()))
     threads = [threading.Thread(target=clients.run, args=(i,)) for i in range(CLIENTS)]
     served_before = {"a": served_total(a), "b": served_total(b)}
     router = VllmRouter(fleet.router_url)
@@ -301,15 +309,24 @@ def test_stuck_engine_is_drained_and_returns(
             if drained_at is None and a.api_url not in workers:
                 drained_at = time.time()
                 counts_at_drain = {"a": served_total(a), "b": served_total(b)}
+                # Routed now, while the router lists B alone (the undrain is seconds
+                # away: the drain's wait and the restart's after_seconds): B serves it.
+                probe.start()
             time.sleep(0.1)
         run.join()
         undrained_at = time.time()
         counts_at_undrain = {"a": served_total(a), "b": served_total(b)}
-        time.sleep(3)  # traffic on both again
+        # Traffic on both again: until each engine finished a request after the undrain
+        # (by the counters, not a fixed sleep: a loaded machine serves slower).
+        back_by = time.monotonic() + 120
+        while time.monotonic() < back_by and not (
+            served_total(a) > counts_at_undrain["a"] and served_total(b) > counts_at_undrain["b"]
+        ):
+            time.sleep(0.2)
     finally:
         clients.stop.set()
         post(a.api_url + "/resume", timeout=30)  # whatever failed: no client waits on A
-        for t in threads:
+        for t in [*threads, *([probe] if probe.ident is not None else [])]:
             t.join(180)
         evaluating.set()
         evaluator.join(30)
@@ -355,10 +372,15 @@ def test_stuck_engine_is_drained_and_returns(
     assert len(clients.statuses) == clients.sent
     ok = clients.statuses.count(200)
     assert ok == clients.sent  # none refused either, here
-    assert (served_after["a"] - served_before["a"]) + (served_after["b"] - served_before["b"]) == ok
-    # Traffic moved: B served while A was out; A serves again after the undrain.
-    assert counts_at_undrain["b"] > counts_at_drain["b"]
+    # Traffic moved: a request sent while the router listed B alone was answered.
+    assert probed == [200]
+    assert (served_after["a"] - served_before["a"]) + (
+        served_after["b"] - served_before["b"]
+    ) == ok + 1  # the probe
+    assert served_after["b"] > counts_at_drain["b"]
+    # A serves again after the undrain (and B still does).
     assert served_after["a"] > counts_at_undrain["a"]
+    assert served_after["b"] > counts_at_undrain["b"]
     assert agent_value(a, M.ENGINE_STALLED) == 0.0
 
 

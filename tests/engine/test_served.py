@@ -106,8 +106,9 @@ def _name_filters_and_the_rules_scrape(served: ServedEngine) -> None:
     """`/metrics?name[]=...` (what the rules' scraper asks): the agent answers those
     samples only; vLLM's own /metrics ignores the filter (its instrumentator's
     /metrics route answers before prometheus_client's app, which would honour it)
-    and sends its whole page, which the scraper reads as it is: the filter loses
-    nothing there, so no target is marked to be read whole."""
+    and sends its whole page, which the scraper reads as it is, and sees as whole (a
+    family no wanted name belongs to): that target is read whole from then on, with
+    no second request; the agent's filtered page loses nothing."""
     from vllm_runbook.rules.evaluator import store_for_rules
     from vllm_runbook.rules.model import load_catalog
     from vllm_runbook.rules.scrape import Scraper, Target
@@ -124,7 +125,7 @@ def _name_filters_and_the_rules_scrape(served: ServedEngine) -> None:
     with Scraper(store_for_rules(load_catalog().bind()), targets) as scraper:
         results = scraper.scrape_once(time.time())
     assert [(r.ok, r.samples > 0) for r in results] == [(True, True), (True, True)]
-    assert scraper.unfiltered == set()
+    assert scraper.unfiltered == {targets[1].url}
 
 
 def test_served_engine_exports_every_metric_on_both_endpoints(

@@ -71,3 +71,23 @@ def test_nan_loses_in_max_and_min() -> None:
     assert agg_max(2.0, math.nan) == 2.0
     assert agg_min(math.nan, 3.0) == 3.0
     assert math.isnan(agg_max(None, math.nan))
+
+
+def test_a_bucket_whose_le_is_no_number_is_left_out_of_the_quantile() -> None:
+    """As Prometheus' histogram_quantile: a malformed `le` skips that bucket (the
+    evaluator reads each bound once, when the series is first stored)."""
+    from vllm_runbook.rules import condition as C
+    from vllm_runbook.rules.compiler import Compiler
+    from vllm_runbook.rules.signals import SIGNALS
+    from vllm_runbook.rules.window import WindowStore
+
+    name = "vllm:e2e_request_latency_seconds_bucket"
+    store = WindowStore({name: 600.0}, counters={name})
+    labels = {"model_name": "m", "engine": "0"}
+    # per second over the window: 90 under 0.5 s, 0 more under 1 s, 10 more under 2.5
+    for le, per_s in (("0.5", 90.0), ("1.0", 90.0), ("2.5", 100.0), ("+Inf", 100.0), ("x", 1e6)):
+        for t in (0.0, 30.0, 60.0):
+            store.add("i", name, {**labels, "le": le}, t, per_s * t)
+    quantile = Compiler(store).expr(C.Quantile(0.99, C.Selector(SIGNALS["e2e_latency"]), 60.0))
+    [engine] = store
+    assert quantile(engine, 60.0, {}) == 1.0 + 1.5 * 0.9

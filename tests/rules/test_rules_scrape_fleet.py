@@ -26,6 +26,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 from vllm_runbook.collector import metrics as M
 from vllm_runbook.collector.server import AgentServer
+from vllm_runbook.rules import scrape
 from vllm_runbook.rules.evaluator import store_for_rules
 from vllm_runbook.rules.model import load_catalog
 from vllm_runbook.rules.scrape import (
@@ -40,6 +41,7 @@ from vllm_runbook.rules.scrape import (
     Target,
     _line_finder,
     parse_wanted,
+    wanted_families,
 )
 from vllm_runbook.rules.signals import SIGNALS
 from vllm_runbook.rules.window import Series, WindowStore
@@ -575,6 +577,76 @@ def test_a_target_that_does_not_take_the_filter_is_asked_for_the_whole_page(
     assert scraper.error_counts == {}
 
 
+def test_a_target_that_ignores_the_filter_is_read_whole_without_a_second_request(
+    fleet: Fleet,
+) -> None:
+    """vLLM's own /metrics sends its whole page to a filtered URL: a family no wanted
+    name belongs to says so, and that answer is the page (no second request)."""
+    page = (
+        b"# HELP vllm:cache_config_info info\n# TYPE vllm:cache_config_info gauge\n"
+        b'vllm:cache_config_info{block_size="16"} 1.0\n'
+        b"# TYPE vllm_runbook_kv_cache_usage_peak_ratio gauge\n" + GOOD + WAITING
+    )
+    target = fleet.target("e", lambda _path: (200, page))
+    store = store_for_rules(RULES)
+    with Scraper(store, [target]) as scraper:
+        results = [scraper.scrape_once(now=now)[0] for now in (0.0, 5.0, 10.0)]
+    assert [(r.ok, r.samples) for r in results] == [(True, 2)] * 3
+    assert scraper.unfiltered == {target.url}
+    assert [bool(q) for q in fleet.queries] == [True, False, False]
+
+
+def test_a_filtered_page_is_not_taken_for_a_whole_one() -> None:
+    """The families a filtered page may have: the wanted names and their prefixes
+    before an underscore (a histogram `x` of `x_bucket`, a counter `x_total`)."""
+    store = store_for_rules(RULES)
+    families = wanted_families(store)
+    assert "vllm:e2e_request_latency_seconds" in families
+    assert "vllm:e2e_request_latency_seconds_bucket" in families
+    assert "vllm:num_preemptions_total" in families
+    assert "vllm:cache_config_info" not in families
+    scraper = Scraper(store, [])
+    try:
+        assert not scraper._ignores_filter(
+            "# TYPE vllm:e2e_request_latency_seconds histogram\n"
+            "# TYPE vllm:num_preemptions_total counter\n"
+        )
+        assert scraper._ignores_filter("# TYPE vllm:num_preemptions_total counter\n# TYPE x gauge")
+    finally:
+        scraper.close()
+
+
+def test_the_fleet_checks_its_filters_at_spread_phases(
+    fleet: Fleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After the first answer's check, each target reads its whole page again every
+    CHECK_FILTER_EVERY attempts at a phase of its own (never sooner than that after
+    the first): not all in one cycle."""
+    monkeypatch.setattr(scrape, "CHECK_FILTER_EVERY", 4)
+    targets = [fleet.target(f"t{k}", ok) for k in range(8)]
+    whole: dict[str, list[int]] = collections.defaultdict(list)
+
+    def page(name: str) -> Behaviour:
+        def answer(path: str) -> tuple[int, bytes]:
+            if "?" not in path:
+                whole[name].append(cycle)
+            return 200, GOOD
+
+        return answer
+
+    for t in targets:
+        fleet.behaviour[f"/{t.instance}/metrics"] = page(t.instance)
+    phases = {t.instance: scrape._phase(t.url) for t in targets}
+    assert all(0 <= p < 4 for p in phases.values())
+    cycle = 0
+    with Scraper(store_for_rules(RULES), targets) as scraper:
+        for cycle in range(12):
+            assert all(r.ok for r in scraper.scrape_once(now=5.0 * cycle))
+    for name, p in phases.items():
+        assert whole[name] == [0] + [k for k in range(4 + p, 12) if (k - p) % 4 == 0], name
+    assert len({p for p in phases.values()}) > 1  # crc32 of 8 URLs: not one phase
+
+
 def test_without_the_filter_every_target_is_asked_for_its_whole_page(fleet: Fleet) -> None:
     target = fleet.target("e", ok)
     with Scraper(store_for_rules(RULES), [target], filter_names=False) as scraper:
@@ -640,7 +712,9 @@ def test_two_replicas_split_the_engines_and_one_takes_all_when_the_other_dies(
                 "engines": [
                     {"name": n, "agent": t.url.removesuffix("/metrics")} for n, t in targets.items()
                 ],
-                "rules": {"evaluation_interval": "5s", "replicas": "split"},
+                # a grace as long as the deadline: on a busy machine a target may
+                # be slower than 250 ms, and this test counts one request per cycle
+                "rules": {"evaluation_interval": "5s", "replicas": "split", "scrape_grace": "3s"},
             }
         ),
         encoding="utf-8",
@@ -757,6 +831,10 @@ def test_a_hanging_target_does_not_hold_the_cycle_and_its_late_answer_keeps_its_
         cycle = scraper.last_cycle
         assert cycle is not None
         assert (cycle.attempted, cycle.failed, cycle.skipped, cycle.late) == (11, 0, 0, 1)
+        metrics = ServiceMetrics()  # what `runbook serve` exports of the cycle
+        metrics.cycle_scraped(cycle)
+        late_gauge = "vllm_runbook_service_scrape_targets_late"
+        assert metrics.registry.get_sample_value(late_gauge) == 1.0
         assert _series_times(store, "a") == _series_times(store, "b") == [100.0]
         assert ("held", "m", "0") not in store.engines
         assert scraper.error_counts == collections.Counter()
@@ -775,6 +853,8 @@ def test_a_hanging_target_does_not_hold_the_cycle_and_its_late_answer_keeps_its_
         assert _series_times(store, "a") == [100.0, 105.0]
         cycle = scraper.last_cycle
         assert cycle is not None and (cycle.attempted, cycle.failed, cycle.late) == (11, 0, 0)
+        metrics.cycle_scraped(cycle)
+        assert metrics.registry.get_sample_value(late_gauge) == 0.0
     assert fleet.requests["/held/metrics"] == 2 + 1  # + its whole page, at its first answer
     assert [r.late for r in recorder.targets if r.target.instance == "held"] == [True, False]
     assert scraper.error_counts == collections.Counter()

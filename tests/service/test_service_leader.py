@@ -112,6 +112,12 @@ def test_one_replica_evaluates_and_the_other_takes_over(
     wait_for(a.leads, 10)
     b = replicas("b")
     only_one_evaluates(a, b)
+    # Each replica's long-lived objects leave garbage collection once built, and the
+    # leader's again after its first cycle (service/heap.py); the follower's not.
+    frozen = "long-lived objects left out of garbage collection"
+    assert all("built: " in r.log.read_text() and frozen in r.log.read_text() for r in (a, b))
+    firsts = [r.log.read_text().count("the rules' first cycle: ") for r in (a, b)]
+    assert firsts == [1, 0]
 
     a.stop(signal.SIGTERM)  # graceful: the lease is released
     handover = wait_for(b.leads, TTL)

@@ -242,7 +242,10 @@ def test_connections_beyond_the_slots_are_refused_then_served() -> None:
         assert status_of(answer) == 503 and server.refused_connections == 0
         # The scrape slot held too (an idle connection): refused after queue_seconds.
         with socket.create_connection((server.host, server.port), timeout=30) as idle:
-            time.sleep(0.2)  # accepted into the scrape slot
+            # Accepted into the scrape slot (a fixed 0.2 s was too short on a busy runner).
+            deadline = time.monotonic() + 30
+            while not server._httpd._scrape_slot.locked() and time.monotonic() < deadline:
+                time.sleep(0.01)
             answer = exchange_from(server, "127.0.0.9", b"GET /metrics HTTP/1.1\r\n\r\n")
             assert status_of(answer) == 503 and server.refused_connections == 1
             idle.close()
@@ -257,7 +260,10 @@ def test_one_client_holds_at_most_half_the_slots() -> None:
         assert server.limits.per_client == 2
         idle = [socket.create_connection((server.host, server.port), timeout=30) for _ in range(2)]
         try:
-            time.sleep(0.2)  # both accepted
+            # Both accepted (a fixed 0.2 s can be too short on a busy runner).
+            deadline = time.monotonic() + 30
+            while server._httpd._clients["127.0.0.1"] < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
             # The same address again: refused at once, not after queue_seconds,
             # before anything is read (so this client sends nothing: data sent
             # to a socket the server already closed is answered with a reset,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
+import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -14,7 +16,7 @@ from vllm_runbook.collector.hook import RunbookSchedulerMixin, with_collector
 from vllm_runbook.collector.nvml import NvmlPoller, visible_gpu_indices
 from vllm_runbook.collector.settings import CollectorSettings, check_vllm_version
 from vllm_runbook.collector.step_stats import predicted_padded_tokens
-from vllm_runbook.collector.window import SlidingWindowRatio
+from vllm_runbook.collector.window import QueuedHistogram, SlidingWindowMax, SlidingWindowRatio
 
 
 class FakeClock:
@@ -46,6 +48,156 @@ def test_window_ratio_slides_out_old_seconds() -> None:
 def test_window_rejects_a_non_positive_length() -> None:
     with pytest.raises(ValueError):
         SlidingWindowRatio(0)
+    with pytest.raises(ValueError):
+        SlidingWindowMax(-1)
+
+
+def test_window_ratio_takes_the_callers_clock_read() -> None:
+    clock = FakeClock(1000.0)
+    w = SlidingWindowRatio(10, clock=clock)
+    w.add(1, 2, now=1000.2)
+    w.add(1, 2, now=1003.9)  # a new second: the first one moves into the deque
+    w.add(2, 4, now=1003.1)  # the same second as the last: summed there
+    assert w.sums() == (4, 8)
+    clock.t = 1010.5  # second 1000 is 10 s old: out; 1003 stays
+    assert w.sums() == (3, 6)
+    clock.t = 1013.0  # the newest second is out too
+    assert w.sums() == (0, 0)
+
+
+def test_window_max_keeps_each_seconds_largest_and_slides() -> None:
+    clock = FakeClock(1000.0)
+    w = SlidingWindowMax(5, clock=clock)
+    assert w.max() == 0.0 and math.isnan(w.max(math.nan))
+    w.add(0.3)
+    w.add(0.9)
+    w.add(0.5)  # smaller, same second: the 0.9 stays
+    assert w.max() == 0.9
+    clock.t = 1002.5
+    w.add(0.4)
+    assert w.max() == 0.9
+    clock.t = 1005.0  # second 1000 out, 1002 in
+    assert w.max() == 0.4
+    w.add(0.2, now=1006.1)
+    clock.t = 1007.9  # 1002 out
+    assert w.max() == 0.2
+    clock.t = 1011.0
+    assert w.max(-1.0) == -1.0
+
+
+@pytest.mark.parametrize("seconds_per_add", [0.0, 0.01])
+def test_window_ratio_read_on_another_thread_is_never_torn(seconds_per_add: float) -> None:
+    """The writer adds (1, 2) per step, inside a second without a lock, a new
+    second every 100 adds (or never) under it. Nothing expires in this long a
+    window, so a reader on another thread must see den == 2 num, never less
+    than it saw before: a bucket half-moved into the finished seconds, or
+    half-written, would show as a drop or a mismatch."""
+    clock = FakeClock(1000.0)
+    w = SlidingWindowRatio(1e9, clock=clock)
+    stop = threading.Event()
+    bad: list[tuple[float, float]] = []
+    reads = 0
+
+    def read() -> None:
+        nonlocal reads
+        last = 0.0
+        while not stop.is_set():
+            num, den = w.sums()
+            reads += 1
+            if den != 2 * num or num < last:
+                bad.append((num, den))
+            last = num
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the threads take turns as often as CPython lets them
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for _ in range(200_000):
+            w.add(1, 2)
+            clock.t += seconds_per_add
+    finally:
+        stop.set()
+        reader.join()
+        sys.setswitchinterval(interval)
+    assert reads > 100 and not bad[:5]
+    assert w.sums() == (200_000, 400_000)
+
+
+def test_queued_histogram_is_filed_by_its_reader_and_bounded() -> None:
+    h = QueuedHistogram((0.25, 1.0), limit=4)
+    for value in (0.125, 0.25, 0.5):
+        h.add(value)
+    assert list(h.queue) == [0.125, 0.25, 0.5]  # the writer only queued them
+    # le semantics: 0.25 falls in the 0.25 bucket; cumulative, +Inf last.
+    assert h.read() == ([2, 3, 3], 0.875)
+    assert not h.queue
+    for _ in range(3):
+        h.add(2.0)
+    assert len(h.queue) == 3
+    h.add(2.0)  # the fourth unread value: the writer files them itself
+    assert not h.queue
+    assert h.read() == ([2, 3, 7], 8.875)
+
+
+def test_queued_histogram_read_on_another_thread_loses_nothing() -> None:
+    """One writer adds values while a reader files and reads without pause:
+    every value is counted once, and the count a reader sees never drops."""
+    h = QueuedHistogram((0.5,))
+    stop = threading.Event()
+    bad: list[int] = []
+    reads = 0
+
+    def read() -> None:
+        nonlocal reads
+        last = 0
+        while not stop.is_set():
+            total = h.read()[0][-1]
+            reads += 1
+            if total < last:
+                bad.append(total)
+            last = total
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    reader = threading.Thread(target=read)
+    reader.start()
+    added = 0
+    try:
+        # At least 200,000 values, and on until the reader read 100 times (a busy
+        # machine gives it fewer turns), bounded.
+        while (added < 200_000 or reads < 100) and added < 20_000_000:
+            h.add(added % 2)
+            added += 1
+    finally:
+        stop.set()
+        reader.join()
+        sys.setswitchinterval(interval)
+    assert reads >= 100 and not bad[:5]
+    ones = added // 2
+    assert h.read() == ([added - ones, added], float(ones))
+
+
+def test_the_change_trackers_sample_is_skipped_until_a_second_of_steps_passed() -> None:
+    """On the real wall clock the step's time says when to call `sample` next;
+    on a test's clock (which may run faster than the steps) every step calls it."""
+    import time
+
+    from vllm_runbook.collector.request_tracking import ChangeTracker
+
+    parts: dict[str, Any] = {
+        "scheduler": None,
+        "stats": SimpleNamespace(preemptions=0),
+        "requests": SimpleNamespace(log=SimpleNamespace(by_reason={})),
+    }
+    tracker = ChangeTracker(**parts)
+    assert tracker.next_sample_at == 0.0
+    assert tracker.sample(50.0) is not None and tracker.next_sample_at == 51.0
+    tracker.clock = lambda: 1e9  # a test's clock: no skipping
+    assert tracker.next_sample_at == 0.0
+    assert tracker.sample(52.0) == 1e9 and tracker.next_sample_at == 0.0
+    tracker.clock = time.time
+    assert tracker.sample(60.0) is not None and tracker.next_sample_at == 61.0
 
 
 @pytest.mark.parametrize(

@@ -446,15 +446,19 @@ def test_a_warm_up_still_pending_at_the_first_step_is_said_skipped(
     def ignore(*args: Any) -> None:
         return None
 
+    def step(*args: Any) -> None:
+        parts.stats.steps += 1
+
     parts = SimpleNamespace(
-        stats=SimpleNamespace(on_schedule=ignore),
-        requests=SimpleNamespace(on_schedule=ignore),
-        changes=SimpleNamespace(settling=None, sample=ignore),
+        stats=SimpleNamespace(on_schedule=step, steps=0, scheduled_at=0.0),
+        requests=SimpleNamespace(on_schedule=ignore, never_scheduled=()),
+        changes=SimpleNamespace(settling=None, sample=ignore, next_sample_at=0.0),
         warmup=WarmupProgress(Outcome.PENDING),
     )
+    output = SimpleNamespace(scheduled_new_reqs=[])
     with caplog.at_level(logging.WARNING, logger="vllm_runbook.collector"):
         for _ in range(3):
-            EngineCollector.on_schedule(parts, None, None, 0.0, 0)  # type: ignore[arg-type]
+            EngineCollector.on_schedule(parts, None, output, 0.0, 0)  # type: ignore[arg-type]
     assert (parts.warmup.outcome, parts.warmup.why) == (Outcome.SKIPPED, NOT_RUN)
     assert [r.getMessage() for r in caplog.records] == [
         f"vllm-runbook: warm-up at start skipped: {NOT_RUN}"

@@ -33,6 +33,7 @@ EXTRA_MODULES: Final[dict[str, frozenset[str]]] = {
             "starlette",
             "uvicorn",
             "yaml",
+            "yarl",
         }
     ),
     "top": frozenset({"textual", "rich"}),
