@@ -167,7 +167,7 @@ class EngineCollector:
             self.warmup.skip(NOT_RUN)
         changes = self.changes
         if changes.settling is not None:
-            changes.on_schedule(scheduler)
+            changes.check_settled(scheduler)
         requests = self.requests
         if output.scheduled_new_reqs or requests.never_scheduled:
             requests.on_schedule(scheduler, output)

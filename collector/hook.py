@@ -115,6 +115,8 @@ class RunbookSchedulerMixin:
                 result = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
             try:
                 collector.stats.on_update(self, scheduler_output, model_runner_output)
+                if collector.changes.settling is not None:
+                    collector.changes.check_settled(self)
             except Exception as exc:
                 collector.disable(exc)
         if collector.control.abort_outputs:
@@ -149,6 +151,8 @@ class RunbookSchedulerMixin:
         if collector.enabled:
             try:
                 collector.requests.on_requests_finished(self)
+                if collector.changes.settling is not None:
+                    collector.changes.check_settled(self)
             except Exception as exc:
                 collector.disable(exc)
         return result

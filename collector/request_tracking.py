@@ -597,8 +597,13 @@ class ChangeTracker:
         if not settled:
             self.settling = effective_from_step
 
-    def on_schedule(self, scheduler: Any) -> None:
-        """After a step (only while a mark is settling)."""
+    def check_settled(self, scheduler: Any) -> None:
+        """After schedule(), update_from_output() or an abort (engine thread, only
+        while a mark is settling): the running fell to the limit. It falls when a
+        request finishes, in update_from_output, or is aborted; the last of a
+        draining batch may finish with nothing queued behind it, and an idle
+        engine calls schedule() no more: checked there too, or the change would
+        read as draining for ever."""
         if self.settling is not None and len(scheduler.running) <= scheduler.max_num_active_reqs:
             # The admission limit is in effect from the next step on.
             self.marks.add(self.settling, self._mark(self.settling, True), replace=True)

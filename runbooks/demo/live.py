@@ -333,7 +333,13 @@ class StreamAfterFix:
             if not cause:
                 self.drained += 1
             elif state.knobs.policy != "fcfs":
-                self.not_fcfs += 1
+                if self.drained:
+                    # The queue drained at an earlier reading (the cause gone): the
+                    # hold's revert, read before the feed shows it (the queue may
+                    # build again behind the reverted policy).
+                    self.reverted = True
+                else:
+                    self.not_fcfs += 1
         if e is not None and e.display_status == HOLDING:
             self.note = e.hold_note
             if self.holding_since is None:

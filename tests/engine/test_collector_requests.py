@@ -178,6 +178,47 @@ def test_since_step_counts_from_the_step_a_change_applied(
     collector.control.submit(parse_command({}, restore=True), idle=collector.engine_idle)
 
 
+def test_a_cap_whose_batch_drains_to_idle_is_in_effect(
+    engine: InProcessEngine, clocked: FakeWallClock
+) -> None:
+    """max_num_seqs cut below the running batch: the limit is in effect once the
+    running fall to it. They fall when requests finish (update_from_output); here
+    the whole batch finishes at one step and nothing waits, so the engine calls
+    schedule() no more: the change must read as in effect, not draining for ever."""
+    collector, scheduler = engine.collector, engine.scheduler
+    engine.run_until_done()
+    for i in range(4):  # one batch, finishing together
+        engine.add(f"drain-{i}", 32, max_tokens=3, offset=7000 + 100 * i)
+    engine.step()
+    assert len(scheduler.running) == 4
+    # Applied between steps (as the engine thread does at its next schedule()).
+    result = collector.control.submit(parse_command({"max_num_seqs": 2}), idle=lambda: True)
+    step = result.effective_from_step
+    draining = collector.since(step)
+    assert draining is not None and not draining.settled
+    assert (draining.requests_running, draining.max_num_seqs) == (4, 2)
+    finished = engine.run_until_done()
+    assert sorted(finished) == [f"drain-{i}" for i in range(4)]
+    since = collector.since(step)
+    assert isinstance(since, SettledSince), since
+    # In effect from the step after the one that finished the batch.
+    assert since.effective_step == collector.stats.steps + 1
+    assert since.requests_finished == 0
+    # The same drained by aborts (finish_requests), with no step after them.
+    for i in range(4):
+        engine.add(f"abort-{i}", 32, max_tokens=8, offset=7500 + 100 * i)
+    engine.step()
+    result = collector.control.submit(parse_command({"max_num_seqs": 1}), idle=lambda: True)
+    step = result.effective_from_step
+    assert not collector.since(step).settled  # type: ignore[union-attr]
+    engine.engine.abort_request([f"abort-{i}" for i in range(4)])
+    assert not scheduler.running
+    since = collector.since(step)
+    assert isinstance(since, SettledSince), since
+    assert since.effective_step == collector.stats.steps + 1
+    collector.control.submit(parse_command({}, restore=True), idle=collector.engine_idle)
+
+
 def test_since_step_says_what_happened_as_long_before_the_change(
     engine: InProcessEngine, clocked: FakeWallClock
 ) -> None:
