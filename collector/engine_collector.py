@@ -111,6 +111,7 @@ class EngineCollector:
             self.autopilot.advise(int(scheduler.max_num_active_reqs), 0)
         # Run by the plugin's start-up hook once the engine core is built (warmup.py).
         self.warmup = WarmupProgress.at_start(settings.warmup, start_hook_installed())
+        self._stepped = False  # on_schedule has run once
 
         self._wrap_prefix_cache_stats(scheduler.kv_cache_manager)
         labels = self.identity.labels
@@ -163,8 +164,10 @@ class EngineCollector:
         stats = self.stats
         stats.on_schedule(scheduler, output, elapsed, free_before)
         # At the first step the start-up hook either ran or never will: say so.
-        if stats.steps == 1 and self.warmup.outcome == Outcome.PENDING:
-            self.warmup.skip(NOT_RUN)
+        if not self._stepped:
+            self._stepped = True
+            if self.warmup.outcome == Outcome.PENDING:
+                self.warmup.skip(NOT_RUN)
         changes = self.changes
         if changes.settling is not None:
             changes.check_settled(scheduler)

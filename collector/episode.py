@@ -82,6 +82,7 @@ class EpisodeHistory:
         since = self.requests.oldest_waiting_since
         capacity = kv_capacity_seqs(used, free, running)
         gpus = self.gpus()
+        longest, fragmentation, length_padding = stats.batch_gauges()
         if self.samples and now < self.samples[-1][0]:
             self.samples.clear()  # a wall clock set back: the samples stay in time order
         self.samples.append(
@@ -92,10 +93,10 @@ class EpisodeHistory:
                 float(running),
                 float(len(scheduler.waiting) + len(scheduler.kv_holding_waiting)),
                 0.0 if since is None else max(0.0, now - since),
-                float(stats.max_sequence_tokens),
-                stats.fragmentation,
+                float(longest),
+                fragmentation,
                 stats.budget_fill,
-                stats.length_padding,
+                length_padding,
                 max((g["utilization_ratio"] for g in gpus.values()), default=_NAN),
                 max((g["memory_used_bytes"] for g in gpus.values()), default=_NAN),
             )

@@ -61,7 +61,7 @@ class RunbookSchedulerMixin:
             try:
                 if control.pending:  # knob changes land between steps only
                     control.drain()
-                free_before = collector.stats.block_pool.get_num_free_blocks()
+                free_before = collector.stats.free_blocks()
             except Exception as exc:
                 collector.disable(exc)
                 return super().schedule(*args, **kwargs)  # type: ignore[misc]

@@ -1,103 +1,82 @@
-"""Token and block sums over the running requests, kept incrementally.
+"""The running requests' token counts, kept for the fragmentation gauges.
 
-The fragmentation gauges need, after every step, Σ tokens over the running
-requests and Σ ceil(tokens / b) for the engine's block size and the what-if
-sizes. Re-reading every running request each step costs O(running) in the
-engine's step; here only the requests whose token count changed irregularly
-are touched. Each request's token count is stored as a key relative to a
-shared `shift`: a step in which every tracked request gained exactly one
-token (a pure decode step, the common one) only advances `shift`, and the
-requests that open a new block at size b are exactly those whose count was a
-multiple of b, counted per residue class — O(number of sizes), whatever the
-number of running requests.
+The gauges need Σ tokens over the running requests, Σ ceil(tokens / b) for
+the engine's block size and the what-if sizes, and the longest. The engine's
+step only keeps each request's count, as a key relative to a shared `shift`:
+a step in which every tracked request gained exactly one token (a pure
+decode step, the common one) only advances `shift`, whatever the number of
+running requests; a request admitted, resumed or chunk-prefilled sets its own
+key. The sums are computed when read (`totals`, O(requests × sizes), a few
+times a minute on the scraping thread), not kept per step: keeping them cost
+the step a loop over the sizes and their residue counts, cold in the CPU's
+caches after the model's forward pass.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+
+# (Σ tokens, Σ ceil(tokens / b) per size, the longest) over a set of requests.
+Totals = tuple[int, tuple[int, ...], int]
+
+
+def totals(keys: Sequence[int], shift: int, sizes: Sequence[int]) -> Totals:
+    """The sums over requests of `key + shift` tokens each."""
+    n = len(keys)
+    if not n:
+        return 0, (0,) * len(sizes), 0
+    # ceil((key + shift) / b) = -((-shift - key) // b)
+    return (
+        sum(keys) + shift * n,
+        tuple(-sum((-shift - k) // b for k in keys) for b in sizes),
+        max(keys) + shift,
+    )
 
 
 class RunningTokenSums:
-    """Σ tokens, Σ ceil(tokens / b) per size, and the longest, over tracked requests.
-    Engine thread only."""
+    """Each tracked request's tokens as `keys[request] + shift`. Written by the
+    engine thread only; a reader on another thread copies `shift` and the keys
+    (StepStats does, between two steps) and calls `totals`."""
 
     def __init__(self, sizes: Iterable[int]) -> None:
         self.sizes = tuple(sizes)
-        self.clear()
+        self.shift = 0
+        self.keys: dict[str, int] = {}
 
     def clear(self) -> None:
-        self.shift = 0  # tokens of request r = key[r] + shift
-        self.keys: dict[str, int] = {}
-        self.key_sum = 0
-        self._key_counts: dict[int, int] = {}
-        self._max_key: int | None = None
-        # Per size b: how many keys fall in each residue class mod b, and Σ ceil(tokens / b).
-        self.residues = [[0] * b for b in self.sizes]
-        self.blocks = [0] * len(self.sizes)
+        self.keys.clear()
+        self.shift = 0
 
     def __len__(self) -> int:
         return len(self.keys)
 
-    def tokens(self) -> int:
-        return self.key_sum + self.shift * len(self.keys)
-
-    def max_tokens(self) -> int:
-        if self._max_key is None and self._key_counts:
-            self._max_key = max(self._key_counts)
-        return 0 if self._max_key is None else self._max_key + self.shift
-
     def set(self, request_id: str, tokens: int) -> None:
         """Track `request_id` at `tokens` (added, or its count replaced)."""
-        old = self.keys.get(request_id)
-        if old is not None:
-            if old + self.shift == tokens:
-                return
-            self._drop(old)
-        key = tokens - self.shift
-        self.keys[request_id] = key
-        self.key_sum += key
-        counts = self._key_counts
-        counts[key] = counts.get(key, 0) + 1
-        # An unknown max (None after its key left) stays unknown unless this key is alone.
-        max_key = self._max_key
-        if (max_key is not None and key > max_key) or (max_key is None and len(counts) == 1):
-            self._max_key = key
-        residues, blocks = self.residues, self.blocks
-        for i, b in enumerate(self.sizes):
-            residues[i][key % b] += 1
-            blocks[i] -= tokens // -b  # ceil(tokens / b)
+        self.keys[request_id] = tokens - self.shift
 
     def discard(self, request_id: str) -> None:
-        key = self.keys.pop(request_id, None)
-        if key is not None:
-            self._drop(key)
-
-    def _drop(self, key: int) -> None:
-        tokens = key + self.shift
-        self.key_sum -= key
-        counts = self._key_counts
-        left = counts[key] - 1
-        if left:
-            counts[key] = left
-        else:
-            del counts[key]
-            if key == self._max_key:
-                self._max_key = None  # found again when asked
-        residues, blocks = self.residues, self.blocks
-        for i, b in enumerate(self.sizes):
-            residues[i][key % b] -= 1
-            blocks[i] += tokens // -b  # minus ceil(tokens / b)
+        self.keys.pop(request_id, None)
 
     def advance_all(self) -> None:
         """Every tracked request gained exactly one token."""
-        residue_of_full = -self.shift  # tokens ≡ 0 (mod b) ⇔ key ≡ −shift (mod b)
-        blocks, residues = self.blocks, self.residues
-        for i, b in enumerate(self.sizes):
-            blocks[i] += residues[i][residue_of_full % b]
         self.shift += 1
 
     def reset(self, counts: Iterable[tuple[str, int]]) -> None:
         """Track exactly these (request id, tokens)."""
-        self.clear()
-        for request_id, tokens in counts:
-            self.set(request_id, tokens)
+        self.keys = {request_id: tokens for request_id, tokens in counts}
+        self.shift = 0
+
+    def totals(self) -> Totals:
+        """(Σ tokens, Σ blocks per size, longest) now (the engine thread's view)."""
+        return totals(list(self.keys.values()), self.shift, self.sizes)
+
+    # The sums one at a time (tests, the engine thread).
+    def tokens(self) -> int:
+        return self.totals()[0]
+
+    @property
+    def blocks(self) -> list[int]:
+        return list(self.totals()[1])
+
+    def max_tokens(self) -> int:
+        return self.totals()[2]

@@ -87,7 +87,7 @@ class SlidingWindowRatio:
 class SlidingWindowMax:
     """The largest value added over the last `window_seconds`. One writer."""
 
-    __slots__ = ("_buckets", "_clock", "_current", "_lock", "window_seconds")
+    __slots__ = ("_buckets", "_clock", "_lock", "newest", "window_seconds")
 
     def __init__(
         self, window_seconds: float = 60.0, clock: Callable[[], float] = time.monotonic
@@ -97,22 +97,24 @@ class SlidingWindowMax:
         self.window_seconds = window_seconds
         self._clock = clock
         self._buckets: deque[tuple[int, float]] = deque()  # finished seconds: (second, max)
-        self._current: tuple[int, float] = (_NO_SECOND, 0.0)  # the newest, replaced whole
+        # The newest second: (second, max), replaced whole. A hot writer may test it
+        # inline and call add() only for a new second or a new max.
+        self.newest: tuple[int, float] = (_NO_SECOND, 0.0)
         self._lock = threading.Lock()
 
     def add(self, value: float, now: float | None = None) -> None:
         """`now`: the window's clock read by the caller (saves a read)."""
         second = int(self._clock() if now is None else now)
-        current = self._current
+        current = self.newest
         if current[0] == second:
             if value > current[1]:
-                self._current = (second, value)
+                self.newest = (second, value)
             return
         with self._lock:
             buckets = self._buckets
             if current[0] != _NO_SECOND:
                 buckets.append(current)
-            self._current = (second, value)
+            self.newest = (second, value)
             horizon = second - self.window_seconds
             while buckets and buckets[0][0] <= horizon:
                 buckets.popleft()
@@ -121,7 +123,7 @@ class SlidingWindowMax:
         horizon = int(self._clock()) - self.window_seconds
         with self._lock:
             values = [v for s, v in self._buckets if s > horizon]
-            second, value = self._current
+            second, value = self.newest
         if second > horizon:
             values.append(value)
         return max(values, default=empty)

@@ -40,11 +40,10 @@ class Gauges:
         self.stats = SimpleNamespace(
             usable_blocks=USABLE,
             block_pool=SimpleNamespace(get_num_free_blocks=lambda: self.free),
-            max_sequence_tokens=0,
-            fragmentation=0.0,
             budget_fill=0.0,
-            length_padding=0.0,
+            batch_gauges=lambda: self.batch,
         )
+        self.batch = (0, 0.0, 0.0)  # (longest, fragmentation, length padding)
         self.scheduler = SimpleNamespace(running=[], waiting=[], kv_holding_waiting=[])
         self.requests = SimpleNamespace(oldest_waiting_since=None)
         self.gpus: dict[str, dict[str, float]] = {}
@@ -72,10 +71,8 @@ class Gauges:
         self.scheduler.running = [object()] * running
         self.scheduler.waiting = [object()] * waiting
         self.requests.oldest_waiting_since = since
-        self.stats.max_sequence_tokens = longest
-        self.stats.fragmentation = fragmentation
+        self.batch = (longest, fragmentation, padding)
         self.stats.budget_fill = fill
-        self.stats.length_padding = padding
 
 
 # (time, used blocks, running, waiting, oldest waiting since, longest, fragmentation,

@@ -454,6 +454,7 @@ def test_a_warm_up_still_pending_at_the_first_step_is_said_skipped(
         requests=SimpleNamespace(on_schedule=ignore, never_scheduled=()),
         changes=SimpleNamespace(settling=None, sample=ignore, next_sample_at=0.0),
         warmup=WarmupProgress(Outcome.PENDING),
+        _stepped=False,
     )
     output = SimpleNamespace(scheduled_new_reqs=[])
     with caplog.at_level(logging.WARNING, logger="vllm_runbook.collector"):
