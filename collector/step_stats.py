@@ -206,11 +206,10 @@ class StepStats:
         O(requests × block sizes): read it once per use."""
         sums = self.running_sums
         for _ in range(_COPY_TRIES):
-            counts, extras = self._counts, self._step_extras
-            if not self._sums_busy:
-                shift, keys = sums.shift, list(sums.keys.values())
-                if not self._sums_busy and counts is self._counts:
-                    break
+            counts, busy = self._counts, self._sums_busy
+            shift, keys, extras = sums.shift, list(sums.keys.values()), self._step_extras
+            if not busy and not self._sums_busy and counts is self._counts:
+                break  # no step changed them meanwhile
             time.sleep(0)  # the engine thread is inside a step: let it finish
         if not keys:
             return self._no_shape
@@ -336,41 +335,43 @@ class StepStats:
         # Only the requests whose token count changed other than by one decoded
         # token are read; a pure decode step only moves the shared shift.
         self._sums_busy = True
-        if preempted_ids:
-            for request_id in preempted_ids:
-                sums.discard(request_id)
-        scheduled = output.num_scheduled_tokens
-        cached = output.scheduled_cached_reqs
-        cached_ids = cached.req_ids
-        keys = sums.keys
-        if not self._resumed_ids(cached) and len(cached_ids) == len(keys):
-            sums.shift += 1  # every running request one token on (a decode)
-            new_tokens = sum(scheduled[r.req_id] for r in new_reqs) if new_reqs else 0
-            if tokens - new_tokens != len(cached_ids):
-                # A step with prefill chunks (or draft tokens): the few requests
-                # that did not take exactly one token are read; re-reading them
-                # all cost 2.4 µs per running request in every such step.
+        try:
+            if preempted_ids:
+                for request_id in preempted_ids:
+                    sums.discard(request_id)
+            scheduled = output.num_scheduled_tokens
+            cached = output.scheduled_cached_reqs
+            cached_ids = cached.req_ids
+            keys = sums.keys
+            if not self._resumed_ids(cached) and len(cached_ids) == len(keys):
+                sums.shift += 1  # every running request one token on (a decode)
+                new_tokens = sum(scheduled[r.req_id] for r in new_reqs) if new_reqs else 0
+                if tokens - new_tokens != len(cached_ids):
+                    # A step with prefill chunks (or draft tokens): the few requests
+                    # that did not take exactly one token are read; re-reading them
+                    # all cost 2.4 µs per running request in every such step.
+                    for request_id in cached_ids:
+                        if scheduled[request_id] != 1:
+                            sums.set(request_id, requests[request_id].num_computed_tokens)
+            else:
                 for request_id in cached_ids:
-                    if scheduled[request_id] != 1:
-                        sums.set(request_id, requests[request_id].num_computed_tokens)
-        else:
-            for request_id in cached_ids:
-                sums.set(request_id, requests[request_id].num_computed_tokens)
-        if new_reqs:
-            for r in new_reqs:
-                sums.set(r.req_id, requests[r.req_id].num_computed_tokens)
-        count = len(running)
-        if len(sums.keys) != count:  # a request left or came unseen: recount
-            sums.reset((r.request_id, r.num_computed_tokens) for r in running)
-        if self._blocks_are_ceil and len(scheduled) == count:  # scheduled ⊆ running
-            self._step_extras = _NO_EXTRAS
-        else:
-            self._step_extras = (
-                self._held_blocks(running),
-                self._scheduled_lengths(scheduled, count),
-            )
-        self._counts = counts
-        self._sums_busy = False
+                    sums.set(request_id, requests[request_id].num_computed_tokens)
+            if new_reqs:
+                for r in new_reqs:
+                    sums.set(r.req_id, requests[r.req_id].num_computed_tokens)
+            count = len(running)
+            if len(sums.keys) != count:  # a request left or came unseen: recount
+                sums.reset((r.request_id, r.num_computed_tokens) for r in running)
+            if self._blocks_are_ceil and len(scheduled) == count:  # scheduled ⊆ running
+                self._step_extras = _NO_EXTRAS
+            else:
+                self._step_extras = (
+                    self._held_blocks(running),
+                    self._scheduled_lengths(scheduled, count),
+                )
+        finally:
+            self._counts = counts
+            self._sums_busy = False
 
     def _held_blocks(self, running: Sequence[Any]) -> int | None:
         """KV blocks the running requests hold, from the block tables; None
