@@ -3,8 +3,12 @@ cache, padding, block fragmentation, KV usage and the cost of schedule().
 
 `StepStats` reads its data source, the scheduler (its KV cache manager and
 block pool, its queues), after each step in the engine thread: plain
-arithmetic on plain attributes, nothing else. `samples()` turns the numbers
-into Prometheus samples for whoever scrapes, on the scraping thread.
+arithmetic on plain attributes, nothing else, and as few objects as it can
+(the step's counters are one tuple, the running requests' lengths one dict
+and a shift). What can be derived is derived when read: the fragmentation
+and padding gauges from the lengths (`shape()`), the fill from the counters.
+`samples()` turns the numbers into Prometheus samples for whoever scrapes,
+on the scraping thread.
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ caches after the model's forward pass.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from itertools import repeat
+from operator import floordiv, sub
 
 # (Σ tokens, Σ ceil(tokens / b) per size, the longest) over a set of requests.
 Totals = tuple[int, tuple[int, ...], int]
@@ -25,10 +27,11 @@ def totals(keys: Sequence[int], shift: int, sizes: Sequence[int]) -> Totals:
     n = len(keys)
     if not n:
         return 0, (0,) * len(sizes), 0
-    # ceil((key + shift) / b) = -((-shift - key) // b)
+    # ceil(tokens / b) = -(-tokens // b), summed in C (map) over -tokens.
+    negated = list(map(sub, repeat(-shift, n), keys))
     return (
         sum(keys) + shift * n,
-        tuple(-sum((-shift - k) // b for k in keys) for b in sizes),
+        tuple(-sum(map(floordiv, negated, repeat(b, n))) for b in sizes),
         max(keys) + shift,
     )
 
