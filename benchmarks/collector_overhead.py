@@ -16,7 +16,12 @@ and finishes nothing (the median of such steps: what grows with the batch,
 if anything does); and the part per request (its arrival, first schedule
 and finish: the steps that admit or finish requests, less a decode step
 each, plus add_request; a workload of more requests has more of it per step).
-Then the share of the engine step's wall time.
+Then the share of the engine step's wall time. The measure has a floor: the
+timer around vLLM's method is inside the one around the hook's, so its own
+cost reads as the hook's. The engine without the hook is measured the same
+way, its methods under two timers (`timers µs/step`, the control: nothing
+but the timers lies between them), and `less timers` is the share of step
+above that floor.
 
 `--nvml` measures the NVML poller alone instead (no engine, seconds): what one
 poll costs (`NvmlPoller.poll`, every visible GPU's memory and utilisation)
@@ -70,7 +75,7 @@ os.environ.setdefault("VLLM_RUNBOOK_PORT", "0")
 # The table's header row, as docs/benchmarks.md shows it (a test compares them).
 HEADER = (
     " running | tok/s without | tok/s with |  ratio | hook µs/step "
-    "| decode step µs | µs/request | share of step | steps"
+    "| decode step µs | µs/request | share of step | timers µs/step | less timers | steps"
 )
 
 ENGINE_ARGS = dict(
@@ -250,6 +255,47 @@ class HookCost:
     steps: int
 
 
+def _timed(fn, spent: dict[str, float], key: str):  # type: ignore[no-untyped-def]
+    def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[key] += time.perf_counter() - t
+
+    return wrapper
+
+
+def timer_floor(llm, running: int, round_no: int) -> float:  # type: ignore[no-untyped-def]
+    """µs per step: hook_costs' measure on the engine without the hook: each of vLLM's
+    methods in HOOKED_METHODS under an outer and an inner timer, as the hooked
+    engine's are (the mixin's method under one, vLLM's under the other). The
+    outer less the inner is then the inner timer's own cost alone."""
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    vllm_cls = next(c for c in type(scheduler).__mro__ if c.__module__.startswith("vllm.v1"))
+    spent = {"outer": 0.0, "inner": 0.0}
+    steps = 0
+    saved = {name: vllm_cls.__dict__[name] for name in HOOKED_METHODS}
+    for name, fn in saved.items():
+        setattr(vllm_cls, name, _timed(_timed(fn, spent, "inner"), spent, "outer"))
+    original_step = engine.step
+
+    def step():  # type: ignore[no-untyped-def]
+        nonlocal steps
+        steps += 1
+        return original_step()
+
+    engine.step = step
+    try:
+        run_workload(llm, running, 10_000 + round_no)
+    finally:
+        for name, fn in saved.items():
+            setattr(vllm_cls, name, fn)
+        del engine.step
+    return (spent["outer"] - spent["inner"]) / steps * 1e6
+
+
 def hook_costs(llm, running: int, round_no: int) -> HookCost:  # type: ignore[no-untyped-def]
     """What the whole hook costs the "with" engine on one workload: every
     wrapper (the scheduler lock, schedule/update_from_output/add_request/
@@ -272,14 +318,7 @@ def hook_costs(llm, running: int, round_no: int) -> HookCost:  # type: ignore[no
     saved = {}
 
     def timed(fn, key: str):  # type: ignore[no-untyped-def]
-        def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
-            t = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spent[key] += time.perf_counter() - t
-
-        return wrapper
+        return _timed(fn, spent, key)
 
     def hook_total() -> float:
         return spent["outer"] - spent["inner"] + spent["prefix"]
@@ -523,12 +562,17 @@ def main() -> None:
     for running in WORKLOADS:
         tps: dict[str, list[float]] = {"without": [], "with": []}
         costs: list[HookCost] = []
+        floors: list[float] = []
         for r in range(args.rounds):
             order = ("without", "with") if r % 2 == 0 else ("with", "without")
             for name in order:
                 tokens, elapsed = run_workload(engines[name], running, r + 1)
                 tps[name].append(tokens / elapsed)
-            costs.append(hook_costs(engines["with"], running, r))
+            for name in order:
+                if name == "with":
+                    costs.append(hook_costs(engines["with"], running, r))
+                else:
+                    floors.append(timer_floor(engines["without"], running, r))
         without, with_ = statistics.median(tps["without"]), statistics.median(tps["with"])
         cost = HookCost(
             *(
@@ -536,16 +580,19 @@ def main() -> None:
                 for field in dataclasses.fields(HookCost)
             )
         )
-        rows.append((running, without, with_, with_ / without, cost))
+        rows.append((running, without, with_, with_ / without, cost, statistics.median(floors)))
 
     print(f"\ncollector overhead, tiny CPU model, {args.rounds} alternated rounds (medians)")
     print(HEADER)
     print("-" * len(HEADER))
-    for running, without, with_, ratio, c in rows:
+    for running, without, with_, ratio, c, f in rows:
+        # The hook's time above the floor, over the hooked engine's step time.
+        above = (c.per_step_us - f) * c.share / c.per_step_us
         print(
             f"{running:>8} | {without:>13.0f} | {with_:>10.0f} | {ratio:>6.3f} | "
             f"{c.per_step_us:>12.1f} | {c.decode_step_us:>14.1f} | {c.per_request_us:>10.1f} | "
-            f"{100 * c.share:>12.2f}% | {c.steps:>5.0f}"
+            f"{100 * c.share:>12.2f}% | {f:>14.1f} | {100 * above:>10.2f}% "
+            f"| {c.steps:>5.0f}"
         )
     if args.e2e_rounds:
         del engines
