@@ -73,6 +73,7 @@ lint: setup typecheck-tree
 # Exactly the commands docs/benchmarks.md shows above its tables (a test compares them).
 bench: setup
 	$(PY) benchmarks/collector_overhead.py --rounds 5 --e2e-rounds 15 --same-engine-rounds 60
+	$(PY) benchmarks/collector_overhead.py --step-toggle 60
 	$(PY) benchmarks/collector_overhead.py --nvml --rounds 5
 	$(PY) benchmarks/agent_state.py
 	$(PY) benchmarks/rules_eval.py

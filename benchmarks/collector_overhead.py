@@ -47,8 +47,19 @@ rotated order, each with prompts of its own; output tokens/s on ÷ the mean of
 the two off, off A ÷ off B, medians of the per-round ratios, and the
 interquartile range of on ÷ off (how much one round says).
 
+`--step-toggle ROUNDS` (alone, a multiple of 3) runs that engine with the
+hook switched inside each round instead (benchmarks/hook_toggle.py,
+`StepToggledScheduler`): on for a block of BLOCK_STEPS steps, off for the
+next two ("off A", "off B"), round r's block j of kind (r + j) mod 3. Every
+round is the same batch (new tokens), so three rounds in a row give each
+block's place in the round to each kind once. Output tokens over seconds
+per kind, pooled over the blocks (each block's steps after its first),
+on ÷ off and A/A, and a 95 % interval of on ÷ off from a bootstrap over
+the triples of rounds.
+
     .venv/bin/python benchmarks/collector_overhead.py [--rounds 5] [--e2e-rounds 9] \
         [--same-engine-rounds 60]
+    .venv/bin/python benchmarks/collector_overhead.py --step-toggle 60
     .venv/bin/python benchmarks/collector_overhead.py --nvml [--gpus 8] [--rounds 5]
 """
 
@@ -62,8 +73,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-if "--e2e-child" in sys.argv or "--same-engine-child" in sys.argv:
+if {"--e2e-child", "--same-engine-child", "--step-toggle-child"} & set(sys.argv):
     # its engines' cores in their own (spawned) processes
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
@@ -105,6 +117,11 @@ E2E_ENGINE_ARGS = dict(
 E2E_PROMPTS, E2E_OUTPUT = 128, 128
 SAME_ENGINE_HEADER = (
     " rounds | tok/s hook on | tok/s hook off (A, B) | on ÷ off | A/A (A ÷ B) | IQR of on ÷ off"
+)
+
+STEP_TOGGLE_HEADER = (
+    " rounds | blocks (on, A, B) | tok/s hook on | tok/s hook off (A, B) "
+    "| on ÷ off | 95 % interval   | A/A (A ÷ B)"
 )
 
 NVML_HEADER = " poll interval | NVML   | GPUs | µs/poll | poller µs/s | main-thread loops/s | ratio"
@@ -434,14 +451,7 @@ def same_engine_main(rounds: int) -> None:
     from vllm.inputs import TokensPrompt
     from vllm_runbook.collector.tiny_model import create_tiny_model, prompt_token_ids
 
-    # Cores apart: this process and the EngineCore (spawned from it) on the
-    # first, the model's worker threads on the rest. Unpinned, three busy
-    # processes share two cores and one round's on ÷ off varied by ±3.5 %
-    # (interquartile range, 60 rounds); pinned, by ±1.8–3 % (three runs).
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) >= 2:
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus[1:])))
-        os.sched_setaffinity(0, cpus[:1])
+    _pin_cpus()
     tmp = Path(tempfile.mkdtemp(prefix="vllm-runbook-bench-"))
     flag = tmp / "hook"
     flag.write_text("on")
@@ -475,7 +485,61 @@ def same_engine_main(rounds: int) -> None:
     print("SAME " + json.dumps(tps))
 
 
-def _child(flag: str, rounds: int, prefix: str) -> dict[str, list[float]]:
+def _pin_cpus() -> None:
+    """Cores apart: this process and the EngineCore (spawned from it) on the
+    first, the model's worker threads on the rest. Unpinned, three busy
+    processes share two cores and one round's on ÷ off varied by ±3.5 %
+    (interquartile range, 60 rounds); pinned, by ±1.8–3 % (three runs)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= 2:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus[1:])))
+        os.sched_setaffinity(0, cpus[:1])
+
+
+def step_toggle_main(rounds: int) -> None:
+    """Runs in its own process: one engine as same_engine_main's, whose hook
+    is switched on and off every BLOCK_STEPS steps inside each round
+    (benchmarks/hook_toggle.py, `StepToggledScheduler`): one batch per
+    round, prompts of its own. Prints one JSON line: the measured blocks of
+    rounds 1.. as (round, kind, seconds, tokens, steps), and any error the
+    collector met (which voids the run)."""
+    import json
+
+    from hook_toggle import STEP_LOG_ENV
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm_runbook.collector.tiny_model import create_tiny_model, prompt_token_ids
+
+    _pin_cpus()
+    log = Path(tempfile.mkdtemp(prefix="vllm-runbook-bench-")) / "blocks.jsonl"
+    os.environ[STEP_LOG_ENV] = str(log)
+    model = create_tiny_model(Path(tempfile.gettempdir()) / "vllm-runbook-bench-model")
+    llm = LLM(model=str(model), scheduler_cls="hook_toggle.StepToggledScheduler", **E2E_ENGINE_ARGS)
+    if llm.llm_engine.vllm_config.scheduler_config.async_scheduling:
+        llm.llm_engine.engine_core.shutdown()
+        llm = LLM(
+            model=str(model),
+            scheduler_cls="hook_toggle.StepToggledAsyncScheduler",
+            **E2E_ENGINE_ARGS,
+        )
+    params = SamplingParams(max_tokens=E2E_OUTPUT, ignore_eos=True, temperature=0.0)
+    for r in range(rounds + 2):  # round 0 warms up; the last only makes the engine write its log
+        # The same lengths in the same order every round (new tokens each): each
+        # block's place in the round then has the same work in every round, and
+        # the rotation gives it to each kind in turn.
+        lengths = e2e_prompt_lengths(0) if r <= rounds else [16]
+        prompts = [
+            TokensPrompt(prompt_token_ids=prompt_token_ids(n, 1009 * r + 7 * i))
+            for i, n in enumerate(lengths)
+        ]
+        llm.generate(prompts, params, use_tqdm=False)
+    lines = [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines()]
+    blocks = [x["block"] for x in lines if "block" in x and x["block"][0] >= 1]
+    errors = [x["error"] for x in lines if "error" in x]
+    print("STEP " + json.dumps({"blocks": blocks, "errors": errors}))
+
+
+def _child(flag: str, rounds: int, prefix: str) -> dict[str, Any]:
     """Runs this script with `flag rounds` in a fresh interpreter; its JSON line."""
     import json
     import subprocess
@@ -506,6 +570,44 @@ def same_engine_table(rounds: int) -> list[str]:
     ]
 
 
+def _pooled(blocks: list[list[float]]) -> tuple[float, float, float, float, float]:
+    """(on ÷ off, A ÷ B, tok/s on, off A, off B), each kind's tokens over its seconds."""
+    tokens, seconds = [0.0] * 3, [0.0] * 3
+    for _, kind, s, t, _ in blocks:
+        tokens[int(kind)] += t
+        seconds[int(kind)] += s
+    tps = [t / s for t, s in zip(tokens, seconds, strict=True)]
+    off = (tokens[1] + tokens[2]) / (seconds[1] + seconds[2])
+    return tps[0] / off, tps[1] / tps[2], tps[0], tps[1], tps[2]
+
+
+def step_toggle_table(rounds: int) -> list[str]:
+    """The pooled ratios of step_toggle_main's blocks, with a 95 % interval of
+    on ÷ off: a bootstrap (2,000 resamples, seeded) over triples of rounds,
+    the unit in which each block's place in the round went to each kind once."""
+    import random
+
+    result = _child("--step-toggle-child", rounds, "STEP ")
+    if result["errors"]:
+        raise SystemExit(f"the collector failed during the run: {result['errors'][0]}")
+    blocks = result["blocks"]
+    triples: dict[int, list[list[float]]] = {}
+    for block in blocks:
+        triples.setdefault((int(block[0]) - 1) // 3, []).append(block)
+    ratio, control, on, a, b = _pooled(blocks)
+    rng, units = random.Random(0), list(triples.values())
+    resampled = sorted(
+        _pooled([x for unit in rng.choices(units, k=len(units)) for x in unit])[0]
+        for _ in range(2000)
+    )
+    low, high = resampled[49], resampled[1949]
+    counts = [sum(1 for x in blocks if int(x[1]) == kind) for kind in range(3)]
+    return [
+        f"{rounds:>7} | {counts[0]:>5}, {counts[1]:>4}, {counts[2]:>4} | {on:>13.0f} | "
+        f"{a:>10.0f}, {b:>9.0f} | {ratio:>8.4f} | {low:.4f} – {high:.4f} | {control:>11.4f}"
+    ]
+
+
 def e2e_table(rounds: int) -> list[str]:
     """Runs e2e_main in a fresh interpreter (this one runs its engines in-process)."""
     tps = _child("--e2e-child", rounds, "E2E ")
@@ -526,6 +628,14 @@ def main() -> None:
     parser.add_argument("--e2e-child", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--same-engine-rounds", type=int, default=0)
     parser.add_argument("--same-engine-child", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--step-toggle",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="the hook switched every few steps on one engine, alone",
+    )
+    parser.add_argument("--step-toggle-child", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--nvml", action="store_true", help="the NVML poller alone")
     parser.add_argument("--gpus", type=int, default=8, help="--nvml without a GPU: fake GPUs")
     args = parser.parse_args()
@@ -534,6 +644,23 @@ def main() -> None:
         return
     if args.same_engine_child is not None:
         same_engine_main(args.same_engine_child)
+        return
+    if args.step_toggle_child is not None:
+        step_toggle_main(args.step_toggle_child)
+        return
+    if args.step_toggle:
+        if args.step_toggle < 0 or args.step_toggle % 3:
+            parser.error("--step-toggle: a multiple of 3 rounds (each kind in each place once)")
+        from hook_toggle import BLOCK_STEPS
+
+        rows_step = step_toggle_table(args.step_toggle)
+        print(
+            "\nend to end inside one engine (its EngineCore process), the hook switched on and "
+            f"off every {BLOCK_STEPS} steps, {args.step_toggle} rounds (pooled over blocks)"
+        )
+        print(STEP_TOGGLE_HEADER)
+        print("-" * len(STEP_TOGGLE_HEADER))
+        print(*rows_step, sep="\n")
         return
     if args.nvml:
         rows_nvml = nvml_table(args.rounds, args.gpus)
