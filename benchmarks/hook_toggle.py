@@ -3,7 +3,9 @@
 or every few steps inside a round (`StepToggled*`, below).
 
 The engine is started with the plugin as installed and `scheduler_cls` one of
-these (the plugin wraps it like vLLM's own class). At the first request of a
+these: the plugin wraps a `Toggled*` class like vLLM's own, and leaves a
+`StepToggled*` one, already hooked, as it is (the toggle in front of the
+hook's wrappers). For `Toggled*`: at the first request of a
 round, when the engine holds no request, the EngineCore reads the file named
 by VLLM_RUNBOOK_BENCH_HOOK_FLAG: "on" enables the collector, anything else
 disables it, which is the path a collector takes after an error (the mixin
