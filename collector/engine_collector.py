@@ -159,10 +159,10 @@ class EngineCollector:
     # -- per step (engine thread), called by the scheduler hook ----------------------
 
     def on_schedule(
-        self, scheduler: VllmScheduler, output: Any, elapsed: float, free_before: int
+        self, scheduler: VllmScheduler, output: Any, elapsed: float, free_before: int, now: float
     ) -> None:
-        stats = self.stats
-        stats.on_schedule(scheduler, output, elapsed, free_before)
+        """`now`: the step's time.monotonic() (the hook's timer read it)."""
+        self.stats.on_schedule(scheduler, output, elapsed, free_before, now)
         # At the first step the start-up hook either ran or never will: say so.
         if not self._stepped:
             self._stepped = True
@@ -174,8 +174,8 @@ class EngineCollector:
         requests = self.requests
         if output.scheduled_new_reqs or requests.never_scheduled:
             requests.on_schedule(scheduler, output)
-        if stats.scheduled_at >= changes.next_sample_at:  # about once a second
-            sampled_at = changes.sample(stats.scheduled_at)
+        if now >= changes.next_sample_at:  # about once a second
+            sampled_at = changes.sample(now)
             if sampled_at is not None:
                 self.episode.sample(sampled_at)
 

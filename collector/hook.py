@@ -37,6 +37,17 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("vllm_runbook.collector")
 
+# schedule()'s timer. Its second read is also the step's time for the
+# collector's heartbeat and windows, which other threads compare with
+# time.monotonic(): perf_counter where it is that clock (Linux, macOS), so a
+# step reads the clock twice, not three times; monotonic elsewhere.
+_STEP_CLOCK = (
+    time.perf_counter
+    if time.get_clock_info("perf_counter").implementation
+    == time.get_clock_info("monotonic").implementation
+    else time.monotonic
+)
+
 
 class RunbookSchedulerMixin:
     """Mixed in front of a vLLM scheduler class; see the module docstring."""
@@ -80,7 +91,7 @@ class RunbookSchedulerMixin:
                     with contextlib.suppress(Exception):
                         control.end_tiered_step()  # the queues go on, in order, without limits
                     return super().schedule(*args, **kwargs)  # type: ignore[misc]
-            start = time.perf_counter()
+            start = _STEP_CLOCK()
             try:
                 output = super().schedule(*args, **kwargs)  # type: ignore[misc]
             finally:
@@ -89,9 +100,9 @@ class RunbookSchedulerMixin:
                         control.end_tiered_step()
                     except Exception as exc:
                         collector.disable(exc)
-            elapsed = time.perf_counter() - start
+            now = _STEP_CLOCK()
         try:
-            collector.on_schedule(self, output, elapsed, free_before)
+            collector.on_schedule(self, output, now - start, free_before, now)
         except Exception as exc:
             collector.disable(exc)
             return output

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from itertools import accumulate
 
-_NO_SECOND = -(2**62)  # before any second a clock can read
+NO_SECOND = -(2**62)  # before any second a clock can read
 QUEUED_LIMIT = 65_536  # values a QueuedHistogram queues before its writer files them
 
 
@@ -39,7 +39,7 @@ class SlidingWindowRatio:
         self._num = 0.0
         self._den = 0.0
         # The newest second: (second, numerator, denominator), replaced whole.
-        self._current: tuple[int, float, float] = (_NO_SECOND, 0.0, 0.0)
+        self._current: tuple[int, float, float] = (NO_SECOND, 0.0, 0.0)
         self._lock = threading.Lock()
 
     def _expire(self, now: float) -> None:
@@ -62,7 +62,7 @@ class SlidingWindowRatio:
             self._current = (second, current[1] + numerator, current[2] + denominator)
             return
         with self._lock:
-            if current[0] != _NO_SECOND:
+            if current[0] != NO_SECOND:
                 self._buckets.append(current)
                 self._num += current[1]
                 self._den += current[2]
@@ -99,7 +99,7 @@ class SlidingWindowMax:
         self._buckets: deque[tuple[int, float]] = deque()  # finished seconds: (second, max)
         # The newest second: (second, max), replaced whole. A hot writer may test it
         # inline and call add() only for a new second or a new max.
-        self.newest: tuple[int, float] = (_NO_SECOND, 0.0)
+        self.newest: tuple[int, float] = (NO_SECOND, 0.0)
         self._lock = threading.Lock()
 
     def add(self, value: float, now: float | None = None) -> None:
@@ -112,7 +112,7 @@ class SlidingWindowMax:
             return
         with self._lock:
             buckets = self._buckets
-            if current[0] != _NO_SECOND:
+            if current[0] != NO_SECOND:
                 buckets.append(current)
             self.newest = (second, value)
             horizon = second - self.window_seconds

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -62,7 +63,7 @@ def _step(stats: StepStats, scheduler: SimpleNamespace, took: dict[str, int]) ->
         scheduled_cached_reqs=SimpleNamespace(req_ids=cached, resumed_req_ids=set()),
         preempted_req_ids=set(),
     )
-    stats.on_schedule(scheduler, output, 0.001, 1024)  # type: ignore[arg-type]
+    stats.on_schedule(scheduler, output, 0.001, 1024, time.monotonic())  # type: ignore[arg-type]
 
 
 def test_the_issues_oracle_after_the_prefill_and_a_decode() -> None:

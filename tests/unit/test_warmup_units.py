@@ -459,7 +459,7 @@ def test_a_warm_up_still_pending_at_the_first_step_is_said_skipped(
     output = SimpleNamespace(scheduled_new_reqs=[])
     with caplog.at_level(logging.WARNING, logger="vllm_runbook.collector"):
         for _ in range(3):
-            EngineCollector.on_schedule(parts, None, output, 0.0, 0)  # type: ignore[arg-type]
+            EngineCollector.on_schedule(parts, None, output, 0.0, 0, 0.0)  # type: ignore[arg-type]
     assert (parts.warmup.outcome, parts.warmup.why) == (Outcome.SKIPPED, NOT_RUN)
     assert [r.getMessage() for r in caplog.records] == [
         f"vllm-runbook: warm-up at start skipped: {NOT_RUN}"
