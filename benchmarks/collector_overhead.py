@@ -42,8 +42,10 @@ without against each other, medians of the per-round ratios.
 Then the same on one engine (`--same-engine-rounds`, 0 skips it): its
 EngineCore in its own process with the plugin as installed, the hook switched
 on and off between batches (benchmarks/hook_toggle.py), so no two processes'
-own speeds enter the ratio. Rounds of three batches (on, off A, off B) in
-rotated order, each with prompts of its own; output tokens/s on ÷ the mean of
+own speeds enter the ratio. Rounds of three batches (on, off A, off B), in
+each of their six orders in turn (a multiple of 6 rounds: each kind in each
+place and after each other kind equally often), each batch with prompts of
+its own; output tokens/s on ÷ the mean of
 the two off, off A ÷ off B, medians of the per-round ratios, and the
 interquartile range of on ÷ off (how much one round says).
 
@@ -117,6 +119,20 @@ E2E_ENGINE_ARGS = dict(
 E2E_PROMPTS, E2E_OUTPUT = 128, 128
 SAME_ENGINE_HEADER = (
     " rounds | tok/s hook on | tok/s hook off (A, B) | on ÷ off | A/A (A ÷ B) | IQR of on ÷ off"
+)
+
+# The one-engine check's rounds: the six orders of its three batches in turn,
+# so that in every six rounds each kind runs twice in each place and follows
+# each other kind three times (the last batch of a round included). With the
+# three rotations alone, "off A" followed "on" twice as often as "off B" did,
+# and the A/A read above 1 in 12 of 17 runs (mean 1.005, up to 1.027).
+SAME_ENGINE_ORDERS = (
+    ("on", "off A", "off B"),
+    ("off A", "off B", "on"),
+    ("off B", "on", "off A"),
+    ("on", "off B", "off A"),
+    ("off B", "off A", "on"),
+    ("off A", "on", "off B"),
 )
 
 STEP_TOGGLE_HEADER = (
@@ -441,9 +457,9 @@ def same_engine_main(rounds: int) -> None:
     """Runs in its own process: one engine (its EngineCore in a process of its
     own, the plugin as installed) whose hook is switched on and off between
     rounds (benchmarks/hook_toggle.py). Each round runs three batches, "on",
-    "off A" and "off B", in rotated order; every batch has prompts of its own
-    (the same lengths), so none hits the prefix cache another one filled.
-    Prints one JSON line of per-round tok/s."""
+    "off A" and "off B", in SAME_ENGINE_ORDERS' order of the round; every batch
+    has prompts of its own (the same lengths), so none hits the prefix cache
+    another one filled. Prints one JSON line of per-round tok/s."""
     import json
 
     from hook_toggle import FLAG_ENV
@@ -466,10 +482,9 @@ def same_engine_main(rounds: int) -> None:
             model=str(model), scheduler_cls="hook_toggle.ToggledAsyncScheduler", **E2E_ENGINE_ARGS
         )
     params = SamplingParams(max_tokens=E2E_OUTPUT, ignore_eos=True, temperature=0.0)
-    names = ["on", "off A", "off B"]
-    tps: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds + 1):  # round 0 warms up
-        order = names[r % 3 :] + names[: r % 3]
+    tps: dict[str, list[float]] = {name: [] for name in SAME_ENGINE_ORDERS[0]}
+    for r in range(rounds + 1):  # round 0 warms up, in the order before round 1's
+        order = SAME_ENGINE_ORDERS[(r - 1) % len(SAME_ENGINE_ORDERS)]
         for position, name in enumerate(order):
             seed = 1009 * r + 100_003 * position
             prompts = [
@@ -648,6 +663,8 @@ def main() -> None:
     if args.step_toggle_child is not None:
         step_toggle_main(args.step_toggle_child)
         return
+    if args.same_engine_rounds % len(SAME_ENGINE_ORDERS):
+        parser.error("--same-engine-rounds: a multiple of 6 (each order of the batches once)")
     if args.step_toggle:
         if args.step_toggle < 0 or args.step_toggle % 3:
             parser.error("--step-toggle: a multiple of 3 rounds (each kind in each place once)")
@@ -735,7 +752,7 @@ def main() -> None:
         rows_same = same_engine_table(args.same_engine_rounds)
         print(
             "\nend to end, one engine (its EngineCore process), the hook switched on and off "
-            f"between batches, {args.same_engine_rounds} rotated rounds "
+            f"between batches, {args.same_engine_rounds} rounds in the batches' six orders "
             "(medians of per-round ratios)"
         )
         print(SAME_ENGINE_HEADER)
