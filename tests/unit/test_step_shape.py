@@ -41,7 +41,13 @@ def _scheduler(capture_sizes: list[int] | None = None) -> SimpleNamespace:
     )
 
 
-def _step(stats: StepStats, scheduler: SimpleNamespace, took: dict[str, int]) -> None:
+def _step(
+    stats: StepStats,
+    scheduler: SimpleNamespace,
+    took: dict[str, int],
+    free_before: int = 1024,
+    now: float | None = None,
+) -> None:
     """One schedule(): every running request takes `took[id]` tokens; the
     ones not yet running are admitted."""
     new, cached = [], []
@@ -63,7 +69,8 @@ def _step(stats: StepStats, scheduler: SimpleNamespace, took: dict[str, int]) ->
         scheduled_cached_reqs=SimpleNamespace(req_ids=cached, resumed_req_ids=set()),
         preempted_req_ids=set(),
     )
-    stats.on_schedule(scheduler, output, 0.001, 1024, time.monotonic())  # type: ignore[arg-type]
+    when = time.monotonic() if now is None else now
+    stats.on_schedule(scheduler, output, 0.001, free_before, when)  # type: ignore[arg-type]
 
 
 def test_the_issues_oracle_after_the_prefill_and_a_decode() -> None:
@@ -151,3 +158,23 @@ def test_no_padding_window_without_cudagraphs() -> None:
     stats.on_update(graphs, output, no_stats)  # type: ignore[arg-type]
     assert (stats.padded_tokens, stats.unpadded_tokens) == (8, 7)
     assert stats.padding_window.ratio() == pytest.approx(1 / 8)
+
+
+def test_the_kv_usage_peak_is_the_fullest_step_of_each_second() -> None:
+    """Free blocks when each step starts, 1,024 usable: the peak is the
+    fewest free in the window's seconds, wherever in its second it came."""
+    scheduler = _scheduler()
+    stats = StepStats(scheduler, 60.0)  # type: ignore[arg-type]
+    clock = SimpleNamespace(now=0.0)
+    stats.kv_usage_peak._clock = lambda: clock.now
+    steps = [(100.2, 768), (100.5, 256), (100.7, 512), (101.1, 896), (101.9, 640)]
+    peaks = []
+    for now, free in steps:
+        _step(stats, scheduler, {}, free_before=free, now=now)
+        clock.now = now
+        peaks.append(stats.kv_usage_peak.max())
+    assert peaks == [0.25, 0.75, 0.75, 0.75, 0.75]
+    clock.now = 160.5  # second 100 has left the 60 s window; 101 has not
+    assert stats.kv_usage_peak.max() == 1 - 640 / 1024
+    clock.now = 161.5
+    assert stats.kv_usage_peak.max() == 0.0
