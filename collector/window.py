@@ -87,7 +87,7 @@ class SlidingWindowRatio:
 class SlidingWindowMax:
     """The largest value added over the last `window_seconds`. One writer."""
 
-    __slots__ = ("_buckets", "_clock", "_lock", "newest", "window_seconds")
+    __slots__ = ("_buckets", "_clock", "_lock", "_newest", "window_seconds")
 
     def __init__(
         self, window_seconds: float = 60.0, clock: Callable[[], float] = time.monotonic
@@ -97,24 +97,23 @@ class SlidingWindowMax:
         self.window_seconds = window_seconds
         self._clock = clock
         self._buckets: deque[tuple[int, float]] = deque()  # finished seconds: (second, max)
-        # The newest second: (second, max), replaced whole. A hot writer may test it
-        # inline and call add() only for a new second or a new max.
-        self.newest: tuple[int, float] = (NO_SECOND, 0.0)
+        # The newest second: (second, max), replaced whole.
+        self._newest: tuple[int, float] = (NO_SECOND, 0.0)
         self._lock = threading.Lock()
 
     def add(self, value: float, now: float | None = None) -> None:
         """`now`: the window's clock read by the caller (saves a read)."""
         second = int(self._clock() if now is None else now)
-        current = self.newest
+        current = self._newest
         if current[0] == second:
             if value > current[1]:
-                self.newest = (second, value)
+                self._newest = (second, value)
             return
         with self._lock:
             buckets = self._buckets
             if current[0] != NO_SECOND:
                 buckets.append(current)
-            self.newest = (second, value)
+            self._newest = (second, value)
             horizon = second - self.window_seconds
             while buckets and buckets[0][0] <= horizon:
                 buckets.popleft()
@@ -123,7 +122,7 @@ class SlidingWindowMax:
         horizon = int(self._clock()) - self.window_seconds
         with self._lock:
             values = [v for s, v in self._buckets if s > horizon]
-            second, value = self.newest
+            second, value = self._newest
         if second > horizon:
             values.append(value)
         return max(values, default=empty)
