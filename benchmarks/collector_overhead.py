@@ -664,7 +664,9 @@ def main() -> None:
         step_toggle_main(args.step_toggle_child)
         return
     if args.same_engine_rounds < 0 or args.same_engine_rounds % len(SAME_ENGINE_ORDERS):
-        parser.error("--same-engine-rounds: a multiple of 6 (each order of the batches once)")
+        parser.error(
+            "--same-engine-rounds: 0 or a positive multiple of 6 (each order of the batches once)"
+        )
     if args.step_toggle:
         if args.step_toggle < 0 or args.step_toggle % 3:
             parser.error("--step-toggle: a multiple of 3 rounds (each kind in each place once)")
