@@ -34,6 +34,7 @@ floor follows max_num_seqs, so the autopilot never moves the budget).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 DEFAULT_TARGET = 0.9
@@ -112,6 +113,8 @@ class Autopilot:
         self._probe_from: int | None = None  # limit before the latest climb
         self._hold_ceiling = 0
         self._hold_until = -1
+        # Told after it starts observing or decides (the hook's slow path).
+        self.wake: Callable[[], None] = lambda: None
 
     @property
     def high(self) -> float:
@@ -126,6 +129,7 @@ class Autopilot:
         """Advisory mode from `limit` (the max_num_seqs in force): decide, apply nothing."""
         self.enable(limit, step)
         self.enabled, self.advisory = False, True
+        self.wake()
 
     def enable(self, limit: int, step: int) -> None:
         self.enabled = True
@@ -141,6 +145,7 @@ class Autopilot:
         self._hold_until = -1
         self.last_change_step = step
         self._reset_epoch(step, 0.0)
+        self.wake()
 
     def disable(self) -> None:
         self.enabled = self.advisory = False
@@ -237,6 +242,7 @@ class Autopilot:
     def _decide(self, step: int, new: int, reason: str, down: bool) -> Decision:
         decision = Decision(new, reason)
         self.pending = self.last = decision
+        self.wake()
         self.last_change_step = step
         if down:
             self.changes_down += 1

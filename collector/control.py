@@ -170,6 +170,9 @@ class EngineControl:
         self.deadline_demotions = [0, 0, 0]
         self.deadline_aborts = [0, 0, 0]
         self.abort_outputs: dict[int, list[Any]] = {}
+        # Told after a command is queued, the policy switched or an abort
+        # queued (the hook's slow path: the engine thread reads them then).
+        self.wake: Callable[[], None] = lambda: None
 
     def start_with_policy(self, policy_name: str) -> None:
         """The policy configured at engine start (before any request): it is
@@ -353,6 +356,7 @@ class EngineControl:
                     trace_headers=getattr(request, "trace_headers", None),
                 )
             )
+            self.wake()
 
     def deliver_aborts(self, outputs: dict[int, Any]) -> None:
         """Add the deadline aborts' outputs to what update_from_output returns."""
@@ -461,6 +465,7 @@ class EngineControl:
         with self._queue_lock:
             command.seq = next(self._seq)
             self.pending.append(command)
+        self.wake()
         deadline = time.monotonic() + wait_s
         while True:
             # An idle engine calls schedule() no more: apply it ourselves.
@@ -610,3 +615,4 @@ class EngineControl:
         if self.tiered and not tiered:
             s.scheduler_config.long_prefill_token_threshold = self.long_prefill_threshold
         self.tiered = tiered
+        self.wake()

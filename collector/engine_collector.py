@@ -103,6 +103,15 @@ class EngineCollector:
             scheduler, self.control.lock, self.control.tiers, self.requests
         )
         self.stall = StallWatch(scheduler, self.stats, settings.stall_seconds)
+        # The hook's fast path (see `settle_quiet`): False until a step found
+        # nothing that needs the slow one; every part that gives a step more
+        # to do sets its own state first, then wakes the collector.
+        self.quiet = False
+        self.lock = self.control.lock
+        # changes.next_sample_at, where the fast path reads it.
+        self.next_sample_at = 0.0
+        for part in (self.changes, self.autopilot, self.control):
+            part.wake = self.wake
         if settings.policy is not None:
             self.control.start_with_policy(settings.policy)
         if settings.autopilot:
@@ -155,6 +164,7 @@ class EngineCollector:
     @wall_clock.setter
     def wall_clock(self, clock: Callable[[], float]) -> None:
         self._wall_clock = self.requests.clock = self.changes.clock = clock
+        self.next_sample_at = self.changes.next_sample_at
 
     # -- per step (engine thread), called by the scheduler hook ----------------------
 
@@ -172,12 +182,40 @@ class EngineCollector:
         if changes.settling is not None:
             changes.check_settled(scheduler)
         requests = self.requests
-        if output.scheduled_new_reqs or requests.never_scheduled:
+        if output.scheduled_new_reqs:
             requests.on_schedule(scheduler, output)
-        if now >= changes.next_sample_at:  # about once a second
-            sampled_at = changes.sample(now)
-            if sampled_at is not None:
-                self.episode.sample(sampled_at)
+        if now >= self.next_sample_at:  # about once a second
+            self.sample(now)
+
+    def sample(self, now: float) -> None:
+        """The once-a-second samples (engine thread, after a step)."""
+        changes = self.changes
+        sampled_at = changes.sample(now)
+        self.next_sample_at = changes.next_sample_at
+        if sampled_at is not None:
+            self.episode.sample(sampled_at)
+
+    def wake(self) -> None:
+        """A part has more for the engine thread to do: the next step takes the
+        hook's slow path (any thread; the part set its own state before)."""
+        self.quiet = False
+
+    def settle_quiet(self) -> None:
+        """After a step's slow path (engine thread): quiet again while no part
+        has more to do. Set before the parts are read, so that a part waking
+        meanwhile (its own state first, then `quiet` False) is never missed."""
+        self.quiet = True
+        control, autopilot = self.control, self.autopilot
+        if (
+            control.pending
+            or control.tiered
+            or control.abort_outputs
+            or autopilot.pending is not None
+            or autopilot.observing
+            or self.changes.settling is not None
+            or not self._stepped
+        ):
+            self.quiet = False
 
     def _wrap_prefix_cache_stats(self, kv_manager: KVCacheManager) -> None:
         """Count prefix-cache lookups at admission, whatever vLLM's log_stats."""

@@ -8,6 +8,12 @@ the scheduler's output to the collector's per-step methods, which only
 update plain numbers (no metric objects, no models). It never changes what
 the scheduler does.
 
+Most steps take the fast path: while no part has anything to do between
+steps (no command queued, no tiered policy, no autopilot, no change
+settling), the collector is `quiet` and a step is the lock, the timer and
+the statistics alone; a part that has more to do sets its own state, then
+wakes the collector (engine_collector.py, `settle_quiet`).
+
 The engine comes first: any exception in our code disables the collector for
 that engine (one log line, `vllm_runbook_collector_up 0`) and the scheduler
 goes on as if we were not there. vLLM's own exceptions pass through untouched.
@@ -33,6 +39,8 @@ if TYPE_CHECKING:
         collector reads of one), with this engine's collector."""
 
         runbook_collector: EngineCollector | None
+
+        def _runbook_schedule(self, collector: EngineCollector, args: Any, kwargs: Any) -> Any: ...
 
 
 logger = logging.getLogger("vllm_runbook.collector")
@@ -67,6 +75,34 @@ class RunbookSchedulerMixin:
         collector = self.runbook_collector
         if collector is None or not collector.enabled:
             return super().schedule(*args, **kwargs)  # type: ignore[misc]
+        if not collector.quiet:
+            return self._runbook_schedule(collector, args, kwargs)
+        # The fast path: no part has anything to do before or after this step
+        # but the statistics (engine_collector.py, `settle_quiet`).
+        stats = collector.stats
+        with collector.lock:
+            try:
+                free_before = stats.free_blocks()
+            except Exception as exc:
+                collector.disable(exc)
+                return super().schedule(*args, **kwargs)  # type: ignore[misc]
+            start = _STEP_CLOCK()
+            output = super().schedule(*args, **kwargs)  # type: ignore[misc]
+            now = _STEP_CLOCK()
+        try:
+            stats.on_schedule(self, output, now - start, free_before, now)
+            if output.scheduled_new_reqs:  # their queue times
+                collector.requests.on_schedule(self, output)
+            if now >= collector.next_sample_at:  # about once a second
+                collector.sample(now)
+        except Exception as exc:
+            collector.disable(exc)
+        return output
+
+    def _runbook_schedule(
+        self: HookedScheduler, collector: EngineCollector, args: Any, kwargs: Any
+    ) -> Any:
+        """schedule() when a part has something to do (the slow path)."""
         control = collector.control
         with control.lock:
             try:
@@ -111,6 +147,10 @@ class RunbookSchedulerMixin:
                 collector.autopilot_driver.observe(self, output, free_before)
             except Exception as exc:
                 collector.autopilot_driver.failed(exc)
+        try:
+            collector.settle_quiet()
+        except Exception as exc:
+            collector.disable(exc)
         return output
 
     def update_from_output(
@@ -119,6 +159,14 @@ class RunbookSchedulerMixin:
         collector = self.runbook_collector
         if collector is None:
             return super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        if collector.quiet and collector.enabled:  # the fast path (see schedule)
+            with collector.lock:
+                result = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+            try:
+                collector.stats.on_update(self, scheduler_output, model_runner_output)
+            except Exception as exc:
+                collector.disable(exc)
+            return result
         if not collector.enabled:
             result = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
         else:
@@ -161,7 +209,6 @@ class RunbookSchedulerMixin:
             result = super().finish_requests(*args, **kwargs)  # type: ignore[misc]
         if collector.enabled:
             try:
-                collector.requests.on_requests_finished(self)
                 if collector.changes.settling is not None:
                     collector.changes.check_settled(self)
             except Exception as exc:
@@ -181,7 +228,7 @@ class RunbookSchedulerMixin:
     def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
         collector = self.runbook_collector
         if collector is not None and collector.enabled:
-            if collector.autopilot.observing:
+            if not collector.quiet and collector.autopilot.observing:
                 try:
                     collector.autopilot_driver.on_request_finished(request)
                 except Exception as exc:

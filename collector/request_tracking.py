@@ -318,7 +318,7 @@ class RequestTracker:
         # (wall time, prompt tokens) of the latest arrivals: the workload's lengths.
         self.arrivals: deque[tuple[float, int]] = deque(maxlen=LOG_LENGTH)
         self.first_wait = first_wait_statuses()
-        self.oldest_waiting_since: float | None = None  # when the head reached the engine
+        self._head_lock = threading.Lock()  # readers drop the heads (oldest_waiting_since)
         self._horizon_lock = threading.Lock()
         self._horizon_floor = 0.0
         # Requests scheduled for the first time, and when (the drain rate).
@@ -340,33 +340,10 @@ class RequestTracker:
         self.never_scheduled.append((request.request_id, since))
         self.arrived[request.request_id] = since
         self.arrivals.append((since, request.num_prompt_tokens))
-        if self.oldest_waiting_since is None:
-            self.oldest_waiting_since = since
-
-    def on_requests_finished(self, scheduler: VllmScheduler) -> None:
-        """Requests aborted (finish_requests): a queued one may have been the oldest,
-        and the engine may go idle with no step to notice; a stale head would read
-        as a request starving."""
-        if self.never_scheduled:
-            self._advance_oldest_waiting(scheduler)
-
-    def _advance_oldest_waiting(self, scheduler: VllmScheduler) -> None:
-        """Drop the head while it is no longer waiting for its first schedule."""
-        queue, requests = self.never_scheduled, scheduler.requests
-        while queue:
-            request_id, since = queue[0]
-            request = requests.get(request_id)
-            if request is not None and request.status in self.first_wait:
-                self.oldest_waiting_since = since
-                return
-            queue.popleft()
-        self.oldest_waiting_since = None
 
     def on_schedule(self, scheduler: VllmScheduler, output: Any) -> None:
-        """After schedule(): the head of the never-scheduled queue, and the queue
-        time of each request scheduled for the first time."""
-        if self.never_scheduled:
-            self._advance_oldest_waiting(scheduler)
+        """After a schedule() that scheduled new requests: the queue time of
+        each one scheduled for the first time."""
         if output.scheduled_new_reqs:
             now = self.clock()
             arrived, queued = self.arrived, self._queue_seconds
@@ -424,6 +401,25 @@ class RequestTracker:
         """Per tier: arrival in the engine → first schedule, every request scheduled."""
         self.observe_queued()
         return self._tier_histograms
+
+    @property
+    def oldest_waiting_since(self) -> float | None:
+        """When the oldest request still waiting for its first schedule reached
+        the engine; None when none waits. Any thread. The heads no longer
+        waiting are dropped here, by whoever reads (under a lock: readers race;
+        only the engine thread appends), not in every step: the engine thread
+        reads it once a second (the episode's sample), which keeps the queue
+        short while nobody scrapes. Nothing waits its first schedule again once
+        scheduled, so a late drop sees what a step's would have."""
+        queue, requests, first_wait = self.never_scheduled, self.scheduler.requests, self.first_wait
+        with self._head_lock:
+            while queue:
+                request_id, since = queue[0]
+                request = requests.get(request_id)
+                if request is not None and request.status in first_wait:
+                    return since
+                queue.popleft()
+        return None
 
     def waiting_horizon(self) -> tuple[float, float]:
         """(age, admitted_before): how long the oldest request waiting for its first
@@ -554,6 +550,8 @@ class ChangeTracker:
         self.marks = ChangeMarks()
         # The applied step of a lower admission limit still draining, if any.
         self.settling: int | None = None
+        # Told after `settling` is set (the hook's slow path checks it).
+        self.wake: Callable[[], None] = lambda: None
         # (time, preemptions, finished, errors), one sample a second while the
         # engine steps: what the time before a change is measured from.
         self.history: deque[tuple[float, int, int, int]] = deque(maxlen=HISTORY_KEPT)
@@ -596,6 +594,7 @@ class ChangeTracker:
         self.marks.add(effective_from_step, self._mark(effective_from_step, settled))
         if not settled:
             self.settling = effective_from_step
+            self.wake()
 
     def check_settled(self, scheduler: Any) -> None:
         """After schedule(), update_from_output() or an abort (engine thread, only

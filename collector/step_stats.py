@@ -91,6 +91,56 @@ def _count_real_blocks(blocks: Sequence[KVCacheBlock]) -> int:
 class StepStats:
     """The scheduler's per-step numbers; written by the engine thread only."""
 
+    # Slots: the step reads and writes a dozen of these, cold in the CPU's
+    # caches after the forward pass; a slot is one word at a fixed place in
+    # the object, where an attribute of an instance dict with more names than
+    # CPython shares between instances is a probe of a hash table (measured
+    # on a real engine: about 1.9 µs less a decode step). `__dict__` for
+    # whatever a test or benchmark puts on the instance.
+    __slots__ = (
+        "__dict__",
+        "_blocks_are_ceil",
+        "_blocks_have_nulls",
+        "_counts",
+        "_lookups_pending",
+        "_no_shape",
+        "_own_size_index",
+        "_padding_possible",
+        "_peak_free",
+        "_peak_second",
+        "_req_to_blocks",
+        "_resumed_ids",
+        "_schedule_limit",
+        "_schedule_queue",
+        "_step_extras",
+        "_sums_busy",
+        "_usable_blocks",
+        "_windowed_lookups",
+        "admitted_at",
+        "block_pool",
+        "block_size",
+        "capture_sizes",
+        "free_blocks",
+        "hit_window",
+        "kv_usage_peak",
+        "padded_tokens",
+        "padding_window",
+        "preemption_window",
+        "prefix_hits",
+        "prefix_queries",
+        "queue_empty_at",
+        "running_sums",
+        "schedule_seconds",
+        "scheduled_at",
+        "scheduler",
+        "step_seconds_usual",
+        "unpadded_tokens",
+        "updated_at",
+        "updates",
+        "what_if_sizes",
+        "window_seconds",
+    )
+
     def __init__(self, scheduler: VllmScheduler, window_seconds: float) -> None:
         self.scheduler = scheduler
         self.block_size = int(scheduler.block_size)

@@ -32,7 +32,8 @@ def test_error_in_the_hook_disables_the_collector_not_the_engine(
         calls += 1
         raise RuntimeError("injected fault")
 
-    collector.on_schedule = broken_on_schedule  # the per-step entry point
+    # Every step's (the hook's fast and slow paths both call it).
+    collector.stats.on_schedule = broken_on_schedule
     with caplog.at_level(logging.ERROR, logger="vllm_runbook.collector"):
         for i in range(8):
             faulty_engine.add(f"req-{i}", 40 + i, max_tokens=6, offset=50 * i)

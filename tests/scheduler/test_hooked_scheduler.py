@@ -141,6 +141,58 @@ def test_admission_knob_limits_running_requests(model_dir: str) -> None:
     assert sched.runbook_collector.enabled
 
 
+def test_quiet_steps_take_the_fast_path_until_a_part_wakes_them(model_dir: str) -> None:
+    """A step with nothing for any part but the statistics takes the hook's
+    fast path (engine_collector.py, `settle_quiet`); arrivals and first
+    schedules are still counted there, and a command queued by another thread
+    while the engine steps wakes it: applied before the next step, quiet again
+    once its change has settled."""
+    import threading
+
+    sched = build_scheduler(model_dir, max_num_seqs=2)
+    collector = sched.runbook_collector
+    for i in range(3):
+        sched.add_request(make_request(f"r{i}", 20, max_tokens=40, arrival=0.1 * i))
+    assert not collector.quiet  # the first step says how the warm-up went
+    step(sched)
+    assert collector.quiet
+    # r2 waits for its first schedule: read lazily, the head that was
+    # scheduled dropped by the reader, not by the steps.
+    since = collector.requests.arrived["r2"]
+    assert collector.requests.oldest_waiting_since == since
+    for _ in range(45):  # r0 and r1 finish after 40 tokens, then r2 runs
+        step(sched)
+    assert collector.quiet and collector.requests.first_schedules == 3
+    assert collector.requests.oldest_waiting_since is None
+    assert not collector.requests.never_scheduled
+    sched.add_request(make_request("late", 20, max_tokens=60))
+    assert "late" in step(sched).scheduled and collector.quiet
+    assert collector.requests.first_schedules == 4
+    assert len(sched.running) == 2
+
+    results: list[Any] = []
+    command = parse_command({"max_num_seqs": 1})
+    submitter = threading.Thread(
+        target=lambda: results.append(collector.control.submit(command, idle=lambda: False))
+    )
+    submitter.start()
+    for _ in range(500):
+        if collector.control.pending:
+            break
+        threading.Event().wait(0.01)
+    assert not collector.quiet  # woken: its state first, then the flag
+    step(sched)  # applied before this step's schedule()
+    submitter.join(timeout=10)
+    assert results[0].after.max_num_seqs == 1
+    assert collector.changes.settling is not None and not collector.quiet  # 2 run, limit 1
+    for s in run_until_idle(sched):
+        if s.running <= 1 and collector.changes.settling is None:
+            break
+    step(sched)
+    assert collector.quiet, "quiet again once the change settled"
+    assert collector.enabled, collector.error
+
+
 def test_tiered_policy_serves_the_hot_tier_first(model_dir: str) -> None:
     env = {"VLLM_RUNBOOK_TIER_BOUNDARIES": "32,256"}
 

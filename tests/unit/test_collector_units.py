@@ -504,3 +504,78 @@ def test_request_log_histograms_are_observed_by_their_reader_and_bounded() -> No
         log.add(Finished(3 + i, 200.0, "length", 2.0, 2.0))
     assert log._queue_histogram.counts == [1, 5, 1]
     assert len(log._unobserved) == 0 and len(log.entries) == 4
+
+
+def _quiet_parts(**conditions: Any) -> SimpleNamespace:
+    """What EngineCollector.settle_quiet reads, nothing pending unless told."""
+    state = {
+        "pending": (),
+        "tiered": False,
+        "abort_outputs": {},
+        "autopilot_pending": None,
+        "observing": False,
+        "settling": None,
+        "_stepped": True,
+    } | conditions
+    return SimpleNamespace(
+        quiet=False,
+        _stepped=state["_stepped"],
+        control=SimpleNamespace(
+            pending=state["pending"], tiered=state["tiered"], abort_outputs=state["abort_outputs"]
+        ),
+        autopilot=SimpleNamespace(pending=state["autopilot_pending"], observing=state["observing"]),
+        changes=SimpleNamespace(settling=state["settling"]),
+    )
+
+
+@pytest.mark.parametrize(
+    "condition",
+    [
+        {},
+        {"pending": ("a command",)},
+        {"tiered": True},
+        {"abort_outputs": {0: ["an abort"]}},
+        {"autopilot_pending": "a decision"},
+        {"observing": True},
+        {"settling": 12},
+        {"_stepped": False},
+    ],
+    ids=lambda c: next(iter(c), "nothing"),
+)
+def test_a_step_is_quiet_only_while_no_part_has_more_to_do(condition: dict[str, Any]) -> None:
+    from vllm_runbook.collector.engine_collector import EngineCollector
+
+    parts = _quiet_parts(**condition)
+    EngineCollector.settle_quiet(parts)  # type: ignore[arg-type]
+    assert parts.quiet is (not condition)
+
+
+def test_a_part_waking_while_the_step_settles_is_never_missed() -> None:
+    """Another thread queues a command just after the engine thread read the
+    queue as empty, then wakes the collector: the step must not then call
+    itself quiet (it sets `quiet` before it reads the parts, never after)."""
+    from vllm_runbook.collector.engine_collector import EngineCollector
+
+    parts = _quiet_parts()
+
+    class QueuedJustAfterTheRead:
+        def __bool__(self) -> bool:
+            EngineCollector.wake(parts)  # type: ignore[arg-type]
+            return False
+
+    parts.control.pending = QueuedJustAfterTheRead()
+    EngineCollector.settle_quiet(parts)  # type: ignore[arg-type]
+    assert parts.quiet is False
+
+
+def test_the_parts_wake_the_collector_after_their_own_state() -> None:
+    """The autopilot wakes it when it starts observing and when it decides."""
+    from vllm_runbook.collector.autopilot import Autopilot
+
+    pilot = Autopilot(0.9)
+    seen: list[tuple[bool, bool]] = []
+    pilot.wake = lambda: seen.append((pilot.observing, pilot.enabled))
+    pilot.advise(8, 0)
+    assert seen[-1] == (True, False)
+    pilot.enable(8, 0)
+    assert seen[-1] == (True, True)

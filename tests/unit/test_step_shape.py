@@ -92,6 +92,16 @@ def test_the_issues_oracle_after_the_prefill_and_a_decode() -> None:
     assert (stats.step_tokens, stats.budget_fill) == (3, 3 / 8192)
 
 
+def test_every_number_the_step_keeps_is_a_slot() -> None:
+    """An attribute added without its slot would go to the instance dict: no
+    error, only a slower step (StepStats.__slots__)."""
+    scheduler = _scheduler()
+    stats = StepStats(scheduler, 60.0)  # type: ignore[arg-type]
+    _step(stats, scheduler, {"a": 40, "b": 70, "c": 100})
+    _step(stats, scheduler, {"a": 1, "b": 1, "c": 1})
+    assert vars(stats) == {}
+
+
 def test_a_reader_on_another_thread_never_sees_half_a_step() -> None:
     """Every request has the same length after each step; a step in which all
     take a prefill chunk of 3 sets them one at a time. A reader that copied

@@ -452,9 +452,11 @@ def test_a_warm_up_still_pending_at_the_first_step_is_said_skipped(
     parts = SimpleNamespace(
         stats=SimpleNamespace(on_schedule=step, steps=0, scheduled_at=0.0),
         requests=SimpleNamespace(on_schedule=ignore, never_scheduled=()),
-        changes=SimpleNamespace(settling=None, sample=ignore, next_sample_at=0.0),
+        changes=SimpleNamespace(settling=None),
         warmup=WarmupProgress(Outcome.PENDING),
         _stepped=False,
+        next_sample_at=0.0,
+        sample=ignore,
     )
     output = SimpleNamespace(scheduled_new_reqs=[])
     with caplog.at_level(logging.WARNING, logger="vllm_runbook.collector"):
