@@ -240,6 +240,11 @@ def test_connections_beyond_the_slots_are_refused_then_served() -> None:
             time.sleep(0.01)
         answer = exchange(server, b"GET /hold HTTP/1.1\r\n\r\n")
         assert status_of(answer) == 503 and server.refused_connections == 0
+        # It was refused from the scrape slot, which its thread leaves after the
+        # answer: free again before the idle connection below may take it (else
+        # the wait below can see this one's hold, on a busy runner).
+        while server._httpd._scrape_slot.locked():
+            time.sleep(0.01)
         # The scrape slot held too (an idle connection): refused after queue_seconds.
         with socket.create_connection((server.host, server.port), timeout=30) as idle:
             # Accepted into the scrape slot (a fixed 0.2 s was too short on a busy runner).
