@@ -74,6 +74,7 @@ lint: setup typecheck-tree
 bench: setup
 	$(PY) benchmarks/collector_overhead.py --rounds 5 --e2e-rounds 15 --same-engine-rounds 60
 	$(PY) benchmarks/collector_overhead.py --step-toggle 60
+	$(PY) benchmarks/collector_overhead.py --step-toggle 60 --busy-us 200
 	$(PY) benchmarks/collector_overhead.py --nvml --rounds 5
 	$(PY) benchmarks/agent_state.py
 	$(PY) benchmarks/rules_eval.py

@@ -57,11 +57,14 @@ round is the same batch (new tokens), so three rounds in a row give each
 block's place in the round to each kind once. Output tokens over seconds
 per kind, pooled over the blocks (each block's steps after its first),
 on ÷ off and A/A, and a 95 % interval of on ÷ off from a bootstrap over
-the triples of rounds.
+the triples of rounds. With `--busy-us W`, the third kind is a busy wait
+of W µs at the start of each schedule() instead of "off B" (the hook off):
+a known cost on the engine thread, read by the same measure, beside the
+hook's (busy ÷ off A, on ÷ off A, and what each reads as in µs a step).
 
     .venv/bin/python benchmarks/collector_overhead.py [--rounds 5] [--e2e-rounds 9] \
         [--same-engine-rounds 60]
-    .venv/bin/python benchmarks/collector_overhead.py --step-toggle 60
+    .venv/bin/python benchmarks/collector_overhead.py --step-toggle 60 [--busy-us 200]
     .venv/bin/python benchmarks/collector_overhead.py --nvml [--gpus 8] [--rounds 5]
 """
 
@@ -138,6 +141,13 @@ SAME_ENGINE_ORDERS = (
 STEP_TOGGLE_HEADER = (
     " rounds | blocks (on, A, B) | tok/s hook on | tok/s hook off (A, B) "
     "| on ÷ off | 95 % interval   | A/A (A ÷ B)"
+)
+
+# --step-toggle ROUNDS --busy-us W: the third kind a busy wait of W µs a step
+# instead of "off B" (the positive control: a known cost, read as the hook is).
+BUSY_HEADER = (
+    " rounds | busy µs | step ms (off A) | busy ÷ off A | 95 % interval   | read as µs "
+    "| hook on ÷ off A | 95 % interval   | read as µs"
 )
 
 NVML_HEADER = " poll interval | NVML   | GPUs | µs/poll | poller µs/s | main-thread loops/s | ratio"
@@ -602,6 +612,9 @@ def step_toggle_table(rounds: int) -> list[str]:
     the unit in which each block's place in the round went to each kind once."""
     import random
 
+    from hook_toggle import BUSY_ENV
+
+    os.environ.pop(BUSY_ENV, None)  # all three kinds without a wait
     result = _child("--step-toggle-child", rounds, "STEP ")
     if result["errors"]:
         raise SystemExit(f"the collector failed during the run: {result['errors'][0]}")
@@ -620,6 +633,58 @@ def step_toggle_table(rounds: int) -> list[str]:
     return [
         f"{rounds:>7} | {counts[0]:>5}, {counts[1]:>4}, {counts[2]:>4} | {on:>13.0f} | "
         f"{a:>10.0f}, {b:>9.0f} | {ratio:>8.4f} | {low:.4f} – {high:.4f} | {control:>11.4f}"
+    ]
+
+
+def busy_table(rounds: int, busy_us: float) -> list[str]:
+    """step_toggle_table's run with its third kind a busy wait of `busy_us` a
+    step (hook_toggle.BUSY_ENV): busy ÷ off A and hook on ÷ off A, each kind's
+    tokens over its seconds pooled over its blocks, with the bootstrap's 95 %
+    interval; and what each ratio reads as in µs a step: off A's mean step
+    times (off A ÷ kind - 1), the time a step would have to gain to lose that
+    much. A measure that reads the busy wait as its size reads the hook's
+    cost as its size too."""
+    import random
+
+    from hook_toggle import BUSY_ENV
+
+    os.environ[BUSY_ENV] = repr(busy_us)
+    try:
+        result = _child("--step-toggle-child", rounds, "STEP ")
+    finally:
+        del os.environ[BUSY_ENV]
+    if result["errors"]:
+        raise SystemExit(f"the collector failed during the run: {result['errors'][0]}")
+    blocks = result["blocks"]
+
+    def ratios(chosen: list[list[float]]) -> tuple[float, float, float]:
+        """(busy ÷ off A, on ÷ off A, off A's mean step in seconds)."""
+        tokens, seconds, steps = [0.0] * 3, [0.0] * 3, [0] * 3
+        for _, kind, s, t, n in chosen:
+            tokens[int(kind)] += t
+            seconds[int(kind)] += s
+            steps[int(kind)] += int(n)
+        tps = [t / s for t, s in zip(tokens, seconds, strict=True)]
+        return tps[2] / tps[1], tps[0] / tps[1], seconds[1] / steps[1]
+
+    triples: dict[int, list[list[float]]] = {}
+    for block in blocks:
+        triples.setdefault((int(block[0]) - 1) // 3, []).append(block)
+    busy, hook, step = ratios(blocks)
+    rng, units = random.Random(0), list(triples.values())
+    resampled = [
+        ratios([x for unit in rng.choices(units, k=len(units)) for x in unit]) for _ in range(2000)
+    ]
+    b = sorted(x[0] for x in resampled)
+    h = sorted(x[1] for x in resampled)
+
+    def read_as(ratio: float) -> float:
+        return step * (1 / ratio - 1) * 1e6
+
+    return [
+        f"{rounds:>7} | {busy_us:>7.0f} | {step * 1e3:>15.2f} | {busy:>12.4f} | "
+        f"{b[49]:.4f} – {b[1949]:.4f} | {read_as(busy):>10.1f} | {hook:>15.4f} | "
+        f"{h[49]:.4f} – {h[1949]:.4f} | {read_as(hook):>10.1f}"
     ]
 
 
@@ -651,6 +716,13 @@ def main() -> None:
         help="the hook switched every few steps on one engine, alone",
     )
     parser.add_argument("--step-toggle-child", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--busy-us",
+        type=float,
+        default=0.0,
+        metavar="µS",
+        help="with --step-toggle: the third kind a busy wait of this many µs a step (a known cost)",
+    )
     parser.add_argument("--nvml", action="store_true", help="the NVML poller alone")
     parser.add_argument("--gpus", type=int, default=8, help="--nvml without a GPU: fake GPUs")
     args = parser.parse_args()
@@ -667,10 +739,26 @@ def main() -> None:
         parser.error(
             "--same-engine-rounds: 0 or a positive multiple of 6 (each order of the batches once)"
         )
+    if args.busy_us and not args.step_toggle:
+        parser.error("--busy-us: only with --step-toggle")
+    if not 0 <= args.busy_us <= 100_000:  # NaN fails too
+        parser.error("--busy-us: from 0 to 100000 µs")
     if args.step_toggle:
         if args.step_toggle < 0 or args.step_toggle % 3:
             parser.error("--step-toggle: a multiple of 3 rounds (each kind in each place once)")
         from hook_toggle import BLOCK_STEPS
+
+        if args.busy_us:
+            rows_busy = busy_table(args.step_toggle, args.busy_us)
+            print(
+                "\nend to end inside one engine (its EngineCore process), every "
+                f"{BLOCK_STEPS} steps the hook on, off, or off with a busy wait of "
+                f"{args.busy_us:g} µs a step, {args.step_toggle} rounds (pooled over blocks)"
+            )
+            print(BUSY_HEADER)
+            print("-" * len(BUSY_HEADER))
+            print(*rows_busy, sep="\n")
+            return
 
         rows_step = step_toggle_table(args.step_toggle)
         print(

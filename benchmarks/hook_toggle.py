@@ -25,6 +25,9 @@ from vllm_runbook.collector.scheduler import RunbookAsyncScheduler, RunbookSched
 
 FLAG_ENV = "VLLM_RUNBOOK_BENCH_HOOK_FLAG"
 STEP_LOG_ENV = "VLLM_RUNBOOK_BENCH_STEP_LOG"
+# µs of busy wait in each schedule() of the step toggle's third kind, which is
+# then "busy" (hook off, a known cost on the engine thread) instead of "off B".
+BUSY_ENV = "VLLM_RUNBOOK_BENCH_BUSY_US"
 BLOCK_STEPS = 16  # steps per block of the step toggle
 KINDS = ("on", "off A", "off B")
 
@@ -51,12 +54,20 @@ class ToggledAsyncScheduler(_Toggle, AsyncScheduler):
     pass
 
 
+def busy_wait(seconds: float) -> None:
+    """Holds the engine thread for `seconds`, as work of that size would."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 class _Blocks:
     """The step toggle's bookkeeping: the block under way, and the measured
     blocks as (round, kind, seconds, output tokens, steps)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, busy: float = 0.0) -> None:
         self.path = path
+        self.busy = busy  # seconds of busy wait a step in the third kind's blocks
         self.round = -1
         self.block = 0  # blocks begun this round
         self.step = BLOCK_STEPS  # steps of the block under way begun (full: begin one)
@@ -104,6 +115,10 @@ class _StepToggle:
     on the requests it did not see while off, and the steps a round ends
     with are left out, in every kind alike. Its tokens are the output tokens
     sampled in those steps. The toggle's own work is the same in every kind.
+
+    With BUSY_ENV set, the third kind's blocks ("busy") run with the hook off
+    and a busy wait of that many µs at the start of each schedule(): a
+    known cost on the engine thread, read by the same measure as the hook.
     """
 
     _runbook_blocks: _Blocks | None = None
@@ -113,7 +128,8 @@ class _StepToggle:
         if not self.requests:  # a new round: the engine is idle
             blocks = self._runbook_blocks
             if blocks is None:
-                blocks = self._runbook_blocks = _Blocks(os.environ[STEP_LOG_ENV])
+                busy = float(os.environ.get(BUSY_ENV) or 0) / 1e6
+                blocks = self._runbook_blocks = _Blocks(os.environ[STEP_LOG_ENV], busy)
             blocks.new_round()
         super().add_request(request)  # type: ignore[misc]
 
@@ -136,6 +152,8 @@ class _StepToggle:
             elif blocks.step == 1:
                 blocks.start, blocks.tokens = now, 0
             blocks.step += 1
+            if blocks.kind == 2 and blocks.busy:  # the known cost, in the step it delays
+                busy_wait(blocks.busy)
         return super().schedule(*args, **kwargs)  # type: ignore[misc]
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:

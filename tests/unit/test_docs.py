@@ -307,7 +307,7 @@ def test_each_benchmark_table_sits_under_the_command_that_prints_it() -> None:
         assert set(headers) & set(body.splitlines()), f"{command}: no header row of {headers}"
         tables += 1
         command = None  # one table per command
-    assert tables == len(_bench_commands()) == 13
+    assert tables == len(_bench_commands()) == 14
 
 
 def test_make_bench_runs_exactly_the_commands_of_the_page() -> None:

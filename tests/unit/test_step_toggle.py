@@ -124,3 +124,47 @@ def test_a_collector_error_is_logged_and_voids_the_run(
     run_round(scheduler, 2 * n)
     scheduler.add_request("flush")
     assert {"error": "ValueError: boom"} in logged(tmp_path)
+
+
+def test_with_a_busy_wait_the_third_kind_waits_in_each_of_its_steps_with_the_hook_off(
+    toggle: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    n = toggle.BLOCK_STEPS
+    waits: list[tuple[float, int, bool]] = []
+    scheduler = engine(toggle, monkeypatch, tmp_path)
+    monkeypatch.setattr(
+        toggle,
+        "busy_wait",
+        lambda s: waits.append(
+            (s, scheduler._runbook_blocks.kind, scheduler.runbook_collector.enabled)
+        ),
+    )
+    monkeypatch.setenv(toggle.BUSY_ENV, "250")
+    for _ in range(3):
+        run_round(scheduler, 3 * n)
+    # Round r's block j is kind (r + j) % 3: kind 2 in one block of each round.
+    assert waits == [(250e-6, 2, False)] * (3 * n)
+    scheduler.add_request("flush")
+    # The busy blocks are logged as kind 2, as "off B" is without the wait (a
+    # round's last block is not: no step ends it).
+    assert [x["block"][:2] for x in logged(tmp_path)] == [
+        [0, 0],
+        [0, 1],
+        [1, 1],
+        [1, 2],
+        [2, 2],
+        [2, 0],
+    ]
+
+
+def test_without_a_busy_wait_no_kind_waits(
+    toggle: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    n = toggle.BLOCK_STEPS
+    waits: list[float] = []
+    monkeypatch.setattr(toggle, "busy_wait", waits.append)
+    monkeypatch.delenv(toggle.BUSY_ENV, raising=False)
+    scheduler = engine(toggle, monkeypatch, tmp_path)
+    for _ in range(3):
+        run_round(scheduler, 3 * n)
+    assert waits == []
