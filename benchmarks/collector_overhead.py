@@ -564,13 +564,16 @@ def step_toggle_main(rounds: int) -> None:
     print("STEP " + json.dumps({"blocks": blocks, "errors": errors}))
 
 
-def _child(flag: str, rounds: int, prefix: str) -> dict[str, Any]:
+def _child(
+    flag: str, rounds: int, prefix: str, extra_env: dict[str, str] | None = None
+) -> dict[str, Any]:
     """Runs this script with `flag rounds` in a fresh interpreter; its JSON line."""
     import json
     import subprocess
 
     env = dict(os.environ)
     env.pop("VLLM_PLUGINS", None)
+    env.update(extra_env or {})
     proc = subprocess.run(
         [sys.executable, __file__, flag, str(rounds)],
         env=env,
@@ -606,28 +609,40 @@ def _pooled(blocks: list[list[float]]) -> tuple[float, float, float, float, floa
     return tps[0] / off, tps[1] / tps[2], tps[0], tps[1], tps[2]
 
 
-def step_toggle_table(rounds: int) -> list[str]:
-    """The pooled ratios of step_toggle_main's blocks, with a 95 % interval of
-    on ÷ off: a bootstrap (2,000 resamples, seeded) over triples of rounds,
+def _step_toggle_run(rounds: int, busy_us: float = 0.0) -> list[list[float]]:
+    """step_toggle_main's measured blocks (its third kind with a busy wait of
+    `busy_us` a step where given: hook_toggle.BUSY_ENV); a collector error voids
+    the run."""
+    from hook_toggle import BUSY_ENV
+
+    # Always set: a value left in this shell's environment never reaches a plain run.
+    result = _child("--step-toggle-child", rounds, "STEP ", {BUSY_ENV: repr(busy_us)})
+    if result["errors"]:
+        raise SystemExit(f"the collector failed during the run: {result['errors'][0]}")
+    return list(result["blocks"])
+
+
+def _bootstrap(blocks: list[list[float]], statistic: Any) -> list[Any]:
+    """`statistic` of 2,000 resamples (seeded) of the blocks' triples of rounds,
     the unit in which each block's place in the round went to each kind once."""
     import random
 
-    from hook_toggle import BUSY_ENV
-
-    os.environ.pop(BUSY_ENV, None)  # all three kinds without a wait
-    result = _child("--step-toggle-child", rounds, "STEP ")
-    if result["errors"]:
-        raise SystemExit(f"the collector failed during the run: {result['errors'][0]}")
-    blocks = result["blocks"]
     triples: dict[int, list[list[float]]] = {}
     for block in blocks:
         triples.setdefault((int(block[0]) - 1) // 3, []).append(block)
-    ratio, control, on, a, b = _pooled(blocks)
     rng, units = random.Random(0), list(triples.values())
-    resampled = sorted(
-        _pooled([x for unit in rng.choices(units, k=len(units)) for x in unit])[0]
+    return [
+        statistic([x for unit in rng.choices(units, k=len(units)) for x in unit])
         for _ in range(2000)
-    )
+    ]
+
+
+def step_toggle_table(rounds: int) -> list[str]:
+    """The pooled ratios of step_toggle_main's blocks, with a 95 % interval of
+    on ÷ off from the bootstrap over triples of rounds."""
+    blocks = _step_toggle_run(rounds)
+    ratio, control, on, a, b = _pooled(blocks)
+    resampled = sorted(x[0] for x in _bootstrap(blocks, _pooled))
     low, high = resampled[49], resampled[1949]
     counts = [sum(1 for x in blocks if int(x[1]) == kind) for kind in range(3)]
     return [
@@ -638,24 +653,13 @@ def step_toggle_table(rounds: int) -> list[str]:
 
 def busy_table(rounds: int, busy_us: float) -> list[str]:
     """step_toggle_table's run with its third kind a busy wait of `busy_us` a
-    step (hook_toggle.BUSY_ENV): busy ÷ off A and hook on ÷ off A, each kind's
-    tokens over its seconds pooled over its blocks, with the bootstrap's 95 %
-    interval; and what each ratio reads as in µs a step: off A's mean step
-    times (off A ÷ kind - 1), the time a step would have to gain to lose that
-    much. A measure that reads the busy wait as its size reads the hook's
-    cost as its size too."""
-    import random
-
-    from hook_toggle import BUSY_ENV
-
-    os.environ[BUSY_ENV] = repr(busy_us)
-    try:
-        result = _child("--step-toggle-child", rounds, "STEP ")
-    finally:
-        del os.environ[BUSY_ENV]
-    if result["errors"]:
-        raise SystemExit(f"the collector failed during the run: {result['errors'][0]}")
-    blocks = result["blocks"]
+    step: busy ÷ off A and hook on ÷ off A, each kind's tokens over its
+    seconds pooled over its blocks, with the bootstrap's 95 % interval; and
+    what each ratio reads as in µs a step: off A's mean step times (off A ÷
+    kind - 1), the time a step would have to gain to lose that much. A
+    measure that reads the busy wait as its size reads the hook's cost as
+    its size too."""
+    blocks = _step_toggle_run(rounds, busy_us)
 
     def ratios(chosen: list[list[float]]) -> tuple[float, float, float]:
         """(busy ÷ off A, on ÷ off A, off A's mean step in seconds)."""
@@ -667,14 +671,8 @@ def busy_table(rounds: int, busy_us: float) -> list[str]:
         tps = [t / s for t, s in zip(tokens, seconds, strict=True)]
         return tps[2] / tps[1], tps[0] / tps[1], seconds[1] / steps[1]
 
-    triples: dict[int, list[list[float]]] = {}
-    for block in blocks:
-        triples.setdefault((int(block[0]) - 1) // 3, []).append(block)
     busy, hook, step = ratios(blocks)
-    rng, units = random.Random(0), list(triples.values())
-    resampled = [
-        ratios([x for unit in rng.choices(units, k=len(units)) for x in unit]) for _ in range(2000)
-    ]
+    resampled = _bootstrap(blocks, ratios)
     b = sorted(x[0] for x in resampled)
     h = sorted(x[1] for x in resampled)
 
